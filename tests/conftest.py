@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+DATA = Path(__file__).parent / "data"
+KV_SAMPLE = DATA / "kv_smollm2_gpl3.npz"
+DTYPES = [torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaN payloads and -0 included."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def from_bytes(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
+    width = torch.empty((), dtype=dtype).element_size()
+    n = len(raw) // width
+    return torch.frombuffer(bytearray(raw[: n * width]), dtype=torch.uint8).view(dtype).clone()
+
+
+@pytest.fixture(scope="session")
+def real_kv() -> dict[str, list[torch.Tensor]]:
+    """Real SmolLM2 KV (bf16): {'c0': [...60 tensors], 'c1': [...]} and per kind {'c0_k': ...}."""
+    z = np.load(KV_SAMPLE)
+    out: dict[str, list[torch.Tensor]] = {}
+    for c in (0, 1):
+        for kind in "kv":
+            ts = [torch.from_numpy(z[f"c{c}_l{l}_{kind}"].view(np.int16)).view(torch.bfloat16)
+                  for l in range(30)]
+            out[f"c{c}_{kind}"] = ts
+        out[f"c{c}"] = out[f"c{c}_k"] + out[f"c{c}_v"]
+    return out
