@@ -14,7 +14,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality, NaN payloads and -0 included."""
     return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
 def from_bytes(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
