@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 
-from . import splitzip
+from . import splitzip, splitzip_gpu
 from .checksum import crc32c
 from .codebook import Codebook, calibrate
 from .dtypes import FloatLayout, layout_for
@@ -20,35 +23,85 @@ def encode(x: torch.Tensor, codebook: Codebook | None = None, *, checksum: bool 
 
     ``codebook=None`` calibrates on ``x`` itself. The frame is SplitZip-coded when that is smaller
     than storing the raw bytes, else stored; either way it never exceeds header + raw size.
-    ``checksum=True`` adds a CRC32C of the streams, verified by ``decode``.
+    ``checksum=True`` adds a CRC32C of the streams, verified by ``decode``. CUDA tensors go
+    through the GPU kernels when CuPy is present; the bytes are the same either way.
 
     Raises:
         UnsupportedTensor: dtype other than bf16/fp16/fp8 e5m2/fp8 e4m3fn, or rank above 8.
         CodebookMismatch: the codebook is for another dtype.
     """
-    return _encode(x, codebook, checksum=checksum, chunk=chunk, force=None)
-
-
-def _encode(x: torch.Tensor, codebook: Codebook | None, *, checksum: bool, chunk: int,
-            force: Codec | None) -> torch.Tensor:
-    """``encode`` with the codec choice overridable, so tests reach the escape path on data
-    where storing would win."""
     layout = _check_tensor(x)
-    if not 1 <= chunk <= MAX_CHUNK:
-        raise ValueError(f"chunk must be in 1..{MAX_CHUNK}, got {chunk}")
+    book = _codebook_for(x, codebook, layout, chunk)
+    if _on_gpu(x, chunk):
+        return splitzip_gpu.encode(x.contiguous().view(-1), None, 0, tuple(x.shape), layout,
+                                   book.exponents, chunk, checksum)
+    return _encode(x, book, checksum=checksum, chunk=chunk, force=None)
+
+
+def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: Codebook | None = None,
+                  *, checksum: bool = False, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Frame of the blocks ``cache[block_ids]`` (blocks along dim 0), byte-identical to
+    ``encode(cache[block_ids], codebook)``. On the GPU the kernels read the blocks in place.
+
+    Raises:
+        UnsupportedTensor, CodebookMismatch: as ``encode``.
+        IndexError: a block id outside the cache.
+    """
+    layout = _check_tensor(cache)
+    ids = _block_ids(block_ids, cache)
+    block_elems = cache[0].numel() if cache.dim() and cache.shape[0] else 0
     if codebook is None:
-        codebook = calibrate(x)
-    elif codebook.dtype != layout.name:
-        raise CodebookMismatch(f"codebook is for {codebook.dtype}, tensor is {layout.name}")
+        codebook = calibrate(cache.index_select(0, ids))  # needs the data; pass a codebook to avoid it
+    book = _codebook_for(cache, codebook, layout, chunk)
+    shape = (ids.numel(), *cache.shape[1:])
+    if _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems:
+        return splitzip_gpu.encode(cache, ids, block_elems, shape, layout, book.exponents, chunk, checksum)
+    return encode(cache.index_select(0, ids), book, checksum=checksum, chunk=chunk)
+
+
+def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
+    """Decode a frame of ``len(block_ids)`` blocks into those slots of ``cache``; no other block
+    is touched, and none at all if the frame is bad.
+
+    Raises:
+        CorruptFrame: the frame is malformed (nothing written).
+        OutputMismatch: the frame's dtype or block shape differs from the cache's, or block ids repeat.
+        IndexError: a block id outside the cache.
+    """
+    header = read_header(frame)
+    ids = _block_ids(block_ids, cache)
+    expected = (ids.numel(), *cache.shape[1:])
+    if header.layout.dtype != cache.dtype or header.shape != expected:
+        raise OutputMismatch(f"frame holds {header.layout.name}{list(header.shape)}, blocks need "
+                             f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
+    if ids.numel() != torch.unique(ids).numel():
+        raise OutputMismatch("block ids repeat")
+    _verify_stream_crc(frame, header)
+    block_elems = cache[0].numel() if cache.shape[0] else 0
+    if (_on_gpu(frame, header.chunk or 8) and cache.device == frame.device and cache.is_contiguous()
+            and block_elems % 8 == 0 and block_elems):
+        splitzip_gpu.decode_into(splitzip_gpu.check_alignment(frame), header, cache, ids, block_elems)
+        return
+    blocks = _decode_validated(frame, header)
+    bits = header.layout.int_dtype  # index_copy_ lacks float8 kernels; the bits are what matter
+    cache.view(bits).index_copy_(0, ids.to(cache.device), blocks.to(cache.device).view(bits))
+
+
+def _encode(x: torch.Tensor, book: Codebook | None, *, checksum: bool, chunk: int, force: Codec | None) -> torch.Tensor:
+    """The torch reference encoder (any device), with the codec choice overridable so tests
+    reach the escape path on data where storing would win."""
+    layout = _check_tensor(x)
+    if book is None:
+        book = calibrate(x)
     bits = as_bits(x, layout)
     exponent, residual = split(bits, layout)
-    marked = splitzip.marked_codes(exponent, codebook.exponents, layout)
+    marked = splitzip.marked_codes(exponent, book.exponents, layout)
     escapes = splitzip.find_escapes(exponent, marked, chunk, layout)
     count = escapes.index.numel()
     shape = tuple(x.shape)
     smaller = splitzip_size(layout, x.numel(), chunk, count) < stored_size(layout, x.numel())
     if force == Codec.SPLITZIP or (force is None and smaller):
-        header = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook.exponents, count)
+        header = make_header(Codec.SPLITZIP, layout, shape, chunk, book.exponents, count)
         streams = splitzip.encode_streams(residual, marked, escapes, layout)
     else:
         header = make_header(Codec.STORED, layout, shape, 0, (), 0)
@@ -57,7 +110,7 @@ def _encode(x: torch.Tensor, codebook: Codebook | None, *, checksum: bool, chunk
     for offset, stream in zip(header.offsets, streams):
         frame[offset:offset + stream.numel()] = stream
     if checksum:
-        header = _with_stream_crc(header, frame)
+        header = replace(header, stream_crc=_stream_crc(frame))
     frame[:HEADER_SIZE] = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
     return frame
 
@@ -73,20 +126,22 @@ def decode(frame: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         OutputMismatch: ``out`` has the wrong dtype or element count.
     """
     header = read_header(frame)
-    if out is not None:
-        if out.dtype != header.layout.dtype or out.numel() != header.numel:
-            raise OutputMismatch(f"out is {out.dtype}[{out.numel()}], frame holds "
-                                 f"{header.layout.name}[{header.numel}]")
-    if header.stream_crc is not None and _stream_crc(frame) != header.stream_crc:
-        raise CorruptFrame("stream checksum mismatch")
-    streams = [frame[o:o + n] for o, n in zip(header.offsets, header.lengths)]
-    if header.codec == Codec.STORED:
-        flat = streams[Stream.RESIDUAL].view(header.layout.dtype)
-    else:
-        flat = _decode_splitzip(header, streams)
-    result = flat.view(header.shape)
+    if out is not None and (out.dtype != header.layout.dtype or out.numel() != header.numel):
+        raise OutputMismatch(f"out is {out.dtype}[{out.numel()}], frame holds "
+                             f"{header.layout.name}[{header.numel}]")
+    _verify_stream_crc(frame, header)
+    if _on_gpu(frame, header.chunk or 8):
+        direct = out is not None and out.is_contiguous() and out.device == frame.device
+        target = out if direct else torch.empty(header.shape, dtype=header.layout.dtype, device=frame.device)
+        splitzip_gpu.decode_into(splitzip_gpu.check_alignment(frame), header, target.view(-1))
+        if out is None:
+            return target
+        if not direct:
+            out.copy_(target.view(out.shape))
+        return out
+    result = _decode_validated(frame, header)
     if out is None:
-        return result.clone() if header.codec == Codec.STORED else result
+        return result
     out.copy_(result.view(out.shape))
     return out
 
@@ -103,14 +158,45 @@ def read_header(frame: torch.Tensor) -> Header:
     return parse_header(head, frame.numel())
 
 
-def _decode_splitzip(header: Header, streams: list[torch.Tensor]) -> torch.Tensor:
+def _decode_validated(frame: torch.Tensor, header: Header) -> torch.Tensor:
+    """Torch reference decode of a frame whose header (and stream CRC) passed."""
+    streams = [frame[o:o + n] for o, n in zip(header.offsets, header.lengths)]
+    if header.codec == Codec.STORED:
+        return streams[Stream.RESIDUAL].clone().view(header.layout.dtype).view(header.shape)
     layout = header.layout
     escapes = splitzip.read_escapes(streams[Stream.CHUNK_COUNTS], streams[Stream.ESC_POSITIONS],
                                     streams[Stream.ESC_VALUES], header.numel, header.chunk,
                                     header.escapes, layout)
     bits = splitzip.decode_bits(streams[Stream.RESIDUAL], streams[Stream.CODES], escapes,
                                 header.codebook, header.numel, layout)
-    return from_bits(bits, layout)
+    return from_bits(bits, layout).view(header.shape)
+
+
+def _on_gpu(t: torch.Tensor, chunk: int) -> bool:
+    return t.is_cuda and splitzip_gpu.supports(chunk) and splitzip_gpu.available()
+
+
+def _codebook_for(x: torch.Tensor, codebook: Codebook | None, layout: FloatLayout, chunk: int) -> Codebook:
+    if not 1 <= chunk <= MAX_CHUNK:
+        raise ValueError(f"chunk must be in 1..{MAX_CHUNK}, got {chunk}")
+    if codebook is None:
+        return calibrate(x)
+    if codebook.dtype != layout.name:
+        raise CodebookMismatch(f"codebook is for {codebook.dtype}, tensor is {layout.name}")
+    return codebook
+
+
+def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
+    blocks = cache.shape[0] if cache.dim() else 0
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= blocks):
+        raise IndexError(f"block ids must be in 0..{blocks - 1}")
+    return ids
+
+
+def _verify_stream_crc(frame: torch.Tensor, header: Header) -> None:
+    if header.stream_crc is not None and _stream_crc(frame) != header.stream_crc:
+        raise CorruptFrame("stream checksum mismatch")
 
 
 def _check_tensor(x: torch.Tensor) -> FloatLayout:
@@ -125,7 +211,3 @@ def _check_tensor(x: torch.Tensor) -> FloatLayout:
 def _stream_crc(frame: torch.Tensor) -> int:
     return crc32c(frame[HEADER_SIZE:].cpu().numpy().data)
 
-
-def _with_stream_crc(header: Header, frame: torch.Tensor) -> Header:
-    from dataclasses import replace
-    return replace(header, stream_crc=_stream_crc(frame))

@@ -1,0 +1,161 @@
+"""GPU codec benchmark, one device call: bit-exactness, then timings against copy and nvCOMP.
+
+    python bench/codec_gpu.py [--elements 256M] [--repeats 20] [--json results.json]
+
+Data: the real SmolLM2 KV sample (tests/data), codebook calibrated on chunk 0, chunk 1 tiled to
+the requested size. GB/s counts uncompressed bytes; the copy row counts input bytes too (a copy
+reads and writes, so its bytes moved are twice that). Times are medians of CUDA-event timings of
+the whole public call (host synchronization included) after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import codec  # noqa: E402
+from codec.bench import kv_source, parse_size, tile  # noqa: E402
+from codec.frames import _encode  # noqa: E402
+
+BLOCK_BYTES = 16 * 1024
+
+
+def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` measured with CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def row(name: str, raw: int, wire: int | None, t_enc: float | None, t_dec: float | None, note: str = "") -> dict:
+    return {"codec": name, "raw_bytes": raw, "wire_bytes": wire,
+            "ratio": raw / wire if wire else None,
+            "encode_gbps": raw / t_enc / 1e9 if t_enc else None,
+            "decode_gbps": raw / t_dec / 1e9 if t_dec else None, "note": note}
+
+
+def bench_splitzip(x: torch.Tensor, book: codec.Codebook, repeats: int, label: str) -> dict:
+    frame = codec.encode(x, book)
+    out = torch.empty_like(x)
+    codec.decode(frame, out=out)
+    assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), f"{label}: GPU round trip not bit-exact"
+    t_enc = cuda_time(lambda: codec.encode(x, book), repeats)
+    t_dec = cuda_time(lambda: codec.decode(frame, out=out), repeats)
+    return row(label, x.numel() * x.element_size(), frame.numel(), t_enc, t_dec)
+
+
+def bench_blocks(x: torch.Tensor, book: codec.Codebook, repeats: int) -> dict:
+    """16 KiB blocks: a cache twice the payload, every other block (shuffled) sent."""
+    per_block = BLOCK_BYTES // x.element_size()
+    blocks = x.numel() // per_block
+    cache = torch.cat([x[: blocks * per_block]] * 2).view(2 * blocks, per_block)
+    ids = torch.randperm(2 * blocks, device=x.device)[:blocks]
+    frame = codec.encode_blocks(cache, ids, book)
+    dst = torch.zeros_like(cache)
+    codec.decode_blocks(frame, dst, ids)
+    assert torch.equal(dst[ids].view(torch.uint8), cache[ids].view(torch.uint8)), "blocks not bit-exact"
+    assert torch.equal(frame, codec.encode(cache[ids], book)), "encode_blocks differs from encode(cache[ids])"
+    t_enc = cuda_time(lambda: codec.encode_blocks(cache, ids, book), repeats)
+    t_dec = cuda_time(lambda: codec.decode_blocks(frame, dst, ids), repeats)
+    return row(f"splitzip blocks ({BLOCK_BYTES // 1024} KiB)", blocks * BLOCK_BYTES, frame.numel(), t_enc, t_dec)
+
+
+def bench_nvcomp(x: torch.Tensor, repeats: int) -> list[dict]:
+    try:
+        from nvidia import nvcomp
+    except Exception as exc:  # the wheels were not carried
+        return [row("nvCOMP", 0, None, None, None, f"not available: {exc}")]
+    rows = []
+    stream = torch.cuda.current_stream().cuda_stream
+    data = nvcomp.as_array(x.view(torch.int16))
+    configs = [("ANS", {"data_type": "<f2"}), ("ANS", {}), ("Bitcomp", {"data_type": "<u2"}),
+               ("LZ4", {"data_type": "<u2"}), ("Cascaded", {"data_type": "<u2"}), ("GDeflate", {"algorithm_type": 0})]
+    for algorithm, options in configs:
+        label = f"nvCOMP {nvcomp.__version__} {algorithm} {options or ''}".strip()
+        try:
+            c = nvcomp.Codec(algorithm=algorithm, cuda_stream=stream, **options)
+            enc = c.encode(data)
+            dec = torch.as_tensor(c.decode(enc), device=x.device).view(torch.int16).view(-1)
+            assert torch.equal(dec, x.view(torch.int16)), "not lossless"
+            t_enc = cuda_time(lambda: c.encode(data), repeats)
+            t_dec = cuda_time(lambda: c.decode(enc), repeats)
+            rows.append(row(label, x.numel() * 2, enc.buffer_size, t_enc, t_dec))
+        except Exception as exc:
+            rows.append(row(label, x.numel() * 2, None, None, None, f"failed: {type(exc).__name__}: {exc}"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--elements", default="256M")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--skip-cpu-check", action="store_true", help="skip the full-size CPU byte comparison")
+    args = parser.parse_args()
+    n = parse_size(args.elements)
+    device = torch.device("cuda")
+    calib, data, source = kv_source()
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+           "date": time.strftime("%Y-%m-%d"), "elements": n, "source": source, "command": " ".join(sys.argv)}
+    try:
+        import cupy
+        env["cupy"] = cupy.__version__
+    except ImportError:
+        pass
+    print(json.dumps(env))
+    book = codec.calibrate([calib.to(torch.bfloat16)])
+    x = tile(data, n).to(torch.bfloat16).to(device)
+    rows = []
+
+    t_copy = cuda_time(lambda: x.clone(), args.repeats)
+    rows.append(row("device copy (roofline)", x.numel() * 2, None, t_copy, t_copy, "GB/s of input; bytes moved = 2x"))
+    sz = bench_splitzip(x, book, args.repeats, "splitzip bf16")
+    if not args.skip_cpu_check:
+        started = time.perf_counter()
+        cpu_frame = codec.encode(x.cpu(), book)
+        same = torch.equal(cpu_frame, codec.encode(x, book).cpu())
+        sz["note"] = f"GPU frame == CPU frame: {same} (CPU encode {time.perf_counter() - started:.1f} s)"
+        assert same, "GPU and CPU frames differ"
+    rows.append(sz)
+    rows.append(bench_blocks(x, book, args.repeats))
+    sub = x[: min(n, 1 << 26)]
+    t_ref_enc = cuda_time(lambda: _encode(sub, book, checksum=False, chunk=1024, force=None), 3, 1)
+    ref_frame = _encode(sub, book, checksum=False, chunk=1024, force=None)
+    t_ref_dec = cuda_time(lambda: codec.frames._decode_validated(ref_frame, codec.read_header(ref_frame)), 3, 1)
+    rows.append(row("torch reference on GPU (unfused)", sub.numel() * 2, ref_frame.numel(), t_ref_enc, t_ref_dec,
+                    f"{sub.numel()} elements"))
+    for dtype in (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn):
+        b = codec.calibrate([calib.to(dtype)])
+        rows.append(bench_splitzip(x.to(dtype), b, args.repeats, f"splitzip {codec.layout_for(dtype).name}"))
+    rows.extend(bench_nvcomp(x, args.repeats))
+
+    print(f"\n{'codec':<44}{'ratio':>8}{'enc GB/s':>11}{'dec GB/s':>11}  note")
+    for r in rows:
+        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        print(f"{r['codec']:<44}{fmt(r['ratio'], '.3f'):>8}{fmt(r['encode_gbps'], '.1f'):>11}"
+              f"{fmt(r['decode_gbps'], '.1f'):>11}  {r['note']}")
+    if args.json:
+        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""GPU kernels against the CPU reference, byte for byte. Skipped without CUDA and CuPy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import codec
+from codec import splitzip_gpu
+from codec.format import Codec
+from codec.frames import _encode
+from tests.conftest import DTYPES, bits_equal
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not splitzip_gpu.available(), reason="needs a CUDA GPU and CuPy"),
+]
+SIZES = [0, 1, 7, 8, 9, 1023, 1024, 1025, 4096 + 3, 3 * 1024 * 37 + 5]
+
+
+def _random_bits(n: int, dtype: torch.dtype, seed: int, escape_rate: float) -> torch.Tensor:
+    """KV-like values with a fraction of fully random bit patterns (NaN, Inf, subnormal, ...)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen).to(dtype)
+    width = x.element_size()
+    noise = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=gen).view(dtype)
+    mask = torch.rand(n, generator=gen) < escape_rate
+    x[mask] = noise[mask]
+    return x
+
+
+def _cpu_and_gpu(x: torch.Tensor, book, checksum=False) -> tuple[torch.Tensor, torch.Tensor]:
+    return codec.encode(x, book, checksum=checksum), codec.encode(x.cuda(), book, checksum=checksum)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("escape_rate", [0.0, 0.01, 0.2])
+def test_gpu_frame_bytes_equal_cpu(dtype, n, escape_rate):
+    x = _random_bits(n, dtype, seed=n, escape_rate=escape_rate)
+    book = codec.calibrate(torch.randn(5000).to(dtype))
+    cpu, gpu = _cpu_and_gpu(x, book, checksum=n % 2 == 1)
+    assert gpu.is_cuda
+    assert torch.equal(cpu, gpu.cpu())
+    assert bits_equal(codec.decode(gpu).cpu(), x)
+    assert bits_equal(codec.decode(cpu.cuda()).cpu(), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_self_calibrated_and_shaped(dtype):
+    x = _random_bits(6 * 1000, dtype, seed=5, escape_rate=0.001).view(2, 3, 1000)
+    cpu, gpu = codec.encode(x), codec.encode(x.cuda())
+    assert torch.equal(cpu, gpu.cpu())
+    y = codec.decode(gpu)
+    assert y.shape == x.shape and y.is_cuda and bits_equal(y.cpu(), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_bit_pattern_on_gpu(dtype):
+    layout = codec.layout_for(dtype)
+    x = torch.arange(1 << layout.total_bits, dtype=torch.int32).to(layout.int_dtype).view(dtype)
+    forced = _encode(x, None, checksum=False, chunk=1024, force=Codec.SPLITZIP)
+    assert bits_equal(codec.decode(forced.cuda()).cpu(), x)  # all-escape-ish coded frame on the GPU
+    cpu, gpu = _cpu_and_gpu(x, None)
+    assert torch.equal(cpu, gpu.cpu())
+
+
+def test_real_kv_same_bytes_and_ratio(real_kv):
+    book = codec.calibrate(real_kv["c0"])
+    x = torch.cat([t.reshape(-1) for t in real_kv["c1"]])
+    cpu, gpu = _cpu_and_gpu(x, book)
+    assert torch.equal(cpu, gpu.cpu())
+    assert x.numel() * 2 / gpu.numel() >= 1.32
+    for dtype in (torch.float16, torch.float8_e5m2, torch.float8_e4m3fn):
+        y = x.to(dtype)
+        b = codec.calibrate([t.to(dtype) for t in real_kv["c0"]])
+        cpu, gpu = _cpu_and_gpu(y, b)
+        assert torch.equal(cpu, gpu.cpu())
+
+
+def test_decode_into_out_and_noncontiguous():
+    x = _random_bits(5000, torch.bfloat16, seed=9, escape_rate=0.01).cuda()
+    frame = codec.encode(x)
+    out = torch.empty(5000, dtype=torch.bfloat16, device="cuda")
+    assert codec.decode(frame, out=out) is out and torch.equal(out, x)
+    base = torch.zeros(5000, 2, dtype=torch.bfloat16, device="cuda")
+    codec.decode(frame, out=base[:, 0])
+    assert torch.equal(base[:, 0].view(torch.int16), x.view(torch.int16))
+    assert torch.count_nonzero(base[:, 1]) == 0
+    odd = torch.empty(frame.numel() + 1, dtype=torch.uint8, device="cuda")[1:]  # misaligned frame
+    odd.copy_(frame)
+    assert torch.equal(codec.decode(odd).view(torch.int16), x.view(torch.int16))
+
+
+def test_corrupt_frames_raise_on_gpu():
+    x = _random_bits(3 * 1024 + 11, torch.bfloat16, seed=2, escape_rate=0.02)
+    base = codec.encode(x)
+    assert codec.read_header(base).codec == Codec.SPLITZIP
+    rng = random.Random(5)
+    raised = 0
+    for _ in range(400):
+        data = bytearray(base.numpy().tobytes())
+        start = rng.randrange(codec.HEADER_SIZE, len(data))
+        for j in range(start, min(len(data), start + rng.randint(1, 4))):
+            data[j] = rng.randrange(256)
+        frame = torch.frombuffer(data, dtype=torch.uint8).cuda()
+        out = torch.full((x.numel(),), 7.0, dtype=torch.bfloat16, device="cuda")
+        try:
+            cpu_result = codec.decode(frame.cpu())
+        except codec.CorruptFrame:
+            with pytest.raises(codec.CorruptFrame):
+                codec.decode(frame, out=out)
+            assert bool((out == 7.0).all()), "GPU decode wrote before rejecting"
+            raised += 1
+            continue
+        assert bits_equal(codec.decode(frame, out=out).cpu(), cpu_result)
+    assert raised > 20
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_blocks_on_gpu(dtype):
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(64, 2, 16, 256, generator=gen).to(dtype)  # 16 KiB blocks in bf16
+    ids = [63, 0, 17, 17, 5, 40]
+    book = codec.calibrate(cache)
+    gpu_cache = cache.cuda()
+    frame = codec.encode_blocks(gpu_cache, ids, book)
+    assert torch.equal(frame.cpu(), codec.encode(cache[ids], book))
+    dst = torch.zeros_like(gpu_cache)
+    slots = [3, 9, 1, 60, 33, 2]
+    codec.decode_blocks(frame, dst, slots)
+    assert bits_equal(dst[slots].cpu(), cache[ids])
+    rest = [i for i in range(64) if i not in slots]
+    assert int(torch.count_nonzero(dst[rest].view(torch.uint8))) == 0
+
+
+def test_blocks_with_odd_block_size_fall_back():
+    cache = torch.randn(10, 3, 5).to(torch.bfloat16)  # 15 elements: not a multiple of 8
+    frame = codec.encode_blocks(cache.cuda(), [4, 2])
+    assert torch.equal(frame.cpu(), codec.encode(cache[[4, 2]], codec.calibrate(cache[[4, 2]])))
+
+
+def test_runs_on_callers_stream():
+    x = _random_bits(1 << 20, torch.bfloat16, seed=1, escape_rate=0.001).cuda()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        frame = codec.encode(x)
+        y = codec.decode(frame)
+    stream.synchronize()
+    assert torch.equal(y, x)
