@@ -90,29 +90,21 @@ __device__ __forceinline__ void load_bits(const u8* p, u64& lo, u64& hi) {
     }
 }
 
-// Exclusive prefix sum over the block; returns the block total through `total`.
-__device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32& total) {
-    __shared__ u32 warp_sums[THREADS / 32];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 x = v;
+// Inclusive prefix sum across the warp.
+__device__ __forceinline__ u32 warp_inclusive_scan(u32 v, int lane) {
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-        u32 y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
+        u32 y = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += y;
     }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    u32 before = 0;
-    total = 0;
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; w++) {
-        u32 s = warp_sums[w];
-        if (w < warp) before += s;
-        total += s;
-    }
-    __syncthreads();  // warp_sums is reused by the next call
-    return before + x - v;
+    return v;
 }
+
+// Each warp owns whole chunks; a thread takes UNROLL groups per pass with all loads issued
+// before the first is used, so each thread keeps several 16-byte loads in flight.
+#define UNROLL 4
+#define WARPS (THREADS / 32)
+#define WARP_SPAN (32 * GROUP * UNROLL)
 
 // Dense pass: residual and code streams, per-chunk escape counts, and each chunk's escapes
 // spilled in order to spill_pos/spill_val at the chunk's first element index.
@@ -127,58 +119,68 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
     __shared__ u8 table[1 << E];
     for (int t = threadIdx.x; t < (1 << E); t += THREADS) table[t] = marked_table[t];
     __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const u64 nwarps = (u64)gridDim.x * WARPS;
 
-    for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += nwarps) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
         u32 running = 0;
-        for (u64 seg = start; seg < end; seg += SEGMENT) {
-            u64 i = seg + (u64)threadIdx.x * GROUP;
-            int valid = i < end ? (int)min((u64)GROUP, end - i) : 0;
-            u32 bits[GROUP];
-            u64 rlo = 0, rhi = 0, codes = 0;
-            u32 escmask = 0;
-            u8 exps[GROUP];
-            if (valid) load_group<TOTAL>(x, block_ids, block_elems, i, valid, bits);
+        for (u64 seg = start; seg < end; seg += WARP_SPAN) {
+            u32 bits[UNROLL][GROUP];
+            int valid[UNROLL];
 #pragma unroll
-            for (int j = 0; j < GROUP; j++) {
-                u32 b = valid ? bits[j] : 0u;
-                u32 e = (b >> M) & ((1u << E) - 1);
-                u64 r = (((b >> (TOTAL - 1)) & 1u) << M) | (b & ((1u << M) - 1));
-                u32 m = table[e];
-                bool in = j < valid;
-                exps[j] = (u8)e;
-                if (in && m == SIZE) escmask |= 1u << j;
-                codes |= (u64)(in ? (m & (SIZE - 1)) : 0u) << (C * j);
-                int s = R * j;
-                if (s < 64) {
-                    rlo |= r << s;
-                    if (s + R > 64) rhi |= r >> (64 - s);
-                } else {
-                    rhi |= r << (s - 64);
-                }
+            for (int k = 0; k < UNROLL; k++) {
+                u64 i = seg + ((u64)k * 32 + lane) * GROUP;
+                valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
+                if (valid[k]) load_group<TOTAL>(x, block_ids, block_elems, i, valid[k], bits[k]);
             }
-            if (valid) {
-                u64 g = i / GROUP;
-                store_bits<R>(residual_out + g * R, rlo, rhi, (valid * R + 7) / 8);
-                store_bits<C>(codes_out + g * C, codes, 0, (valid * C + 7) / 8);
-            }
-            u32 total;
-            u32 mine = __popc(escmask);
-            u32 before = block_exclusive_scan(mine, total);
-            if (mine) {
-                u64 slot = start + running + before;
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) {
+                u64 i = seg + ((u64)k * 32 + lane) * GROUP;
+                u64 rlo = 0, rhi = 0, codes = 0;
+                u32 escmask = 0;
+                u32 exps = 0, exps_hi = 0;  // 8 exponents as bytes, for the rare escape spill
+#pragma unroll
                 for (int j = 0; j < GROUP; j++) {
-                    if (escmask & (1u << j)) {
-                        spill_pos[slot] = (u16)(i + j - start);
-                        spill_val[slot] = exps[j];
-                        slot++;
+                    bool in = j < valid[k];
+                    u32 b = in ? bits[k][j] : 0u;
+                    u32 e = (b >> M) & ((1u << E) - 1);
+                    u64 r = (((b >> (TOTAL - 1)) & 1u) << M) | (b & ((1u << M) - 1));
+                    u32 m = table[e];
+                    if (j < 4) exps |= e << (8 * j); else exps_hi |= e << (8 * (j - 4));
+                    if (in && m == SIZE) escmask |= 1u << j;
+                    codes |= (u64)(in ? (m & (SIZE - 1)) : 0u) << (C * j);
+                    int s = R * j;
+                    if (s < 64) {
+                        rlo |= r << s;
+                        if (s + R > 64) rhi |= r >> (64 - s);
+                    } else {
+                        rhi |= r << (s - 64);
                     }
                 }
+                if (valid[k]) {
+                    u64 g = i / GROUP;
+                    store_bits<R>(residual_out + g * R, rlo, rhi, (valid[k] * R + 7) / 8);
+                    store_bits<C>(codes_out + g * C, codes, 0, (valid[k] * C + 7) / 8);
+                }
+                u32 mine = __popc(escmask);
+                u32 incl = warp_inclusive_scan(mine, lane);
+                u32 total = __shfl_sync(0xffffffffu, incl, 31);
+                if (mine) {
+                    u64 slot = start + running + incl - mine;
+                    for (int j = 0; j < GROUP; j++) {
+                        if (escmask & (1u << j)) {
+                            spill_pos[slot] = (u16)(i + j - start);
+                            spill_val[slot] = (u8)((j < 4 ? exps >> (8 * j) : exps_hi >> (8 * (j - 4))) & 0xFF);
+                            slot++;
+                        }
+                    }
+                }
+                running += total;
             }
-            running += total;
         }
-        if (threadIdx.x == 0) {
+        if (lane == 0) {
             counts16_out[2 * c] = (u8)running;
             counts16_out[2 * c + 1] = (u8)(running >> 8);
             counts32_out[c] = running;
@@ -186,16 +188,26 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
     }
 }
 
-// Escape compaction: copy each chunk's spilled escapes to their place in the frame.
+// Escape compaction: copy each chunk's spilled escapes to their place in the frame, and zero
+// the (at most 15-byte) padding gaps between streams, given as [start, end) byte offsets.
 extern "C" __global__ void __launch_bounds__(THREADS)
 gather_escapes(const u32* counts32, const i64* inclusive, u64 nchunks, u32 chunk,
-               const u16* spill_pos, const u8* spill_val, u16* pos_out, u8* val_out) {
-    for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+               const u16* spill_pos, const u8* spill_val, u16* pos_out, u8* val_out,
+               u8* frame, u64 gap0, u64 gap1, u64 gap2, u64 gap3) {
+    // A gap runs from the end of a stream (byte offset in the frame; 0 = no gap) to the next
+    // 16-byte boundary, where the next stream starts.
+    if (blockIdx.x == 0 && threadIdx.x < 64) {
+        u32 t = threadIdx.x & 15, which = threadIdx.x >> 4;
+        u64 s = which == 0 ? gap0 : which == 1 ? gap1 : which == 2 ? gap2 : gap3;
+        if (s && s + t < ((s + 15) & ~15ull)) frame[s + t] = 0;
+    }
+    const int lane = threadIdx.x & 31;
+    for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * WARPS) {
         u32 count = counts32[c];
         if (count == 0) continue;
         u64 off = (u64)inclusive[c] - count;
         u64 src = c * chunk;
-        for (u32 t = threadIdx.x; t < count; t += THREADS) {
+        for (u32 t = lane; t < count; t += 32) {
             pos_out[off + t] = spill_pos[src + t];
             val_out[off + t] = spill_val[src + t];
         }
@@ -209,19 +221,20 @@ template <int E>
 __global__ void __launch_bounds__(THREADS)
 validate_escapes(const u8* counts16, const i64* inclusive, u64 nchunks, u64 n, u32 chunk,
                  u64 total, const u8* pos_bytes, const u8* val, u32* flags) {
-    for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int lane = threadIdx.x & 31;
+    for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * WARPS) {
         u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         u64 start = c * chunk;
         u32 len = (u32)min((u64)chunk, n - start);
         u64 end_off = (u64)inclusive[c];
-        if (threadIdx.x == 0) {
+        if (lane == 0) {
             if (count > len) atomicOr(flags, 1u);
             if (end_off > total) atomicOr(flags, 2u);
             if (c == nchunks - 1 && end_off != total) atomicOr(flags, 32u);
         }
-        if (count > len || end_off > total) continue;
+        if (count == 0 || count > len || end_off > total) continue;
         u64 off = end_off - count;
-        for (u32 t = threadIdx.x; t < count; t += THREADS) {
+        for (u32 t = lane; t < count; t += 32) {
             u64 k = off + t;
             u32 p = pos_bytes[2 * k] | ((u32)pos_bytes[2 * k + 1] << 8);
             if (p >= len) atomicOr(flags, 4u);
@@ -247,50 +260,60 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
     __shared__ u32 table[SIZE];
     if (threadIdx.x < SIZE) table[threadIdx.x] = codebook[threadIdx.x];
     __syncthreads();
+    const int lane = threadIdx.x & 31;
 
-    for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * WARPS) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
-        for (u64 seg = start; seg < end; seg += SEGMENT) {
-            u64 i = seg + (u64)threadIdx.x * GROUP;
-            if (i >= end) continue;
-            int valid = (int)min((u64)GROUP, end - i);
-            u64 g = i / GROUP;
-            u64 rlo, rhi, clo, chi;
-            if (valid == GROUP) {
-                load_bits<R>(residual_in + g * R, rlo, rhi);
-                load_bits<C>(codes_in + g * C, clo, chi);
-            } else {
-                // The streams end at the last valid bit: read only the bytes that exist.
-                rlo = rhi = clo = chi = 0;
-                int rb = (valid * R + 7) / 8, cb = (valid * C + 7) / 8;
-                for (int j = 0; j < rb; j++) {
-                    u64 b = residual_in[g * R + j];
-                    if (j < 8) rlo |= b << (8 * j); else rhi |= b << (8 * (j - 8));
-                }
-                for (int j = 0; j < cb; j++) clo |= (u64)codes_in[g * C + j] << (8 * j);
-            }
-            u32 bits[GROUP];
+        for (u64 seg = start; seg < end; seg += WARP_SPAN) {
+            u64 rlo[UNROLL], rhi[UNROLL], clo[UNROLL];
+            int valid[UNROLL];
 #pragma unroll
-            for (int j = 0; j < GROUP; j++) {
-                int s = R * j;
-                u64 r;
-                if (s + R <= 64) r = rlo >> s;
-                else if (s < 64) r = (rlo >> s) | (rhi << (64 - s));
-                else r = rhi >> (s - 64);
-                u32 res = (u32)r & ((1u << R) - 1);
-                u32 e = table[(clo >> (C * j)) & (SIZE - 1)];
-                bits[j] = ((res >> M) << (TOTAL - 1)) | (e << M) | (res & ((1u << M) - 1));
+            for (int k = 0; k < UNROLL; k++) {
+                u64 i = seg + ((u64)k * 32 + lane) * GROUP;
+                valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
+                u64 g = i / GROUP;
+                rlo[k] = rhi[k] = clo[k] = 0;
+                if (valid[k] == GROUP) {
+                    u64 chi;
+                    load_bits<R>(residual_in + g * R, rlo[k], rhi[k]);
+                    load_bits<C>(codes_in + g * C, clo[k], chi);
+                } else if (valid[k]) {
+                    // The streams end at the last valid bit: read only the bytes that exist.
+                    int rb = (valid[k] * R + 7) / 8, cb = (valid[k] * C + 7) / 8;
+                    for (int j = 0; j < rb; j++) {
+                        u64 b = residual_in[g * R + j];
+                        if (j < 8) rlo[k] |= b << (8 * j); else rhi[k] |= b << (8 * (j - 8));
+                    }
+                    for (int j = 0; j < cb; j++) clo[k] |= (u64)codes_in[g * C + j] << (8 * j);
+                }
             }
-            store_group<TOTAL>(out, block_ids, block_elems, i, valid, bits);
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) {
+                if (!valid[k]) continue;
+                u64 i = seg + ((u64)k * 32 + lane) * GROUP;
+                u32 bits[GROUP];
+#pragma unroll
+                for (int j = 0; j < GROUP; j++) {
+                    int s = R * j;
+                    u64 r;
+                    if (s + R <= 64) r = rlo[k] >> s;
+                    else if (s < 64) r = (rlo[k] >> s) | (rhi[k] << (64 - s));
+                    else r = rhi[k] >> (s - 64);
+                    u32 res = (u32)r & ((1u << R) - 1);
+                    u32 e = table[(clo[k] >> (C * j)) & (SIZE - 1)];
+                    bits[j] = ((res >> M) << (TOTAL - 1)) | (e << M) | (res & ((1u << M) - 1));
+                }
+                store_group<TOTAL>(out, block_ids, block_elems, i, valid[k], bits);
+            }
         }
         u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         if (count == 0) continue;
-        __syncthreads();  // the chunk's dense writes are visible to the whole block
+        __syncwarp();  // the chunk's dense writes are visible to the whole warp
         u64 off = (u64)inclusive[c] - count;
         constexpr u32 EMASK = ((1u << E) - 1) << M;
         typedef typename Elem<TOTAL>::T T;
-        for (u32 t = threadIdx.x; t < count; t += THREADS) {
+        for (u32 t = lane; t < count; t += 32) {
             T* p = elem_ptr<TOTAL>(out, block_ids, block_elems, start + pos_in[off + t]);
             *p = (T)((*p & ~EMASK) | ((u32)val_in[off + t] << M));
         }

@@ -91,9 +91,19 @@ def _launch(device: torch.device, name: str, blocks: int, args: tuple) -> None:
     if blocks == 0:
         return
     grid = min(blocks, _sm_count(device.index) * 16)
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+    with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index):
         _kernel(device, name)((grid,), (THREADS,), args)
+
+
+@functools.lru_cache(maxsize=32)
+def _cupy_stream(pointer: int, device_index: int):
+    """CuPy's view of a torch stream, made once per stream."""
+    cupy = _cupy()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the replacement needs a stream object
+        return cupy.cuda.ExternalStream(pointer, device_index)
 
 
 def _ptr(t: torch.Tensor | None):
@@ -166,10 +176,11 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     header = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, escapes)
     if header.total < raw_total:
         off = header.offsets
-        _launch(device, "gather_escapes", nchunks, (
+        _launch(device, "gather_escapes", max(nchunks, 1), (
             _ptr(counts32), _ptr(inclusive), _u64(nchunks), _u32(chunk),
             _ptr(spill_pos), _ptr(spill_val),
             _ptr(buf) + _u64(off[Stream.ESC_POSITIONS]), _ptr(buf) + _u64(off[Stream.ESC_VALUES]),
+            _ptr(buf), *_padding_gaps(header),
         ))
     else:
         header = make_header(Codec.STORED, layout, shape, 0, (), 0)
@@ -181,20 +192,23 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
             torch.index_select(source.view(bits).view(-1, block_elems), 0, block_ids,
                                out=raw.view(bits).view(-1, block_elems))
     frame = buf[: header.total]
-    _zero_padding(frame, header)
     if checksum:
         header = replace(header, stream_crc=crc32c(frame[HEADER_SIZE:].cpu().numpy().data))
     frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
     return frame
 
 
-def _zero_padding(frame: torch.Tensor, header: Header) -> None:
+def _padding_gaps(header: Header) -> list:
+    """Where each zero-filled gap between streams starts (0 = none); the escape-compaction
+    kernel writes them, saving a launch per gap."""
+    gaps = []
     end = HEADER_SIZE
     for offset, length in zip(header.offsets, header.lengths):
-        if offset > end and length:
-            frame[end:offset].zero_()
         if length:
+            if offset > end:
+                gaps.append(end)
             end = offset + length
+    return [_u64(g) for g in gaps + [0] * (4 - len(gaps))]
 
 
 def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
@@ -217,9 +231,8 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     numel, chunk = header.numel, header.chunk
     nchunks = (numel + chunk - 1) // chunk
     off = header.offsets
-    counts_bytes = frame[off[Stream.CHUNK_COUNTS]:off[Stream.CHUNK_COUNTS] + 2 * nchunks]
-    counts = counts_bytes[0::2].to(torch.int64) | (counts_bytes[1::2].to(torch.int64) << 8)
-    inclusive = torch.cumsum(counts, 0)
+    counts = frame[off[Stream.CHUNK_COUNTS]:off[Stream.CHUNK_COUNTS] + 2 * nchunks].view(torch.int16)
+    inclusive = torch.cumsum(counts.to(torch.int32) & 0xFFFF, 0, dtype=torch.int64)
     flags = torch.zeros(1, dtype=torch.int32, device=device)
     _launch(device, f"validate_escapes<{layout.exp_bits}>", nchunks, (
         _ptr(frame) + _u64(off[Stream.CHUNK_COUNTS]), _ptr(inclusive), _u64(nchunks), _u64(numel),

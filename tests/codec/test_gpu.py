@@ -23,12 +23,12 @@ SIZES = [0, 1, 7, 8, 9, 1023, 1024, 1025, 4096 + 3, 3 * 1024 * 37 + 5]
 def _random_bits(n: int, dtype: torch.dtype, seed: int, escape_rate: float) -> torch.Tensor:
     """KV-like values with a fraction of fully random bit patterns (NaN, Inf, subnormal, ...)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=gen).to(dtype)
-    width = x.element_size()
-    noise = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=gen).view(dtype)
+    bits = codec.layout_for(dtype).int_dtype  # masked writes lack float8 kernels
+    x = torch.randn(n, generator=gen).to(dtype).view(bits)
+    noise = torch.randint(0, 256, (n * x.element_size(),), dtype=torch.uint8, generator=gen).view(bits)
     mask = torch.rand(n, generator=gen) < escape_rate
     x[mask] = noise[mask]
-    return x
+    return x.view(dtype)
 
 
 def _cpu_and_gpu(x: torch.Tensor, book, checksum=False) -> tuple[torch.Tensor, torch.Tensor]:
