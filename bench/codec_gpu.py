@@ -63,6 +63,24 @@ def bench_splitzip(x: torch.Tensor, book: codec.Codebook, repeats: int, label: s
     return row(label, x.numel() * x.element_size(), frame.numel(), t_enc, t_dec)
 
 
+def profile_calls(x: torch.Tensor, book: codec.Codebook) -> None:
+    """Where the time of one encode and one decode goes: kernels vs everything else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    frame = codec.encode(x, book)
+    out = torch.empty_like(x)
+    torch.cuda.synchronize()
+    for label, fn in (("encode", lambda: codec.encode(x, book)), ("decode", lambda: codec.decode(frame, out=out))):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        print(f"--- profile: 5 x {label} ---")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
 def bench_blocks(x: torch.Tensor, book: codec.Codebook, repeats: int) -> dict:
     """16 KiB blocks: a cache twice the payload, every other block (shuffled) sent."""
     per_block = BLOCK_BYTES // x.element_size()
@@ -109,6 +127,7 @@ def main() -> None:
     parser.add_argument("--elements", default="256M")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", action="store_true", help="print a kernel-level profile of encode/decode")
     parser.add_argument("--skip-cpu-check", action="store_true", help="skip the full-size CPU byte comparison")
     args = parser.parse_args()
     n = parse_size(args.elements)
@@ -125,6 +144,8 @@ def main() -> None:
     book = codec.calibrate([calib.to(torch.bfloat16)])
     x = tile(data, n).to(torch.bfloat16).to(device)
     rows = []
+    if args.profile:
+        profile_calls(x, book)
 
     t_copy = cuda_time(lambda: x.clone(), args.repeats)
     rows.append(row("device copy (roofline)", x.numel() * 2, None, t_copy, t_copy, "GB/s of input; bytes moved = 2x"))
