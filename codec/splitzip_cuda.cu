@@ -189,18 +189,28 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
 }
 
 // Escape compaction: copy each chunk's spilled escapes to their place in the frame, and zero
-// the (at most 15-byte) padding gaps between streams, given as [start, end) byte offsets.
+// the (at most 15-byte) padding gaps before streams. The escape total X is read on the device,
+// so the value stream's offset, align16(pos_off + 2X), is computed here and the host need not
+// wait for X before launching. Nothing is written when the coded frame would not be smaller
+// than a stored one (the host then writes a stored frame): the buffer is only sized for that.
 extern "C" __global__ void __launch_bounds__(THREADS)
 gather_escapes(const u32* counts32, const i64* inclusive, u64 nchunks, u32 chunk,
-               const u16* spill_pos, const u8* spill_val, u16* pos_out, u8* val_out,
-               u8* frame, u64 gap0, u64 gap1, u64 gap2, u64 gap3) {
-    // A gap runs from the end of a stream (byte offset in the frame; 0 = no gap) to the next
-    // 16-byte boundary, where the next stream starts.
+               const u16* spill_pos, const u8* spill_val, u8* frame, u64 counts_end, u64 pos_off,
+               u64 stored_total, u64 gap0, u64 gap1) {
+    const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
+    const u64 pos_end = pos_off + 2 * escapes;
+    const u64 val_off = (pos_end + 15) & ~15ull;
+    const u64 coded_total = escapes ? val_off + escapes : counts_end;
+    if (coded_total >= stored_total) return;
+    // Gaps before codes and counts come from the host; those before the escape streams exist
+    // only when there are escapes.
     if (blockIdx.x == 0 && threadIdx.x < 64) {
         u32 t = threadIdx.x & 15, which = threadIdx.x >> 4;
-        u64 s = which == 0 ? gap0 : which == 1 ? gap1 : which == 2 ? gap2 : gap3;
+        u64 s = which == 0 ? gap0 : which == 1 ? gap1 : escapes == 0 ? 0 : which == 2 ? counts_end : pos_end;
         if (s && s + t < ((s + 15) & ~15ull)) frame[s + t] = 0;
     }
+    u16* pos_out = reinterpret_cast<u16*>(frame + pos_off);
+    u8* val_out = frame + val_off;
     const int lane = threadIdx.x & 31;
     for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * WARPS) {
         u32 count = counts32[c];
@@ -253,10 +263,12 @@ template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS)
 decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, const i64* inclusive,
               const u16* pos_in, const u8* val_in, const u8* codebook, u64 n, u32 chunk, u64 nchunks,
-              u8* out, const i64* block_ids, u64 block_elems) {
+              u8* out, const i64* block_ids, u64 block_elems, const u32* flags) {
     constexpr int M = TOTAL - 1 - E;
     constexpr int R = TOTAL - E;
     constexpr u32 SIZE = 1u << C;
+    // validate_escapes ran just before on the same stream: a bad frame writes nothing.
+    if (*flags) return;
     __shared__ u32 table[SIZE];
     if (threadIdx.x < SIZE) table[threadIdx.x] = codebook[threadIdx.x];
     __syncthreads();
@@ -265,6 +277,8 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
     for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * WARPS) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
+        // Loaded up front, with the streams, so the escape check does not wait on memory.
+        u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         for (u64 seg = start; seg < end; seg += WARP_SPAN) {
             u64 rlo[UNROLL], rhi[UNROLL], clo[UNROLL];
             int valid[UNROLL];
@@ -307,7 +321,6 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
                 store_group<TOTAL>(out, block_ids, block_elems, i, valid[k], bits);
             }
         }
-        u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         if (count == 0) continue;
         __syncwarp();  // the chunk's dense writes are visible to the whole warp
         u64 off = (u64)inclusive[c] - count;

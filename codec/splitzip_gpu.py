@@ -77,22 +77,24 @@ def _layouts():
     return LAYOUTS
 
 
-def _kernel(device: torch.device, name: str):
-    return _module(device.index).get_function(name)
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int, name: str):
+    """(function, blocks resident at once): every kernel loops over its chunks, so a grid larger
+    than what fits on the GPU would only queue."""
+    function = _module(device_index).get_function(name)
+    regs = max(1, function.num_regs)
+    per_sm = max(1, min(2048 // THREADS, 65536 // (((regs + 7) // 8 * 8) * THREADS)))
+    return function, per_sm * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _launch(device: torch.device, name: str, blocks: int, args: tuple) -> None:
-    cupy = _cupy()
-    if blocks == 0:
+def _launch(device: torch.device, name: str, chunks: int, args: tuple) -> None:
+    """Launch ``name`` over ``chunks`` chunks (one per warp, four per block) on torch's stream."""
+    if chunks == 0:
         return
-    grid = min(blocks, _sm_count(device.index) * 16)
-    with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index):
-        _kernel(device, name)((grid,), (THREADS,), args)
+    function, resident = _kernel(device.index, name)
+    grid = min((chunks + 3) // 4, resident)
+    with _cupy().cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index):
+        function((grid,), (THREADS,), args)
 
 
 @functools.lru_cache(maxsize=32)
@@ -172,17 +174,14 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
         _ptr(buf) + _u64(off[Stream.CHUNK_COUNTS]), _ptr(counts32), _ptr(spill_pos), _ptr(spill_val),
     ))
     inclusive = torch.cumsum(counts32, 0, dtype=torch.int64)
+    _launch(device, "gather_escapes", nchunks, (
+        _ptr(counts32), _ptr(inclusive), _u64(nchunks), _u32(chunk), _ptr(spill_pos), _ptr(spill_val),
+        _ptr(buf), _u64(off[Stream.CHUNK_COUNTS] + dense.lengths[Stream.CHUNK_COUNTS]),
+        _u64(off[Stream.ESC_POSITIONS]), _u64(raw_total), *_padding_gaps(dense),
+    ))
     escapes = int(inclusive[-1]) if nchunks else 0  # the one host sync: it fixes the frame size
     header = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, escapes)
-    if header.total < raw_total:
-        off = header.offsets
-        _launch(device, "gather_escapes", max(nchunks, 1), (
-            _ptr(counts32), _ptr(inclusive), _u64(nchunks), _u32(chunk),
-            _ptr(spill_pos), _ptr(spill_val),
-            _ptr(buf) + _u64(off[Stream.ESC_POSITIONS]), _ptr(buf) + _u64(off[Stream.ESC_VALUES]),
-            _ptr(buf), *_padding_gaps(header),
-        ))
-    else:
+    if header.total >= raw_total:
         header = make_header(Codec.STORED, layout, shape, 0, (), 0)
         raw = buf[HEADER_SIZE:raw_total].view(layout.dtype)
         if block_ids is None:
@@ -198,17 +197,15 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     return frame
 
 
-def _padding_gaps(header: Header) -> list:
-    """Where each zero-filled gap between streams starts (0 = none); the escape-compaction
-    kernel writes them, saving a launch per gap."""
+def _padding_gaps(dense: Header) -> list:
+    """Where the zero padding before the codes and the counts streams starts (0 = none); the
+    compaction kernel writes it, and the padding before the escape streams, saving launches."""
     gaps = []
-    end = HEADER_SIZE
-    for offset, length in zip(header.offsets, header.lengths):
-        if length:
-            if offset > end:
-                gaps.append(end)
-            end = offset + length
-    return [_u64(g) for g in gaps + [0] * (4 - len(gaps))]
+    for stream in (Stream.CODES, Stream.CHUNK_COUNTS):
+        previous_end = dense.offsets[stream - 1] + dense.lengths[stream - 1]
+        needed = dense.lengths[stream] and dense.offsets[stream] > previous_end
+        gaps.append(_u64(previous_end if needed else 0))
+    return gaps
 
 
 def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
@@ -239,17 +236,18 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
         _u32(chunk), _u64(header.escapes), _ptr(frame) + _u64(off[Stream.ESC_POSITIONS]),
         _ptr(frame) + _u64(off[Stream.ESC_VALUES]), _ptr(flags),
     ))
-    verdict = int(flags.item())
-    if verdict:
-        reasons = "; ".join(text for bit, text in _FLAG_REASONS.items() if verdict & bit)
-        raise CorruptFrame(reasons)
     _launch(device, f"decode_chunks{_template(layout)}", nchunks, (
         _ptr(frame) + _u64(off[Stream.RESIDUAL]), _ptr(frame) + _u64(off[Stream.CODES]),
         _ptr(frame) + _u64(off[Stream.CHUNK_COUNTS]), _ptr(inclusive),
         _ptr(frame) + _u64(off[Stream.ESC_POSITIONS]), _ptr(frame) + _u64(off[Stream.ESC_VALUES]),
         _ptr(_codebook_table(header.codebook, device)), _u64(numel), _u32(chunk),
-        _u64(nchunks), _ptr(out), _ptr(block_ids), _u64(block_elems),
+        _u64(nchunks), _ptr(out), _ptr(block_ids), _u64(block_elems), _ptr(flags),
     ))
+    # The decode kernel skipped every write if validation failed; one sync, after all the work.
+    verdict = int(flags.item())
+    if verdict:
+        reasons = "; ".join(text for bit, text in _FLAG_REASONS.items() if verdict & bit)
+        raise CorruptFrame(reasons)
 
 
 def check_alignment(frame: torch.Tensor) -> torch.Tensor:

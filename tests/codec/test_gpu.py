@@ -149,6 +149,7 @@ def test_blocks_with_odd_block_size_fall_back():
 def test_runs_on_callers_stream():
     x = _random_bits(1 << 20, torch.bfloat16, seed=1, escape_rate=0.001).cuda()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # x was made on the default stream
     with torch.cuda.stream(stream):
         frame = codec.encode(x)
         y = codec.decode(frame)
