@@ -1,13 +1,16 @@
 // SplitZip kernels (format v1, see FORMAT.md). Compiled at run time by NVRTC through CuPy.
 //
-// Every thread handles a *group* of 8 elements: 8 elements of R residual bits fill exactly R
-// bytes and 8 codes of C bits exactly C bytes, so groups never share an output byte. A block
-// owns whole chunks (chunk % 8 == 0), which keeps escape counting and ordering inside the block:
-// no atomics, and escapes come out in element order, as the format requires.
+// Every thread handles *groups* of 8 elements: 8 elements of R residual bits fill exactly R bytes
+// and 8 codes of C bits exactly C bytes, so groups never share an output byte. A subgroup of
+// LANES lanes of a warp owns a whole chunk (chunk % 8 == 0), which keeps escape counting and
+// ordering inside it: no atomics, no block barriers, and escapes come out in element order.
+// Each lane takes UNROLL groups per pass and issues all their loads before using the first.
 //
 // Template parameters: TOTAL (element bits, 16 or 8), E (exponent bits), C (code bits).
-// Elements are read either from a flat tensor or, for the paged-KV API, from whole blocks of
-// `block_elems` elements picked by `block_ids` out of a cache (block_ids == nullptr: flat).
+// bfloat16 (16, 8, 4) has a byte-parallel path (prmt); the generic path serves every format and
+// defines what the fast path must equal. Elements are read from a flat tensor or, for the
+// paged-KV API, from whole blocks of `block_elems` elements picked by `block_ids` out of a
+// cache (block_ids == nullptr: flat).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -17,16 +20,26 @@ typedef long long i64;
 
 #define THREADS 128
 #define GROUP 8
-#define SEGMENT (THREADS * GROUP)
+#ifndef LANES
+#define LANES 16
+#endif
+#ifndef UNROLL
+#define UNROLL (128 / LANES)  // a subgroup pass spans LANES * 8 * UNROLL = 1024 elements
+#endif
+#ifndef MINB
+#define MINB 1
+#endif
+#define SPAN (LANES * GROUP * UNROLL)
+#define SUBGROUPS (THREADS / LANES)
 
 template <int TOTAL>
 struct Elem;
 template <>
-struct Elem<16> { typedef u16 T; typedef uint4 Vec; };
+struct Elem<16> { typedef u16 T; typedef uint4 Vec; enum { WORDS = 4 }; };
 template <>
-struct Elem<8> { typedef u8 T; typedef uint2 Vec; };
+struct Elem<8> { typedef u8 T; typedef uint2 Vec; enum { WORDS = 2 }; };
 
-// Element index -> byte address, flat or through the block table.
+// Element index -> address, flat or through the block table.
 template <int TOTAL>
 __device__ __forceinline__ typename Elem<TOTAL>::T* elem_ptr(u8* base, const i64* block_ids,
                                                            u64 block_elems, u64 i) {
@@ -36,143 +49,203 @@ __device__ __forceinline__ typename Elem<TOTAL>::T* elem_ptr(u8* base, const i64
     return reinterpret_cast<T*>(base) + (u64)block_ids[b] * block_elems + (i - b * block_elems);
 }
 
-// Load 8 elements starting at element i (zero beyond `valid`).
+// The 8 elements from element i as packed little-endian words (zero beyond `valid`).
 template <int TOTAL>
 __device__ __forceinline__ void load_group(u8* base, const i64* ids, u64 block_elems, u64 i,
-                                           int valid, u32 (&bits)[GROUP]) {
+                                           int valid, u32 (&w)[Elem<TOTAL>::WORDS]) {
     typedef typename Elem<TOTAL>::T T;
     typedef typename Elem<TOTAL>::Vec V;
     T* p = elem_ptr<TOTAL>(base, ids, block_elems, i);
     if (valid == GROUP && (reinterpret_cast<u64>(p) % sizeof(V)) == 0) {
-        V v = *reinterpret_cast<const V*>(p);
-        const T* e = reinterpret_cast<const T*>(&v);
+        V v = __ldcs(reinterpret_cast<const V*>(p));  // streamed once: do not keep in cache
+        const u32* vw = reinterpret_cast<const u32*>(&v);
 #pragma unroll
-        for (int j = 0; j < GROUP; j++) bits[j] = e[j];
+        for (int k = 0; k < Elem<TOTAL>::WORDS; k++) w[k] = vw[k];
     } else {
 #pragma unroll
-        for (int j = 0; j < GROUP; j++) bits[j] = j < valid ? (u32)p[j] : 0u;
+        for (int k = 0; k < Elem<TOTAL>::WORDS; k++) w[k] = 0;
+        // Unrolled with constant indices: a run-time index would move w to local memory.
+#pragma unroll
+        for (int j = 0; j < GROUP; j++)
+            if (j < valid) w[j * TOTAL / 32] |= (u32)p[j] << ((j * TOTAL) % 32);
     }
 }
 
 template <int TOTAL>
+__device__ __forceinline__ u32 element(const u32 (&w)[Elem<TOTAL>::WORDS], int j) {
+    return (w[j * TOTAL / 32] >> ((j * TOTAL) % 32)) & ((1u << TOTAL) - 1);
+}
+
+template <int TOTAL>
 __device__ __forceinline__ void store_group(u8* base, const i64* ids, u64 block_elems, u64 i,
-                                            int valid, const u32 (&bits)[GROUP]) {
+                                            int valid, const u32 (&w)[Elem<TOTAL>::WORDS]) {
     typedef typename Elem<TOTAL>::T T;
     typedef typename Elem<TOTAL>::Vec V;
     T* p = elem_ptr<TOTAL>(base, ids, block_elems, i);
     if (valid == GROUP && (reinterpret_cast<u64>(p) % sizeof(V)) == 0) {
         V v;
-        T* e = reinterpret_cast<T*>(&v);
+        u32* vw = reinterpret_cast<u32*>(&v);
 #pragma unroll
-        for (int j = 0; j < GROUP; j++) e[j] = (T)bits[j];
-        *reinterpret_cast<V*>(p) = v;
+        for (int k = 0; k < Elem<TOTAL>::WORDS; k++) vw[k] = w[k];
+        __stcs(reinterpret_cast<V*>(p), v);
     } else {
-        for (int j = 0; j < valid; j++) p[j] = (T)bits[j];
+#pragma unroll
+        for (int j = 0; j < GROUP; j++)
+            if (j < valid) p[j] = (T)element<TOTAL>(w, j);
     }
 }
 
 // Write the first `nbytes` bytes of a little-endian 128-bit value (lo, hi) at p.
 template <int K>
 __device__ __forceinline__ void store_bits(u8* p, u64 lo, u64 hi, int nbytes) {
-    if (K == 8 && nbytes == 8) { *reinterpret_cast<u64*>(p) = lo; return; }
-    if (K == 4 && nbytes == 4) { *reinterpret_cast<u32*>(p) = (u32)lo; return; }
+    if (K == 8 && nbytes == 8) { __stcs(reinterpret_cast<u64*>(p), lo); return; }
+    if (K == 4 && nbytes == 4) { __stcs(reinterpret_cast<u32*>(p), (u32)lo); return; }
     for (int j = 0; j < nbytes; j++) p[j] = (u8)(j < 8 ? lo >> (8 * j) : hi >> (8 * (j - 8)));
 }
 
+// Read the group's bytes of a K-bit stream (only the `nbytes` that exist for a partial group).
 template <int K>
-__device__ __forceinline__ void load_bits(const u8* p, u64& lo, u64& hi) {
-    if (K == 8) { lo = *reinterpret_cast<const u64*>(p); hi = 0; return; }
-    if (K == 4) { lo = *reinterpret_cast<const u32*>(p); hi = 0; return; }
-    lo = 0; hi = 0;
-    for (int j = 0; j < K; j++) {
+__device__ __forceinline__ void load_bits(const u8* p, int nbytes, u64& lo, u64& hi) {
+    hi = 0;
+    if (K == 8 && nbytes == 8) { lo = __ldcs(reinterpret_cast<const u64*>(p)); return; }
+    if (K == 4 && nbytes == 4) { lo = __ldcs(reinterpret_cast<const u32*>(p)); return; }
+    lo = 0;
+    for (int j = 0; j < nbytes; j++) {
         u64 b = p[j];
         if (j < 8) lo |= b << (8 * j); else hi |= b << (8 * (j - 8));
     }
 }
 
-// Inclusive prefix sum across the warp.
-__device__ __forceinline__ u32 warp_inclusive_scan(u32 v, int lane) {
+// Inclusive prefix sum across the lanes of one subgroup.
+__device__ __forceinline__ u32 subgroup_inclusive_scan(u32 v, int sublane, u32 mask) {
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        u32 y = __shfl_up_sync(0xffffffffu, v, d);
-        if (lane >= d) v += y;
+    for (int d = 1; d < LANES; d <<= 1) {
+        u32 y = __shfl_up_sync(mask, v, d, LANES);
+        if (sublane >= d) v += y;
     }
     return v;
 }
 
-// Each warp owns whole chunks; a thread takes UNROLL groups per pass with all loads issued
-// before the first is used, so each thread keeps several 16-byte loads in flight.
-#define UNROLL 4
-#define WARPS (THREADS / 32)
-#define WARP_SPAN (32 * GROUP * UNROLL)
+__device__ __forceinline__ u32 subgroup_mask() {
+    return LANES == 32 ? 0xffffffffu : (((1u << LANES) - 1) << (threadIdx.x & 31 & ~(LANES - 1)));
+}
+
+// One group through the codebook: residual bits, packed codes, escape mask and raw exponents
+// (as bytes, for the rare spill).
+template <int TOTAL, int E, int C>
+__device__ __forceinline__ void encode_group(const u32 (&w)[Elem<TOTAL>::WORDS], int valid, const u8* table,
+                                             u64& rlo, u64& rhi, u32& codes, u32& escmask, u32 (&exps)[2]) {
+    constexpr int M = TOTAL - 1 - E;
+    constexpr int R = TOTAL - E;
+    constexpr u32 SIZE = 1u << C;
+    if constexpr (TOTAL == 16 && E == 8 && C == 4) {
+        // bfloat16, four elements per 32-bit word pair: gather low and high bytes, then the
+        // residual (sign | 7 mantissa bits) and exponent bytes come out four at a time.
+        u32 lo0 = __byte_perm(w[0], w[1], 0x6420), hi0 = __byte_perm(w[0], w[1], 0x7531);
+        u32 lo1 = __byte_perm(w[2], w[3], 0x6420), hi1 = __byte_perm(w[2], w[3], 0x7531);
+        u32 r0 = (hi0 & 0x80808080u) | (lo0 & 0x7F7F7F7Fu);
+        u32 r1 = (hi1 & 0x80808080u) | (lo1 & 0x7F7F7F7Fu);
+        exps[0] = ((hi0 << 1) & 0xFEFEFEFEu) | ((lo0 >> 7) & 0x01010101u);
+        exps[1] = ((hi1 << 1) & 0xFEFEFEFEu) | ((lo1 >> 7) & 0x01010101u);
+        u32 m[GROUP];
+#pragma unroll
+        for (int j = 0; j < GROUP; j++) m[j] = table[(exps[j >> 2] >> (8 * (j & 3))) & 0xFF];
+        u32 any = 0, packed = 0;
+#pragma unroll
+        for (int j = 0; j < GROUP; j++) {
+            any |= m[j];
+            packed |= m[j] << (4 * j);
+        }
+        codes = packed;
+        escmask = 0;
+        if (any & SIZE) {  // rare: some exponent is outside the codebook (marked with SIZE)
+            packed = 0;
+#pragma unroll
+            for (int j = 0; j < GROUP; j++) {
+                bool in = j < valid;
+                if (in && m[j] == SIZE) escmask |= 1u << j;
+                packed |= (in ? m[j] & (SIZE - 1) : 0u) << (4 * j);
+            }
+            codes = packed;
+        } else if (valid < GROUP) {
+            codes &= (1u << (4 * valid)) - 1;
+        }
+        rlo = (u64)r0 | ((u64)r1 << 32);
+        rhi = 0;
+        if (valid < GROUP) rlo &= (1ull << (8 * valid)) - 1;
+        return;
+    }
+    rlo = 0; rhi = 0; codes = 0; escmask = 0; exps[0] = 0; exps[1] = 0;
+#pragma unroll
+    for (int j = 0; j < GROUP; j++) {
+        bool in = j < valid;
+        u32 b = element<TOTAL>(w, j);
+        u32 e = (b >> M) & ((1u << E) - 1);
+        u64 r = (((b >> (TOTAL - 1)) & 1u) << M) | (b & ((1u << M) - 1));
+        u32 m = table[e];
+        exps[j >> 2] |= e << (8 * (j & 3));
+        if (in && m == SIZE) escmask |= 1u << j;
+        codes |= (in ? (m & (SIZE - 1)) : 0u) << (C * j);
+        int s = R * j;
+        if (s < 64) {
+            rlo |= r << s;
+            if (s + R > 64) rhi |= r >> (64 - s);
+        } else {
+            rhi |= r << (s - 64);
+        }
+    }
+}
 
 // Dense pass: residual and code streams, per-chunk escape counts, and each chunk's escapes
 // spilled in order to spill_pos/spill_val at the chunk's first element index.
 template <int TOTAL, int E, int C>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, MINB)
 encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64 nchunks,
              const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out,
              u32* counts32_out, u16* spill_pos, u8* spill_val) {
-    constexpr int M = TOTAL - 1 - E;
     constexpr int R = TOTAL - E;
-    constexpr u32 SIZE = 1u << C;
+    constexpr int WORDS = Elem<TOTAL>::WORDS;
     __shared__ u8 table[1 << E];
     for (int t = threadIdx.x; t < (1 << E); t += THREADS) table[t] = marked_table[t];
     __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const u64 nwarps = (u64)gridDim.x * WARPS;
+    const int sublane = threadIdx.x % LANES;
+    const u32 mask = subgroup_mask();
+    const u64 nsub = (u64)gridDim.x * SUBGROUPS;
 
-    for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += nwarps) {
+    for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
         u32 running = 0;
-        for (u64 seg = start; seg < end; seg += WARP_SPAN) {
-            u32 bits[UNROLL][GROUP];
+        for (u64 seg = start; seg < end; seg += SPAN) {
+            u32 w[UNROLL][WORDS];
             int valid[UNROLL];
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
-                u64 i = seg + ((u64)k * 32 + lane) * GROUP;
+                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
                 valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
-                if (valid[k]) load_group<TOTAL>(x, block_ids, block_elems, i, valid[k], bits[k]);
+                if (valid[k]) load_group<TOTAL>(x, block_ids, block_elems, i, valid[k], w[k]);
             }
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
-                u64 i = seg + ((u64)k * 32 + lane) * GROUP;
-                u64 rlo = 0, rhi = 0, codes = 0;
-                u32 escmask = 0;
-                u32 exps = 0, exps_hi = 0;  // 8 exponents as bytes, for the rare escape spill
-#pragma unroll
-                for (int j = 0; j < GROUP; j++) {
-                    bool in = j < valid[k];
-                    u32 b = in ? bits[k][j] : 0u;
-                    u32 e = (b >> M) & ((1u << E) - 1);
-                    u64 r = (((b >> (TOTAL - 1)) & 1u) << M) | (b & ((1u << M) - 1));
-                    u32 m = table[e];
-                    if (j < 4) exps |= e << (8 * j); else exps_hi |= e << (8 * (j - 4));
-                    if (in && m == SIZE) escmask |= 1u << j;
-                    codes |= (u64)(in ? (m & (SIZE - 1)) : 0u) << (C * j);
-                    int s = R * j;
-                    if (s < 64) {
-                        rlo |= r << s;
-                        if (s + R > 64) rhi |= r >> (64 - s);
-                    } else {
-                        rhi |= r << (s - 64);
-                    }
-                }
+                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
+                u64 rlo = 0, rhi = 0;
+                u32 codes = 0, escmask = 0, exps[2] = {0, 0};
                 if (valid[k]) {
+                    encode_group<TOTAL, E, C>(w[k], valid[k], table, rlo, rhi, codes, escmask, exps);
                     u64 g = i / GROUP;
                     store_bits<R>(residual_out + g * R, rlo, rhi, (valid[k] * R + 7) / 8);
                     store_bits<C>(codes_out + g * C, codes, 0, (valid[k] * C + 7) / 8);
                 }
                 u32 mine = __popc(escmask);
-                u32 incl = warp_inclusive_scan(mine, lane);
-                u32 total = __shfl_sync(0xffffffffu, incl, 31);
-                if (mine) {
+                u32 total = __reduce_add_sync(mask, mine);
+                if (total) {  // rare: order this pass's escapes across the subgroup
+                    u32 incl = subgroup_inclusive_scan(mine, sublane, mask);
                     u64 slot = start + running + incl - mine;
+#pragma unroll
                     for (int j = 0; j < GROUP; j++) {
                         if (escmask & (1u << j)) {
                             spill_pos[slot] = (u16)(i + j - start);
-                            spill_val[slot] = (u8)((j < 4 ? exps >> (8 * j) : exps_hi >> (8 * (j - 4))) & 0xFF);
+                            spill_val[slot] = (u8)(exps[j >> 2] >> (8 * (j & 3)));
                             slot++;
                         }
                     }
@@ -180,7 +253,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
                 running += total;
             }
         }
-        if (lane == 0) {
+        if (sublane == 0) {
             counts16_out[2 * c] = (u8)running;
             counts16_out[2 * c + 1] = (u8)(running >> 8);
             counts32_out[c] = running;
@@ -212,7 +285,7 @@ gather_escapes(const u32* counts32, const i64* inclusive, u64 nchunks, u32 chunk
     u16* pos_out = reinterpret_cast<u16*>(frame + pos_off);
     u8* val_out = frame + val_off;
     const int lane = threadIdx.x & 31;
-    for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * WARPS) {
+    for (u64 c = (u64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * (THREADS / 32)) {
         u32 count = counts32[c];
         if (count == 0) continue;
         u64 off = (u64)inclusive[c] - count;
@@ -232,7 +305,7 @@ __global__ void __launch_bounds__(THREADS)
 validate_escapes(const u8* counts16, const i64* inclusive, u64 nchunks, u64 n, u32 chunk,
                  u64 total, const u8* pos_bytes, const u8* val, u32* flags) {
     const int lane = threadIdx.x & 31;
-    for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * WARPS) {
+    for (u64 c = (u64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * (THREADS / 32)) {
         u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         u64 start = c * chunk;
         u32 len = (u32)min((u64)chunk, n - start);
@@ -257,76 +330,106 @@ validate_escapes(const u8* counts16, const i64* inclusive, u64 nchunks, u64 n, u
     }
 }
 
+// One group back from its residual bits and codes.
+template <int TOTAL, int E, int C>
+__device__ __forceinline__ void decode_group(u64 rlo, u64 rhi, u32 codes, const u32* table, const u32 (&book)[4],
+                                             u32 (&w)[Elem<TOTAL>::WORDS]) {
+    constexpr int M = TOTAL - 1 - E;
+    constexpr int R = TOTAL - E;
+    constexpr u32 SIZE = 1u << C;
+    if constexpr (TOTAL == 16 && E == 8 && C == 4) {
+        // bfloat16: the 16-byte codebook sits in four registers; prmt looks up four codes at
+        // once (bit 3 of each code picks the upper eight entries), then the bytes interleave.
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            u32 c4 = (codes >> (16 * half)) & 0xFFFF;
+            u32 sel = c4 & 0x7777;
+            u32 lo = __byte_perm(book[0], book[1], sel), hi = __byte_perm(book[2], book[3], sel);
+            u32 e = __byte_perm(lo, hi, 0x3210 | ((c4 >> 1) & 0x4444));
+            u32 r = (u32)(rlo >> (32 * half));
+            u32 hb = (r & 0x80808080u) | ((e >> 1) & 0x7F7F7F7Fu);
+            u32 lb = ((e << 7) & 0x80808080u) | (r & 0x7F7F7F7Fu);
+            w[2 * half] = __byte_perm(lb, hb, 0x5140);
+            w[2 * half + 1] = __byte_perm(lb, hb, 0x7362);
+        }
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < Elem<TOTAL>::WORDS; k++) w[k] = 0;
+#pragma unroll
+    for (int j = 0; j < GROUP; j++) {
+        int s = R * j;
+        u64 r;
+        if (s + R <= 64) r = rlo >> s;
+        else if (s < 64) r = (rlo >> s) | (rhi << (64 - s));
+        else r = rhi >> (s - 64);
+        u32 res = (u32)r & ((1u << R) - 1);
+        u32 e = table[(codes >> (C * j)) & (SIZE - 1)];
+        u32 bits = ((res >> M) << (TOTAL - 1)) | (e << M) | (res & ((1u << M) - 1));
+        w[j * TOTAL / 32] |= bits << ((j * TOTAL) % 32);
+    }
+}
+
 // Decode: dense table lookup for every element of a chunk, then the chunk's escapes overwrite
 // their exponents. Escape streams were validated first, so every write is in bounds.
 template <int TOTAL, int E, int C>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, MINB)
 decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, const i64* inclusive,
               const u16* pos_in, const u8* val_in, const u8* codebook, u64 n, u32 chunk, u64 nchunks,
               u8* out, const i64* block_ids, u64 block_elems, const u32* flags) {
     constexpr int M = TOTAL - 1 - E;
     constexpr int R = TOTAL - E;
     constexpr u32 SIZE = 1u << C;
+    constexpr int WORDS = Elem<TOTAL>::WORDS;
     // validate_escapes ran just before on the same stream: a bad frame writes nothing.
     if (*flags) return;
     __shared__ u32 table[SIZE];
     if (threadIdx.x < SIZE) table[threadIdx.x] = codebook[threadIdx.x];
     __syncthreads();
-    const int lane = threadIdx.x & 31;
+    u32 book[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        book[k] = 0;
+        for (int j = 0; j < 4 && 4 * k + j < (int)SIZE; j++) book[k] |= (table[4 * k + j] & 0xFF) << (8 * j);
+    }
+    const int sublane = threadIdx.x % LANES;
+    const u32 mask = subgroup_mask();
+    const u64 nsub = (u64)gridDim.x * SUBGROUPS;
 
-    for (u64 c = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * WARPS) {
+    for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
         // Loaded up front, with the streams, so the escape check does not wait on memory.
         u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
-        for (u64 seg = start; seg < end; seg += WARP_SPAN) {
+        for (u64 seg = start; seg < end; seg += SPAN) {
             u64 rlo[UNROLL], rhi[UNROLL], clo[UNROLL];
             int valid[UNROLL];
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
-                u64 i = seg + ((u64)k * 32 + lane) * GROUP;
+                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
                 valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
-                u64 g = i / GROUP;
+                u64 g = i / GROUP, unused;
                 rlo[k] = rhi[k] = clo[k] = 0;
-                if (valid[k] == GROUP) {
-                    u64 chi;
-                    load_bits<R>(residual_in + g * R, rlo[k], rhi[k]);
-                    load_bits<C>(codes_in + g * C, clo[k], chi);
-                } else if (valid[k]) {
-                    // The streams end at the last valid bit: read only the bytes that exist.
-                    int rb = (valid[k] * R + 7) / 8, cb = (valid[k] * C + 7) / 8;
-                    for (int j = 0; j < rb; j++) {
-                        u64 b = residual_in[g * R + j];
-                        if (j < 8) rlo[k] |= b << (8 * j); else rhi[k] |= b << (8 * (j - 8));
-                    }
-                    for (int j = 0; j < cb; j++) clo[k] |= (u64)codes_in[g * C + j] << (8 * j);
+                if (valid[k]) {
+                    load_bits<R>(residual_in + g * R, (valid[k] * R + 7) / 8, rlo[k], rhi[k]);
+                    load_bits<C>(codes_in + g * C, (valid[k] * C + 7) / 8, clo[k], unused);
                 }
             }
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
                 if (!valid[k]) continue;
-                u64 i = seg + ((u64)k * 32 + lane) * GROUP;
-                u32 bits[GROUP];
-#pragma unroll
-                for (int j = 0; j < GROUP; j++) {
-                    int s = R * j;
-                    u64 r;
-                    if (s + R <= 64) r = rlo[k] >> s;
-                    else if (s < 64) r = (rlo[k] >> s) | (rhi[k] << (64 - s));
-                    else r = rhi[k] >> (s - 64);
-                    u32 res = (u32)r & ((1u << R) - 1);
-                    u32 e = table[(clo[k] >> (C * j)) & (SIZE - 1)];
-                    bits[j] = ((res >> M) << (TOTAL - 1)) | (e << M) | (res & ((1u << M) - 1));
-                }
-                store_group<TOTAL>(out, block_ids, block_elems, i, valid[k], bits);
+                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
+                u32 w[WORDS];
+                decode_group<TOTAL, E, C>(rlo[k], rhi[k], (u32)clo[k], table, book, w);
+                store_group<TOTAL>(out, block_ids, block_elems, i, valid[k], w);
             }
         }
         if (count == 0) continue;
-        __syncwarp();  // the chunk's dense writes are visible to the whole warp
+        __syncwarp(mask);  // the chunk's dense writes are visible to the whole subgroup
         u64 off = (u64)inclusive[c] - count;
         constexpr u32 EMASK = ((1u << E) - 1) << M;
         typedef typename Elem<TOTAL>::T T;
-        for (u32 t = lane; t < count; t += 32) {
+        for (u32 t = sublane; t < count; t += LANES) {
             T* p = elem_ptr<TOTAL>(out, block_ids, block_elems, start + pos_in[off + t]);
             *p = (T)((*p & ~EMASK) | ((u32)val_in[off + t] << M));
         }

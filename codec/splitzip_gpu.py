@@ -22,6 +22,9 @@ from .errors import CorruptFrame
 from .format import HEADER_SIZE, Codec, Header, Stream, make_header, stored_size
 
 THREADS = 128
+# Lanes of a warp that share one chunk (32, 16 or 8), and the register cap (min blocks per SM):
+# compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md.
+TUNING = {"LANES": 16, "MINB": 1}
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -57,7 +60,7 @@ def _template(layout: FloatLayout) -> str:
 
 
 @functools.cache
-def _module(device_index: int):
+def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
     cupy = _cupy()
     names = []
     for template in {_template(layout) for layout in _layouts()}:
@@ -65,8 +68,9 @@ def _module(device_index: int):
         names.append(f"decode_chunks{template}")
     for exp_bits in {layout.exp_bits for layout in _layouts()}:
         names.append(f"validate_escapes<{exp_bits}>")
+    options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
+        module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=names)
         module.compile()
     return module
 
@@ -78,21 +82,24 @@ def _layouts():
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, name: str):
+def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...]):
     """(function, blocks resident at once): every kernel loops over its chunks, so a grid larger
     than what fits on the GPU would only queue."""
-    function = _module(device_index).get_function(name)
+    function = _module(device_index, tuning).get_function(name)
     regs = max(1, function.num_regs)
     per_sm = max(1, min(2048 // THREADS, 65536 // (((regs + 7) // 8 * 8) * THREADS)))
     return function, per_sm * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _launch(device: torch.device, name: str, chunks: int, args: tuple) -> None:
-    """Launch ``name`` over ``chunks`` chunks (one per warp, four per block) on torch's stream."""
+    """Launch ``name`` over ``chunks`` chunks on torch's current stream. The dense kernels give
+    a chunk to each LANES-lane subgroup, the sparse ones a chunk to each warp."""
     if chunks == 0:
         return
-    function, resident = _kernel(device.index, name)
-    grid = min((chunks + 3) // 4, resident)
+    tuning = tuple(sorted(TUNING.items()))
+    function, resident = _kernel(device.index, name, tuning)
+    lanes = TUNING["LANES"] if name.startswith(("encode_dense", "decode_chunks")) else 32
+    grid = min(-(-chunks * lanes // THREADS), resident)
     with _cupy().cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index):
         function((grid,), (THREADS,), args)
 
