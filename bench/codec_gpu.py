@@ -158,6 +158,22 @@ def main() -> None:
         assert same, "GPU and CPU frames differ"
     rows.append(sz)
     rows.append(bench_blocks(x, book, args.repeats))
+    buf = torch.empty(codec.frame_capacity(x.shape, x.dtype), dtype=torch.uint8, device=device)
+    t_into = cuda_time(lambda: codec.encode_into(x, book, buf), args.repeats)
+    rows.append(row("splitzip bf16 encode_into (no host sync)", x.numel() * 2, None, t_into, None))
+    small = x[: 1 << 21]  # a 4 MiB pipeline chunk: per-call overhead shows here
+    small_frame = codec.encode(small, book)
+    small_out = torch.empty_like(small)
+    rows.append(row("splitzip bf16, 4 MiB calls", small.numel() * 2, small_frame.numel(),
+                    cuda_time(lambda: codec.encode(small, book), args.repeats),
+                    cuda_time(lambda: codec.decode(small_frame, out=small_out), args.repeats)))
+    small_buf = torch.empty(codec.frame_capacity(small.shape, small.dtype), dtype=torch.uint8, device=device)
+
+    def queued() -> None:
+        for _ in range(16):
+            codec.encode_into(small, book, small_buf)
+    rows.append(row("splitzip bf16, 16 x 4 MiB encode_into queued", 16 * small.numel() * 2, None,
+                    cuda_time(queued, args.repeats), None))
     sub = x[: min(n, 1 << 26)]
     t_ref_enc = cuda_time(lambda: _encode(sub, book, checksum=False, chunk=1024, force=None), 3, 1)
     ref_frame = _encode(sub, book, checksum=False, chunk=1024, force=None)

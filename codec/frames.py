@@ -32,10 +32,65 @@ def encode(x: torch.Tensor, codebook: Codebook | None = None, *, checksum: bool 
     """
     layout = _check_tensor(x)
     book = _codebook_for(x, codebook, layout, chunk)
-    if _on_gpu(x, chunk):
+    if _on_gpu(x, chunk) and x.numel():
         return splitzip_gpu.encode(x.contiguous().view(-1), None, 0, tuple(x.shape), layout,
                                    book.exponents, chunk, checksum)
     return _encode(x, book, checksum=checksum, chunk=chunk, force=None)
+
+
+def frame_capacity(shape: Sequence[int], dtype: torch.dtype, *, chunk: int = DEFAULT_CHUNK) -> int:
+    """Bytes an ``encode_into``/``encode_blocks_into`` buffer needs for a tensor of this shape."""
+    return splitzip_gpu.capacity(layout_for(dtype), tuple(shape), chunk)
+
+
+def encode_into(x: torch.Tensor, codebook: Codebook, out: torch.Tensor, *, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Encode ``x`` into the 1-D uint8 buffer ``out`` (``frame_capacity`` bytes at least), the
+    frame being ``out[:length]``; returns ``length`` as a 0-d int64 tensor on ``out.device``.
+
+    On the GPU nothing waits for the device: the frame's size, which depends on the data, stays
+    on the device until the caller reads it, so encodes can be queued back to back on a stream.
+    Same bytes as ``encode(x, codebook)``.
+
+    Raises:
+        UnsupportedTensor, CodebookMismatch: as ``encode``.
+        ValueError: ``out`` is too small, not 1-D uint8, or on another device.
+    """
+    layout = _check_tensor(x)
+    book = _codebook_for(x, codebook, layout, chunk)
+    return _encode_into(x.contiguous().view(-1) if x.is_cuda else x, None, 0, tuple(x.shape), layout, book, chunk, out)
+
+
+def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: Codebook,
+                       out: torch.Tensor, *, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """``encode_into`` for ``cache[block_ids]``, reading the blocks in place on the GPU."""
+    layout = _check_tensor(cache)
+    ids = _block_ids(block_ids, cache)
+    book = _codebook_for(cache, codebook, layout, chunk)
+    shape = (ids.numel(), *cache.shape[1:])
+    block_elems = cache[0].numel() if cache.dim() and cache.shape[0] else 0
+    if _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems and ids.numel():
+        _check_buffer(out, cache.device, frame_capacity(shape, cache.dtype, chunk=chunk))
+        return splitzip_gpu.encode_into(cache, ids, block_elems, shape, layout, book.exponents, chunk, out)
+    return _encode_into(cache.index_select(0, ids), None, 0, shape, layout, book, chunk, out)
+
+
+def _encode_into(x: torch.Tensor, ids: None, block_elems: int, shape: tuple[int, ...], layout: FloatLayout,
+                 book: Codebook, chunk: int, out: torch.Tensor) -> torch.Tensor:
+    _check_buffer(out, x.device, frame_capacity(shape, layout.dtype, chunk=chunk))
+    if _on_gpu(x, chunk) and x.numel():
+        return splitzip_gpu.encode_into(x, None, 0, shape, layout, book.exponents, chunk, out)
+    frame = encode(x.view(shape), book, chunk=chunk)
+    out[: frame.numel()].copy_(frame)
+    return torch.tensor(frame.numel(), dtype=torch.int64, device=out.device)
+
+
+def _check_buffer(out: torch.Tensor, device: torch.device, needed: int) -> None:
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError("out must be a contiguous 1-D torch.uint8 tensor")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, the tensor on {device}")
+    if out.numel() < needed:
+        raise ValueError(f"out holds {out.numel()} bytes, the frame may need {needed} (frame_capacity)")
 
 
 def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: Codebook | None = None,

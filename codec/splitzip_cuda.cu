@@ -45,7 +45,8 @@ __device__ __forceinline__ typename Elem<TOTAL>::T* elem_ptr(u8* base, const i64
                                                            u64 block_elems, u64 i) {
     typedef typename Elem<TOTAL>::T T;
     if (block_ids == nullptr) return reinterpret_cast<T*>(base) + i;
-    u64 b = i / block_elems;
+    // 32-bit division is several times cheaper, and it is the common case.
+    u64 b = ((i | block_elems) >> 32) ? i / block_elems : (u64)((u32)i / (u32)block_elems);
     return reinterpret_cast<T*>(base) + (u64)block_ids[b] * block_elems + (i - b * block_elems);
 }
 
@@ -434,4 +435,58 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
             *p = (T)((*p & ~EMASK) | ((u32)val_in[off + t] << M));
         }
     }
+}
+
+// Stored fallback on the device: when the coded frame would not be smaller, copy the raw
+// elements after the header (the dense streams written there are overwritten).
+template <int TOTAL>
+__global__ void __launch_bounds__(THREADS)
+copy_stored(u8* x, const i64* block_ids, u64 block_elems, u64 n, const i64* inclusive, u64 nchunks,
+            u64 counts_end, u64 pos_off, u64 stored_total, u8* frame) {
+    const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
+    const u64 coded_total = escapes ? ((pos_off + 2 * escapes + 15) & ~15ull) + escapes : counts_end;
+    if (coded_total < stored_total) return;
+    for (u64 g = (u64)blockIdx.x * THREADS + threadIdx.x; g * GROUP < n; g += (u64)gridDim.x * THREADS) {
+        u64 i = g * GROUP;
+        int valid = (int)min((u64)GROUP, n - i);
+        u32 w[Elem<TOTAL>::WORDS];
+        load_group<TOTAL>(x, block_ids, block_elems, i, valid, w);
+        store_group<TOTAL>(frame + 160, nullptr, 0, i, valid, w);
+    }
+}
+
+// Last step of encode: the header on the device, so the host need not learn the escape total
+// before the frame is complete. Picks the coded or the stored header template (both built by
+// the host, X = 0), patches the escape count and the two escape-stream lengths, computes the
+// header's CRC32C and writes the frame's length to *length_out.
+extern "C" __global__ void __launch_bounds__(256)
+finish_frame(u8* frame, const u8* templates, const i64* inclusive, u64 nchunks, u64 counts_end,
+             u64 pos_off, u64 stored_total, i64* length_out) {
+    __shared__ u32 crc_table[256];
+    __shared__ u8 head[160];
+    const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
+    const u64 coded_total = escapes ? ((pos_off + 2 * escapes + 15) & ~15ull) + escapes : counts_end;
+    const bool coded = coded_total < stored_total;
+    u32 t = threadIdx.x;
+    u32 v = t;
+    for (int k = 0; k < 8; k++) v = (v >> 1) ^ (0x82F63B78u & (0u - (v & 1u)));  // CRC32C, reflected
+    crc_table[t] = v;
+    if (t < 160) head[t] = templates[(coded ? 0 : 160) + t];
+    __syncthreads();
+    if (t == 0) {
+        if (coded) {
+            for (int b = 0; b < 8; b++) {
+                head[104 + b] = (u8)(escapes >> (8 * b));
+                head[136 + b] = (u8)((2 * escapes) >> (8 * b));
+                head[144 + b] = (u8)(escapes >> (8 * b));
+            }
+        }
+        u32 crc = 0xFFFFFFFFu;
+        for (int b = 0; b < 156; b++) crc = crc_table[(crc ^ head[b]) & 0xFF] ^ (crc >> 8);
+        crc ^= 0xFFFFFFFFu;
+        for (int b = 0; b < 4; b++) head[156 + b] = (u8)(crc >> (8 * b));
+        *length_out = (i64)(coded ? coded_total : stored_total);
+    }
+    __syncthreads();
+    if (t < 160) frame[t] = head[t];
 }

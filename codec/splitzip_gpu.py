@@ -19,12 +19,12 @@ import torch
 from .checksum import crc32c
 from .dtypes import FloatLayout
 from .errors import CorruptFrame
-from .format import HEADER_SIZE, Codec, Header, Stream, make_header, stored_size
+from .format import HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
 
 THREADS = 128
 # Lanes of a warp that share one chunk (32, 16 or 8), and the register cap (min blocks per SM):
 # compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md.
-TUNING = {"LANES": 16, "MINB": 1}
+TUNING = {"LANES": 32, "MINB": 8}
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -42,8 +42,9 @@ def available() -> bool:
 
 
 def supports(chunk: int) -> bool:
-    """The kernels need whole 8-element groups per chunk; other chunk sizes use the torch path."""
-    return chunk % 8 == 0
+    """The kernels need whole 8-element groups per chunk and escape counts below 2**15; other
+    chunk sizes take the torch path."""
+    return chunk % 8 == 0 and chunk < 1 << 15
 
 
 @functools.cache
@@ -68,6 +69,8 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
         names.append(f"decode_chunks{template}")
     for exp_bits in {layout.exp_bits for layout in _layouts()}:
         names.append(f"validate_escapes<{exp_bits}>")
+    for total_bits in {layout.total_bits for layout in _layouts()}:
+        names.append(f"copy_stored<{total_bits}>")
     options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=names)
@@ -91,17 +94,18 @@ def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...]):
     return function, per_sm * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch(device: torch.device, name: str, chunks: int, args: tuple) -> None:
-    """Launch ``name`` over ``chunks`` chunks on torch's current stream. The dense kernels give
-    a chunk to each LANES-lane subgroup, the sparse ones a chunk to each warp."""
-    if chunks == 0:
+def _launch(device: torch.device, name: str, items: int, args: tuple, threads: int = THREADS) -> None:
+    """Launch ``name`` over ``items`` work items (chunks, or warps' worth of groups) on torch's
+    current stream. The dense kernels give a chunk to each LANES-lane subgroup, the rest an item
+    to each warp."""
+    if items == 0:
         return
     tuning = tuple(sorted(TUNING.items()))
     function, resident = _kernel(device.index, name, tuning)
     lanes = TUNING["LANES"] if name.startswith(("encode_dense", "decode_chunks")) else 32
-    grid = min(-(-chunks * lanes // THREADS), resident)
+    grid = max(1, min(-(-items * lanes // threads), resident))
     with _cupy().cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index):
-        function((grid,), (THREADS,), args)
+        function((grid,), (threads,), args)
 
 
 @functools.lru_cache(maxsize=32)
@@ -145,24 +149,32 @@ def _codebook_table(codebook: tuple[int, ...], device: torch.device) -> torch.Te
     return torch.tensor(codebook, dtype=torch.uint8).to(device)
 
 
-class _Spill:
-    """Per-device scratch for escapes found by the dense pass, grown on demand and reused."""
-
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @classmethod
-    def get(cls, device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos, val = cls.buffers.get(device.index, (None, None))
-        if pos is None or pos.numel() < n:
-            pos = torch.empty(n, dtype=torch.int16, device=device)
-            val = torch.empty(n, dtype=torch.uint8, device=device)
-            cls.buffers[device.index] = (pos, val)
-        return pos, val
+@functools.lru_cache(maxsize=256)
+def _header_templates(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebook: tuple[int, ...],
+                      device: torch.device) -> torch.Tensor:
+    """The coded header with no escapes and the stored header, side by side on the device:
+    the finishing kernel picks one and patches the escape fields. Cached: KV chunks repeat shapes."""
+    coded = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, 0).pack()
+    stored = make_header(Codec.STORED, layout, shape, 0, (), 0).pack()
+    return torch.frombuffer(bytearray(coded + stored), dtype=torch.uint8).to(device)
 
 
-def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
-           layout: FloatLayout, codebook: tuple[int, ...], chunk: int, checksum: bool) -> torch.Tensor:
-    """Frame for ``source`` (flat contiguous), or for ``source[block_ids]`` (a contiguous cache)."""
+def capacity(layout: FloatLayout, shape: tuple[int, ...], chunk: int) -> int:
+    """Bytes a buffer needs to receive the frame of a tensor of this layout and shape."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    dense = make_header(Codec.SPLITZIP, layout, shape, chunk, tuple(range(layout.codebook_size)), 0)
+    return max(stored_size(layout, numel), dense.total)
+
+
+def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
+                layout: FloatLayout, codebook: tuple[int, ...], chunk: int, buf: torch.Tensor) -> torch.Tensor:
+    """Write the frame of ``source`` (flat contiguous) or ``source[block_ids]`` (a contiguous
+    cache) into ``buf`` (at least ``capacity`` bytes) without any host synchronization.
+
+    Returns the frame's length as a 0-d int64 tensor on the device.
+    """
     device = source.device
     numel = 1
     for dim in shape:
@@ -170,10 +182,14 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     nchunks = (numel + chunk - 1) // chunk
     dense = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, 0)
     raw_total = stored_size(layout, numel)
-    buf = torch.empty(max(raw_total, dense.total), dtype=torch.uint8, device=device)
     counts32 = torch.empty(nchunks, dtype=torch.int32, device=device)
-    spill_pos, spill_val = _Spill.get(device, nchunks * chunk)
+    # Escapes spill per chunk before compaction. Per call (the caching allocator makes that
+    # cheap) so that encodes on different streams never share scratch.
+    spill_pos = torch.empty(nchunks * chunk, dtype=torch.int16, device=device)
+    spill_val = torch.empty(nchunks * chunk, dtype=torch.uint8, device=device)
+    length = torch.empty((), dtype=torch.int64, device=device)
     off = dense.offsets
+    counts_end = off[Stream.CHUNK_COUNTS] + dense.lengths[Stream.CHUNK_COUNTS]
     _launch(device, f"encode_dense{_template(layout)}", nchunks, (
         _ptr(source), _ptr(block_ids), _u64(block_elems), _u64(numel), _u32(chunk),
         _u64(nchunks), _ptr(_marked_table(codebook, layout.exp_bits, layout.codebook_size, device)),
@@ -181,26 +197,31 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
         _ptr(buf) + _u64(off[Stream.CHUNK_COUNTS]), _ptr(counts32), _ptr(spill_pos), _ptr(spill_val),
     ))
     inclusive = torch.cumsum(counts32, 0, dtype=torch.int64)
+    tail = (_ptr(inclusive), _u64(nchunks), _u64(counts_end), _u64(off[Stream.ESC_POSITIONS]), _u64(raw_total))
     _launch(device, "gather_escapes", nchunks, (
         _ptr(counts32), _ptr(inclusive), _u64(nchunks), _u32(chunk), _ptr(spill_pos), _ptr(spill_val),
-        _ptr(buf), _u64(off[Stream.CHUNK_COUNTS] + dense.lengths[Stream.CHUNK_COUNTS]),
-        _u64(off[Stream.ESC_POSITIONS]), _u64(raw_total), *_padding_gaps(dense),
+        _ptr(buf), _u64(counts_end), _u64(off[Stream.ESC_POSITIONS]), _u64(raw_total), *_padding_gaps(dense),
     ))
-    escapes = int(inclusive[-1]) if nchunks else 0  # the one host sync: it fixes the frame size
-    header = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, escapes)
-    if header.total >= raw_total:
-        header = make_header(Codec.STORED, layout, shape, 0, (), 0)
-        raw = buf[HEADER_SIZE:raw_total].view(layout.dtype)
-        if block_ids is None:
-            raw.copy_(source.view(layout.dtype))
-        else:
-            bits = layout.int_dtype
-            torch.index_select(source.view(bits).view(-1, block_elems), 0, block_ids,
-                               out=raw.view(bits).view(-1, block_elems))
-    frame = buf[: header.total]
+    _launch(device, f"copy_stored<{layout.total_bits}>", -(-numel // (8 * 32)), (
+        _ptr(source), _ptr(block_ids), _u64(block_elems), _u64(numel), *tail, _ptr(buf),
+    ))
+    _launch(device, "finish_frame", 1, (
+        _ptr(buf), _ptr(_header_templates(layout, shape, chunk, codebook, device)), *tail, _ptr(length),
+    ), threads=256)
+    return length
+
+
+def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
+           layout: FloatLayout, codebook: tuple[int, ...], chunk: int, checksum: bool) -> torch.Tensor:
+    """Frame for ``source`` (flat contiguous), or for ``source[block_ids]`` (a contiguous cache).
+    One host synchronization, at the end, to learn the frame's length."""
+    buf = torch.empty(capacity(layout, shape, chunk), dtype=torch.uint8, device=source.device)
+    length = int(encode_into(source, block_ids, block_elems, shape, layout, codebook, chunk, buf))
+    frame = buf[:length]
     if checksum:
+        header = parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), length)
         header = replace(header, stream_crc=crc32c(frame[HEADER_SIZE:].cpu().numpy().data))
-    frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
+        frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
     return frame
 
 
@@ -235,8 +256,10 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     numel, chunk = header.numel, header.chunk
     nchunks = (numel + chunk - 1) // chunk
     off = header.offsets
+    # Counts are < 2**15 for the chunk sizes this path takes (``supports``); a corrupt count with
+    # the top bit set reads negative here, but validation reads it unsigned and rejects it.
     counts = frame[off[Stream.CHUNK_COUNTS]:off[Stream.CHUNK_COUNTS] + 2 * nchunks].view(torch.int16)
-    inclusive = torch.cumsum(counts.to(torch.int32) & 0xFFFF, 0, dtype=torch.int64)
+    inclusive = torch.cumsum(counts, 0, dtype=torch.int64)
     flags = torch.zeros(1, dtype=torch.int32, device=device)
     _launch(device, f"validate_escapes<{layout.exp_bits}>", nchunks, (
         _ptr(frame) + _u64(off[Stream.CHUNK_COUNTS]), _ptr(inclusive), _u64(nchunks), _u64(numel),

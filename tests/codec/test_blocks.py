@@ -55,3 +55,16 @@ def test_decode_blocks_rejects_and_writes_nothing():
 def test_encode_blocks_bad_ids():
     with pytest.raises(IndexError):
         codec.encode_blocks(_cache(torch.bfloat16), [-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encode_into_buffer(dtype):
+    cache = _cache(dtype)
+    book = codec.calibrate(cache)
+    out = torch.full((codec.frame_capacity((3, 2, 16, 8), dtype),), 0xAB, dtype=torch.uint8)
+    length = codec.encode_blocks_into(cache, [4, 1, 8], book, out)
+    assert torch.equal(out[: int(length)], codec.encode(cache[[4, 1, 8]], book))
+    length = codec.encode_into(cache[2], book, out)
+    assert torch.equal(out[: int(length)], codec.encode(cache[2], book))
+    with pytest.raises(ValueError, match="frame_capacity"):
+        codec.encode_into(cache, book, out)
