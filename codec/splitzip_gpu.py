@@ -137,16 +137,23 @@ def _u32(v: int):
     return np.uint32(v)
 
 
+def _on_device(data: bytes, device: torch.device) -> torch.Tensor:
+    """Small host bytes to the device through pinned memory, without waiting for the device."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory().to(device, non_blocking=True)
+
+
 @functools.lru_cache(maxsize=64)
 def _marked_table(codebook: tuple[int, ...], exp_bits: int, size: int, device: torch.device) -> torch.Tensor:
-    table = torch.full((1 << exp_bits,), size, dtype=torch.uint8)
-    table[torch.tensor(codebook, dtype=torch.int64)] = torch.arange(size, dtype=torch.uint8)
-    return table.to(device)
+    """Code of each exponent value, or ``size`` for an escape (one lookup gives both)."""
+    table = bytearray([size] * (1 << exp_bits))
+    for code, exponent in enumerate(codebook):
+        table[exponent] = code
+    return _on_device(bytes(table), device)
 
 
 @functools.lru_cache(maxsize=64)
 def _codebook_table(codebook: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(codebook, dtype=torch.uint8).to(device)
+    return _on_device(bytes(codebook), device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -156,7 +163,7 @@ def _header_templates(layout: FloatLayout, shape: tuple[int, ...], chunk: int, c
     the finishing kernel picks one and patches the escape fields. Cached: KV chunks repeat shapes."""
     coded = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, 0).pack()
     stored = make_header(Codec.STORED, layout, shape, 0, (), 0).pack()
-    return torch.frombuffer(bytearray(coded + stored), dtype=torch.uint8).to(device)
+    return _on_device(coded + stored, device)
 
 
 def capacity(layout: FloatLayout, shape: tuple[int, ...], chunk: int) -> int:
