@@ -203,7 +203,7 @@ template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, MINB)
 encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64 nchunks,
              const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out,
-             u32* counts32_out, u16* spill_pos, u8* spill_val) {
+             i64* counts_out, u16* spill_pos, u8* spill_val) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
     __shared__ u8 table[1 << E];
@@ -257,43 +257,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
         if (sublane == 0) {
             counts16_out[2 * c] = (u8)running;
             counts16_out[2 * c + 1] = (u8)(running >> 8);
-            counts32_out[c] = running;
-        }
-    }
-}
-
-// Escape compaction: copy each chunk's spilled escapes to their place in the frame, and zero
-// the (at most 15-byte) padding gaps before streams. The escape total X is read on the device,
-// so the value stream's offset, align16(pos_off + 2X), is computed here and the host need not
-// wait for X before launching. Nothing is written when the coded frame would not be smaller
-// than a stored one (the host then writes a stored frame): the buffer is only sized for that.
-extern "C" __global__ void __launch_bounds__(THREADS)
-gather_escapes(const u32* counts32, const i64* inclusive, u64 nchunks, u32 chunk,
-               const u16* spill_pos, const u8* spill_val, u8* frame, u64 counts_end, u64 pos_off,
-               u64 stored_total, u64 gap0, u64 gap1) {
-    const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
-    const u64 pos_end = pos_off + 2 * escapes;
-    const u64 val_off = (pos_end + 15) & ~15ull;
-    const u64 coded_total = escapes ? val_off + escapes : counts_end;
-    if (coded_total >= stored_total) return;
-    // Gaps before codes and counts come from the host; those before the escape streams exist
-    // only when there are escapes.
-    if (blockIdx.x == 0 && threadIdx.x < 64) {
-        u32 t = threadIdx.x & 15, which = threadIdx.x >> 4;
-        u64 s = which == 0 ? gap0 : which == 1 ? gap1 : escapes == 0 ? 0 : which == 2 ? counts_end : pos_end;
-        if (s && s + t < ((s + 15) & ~15ull)) frame[s + t] = 0;
-    }
-    u16* pos_out = reinterpret_cast<u16*>(frame + pos_off);
-    u8* val_out = frame + val_off;
-    const int lane = threadIdx.x & 31;
-    for (u64 c = (u64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * (THREADS / 32)) {
-        u32 count = counts32[c];
-        if (count == 0) continue;
-        u64 off = (u64)inclusive[c] - count;
-        u64 src = c * chunk;
-        for (u32 t = lane; t < count; t += 32) {
-            pos_out[off + t] = spill_pos[src + t];
-            val_out[off + t] = spill_val[src + t];
+            counts_out[c] = running;
         }
     }
 }
@@ -437,56 +401,81 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
     }
 }
 
-// Stored fallback on the device: when the coded frame would not be smaller, copy the raw
-// elements after the header (the dense streams written there are overwritten).
+// The end of encode, on the device, so the host need not learn the escape total X before the
+// frame is complete:
+//  - the value stream's offset, align16(pos_off + 2X), follows from X = inclusive[last];
+//  - if the coded frame is smaller than a stored one, each warp copies a chunk's spilled escapes
+//    to their place and block 0 zeroes the (< 16-byte) padding gaps before streams;
+//  - otherwise the raw elements are copied after the header (over the dense streams);
+//  - block 0 picks the coded or stored header template (built by the host with X = 0), patches
+//    X and the escape-stream lengths, computes the header CRC32C and writes the frame's length.
 template <int TOTAL>
 __global__ void __launch_bounds__(THREADS)
-copy_stored(u8* x, const i64* block_ids, u64 block_elems, u64 n, const i64* inclusive, u64 nchunks,
-            u64 counts_end, u64 pos_off, u64 stored_total, u8* frame) {
-    const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
-    const u64 coded_total = escapes ? ((pos_off + 2 * escapes + 15) & ~15ull) + escapes : counts_end;
-    if (coded_total < stored_total) return;
-    for (u64 g = (u64)blockIdx.x * THREADS + threadIdx.x; g * GROUP < n; g += (u64)gridDim.x * THREADS) {
-        u64 i = g * GROUP;
-        int valid = (int)min((u64)GROUP, n - i);
-        u32 w[Elem<TOTAL>::WORDS];
-        load_group<TOTAL>(x, block_ids, block_elems, i, valid, w);
-        store_group<TOTAL>(frame + 160, nullptr, 0, i, valid, w);
-    }
-}
-
-// Last step of encode: the header on the device, so the host need not learn the escape total
-// before the frame is complete. Picks the coded or the stored header template (both built by
-// the host, X = 0), patches the escape count and the two escape-stream lengths, computes the
-// header's CRC32C and writes the frame's length to *length_out.
-extern "C" __global__ void __launch_bounds__(256)
-finish_frame(u8* frame, const u8* templates, const i64* inclusive, u64 nchunks, u64 counts_end,
-             u64 pos_off, u64 stored_total, i64* length_out) {
+encode_tail(const i64* counts, const i64* inclusive, u64 nchunks, u32 chunk, const u16* spill_pos,
+            const u8* spill_val, u8* x, const i64* block_ids, u64 block_elems, u64 n, u8* frame,
+            u64 counts_end, u64 pos_off, u64 stored_total, u64 gap0, u64 gap1, const u8* templates,
+            i64* length_out) {
     __shared__ u32 crc_table[256];
     __shared__ u8 head[160];
     const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
-    const u64 coded_total = escapes ? ((pos_off + 2 * escapes + 15) & ~15ull) + escapes : counts_end;
+    const u64 pos_end = pos_off + 2 * escapes;
+    const u64 val_off = (pos_end + 15) & ~15ull;
+    const u64 coded_total = escapes ? val_off + escapes : counts_end;
     const bool coded = coded_total < stored_total;
-    u32 t = threadIdx.x;
-    u32 v = t;
-    for (int k = 0; k < 8; k++) v = (v >> 1) ^ (0x82F63B78u & (0u - (v & 1u)));  // CRC32C, reflected
-    crc_table[t] = v;
-    if (t < 160) head[t] = templates[(coded ? 0 : 160) + t];
-    __syncthreads();
-    if (t == 0) {
-        if (coded) {
-            for (int b = 0; b < 8; b++) {
-                head[104 + b] = (u8)(escapes >> (8 * b));
-                head[136 + b] = (u8)((2 * escapes) >> (8 * b));
-                head[144 + b] = (u8)(escapes >> (8 * b));
+    const u32 t = threadIdx.x;
+
+    if (blockIdx.x == 0) {
+        for (u32 e = t; e < 256; e += THREADS) {
+            u32 v = e;
+            for (int k = 0; k < 8; k++) v = (v >> 1) ^ (0x82F63B78u & (0u - (v & 1u)));  // reflected CRC32C
+            crc_table[e] = v;
+        }
+        for (u32 b = t; b < 160; b += THREADS) head[b] = templates[(coded ? 0 : 160) + b];
+        if (coded && t < 64) {
+            u32 lane = t & 15, which = t >> 4;
+            u64 s = which == 0 ? gap0 : which == 1 ? gap1 : escapes == 0 ? 0 : which == 2 ? counts_end : pos_end;
+            if (s && s + lane < ((s + 15) & ~15ull)) frame[s + lane] = 0;
+        }
+        __syncthreads();
+        if (t == 0) {
+            if (coded) {
+                for (int b = 0; b < 8; b++) {
+                    head[104 + b] = (u8)(escapes >> (8 * b));
+                    head[136 + b] = (u8)((2 * escapes) >> (8 * b));
+                    head[144 + b] = (u8)(escapes >> (8 * b));
+                }
+            }
+            u32 crc = 0xFFFFFFFFu;
+            for (int b = 0; b < 156; b++) crc = crc_table[(crc ^ head[b]) & 0xFF] ^ (crc >> 8);
+            crc ^= 0xFFFFFFFFu;
+            for (int b = 0; b < 4; b++) head[156 + b] = (u8)(crc >> (8 * b));
+            *length_out = (i64)(coded ? coded_total : stored_total);
+        }
+        __syncthreads();
+        for (u32 b = t; b < 160; b += THREADS) frame[b] = head[b];
+    }
+
+    if (coded) {
+        u16* pos_out = reinterpret_cast<u16*>(frame + pos_off);
+        u8* val_out = frame + val_off;
+        const int lane = t & 31;
+        for (u64 c = (u64)blockIdx.x * (THREADS / 32) + (t >> 5); c < nchunks; c += (u64)gridDim.x * (THREADS / 32)) {
+            u32 count = (u32)counts[c];
+            if (count == 0) continue;
+            u64 off = (u64)inclusive[c] - count;
+            u64 src = c * chunk;
+            for (u32 k = lane; k < count; k += 32) {
+                pos_out[off + k] = spill_pos[src + k];
+                val_out[off + k] = spill_val[src + k];
             }
         }
-        u32 crc = 0xFFFFFFFFu;
-        for (int b = 0; b < 156; b++) crc = crc_table[(crc ^ head[b]) & 0xFF] ^ (crc >> 8);
-        crc ^= 0xFFFFFFFFu;
-        for (int b = 0; b < 4; b++) head[156 + b] = (u8)(crc >> (8 * b));
-        *length_out = (i64)(coded ? coded_total : stored_total);
+    } else {
+        for (u64 g = (u64)blockIdx.x * THREADS + t; g * GROUP < n; g += (u64)gridDim.x * THREADS) {
+            u64 i = g * GROUP;
+            int valid = (int)min((u64)GROUP, n - i);
+            u32 w[Elem<TOTAL>::WORDS];
+            load_group<TOTAL>(x, block_ids, block_elems, i, valid, w);
+            store_group<TOTAL>(frame + 160, nullptr, 0, i, valid, w);
+        }
     }
-    __syncthreads();
-    if (t < 160) frame[t] = head[t];
 }

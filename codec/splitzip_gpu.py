@@ -1,28 +1,33 @@
 """SplitZip on CUDA: launchers for the kernels in ``splitzip_cuda.cu`` (CuPy/NVRTC, compiled on
 first use and cached). Produces frames byte-identical to the torch reference in ``splitzip.py``.
 
-Encode: one dense pass (residual + codes + per-chunk escape counts, escapes spilled per chunk),
-a scan over chunk counts, one sparse pass compacting escapes. Its only host synchronization reads
-the escape total, which fixes the frame's size. Decode: one small validation pass over the
-escape streams (one synchronization to read its verdict), then one pass that looks up every
-element and overwrites the escapes of each chunk. Everything runs on torch's current stream.
+Encode is two kernels and a scan: a dense pass (residual and code streams, per-chunk escape
+counts, escapes spilled per chunk), torch's cumsum over the counts, and a tail pass that compacts
+escapes, falls back to a stored frame if coding did not pay, and writes the header. The frame's
+size stays on the device (``encode_into``); ``encode`` reads it once at the end. Decode: a
+validation pass over the escape streams and a dense pass that skips every write if validation
+failed; one synchronization at the end reads the verdict. Everything runs on torch's current
+stream. Per-shape launch parameters are cached in plans, since a sidecar encodes the same chunk
+shapes over and over and the host's per-call cost bounds small-chunk throughput.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .checksum import crc32c
-from .dtypes import FloatLayout
+from .dtypes import LAYOUTS, FloatLayout
 from .errors import CorruptFrame
 from .format import HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
 
 THREADS = 128
-# Lanes of a warp that share one chunk (32, 16 or 8), and the register cap (min blocks per SM):
+# Lanes of a warp that share one chunk (32, 16 or 8) and the register cap (min blocks per SM):
 # compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md.
 TUNING = {"LANES": 32, "MINB": 8}
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
@@ -63,78 +68,50 @@ def _template(layout: FloatLayout) -> str:
 @functools.cache
 def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
     cupy = _cupy()
-    names = []
-    for template in {_template(layout) for layout in _layouts()}:
-        names.append(f"encode_dense{template}")
-        names.append(f"decode_chunks{template}")
-    for exp_bits in {layout.exp_bits for layout in _layouts()}:
-        names.append(f"validate_escapes<{exp_bits}>")
-    for total_bits in {layout.total_bits for layout in _layouts()}:
-        names.append(f"copy_stored<{total_bits}>")
+    names = set()
+    for layout in LAYOUTS:
+        names |= {f"encode_dense{_template(layout)}", f"decode_chunks{_template(layout)}",
+                  f"validate_escapes<{layout.exp_bits}>", f"encode_tail<{layout.total_bits}>"}
     options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=names)
+        module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=sorted(names))
         module.compile()
     return module
 
 
-def _layouts():
-    from .dtypes import LAYOUTS
+@dataclass(frozen=True)
+class _Kernel:
+    """A compiled kernel and the largest grid worth launching: every kernel loops over its work,
+    so more blocks than fit on the GPU at once would only queue."""
 
-    return LAYOUTS
+    function: object
+    resident_blocks: int
+    device_index: int
+
+    def __call__(self, stream: int, grid: int, args: tuple, threads: int = THREADS) -> None:
+        with _cupy().cuda.Device(self.device_index), _cupy_stream(stream, self.device_index):
+            self.function((max(1, min(grid, self.resident_blocks)),), (threads,), args)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...]):
-    """(function, blocks resident at once): every kernel loops over its chunks, so a grid larger
-    than what fits on the GPU would only queue."""
+def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...]) -> _Kernel:
     function = _module(device_index, tuning).get_function(name)
-    regs = max(1, function.num_regs)
-    per_sm = max(1, min(2048 // THREADS, 65536 // (((regs + 7) // 8 * 8) * THREADS)))
-    return function, per_sm * torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _launch(device: torch.device, name: str, items: int, args: tuple, threads: int = THREADS) -> None:
-    """Launch ``name`` over ``items`` work items (chunks, or warps' worth of groups) on torch's
-    current stream. The dense kernels give a chunk to each LANES-lane subgroup, the rest an item
-    to each warp."""
-    if items == 0:
-        return
-    tuning = tuple(sorted(TUNING.items()))
-    function, resident = _kernel(device.index, name, tuning)
-    lanes = TUNING["LANES"] if name.startswith(("encode_dense", "decode_chunks")) else 32
-    grid = max(1, min(-(-items * lanes // threads), resident))
-    with _cupy().cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index):
-        function((grid,), (threads,), args)
+    regs = (max(1, function.num_regs) + 7) // 8 * 8
+    per_sm = max(1, min(2048 // THREADS, 65536 // (regs * THREADS)))
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _Kernel(function, per_sm * sms, device_index)
 
 
 @functools.lru_cache(maxsize=32)
 def _cupy_stream(pointer: int, device_index: int):
     """CuPy's view of a torch stream, made once per stream."""
-    cupy = _cupy()
-    import warnings
-
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the replacement needs a stream object
-        return cupy.cuda.ExternalStream(pointer, device_index)
+        warnings.simplefilter("ignore", DeprecationWarning)  # its replacement wants a stream object
+        return _cupy().cuda.ExternalStream(pointer, device_index)
 
 
-def _ptr(t: torch.Tensor | None):
-    import numpy as np
-
-    return np.uint64(0 if t is None else t.data_ptr())
-
-
-def _u64(v: int):
-    import numpy as np
-
-    return np.uint64(v)
-
-
-def _u32(v: int):
-    import numpy as np
-
-    return np.uint32(v)
+def _blocks_for_chunks(chunks: int, lanes: int) -> int:
+    return -(-chunks * lanes // THREADS)
 
 
 def _on_device(data: bytes, device: torch.device) -> torch.Tensor:
@@ -142,28 +119,61 @@ def _on_device(data: bytes, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory().to(device, non_blocking=True)
 
 
-@functools.lru_cache(maxsize=64)
-def _marked_table(codebook: tuple[int, ...], exp_bits: int, size: int, device: torch.device) -> torch.Tensor:
-    """Code of each exponent value, or ``size`` for an escape (one lookup gives both)."""
-    table = bytearray([size] * (1 << exp_bits))
-    for code, exponent in enumerate(codebook):
-        table[exponent] = code
-    return _on_device(bytes(table), device)
+def _tuning() -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(TUNING.items()))
 
 
-@functools.lru_cache(maxsize=64)
-def _codebook_table(codebook: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return _on_device(bytes(codebook), device)
+@dataclass(frozen=True)
+class _EncodePlan:
+    """Everything about encoding one (layout, shape, chunk, codebook) that does not depend on
+    the data: stream offsets, tables on the device, kernels and grids, scalar arguments."""
+
+    numel: int
+    nchunks: int
+    capacity: int
+    dense: _Kernel
+    dense_grid: int
+    tail: _Kernel
+    tail_grid: int
+    residual_off: int
+    codes_off: int
+    counts_off: int
+    marked_table: torch.Tensor
+    templates: torch.Tensor
+    dense_scalars: tuple
+    tail_scalars: tuple
 
 
 @functools.lru_cache(maxsize=256)
-def _header_templates(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebook: tuple[int, ...],
-                      device: torch.device) -> torch.Tensor:
-    """The coded header with no escapes and the stored header, side by side on the device:
-    the finishing kernel picks one and patches the escape fields. Cached: KV chunks repeat shapes."""
-    coded = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, 0).pack()
-    stored = make_header(Codec.STORED, layout, shape, 0, (), 0).pack()
-    return _on_device(coded + stored, device)
+def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebook: tuple[int, ...],
+                 device: torch.device, tuning: tuple[tuple[str, int], ...]) -> _EncodePlan:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    nchunks = (numel + chunk - 1) // chunk
+    dense = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, 0)
+    stored = make_header(Codec.STORED, layout, shape, 0, (), 0)
+    off, lengths = dense.offsets, dense.lengths
+    counts_end = off[Stream.CHUNK_COUNTS] + lengths[Stream.CHUNK_COUNTS]
+    gaps = []  # where zero padding starts before the codes and the counts streams (0 = none)
+    for stream in (Stream.CODES, Stream.CHUNK_COUNTS):
+        previous_end = off[stream - 1] + lengths[stream - 1]
+        gaps.append(previous_end if lengths[stream] and off[stream] > previous_end else 0)
+    marked = bytearray([layout.codebook_size] * (1 << layout.exp_bits))
+    for code, exponent in enumerate(codebook):
+        marked[exponent] = code
+    tail_work = max(_blocks_for_chunks(nchunks, 32), -(-numel // (8 * THREADS)))
+    return _EncodePlan(
+        numel=numel, nchunks=nchunks, capacity=max(stored.total, dense.total),
+        dense=_kernel(device.index, f"encode_dense{_template(layout)}", tuning),
+        dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
+        tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning), tail_grid=tail_work,
+        residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
+        marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack(), device),
+        dense_scalars=(np.uint64(numel), np.uint32(chunk), np.uint64(nchunks)),
+        tail_scalars=(np.uint64(counts_end), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(stored.total),
+                      np.uint64(gaps[0]), np.uint64(gaps[1])),
+    )
 
 
 def capacity(layout: FloatLayout, shape: tuple[int, ...], chunk: int) -> int:
@@ -183,38 +193,29 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
     Returns the frame's length as a 0-d int64 tensor on the device.
     """
     device = source.device
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nchunks = (numel + chunk - 1) // chunk
-    dense = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, 0)
-    raw_total = stored_size(layout, numel)
-    counts32 = torch.empty(nchunks, dtype=torch.int32, device=device)
-    # Escapes spill per chunk before compaction. Per call (the caching allocator makes that
-    # cheap) so that encodes on different streams never share scratch.
-    spill_pos = torch.empty(nchunks * chunk, dtype=torch.int16, device=device)
-    spill_val = torch.empty(nchunks * chunk, dtype=torch.uint8, device=device)
-    length = torch.empty((), dtype=torch.int64, device=device)
-    off = dense.offsets
-    counts_end = off[Stream.CHUNK_COUNTS] + dense.lengths[Stream.CHUNK_COUNTS]
-    _launch(device, f"encode_dense{_template(layout)}", nchunks, (
-        _ptr(source), _ptr(block_ids), _u64(block_elems), _u64(numel), _u32(chunk),
-        _u64(nchunks), _ptr(_marked_table(codebook, layout.exp_bits, layout.codebook_size, device)),
-        _ptr(buf) + _u64(off[Stream.RESIDUAL]), _ptr(buf) + _u64(off[Stream.CODES]),
-        _ptr(buf) + _u64(off[Stream.CHUNK_COUNTS]), _ptr(counts32), _ptr(spill_pos), _ptr(spill_val),
+    plan = _encode_plan(layout, shape, chunk, codebook, device, _tuning())
+    stream = torch.cuda.current_stream(device).cuda_stream
+    # counts, their running sum, and the length, in one allocation; escapes spill per chunk
+    # before compaction, 3 bytes an element, allocated per call (the caching allocator makes
+    # that cheap) so that encodes on different streams never share scratch.
+    counts = torch.empty(plan.nchunks + 1, dtype=torch.int64, device=device)
+    spill = torch.empty(plan.nchunks * chunk * 3, dtype=torch.uint8, device=device)
+    spill_pos, spill_val = spill.data_ptr(), spill.data_ptr() + plan.nchunks * chunk * 2
+    base, ids = buf.data_ptr(), 0 if block_ids is None else block_ids.data_ptr()
+    plan.dense(stream, plan.dense_grid, (
+        np.uint64(source.data_ptr()), np.uint64(ids), np.uint64(block_elems), *plan.dense_scalars,
+        np.uint64(plan.marked_table.data_ptr()), np.uint64(base + plan.residual_off),
+        np.uint64(base + plan.codes_off), np.uint64(base + plan.counts_off), np.uint64(counts.data_ptr()),
+        np.uint64(spill_pos), np.uint64(spill_val),
     ))
-    inclusive = torch.cumsum(counts32, 0, dtype=torch.int64)
-    tail = (_ptr(inclusive), _u64(nchunks), _u64(counts_end), _u64(off[Stream.ESC_POSITIONS]), _u64(raw_total))
-    _launch(device, "gather_escapes", nchunks, (
-        _ptr(counts32), _ptr(inclusive), _u64(nchunks), _u32(chunk), _ptr(spill_pos), _ptr(spill_val),
-        _ptr(buf), _u64(counts_end), _u64(off[Stream.ESC_POSITIONS]), _u64(raw_total), *_padding_gaps(dense),
+    inclusive = torch.cumsum(counts[:-1], 0)
+    length = counts[-1]
+    plan.tail(stream, plan.tail_grid, (
+        np.uint64(counts.data_ptr()), np.uint64(inclusive.data_ptr()), plan.dense_scalars[2], plan.dense_scalars[1],
+        np.uint64(spill_pos), np.uint64(spill_val), np.uint64(source.data_ptr()), np.uint64(ids),
+        np.uint64(block_elems), plan.dense_scalars[0], np.uint64(base), *plan.tail_scalars,
+        np.uint64(plan.templates.data_ptr()), np.uint64(length.data_ptr()),
     ))
-    _launch(device, f"copy_stored<{layout.total_bits}>", -(-numel // (8 * 32)), (
-        _ptr(source), _ptr(block_ids), _u64(block_elems), _u64(numel), *tail, _ptr(buf),
-    ))
-    _launch(device, "finish_frame", 1, (
-        _ptr(buf), _ptr(_header_templates(layout, shape, chunk, codebook, device)), *tail, _ptr(length),
-    ), threads=256)
     return length
 
 
@@ -232,15 +233,9 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     return frame
 
 
-def _padding_gaps(dense: Header) -> list:
-    """Where the zero padding before the codes and the counts streams starts (0 = none); the
-    compaction kernel writes it, and the padding before the escape streams, saving launches."""
-    gaps = []
-    for stream in (Stream.CODES, Stream.CHUNK_COUNTS):
-        previous_end = dense.offsets[stream - 1] + dense.lengths[stream - 1]
-        needed = dense.lengths[stream] and dense.offsets[stream] > previous_end
-        gaps.append(_u64(previous_end if needed else 0))
-    return gaps
+@functools.lru_cache(maxsize=64)
+def _codebook_table(codebook: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return _on_device(bytes(codebook), device)
 
 
 def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
@@ -248,7 +243,7 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     """Decode a validated-header frame into ``out`` (flat contiguous, or a cache with block_ids).
 
     Raises:
-        CorruptFrame: the escape streams fail validation (checked before any write).
+        CorruptFrame: the escape streams fail validation (nothing was written).
     """
     device = frame.device
     layout = header.layout
@@ -260,26 +255,30 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
             bits = layout.int_dtype  # index_copy_ lacks float8 kernels
             out.view(bits).view(-1, block_elems).index_copy_(0, block_ids, raw.view(bits).view(-1, block_elems))
         return
+    tuning = _tuning()
     numel, chunk = header.numel, header.chunk
     nchunks = (numel + chunk - 1) // chunk
-    off = header.offsets
+    off = [frame.data_ptr() + o for o in header.offsets]
+    stream = torch.cuda.current_stream(device).cuda_stream
     # Counts are < 2**15 for the chunk sizes this path takes (``supports``); a corrupt count with
     # the top bit set reads negative here, but validation reads it unsigned and rejects it.
-    counts = frame[off[Stream.CHUNK_COUNTS]:off[Stream.CHUNK_COUNTS] + 2 * nchunks].view(torch.int16)
-    inclusive = torch.cumsum(counts, 0, dtype=torch.int64)
+    start = header.offsets[Stream.CHUNK_COUNTS]
+    inclusive = torch.cumsum(frame[start:start + 2 * nchunks].view(torch.int16), 0, dtype=torch.int64)
     flags = torch.zeros(1, dtype=torch.int32, device=device)
-    _launch(device, f"validate_escapes<{layout.exp_bits}>", nchunks, (
-        _ptr(frame) + _u64(off[Stream.CHUNK_COUNTS]), _ptr(inclusive), _u64(nchunks), _u64(numel),
-        _u32(chunk), _u64(header.escapes), _ptr(frame) + _u64(off[Stream.ESC_POSITIONS]),
-        _ptr(frame) + _u64(off[Stream.ESC_VALUES]), _ptr(flags),
+    scalars = (np.uint64(numel), np.uint32(chunk), np.uint64(nchunks))
+    _kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning)(stream, _blocks_for_chunks(nchunks, 32), (
+        np.uint64(off[Stream.CHUNK_COUNTS]), np.uint64(inclusive.data_ptr()), scalars[2], scalars[0], scalars[1],
+        np.uint64(header.escapes), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
+        np.uint64(flags.data_ptr()),
     ))
-    _launch(device, f"decode_chunks{_template(layout)}", nchunks, (
-        _ptr(frame) + _u64(off[Stream.RESIDUAL]), _ptr(frame) + _u64(off[Stream.CODES]),
-        _ptr(frame) + _u64(off[Stream.CHUNK_COUNTS]), _ptr(inclusive),
-        _ptr(frame) + _u64(off[Stream.ESC_POSITIONS]), _ptr(frame) + _u64(off[Stream.ESC_VALUES]),
-        _ptr(_codebook_table(header.codebook, device)), _u64(numel), _u32(chunk),
-        _u64(nchunks), _ptr(out), _ptr(block_ids), _u64(block_elems), _ptr(flags),
-    ))
+    _kernel(device.index, f"decode_chunks{_template(layout)}", tuning)(
+        stream, _blocks_for_chunks(nchunks, TUNING["LANES"]), (
+            *(np.uint64(off[s]) for s in (Stream.RESIDUAL, Stream.CODES, Stream.CHUNK_COUNTS)),
+            np.uint64(inclusive.data_ptr()), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
+            np.uint64(_codebook_table(header.codebook, device).data_ptr()), *scalars,
+            np.uint64(out.data_ptr()), np.uint64(0 if block_ids is None else block_ids.data_ptr()),
+            np.uint64(block_elems), np.uint64(flags.data_ptr()),
+        ))
     # The decode kernel skipped every write if validation failed; one sync, after all the work.
     verdict = int(flags.item())
     if verdict:
@@ -290,4 +289,3 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
 def check_alignment(frame: torch.Tensor) -> torch.Tensor:
     """Kernels read streams with aligned vector loads: realign a frame that sits oddly in memory."""
     return frame if frame.data_ptr() % 16 == 0 else frame.clone()
-
