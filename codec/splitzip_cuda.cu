@@ -50,13 +50,30 @@ __device__ __forceinline__ typename Elem<TOTAL>::T* elem_ptr(u8* base, const i64
     return reinterpret_cast<T*>(base) + (u64)block_ids[b] * block_elems + (i - b * block_elems);
 }
 
+// Addressing within one chunk: when the chunk lies inside one block (always for flat tensors,
+// and for caches whose blocks hold whole chunks) the block lookup happens once per chunk.
+template <int TOTAL>
+struct ChunkAddr {
+    typedef typename Elem<TOTAL>::T T;
+    T* chunk_ptr;  // element `start`, or nullptr when the chunk spans blocks
+    u8* base;
+    const i64* ids;
+    u64 block_elems, start;
+    __device__ __forceinline__ ChunkAddr(u8* base_, const i64* ids_, u64 block_elems_, u64 start_, u32 chunk)
+        : base(base_), ids(ids_), block_elems(block_elems_), start(start_) {
+        chunk_ptr = (ids == nullptr || block_elems % chunk == 0) ? elem_ptr<TOTAL>(base, ids, block_elems, start) : nullptr;
+    }
+    __device__ __forceinline__ T* operator()(u64 i) const {
+        return chunk_ptr ? chunk_ptr + (i - start) : elem_ptr<TOTAL>(base, ids, block_elems, i);
+    }
+};
+
 // The 8 elements from element i as packed little-endian words (zero beyond `valid`).
 template <int TOTAL>
-__device__ __forceinline__ void load_group(u8* base, const i64* ids, u64 block_elems, u64 i,
-                                           int valid, u32 (&w)[Elem<TOTAL>::WORDS]) {
+__device__ __forceinline__ void load_group(const typename Elem<TOTAL>::T* p, int valid,
+                                           u32 (&w)[Elem<TOTAL>::WORDS]) {
     typedef typename Elem<TOTAL>::T T;
     typedef typename Elem<TOTAL>::Vec V;
-    T* p = elem_ptr<TOTAL>(base, ids, block_elems, i);
     if (valid == GROUP && (reinterpret_cast<u64>(p) % sizeof(V)) == 0) {
         V v = __ldcs(reinterpret_cast<const V*>(p));  // streamed once: do not keep in cache
         const u32* vw = reinterpret_cast<const u32*>(&v);
@@ -78,11 +95,10 @@ __device__ __forceinline__ u32 element(const u32 (&w)[Elem<TOTAL>::WORDS], int j
 }
 
 template <int TOTAL>
-__device__ __forceinline__ void store_group(u8* base, const i64* ids, u64 block_elems, u64 i,
-                                            int valid, const u32 (&w)[Elem<TOTAL>::WORDS]) {
+__device__ __forceinline__ void store_group(typename Elem<TOTAL>::T* p, int valid,
+                                            const u32 (&w)[Elem<TOTAL>::WORDS]) {
     typedef typename Elem<TOTAL>::T T;
     typedef typename Elem<TOTAL>::Vec V;
-    T* p = elem_ptr<TOTAL>(base, ids, block_elems, i);
     if (valid == GROUP && (reinterpret_cast<u64>(p) % sizeof(V)) == 0) {
         V v;
         u32* vw = reinterpret_cast<u32*>(&v);
@@ -216,6 +232,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
     for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
+        const ChunkAddr<TOTAL> at(x, block_ids, block_elems, start, chunk);
         u32 running = 0;
         for (u64 seg = start; seg < end; seg += SPAN) {
             u32 w[UNROLL][WORDS];
@@ -224,7 +241,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
             for (int k = 0; k < UNROLL; k++) {
                 u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
                 valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
-                if (valid[k]) load_group<TOTAL>(x, block_ids, block_elems, i, valid[k], w[k]);
+                if (valid[k]) load_group<TOTAL>(at(i), valid[k], w[k]);
             }
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
@@ -364,6 +381,7 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
     for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
+        const ChunkAddr<TOTAL> at(out, block_ids, block_elems, start, chunk);
         // Loaded up front, with the streams, so the escape check does not wait on memory.
         u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         for (u64 seg = start; seg < end; seg += SPAN) {
@@ -386,7 +404,7 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
                 u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
                 u32 w[WORDS];
                 decode_group<TOTAL, E, C>(rlo[k], rhi[k], (u32)clo[k], table, book, w);
-                store_group<TOTAL>(out, block_ids, block_elems, i, valid[k], w);
+                store_group<TOTAL>(at(i), valid[k], w);
             }
         }
         if (count == 0) continue;
@@ -395,7 +413,7 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
         constexpr u32 EMASK = ((1u << E) - 1) << M;
         typedef typename Elem<TOTAL>::T T;
         for (u32 t = sublane; t < count; t += LANES) {
-            T* p = elem_ptr<TOTAL>(out, block_ids, block_elems, start + pos_in[off + t]);
+            T* p = at(start + pos_in[off + t]);
             *p = (T)((*p & ~EMASK) | ((u32)val_in[off + t] << M));
         }
     }
@@ -474,8 +492,8 @@ encode_tail(const i64* counts, const i64* inclusive, u64 nchunks, u32 chunk, con
             u64 i = g * GROUP;
             int valid = (int)min((u64)GROUP, n - i);
             u32 w[Elem<TOTAL>::WORDS];
-            load_group<TOTAL>(x, block_ids, block_elems, i, valid, w);
-            store_group<TOTAL>(frame + 160, nullptr, 0, i, valid, w);
+            load_group<TOTAL>(elem_ptr<TOTAL>(x, block_ids, block_elems, i), valid, w);
+            store_group<TOTAL>(reinterpret_cast<typename Elem<TOTAL>::T*>(frame + 160) + i, valid, w);
         }
     }
 }
