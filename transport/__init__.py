@@ -1,3 +1,22 @@
-"""kvferry's data plane: moves opaque frames between sidecars. Knows nothing of KV or codecs."""
+"""kvferry's data plane: moves opaque frames (host or CUDA bytes) between sidecars over UCX
+(ucxx) or asyncio TCP. Knows nothing of KV caches or codecs.
 
-__all__: list[str] = []
+    listener = await transport.listen("0.0.0.0", 7701, config)
+    receive = listener.expect(tag, buffer)          # receiver posts where bytes go
+    conn = await pool.get(host, 7701)               # sender
+    await conn.send(tag, frame)                     # returns once the receiver has every byte
+    nbytes = await receive.wait(timeout)
+"""
+
+from .config import DEFAULT_UCX_OPTIONS, TransportConfig
+from .connection import Connection, Mailbox, Receive
+from .endpoint import Listener, Pool, connect, listen
+from .errors import (ConnectError, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
+                     TransportTimeout)
+from .link import resolve_backend, shutdown_backends
+
+__all__ = [
+    "TransportConfig", "DEFAULT_UCX_OPTIONS", "listen", "connect", "Listener", "Connection", "Pool",
+    "Mailbox", "Receive", "resolve_backend", "shutdown_backends", "TransportError", "ConnectError", "TransportTimeout",
+    "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected",
+]

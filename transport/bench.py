@@ -1,0 +1,134 @@
+"""Loopback throughput: ``python -m transport.bench --backend {ucxx,tcp} --size 256MiB --count N``.
+
+Runs a receiving process and a sending process on 127.0.0.1 and prints one line ending in GB/s
+(payload bytes / seconds from the first announcement to the last acknowledgement). With
+``--baseline`` it first measures raw blocking sockets (sendall / recv_into) between two
+processes the same way, and the main line reports the ratio to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+from .config import TransportConfig
+from .endpoint import connect, listen
+from .link import shutdown_backends
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window)
+    listener = await listen("127.0.0.1", 0, config)
+    print(json.dumps({"port": listener.port}), flush=True)
+    buffers = [bytearray(args.size), bytearray(args.size)]
+    for i in range(args.count):
+        receive = listener.expect(i, buffers[i % 2])
+        await receive.wait(config.op_timeout)
+    await asyncio.sleep(0.2)
+    await listener.close()
+    shutdown_backends()
+
+
+async def _send(args: argparse.Namespace, port: int) -> float:
+    config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window)
+    connection = await connect("127.0.0.1", port, config)
+    payload = memoryview(bytearray(args.size))
+    start = time.perf_counter()
+    pending = set()
+    for i in range(args.count):  # two transfers in flight, so the pipe never drains between them
+        pending.add(asyncio.create_task(connection.send(i, payload)))
+        if len(pending) == 2:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+    for task in pending:
+        await task
+    elapsed = time.perf_counter() - start
+    await connection.close()
+    shutdown_backends()
+    return elapsed
+
+
+def _raw_serve(size: int, count: int) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    print(json.dumps({"port": server.getsockname()[1]}), flush=True)
+    conn, _ = server.accept()
+    buf = memoryview(bytearray(size))
+    for _ in range(count):
+        got = 0
+        while got < size:
+            got += conn.recv_into(buf[got:])
+    conn.sendall(b"k")
+    conn.close()
+
+
+def _raw_send(port: int, size: int, count: int) -> float:
+    sock = socket.create_connection(("127.0.0.1", port))
+    payload = memoryview(bytearray(size))
+    start = time.perf_counter()
+    for _ in range(count):
+        sock.sendall(payload)
+    sock.recv(1)
+    elapsed = time.perf_counter() - start
+    sock.close()
+    return elapsed
+
+
+def _spawn(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+    command = [sys.executable, "-m", "transport.bench", "--role", role, "--backend", args.backend,
+               "--size", str(args.size), "--count", str(args.count), "--chunk", str(args.chunk),
+               "--window", str(args.window)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    for line in process.stdout:  # UCX may print its own warnings on stdout first
+        if line.startswith("{"):
+            return process, json.loads(line)["port"]
+    process.kill()
+    raise RuntimeError(f"{role} process exited before reporting its port")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("ucxx", "tcp"), default="tcp")
+    parser.add_argument("--size", type=parse_size, default=parse_size("256MiB"))
+    parser.add_argument("--count", type=int, default=4)
+    parser.add_argument("--chunk", type=parse_size, default=parse_size("4MiB"))
+    parser.add_argument("--window", type=parse_size, default=parse_size("64MiB"))
+    parser.add_argument("--baseline", action="store_true", help="also measure raw blocking sockets")
+    parser.add_argument("--role", choices=("server", "raw-server"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "server":
+        asyncio.run(_serve(args))
+        return
+    if args.role == "raw-server":
+        _raw_serve(args.size, args.count)
+        return
+    total = args.size * args.count
+    raw_rate = None
+    if args.baseline:
+        process, port = _spawn("raw-server", args)
+        raw_rate = total / _raw_send(port, args.size, args.count) / 1e9
+        process.wait(timeout=60)
+        print(f"raw-sockets size={args.size >> 20}MiB count={args.count} {raw_rate:.2f} GB/s", flush=True)
+    process, port = _spawn("server", args)
+    rate = total / asyncio.run(_send(args, port)) / 1e9
+    process.wait(timeout=60)
+    ratio = f" ratio_vs_raw={rate / raw_rate:.2f}" if raw_rate else ""
+    print(f"{args.backend} size={args.size >> 20}MiB count={args.count} chunk={args.chunk >> 20}MiB{ratio} {rate:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

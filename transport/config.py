@@ -1,0 +1,44 @@
+"""Transport settings, built once by the caller (the daemon's settings) and passed down frozen.
+The transport never reads the environment itself; UCX's own ``UCX_*`` variables still reach UCX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+MiB = 1 << 20
+
+# UCX options applied unless the caller overrides them (keys without the UCX_ prefix). Large
+# TCP segments matter most on hosts without RDMA; REUSEADDR lets a listener restart on its port.
+DEFAULT_UCX_OPTIONS: Mapping[str, str] = MappingProxyType({
+    "TCP_TX_SEG_SIZE": "1m",
+    "TCP_RX_SEG_SIZE": "1m",
+    "TCP_CM_REUSEADDR": "y",
+})
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """How frames move between sidecars.
+
+    ``backend`` is ``"auto"`` (ucxx where it imports, else TCP), ``"ucxx"`` or ``"tcp"``.
+    Frames larger than ``chunk_bytes`` travel as several messages; at most
+    ``max_inflight_bytes`` are sent and not yet acknowledged per connection (backpressure).
+    """
+
+    backend: str = "auto"
+    chunk_bytes: int = 4 * MiB
+    max_inflight_bytes: int = 64 * MiB
+    connect_timeout: float = 5.0
+    op_timeout: float = 30.0
+    close_timeout: float = 5.0
+    ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "ucxx", "tcp"):
+            raise ValueError(f"backend must be auto, ucxx or tcp, not {self.backend!r}")
+        if self.chunk_bytes <= 0 or self.max_inflight_bytes < self.chunk_bytes:
+            raise ValueError("need 0 < chunk_bytes <= max_inflight_bytes")
+        if min(self.connect_timeout, self.op_timeout, self.close_timeout) <= 0:
+            raise ValueError("timeouts must be positive")

@@ -1,0 +1,413 @@
+"""Transfers over one link: announce, accept, chunked data, acknowledgements (see wire.py).
+
+Several transfers share a connection, each named by a 64-bit tag; their chunks interleave.
+Receives are posted in a ``Mailbox`` (shared by all connections of a listener, since the
+receiver does not know which connection a sender will use) before data may flow, so nothing
+arrives that has no place to go: no unbounded buffering. The sender keeps at most
+``max_inflight_bytes`` sent and not yet acknowledged per connection. The reader task never
+writes to the link itself (control messages go through a queue), so two peers streaming at
+each other cannot deadlock on full socket buffers. Any link failure fails every pending
+operation on the connection with the same typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+from . import wire
+from .buffers import Buffer
+from .config import TransportConfig
+from .errors import PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError, TransportTimeout
+from .link import Link, log
+from .wire import Message, MessageType
+
+_ACK_FRACTION = 4  # acknowledge at least every max_inflight_bytes / 4 received
+_DISCARD_CHUNK = 1 << 20
+
+
+class Receive:
+    """A posted receive: the buffer a transfer with ``tag`` will be written into.
+
+    ``wait`` returns the transfer's size once its last byte is in the buffer and fails if the
+    transfer makes no progress for ``timeout`` seconds.
+    """
+
+    def __init__(self, tag: int, buffer: Any, mailbox: Mailbox):
+        self.tag = tag
+        self.buffer = Buffer(buffer, writable=True)
+        self.total: int | None = None
+        self.received = 0
+        self._unacked = 0
+        self._mailbox = mailbox
+        self._future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._progress = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self._future.done()
+
+    async def wait(self, timeout: float) -> int:
+        """Bytes received, once all have landed.
+
+        Raises:
+            TransportTimeout: no progress for ``timeout`` seconds (the receive is cancelled).
+            TransferRejected, PeerLost, ProtocolError, TransportClosed: as the transfer failed.
+        """
+        while True:
+            remaining = self._progress + timeout - time.monotonic()
+            if remaining <= 0:
+                self.fail(TransportTimeout(f"transfer {self.tag:#x}: no data for {timeout:g} s"))
+            with contextlib.suppress(asyncio.TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(self._future), max(remaining, 0))
+
+    def cancel(self) -> None:
+        self.fail(TransportClosed(f"receive {self.tag:#x} cancelled"))
+
+    def fail(self, exc: Exception) -> None:
+        if not self._future.done():
+            self._future.set_exception(exc)
+            self._future.exception()  # retrieved: a receive nobody waits on must not warn
+        self._mailbox._forget(self)
+
+    def _landed(self, n: int) -> None:
+        self.received += n
+        self._unacked += n
+        self._progress = time.monotonic()
+
+    def _finish(self) -> None:
+        if not self._future.done():
+            self._future.set_result(self.received)
+        self._mailbox._forget(self)
+
+
+class Mailbox:
+    """Posted receives by tag, and announcements (RTS) that arrived before their receive."""
+
+    def __init__(self, max_early: int = 4096):
+        self._expected: dict[int, Receive] = {}
+        self._early: dict[int, tuple[Connection, int]] = {}
+        self._max_early = max_early
+
+    def expect(self, tag: int, buffer: Any) -> Receive:
+        """Post a receive of transfer ``tag`` into ``buffer`` (host or CUDA, contiguous).
+
+        Raises:
+            ValueError: a receive for ``tag`` is already posted, or the buffer is not usable.
+        """
+        if tag in self._expected:
+            raise ValueError(f"a receive for tag {tag:#x} is already posted")
+        receive = Receive(tag, buffer, self)
+        self._expected[tag] = receive
+        early = self._early.pop(tag, None)
+        if early is not None:
+            connection, total = early
+            connection._accept(receive, total)
+        return receive
+
+    def _announce(self, connection: Connection, tag: int, total: int) -> None:
+        receive = self._expected.get(tag)
+        if receive is not None and receive.total is None:
+            connection._accept(receive, total)
+        elif receive is not None or tag in self._early:
+            connection._reject(tag, f"transfer {tag:#x} is already in progress")
+        elif len(self._early) >= self._max_early:
+            connection._reject(tag, "too many transfers announced without a posted receive")
+        else:
+            self._early[tag] = (connection, total)
+
+    def _forget(self, receive: Receive) -> None:
+        if self._expected.get(receive.tag) is receive:
+            del self._expected[receive.tag]
+
+    def _drop_connection(self, connection: Connection) -> None:
+        for tag in [t for t, (c, _) in self._early.items() if c is connection]:
+            del self._early[tag]
+
+
+class _Send:
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.accepted: asyncio.Future[int] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.sent = 0
+        self.acked = 0
+
+    def fail(self, exc: Exception) -> None:
+        for future in (self.accepted, self.done):
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()
+
+
+class _Window:
+    """Bytes sent and not yet acknowledged, bounded: senders wait for room."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self._changed = asyncio.Condition()
+        self._error: Exception | None = None
+
+    async def acquire(self, n: int, timeout: float) -> None:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._error is not None or self.used + n <= self.capacity),
+                    timeout)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(f"receiver acknowledged nothing for {timeout:g} s") from None
+            if self._error is not None:
+                raise self._error
+            self.used += n
+
+    async def release(self, n: int) -> None:
+        async with self._changed:
+            self.used = max(0, self.used - n)
+            self._changed.notify_all()
+
+    async def fail(self, exc: Exception) -> None:
+        async with self._changed:
+            self._error = exc
+            self._changed.notify_all()
+
+
+class Connection:
+    """A multiplexed, flow-controlled connection to one peer."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, link: Link, config: TransportConfig, mailbox: Mailbox):
+        self.link = link
+        self.peer = link.peer
+        self.id = next(self._ids)
+        self._config = config
+        self._mailbox = mailbox
+        self._write_lock = asyncio.Lock()
+        self._window = _Window(config.max_inflight_bytes)
+        self._sends: dict[int, _Send] = {}
+        self._receives: dict[int, Receive] = {}
+        self._control: asyncio.Queue[Message | bytes | None] = asyncio.Queue()
+        self._error: Exception | None = None
+        self._closed = asyncio.Event()
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self._controller = asyncio.get_running_loop().create_task(self._control_loop())
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # ---- sending -------------------------------------------------------------------------
+    async def send(self, tag: int, payload: Any, *, timeout: float | None = None) -> None:
+        """Send ``payload`` (host or CUDA buffer) as transfer ``tag``; returns once the receiver
+        has every byte in its buffer.
+
+        Raises:
+            TransferRejected: the receiver refused it (no receive posted in time is a timeout).
+            TransportTimeout: no progress for ``timeout`` (default ``op_timeout``) seconds.
+            PeerLost, TransportClosed, ProtocolError: the connection failed.
+        """
+        timeout = self._config.op_timeout if timeout is None else timeout
+        self._check_open()
+        if tag in self._sends:
+            raise ValueError(f"a send with tag {tag:#x} is already in progress on this connection")
+        data = Buffer(payload)
+        state = self._sends[tag] = _Send()
+        try:
+            await self._write(Message(MessageType.RTS, tag, total=data.nbytes))
+            await self._await(state.accepted, timeout, f"transfer {tag:#x}: receiver did not accept")
+            chunk = self._config.chunk_bytes
+            for offset in range(0, data.nbytes, chunk):
+                n = min(chunk, data.nbytes - offset)
+                await self._window.acquire(n, timeout)
+                state.sent += n
+                await self._write(Message(MessageType.DATA, tag, offset, n, data.nbytes),
+                                  data.region(offset, offset + n))
+            await self._await(state.done, timeout, f"transfer {tag:#x}: receiver did not confirm")
+        finally:
+            del self._sends[tag]
+            if state.sent > state.acked and not self.closed:
+                await self._window.release(state.sent - state.acked)
+
+    async def _await(self, future: Awaitable, timeout: float, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(f"{what} within {timeout:g} s") from None
+
+    async def _write(self, message: Message, payload: Any = None) -> None:
+        self._check_open()
+        async with self._write_lock:
+            self._check_open()
+            try:
+                await asyncio.wait_for(self.link.send(message.pack(), payload), self._config.op_timeout)
+            except asyncio.TimeoutError:
+                # A write cut short leaves the stream mid-message: the connection cannot go on.
+                exc = TransportTimeout(f"{self.peer}: a write made no progress for {self._config.op_timeout:g} s")
+                await self._fail(exc)
+                raise exc from None
+            except TransportError as exc:
+                await self._fail(exc)
+                raise
+
+    # ---- receiving -----------------------------------------------------------------------
+    async def recv(self, tag: int, buffer: Any, *, timeout: float | None = None) -> int:
+        """Post a receive for ``tag`` in this connection's mailbox and wait for it."""
+        self._check_open()
+        receive = self._mailbox.expect(tag, buffer)
+        return await receive.wait(self._config.op_timeout if timeout is None else timeout)
+
+    def _accept(self, receive: Receive, total: int) -> None:
+        if self.closed:
+            receive.fail(self._error)
+            return
+        if total > receive.buffer.nbytes:
+            reason = f"transfer {receive.tag:#x} of {total} bytes does not fit a {receive.buffer.nbytes}-byte buffer"
+            receive.fail(TransferRejected(reason))
+            self._reject(receive.tag, reason)
+            return
+        receive.total = total
+        self._receives[receive.tag] = receive
+        self._control.put_nowait(Message(MessageType.CTS, receive.tag, total=total))
+        if total == 0:
+            self._complete(receive)
+
+    def _reject(self, tag: int, reason: str) -> None:
+        text = reason.encode()[: wire.MAX_REASON_BYTES]
+        self._control.put_nowait(Message(MessageType.REJECT, tag, length=len(text)))
+        self._control.put_nowait(text)
+
+    def _complete(self, receive: Receive) -> None:
+        self._control.put_nowait(Message(MessageType.ACK, receive.tag, length=receive._unacked, flags=wire.FLAG_DONE))
+        receive._unacked = 0
+        self._receives.pop(receive.tag, None)
+        receive._finish()
+
+    async def _control_loop(self) -> None:
+        """Writes CTS, REJECT and ACK, so the reader never blocks on the link."""
+        while True:
+            item = await self._control.get()
+            if item is None:
+                return
+            try:
+                if isinstance(item, Message) and item.type == MessageType.REJECT:
+                    reason = await self._control.get()
+                    await self._write(item, memoryview(reason))
+                else:
+                    await self._write(item)
+            except TransportError:
+                return
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                message = wire.unpack(await self.link.recv_header(wire.HEADER_SIZE))
+                await self._dispatch(message)
+        except TransportError as exc:
+            await self._fail(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must not leave operations hanging
+            log.exception("connection %s reader failed", self.peer)
+            await self._fail(ProtocolError(f"reader failed: {exc!r}"))
+
+    async def _dispatch(self, m: Message) -> None:
+        if m.type == MessageType.RTS:
+            self._mailbox._announce(self, m.tag, m.total)
+        elif m.type == MessageType.CTS:
+            state = self._sends.get(m.tag)
+            if state is not None and not state.accepted.done():
+                state.accepted.set_result(m.total)
+        elif m.type == MessageType.REJECT:
+            reason = bytearray(m.length)
+            await self.link.recv_payload(memoryview(reason))
+            state = self._sends.get(m.tag)
+            if state is not None:
+                state.fail(TransferRejected(reason.decode(errors="replace")))
+        elif m.type == MessageType.DATA:
+            await self._on_data(m)
+        elif m.type == MessageType.ACK:
+            state = self._sends.get(m.tag)
+            if state is not None:
+                n = min(m.length, state.sent - state.acked)
+                state.acked += n
+                await self._window.release(n)
+                if m.flags & wire.FLAG_DONE and not state.done.done():
+                    state.done.set_result(None)
+        elif m.type == MessageType.GOODBYE:
+            raise PeerLost(f"{self.peer} closed the connection")
+
+    async def _on_data(self, m: Message) -> None:
+        receive = self._receives.get(m.tag)
+        if receive is None or receive.done:
+            # Cancelled or timed out here while the sender was mid-transfer: drop its bytes,
+            # tell it once, keep the connection.
+            await self._discard(m.length)
+            if receive is not None:
+                self._receives.pop(m.tag, None)
+                self._reject(m.tag, f"receive {m.tag:#x} was cancelled")
+            return
+        if m.total != receive.total or m.offset + m.length > receive.total:
+            raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
+        await self.link.recv_payload(receive.buffer.region(m.offset, m.offset + m.length))
+        receive._landed(m.length)
+        if receive.received >= receive.total:
+            self._complete(receive)
+        elif receive._unacked >= self._config.max_inflight_bytes // _ACK_FRACTION:
+            self._control.put_nowait(Message(MessageType.ACK, m.tag, length=receive._unacked))
+            receive._unacked = 0
+
+    async def _discard(self, n: int) -> None:
+        scratch = bytearray(min(n, _DISCARD_CHUNK))
+        while n:
+            k = min(n, len(scratch))
+            await self.link.recv_payload(memoryview(scratch)[:k])
+            n -= k
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def _fail(self, exc: Exception) -> None:
+        """Fail every pending operation with ``exc`` and drop the link (idempotent)."""
+        if self._error is not None:
+            return
+        self._error = exc
+        for state in self._sends.values():
+            state.fail(exc)
+        for receive in list(self._receives.values()):
+            receive.fail(exc)
+        self._receives.clear()
+        self._mailbox._drop_connection(self)
+        await self._window.fail(exc)
+        self._control.put_nowait(None)
+        await self.link.close()
+        current = asyncio.current_task()
+        for task in (self._reader, self._controller):
+            if task is not current:
+                task.cancel()
+        self._closed.set()
+
+    async def close(self) -> None:
+        """Let in-flight sends finish (up to ``close_timeout``), say goodbye, close. Operations
+        still pending then fail with TransportClosed."""
+        if self.closed:
+            await self._closed.wait()
+            return
+        deadline = time.monotonic() + self._config.close_timeout
+        while self._sends and time.monotonic() < deadline and not self.closed:
+            await asyncio.sleep(0.01)
+        if not self.closed:
+            with contextlib.suppress(TransportError, asyncio.TimeoutError):
+                async with self._write_lock:
+                    await asyncio.wait_for(self.link.send(Message(MessageType.GOODBYE).pack()),
+                                           self._config.close_timeout)
+        await self._fail(TransportClosed(f"connection to {self.peer} closed"))

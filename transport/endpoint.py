@@ -1,0 +1,114 @@
+"""Opening connections: ``listen`` (accepting side), ``connect``, and a ``Pool`` that reuses
+one live connection per peer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from .config import TransportConfig
+from .connection import Connection, Mailbox
+from .errors import TransportClosed
+from .link import Link, backend_module, log, resolve_backend
+
+
+class Listener:
+    """Accepts connections; receives posted in ``mailbox`` match transfers from any of them."""
+
+    def __init__(self, backend: str, config: TransportConfig, mailbox: Mailbox):
+        self.backend = backend
+        self.mailbox = mailbox
+        self.port = 0
+        self._config = config
+        self._handle = None
+        self._connections: set[Connection] = set()
+        self._closed = False
+
+    async def _on_link(self, link: Link) -> None:
+        if self._closed:
+            await link.close()
+            return
+        connection = Connection(link, self._config, self.mailbox)
+        self._connections.add(connection)
+        log.debug("accepted connection %d from %s", connection.id, connection.peer)
+        try:
+            await connection.wait_closed()  # ucxx keeps a link while its handler runs
+        finally:
+            self._connections.discard(connection)
+
+    def expect(self, tag: int, buffer) -> object:
+        """Post a receive for transfer ``tag`` (see ``Mailbox.expect``)."""
+        return self.mailbox.expect(tag, buffer)
+
+    async def close(self) -> None:
+        """Stop accepting, then close every accepted connection."""
+        self._closed = True
+        if self._handle is not None:
+            await self._handle.close()
+        await asyncio.gather(*(c.close() for c in list(self._connections)), return_exceptions=True)
+
+
+async def listen(host: str, port: int, config: TransportConfig, *, backend: str | None = None,
+                 mailbox: Mailbox | None = None) -> Listener:
+    """Start accepting transport connections on ``host:port`` (port 0: any free port).
+
+    Raises:
+        ConnectError: the port cannot be bound.
+    """
+    name = backend or resolve_backend(config)
+    listener = Listener(name, config, mailbox or Mailbox())
+    listener._handle = await backend_module(name).listen(host, port, listener._on_link, config)
+    listener.port = listener._handle.port
+    return listener
+
+
+async def connect(host: str, port: int, config: TransportConfig, *, backend: str | None = None,
+                  mailbox: Mailbox | None = None) -> Connection:
+    """Open a connection to a listener.
+
+    Raises:
+        ConnectError: refused, unreachable, or not connected within ``connect_timeout``.
+    """
+    name = backend or resolve_backend(config)
+    link = await backend_module(name).connect(host, port, config)
+    return Connection(link, config, mailbox or Mailbox())
+
+
+class Pool:
+    """One live connection per peer, opened on first use and reopened after a failure."""
+
+    def __init__(self, config: TransportConfig, *, backend: str | None = None):
+        self._config = config
+        self._backend = backend or resolve_backend(config)
+        self._connections: dict[tuple[str, int], Connection] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._closed = False
+
+    async def get(self, host: str, port: int) -> Connection:
+        """A live connection to ``host:port``.
+
+        Raises:
+            ConnectError: as ``connect``; TransportClosed: the pool is closed.
+        """
+        if self._closed:
+            raise TransportClosed("connection pool is closed")
+        key = (host, port)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            connection = self._connections.get(key)
+            if connection is None or connection.closed:
+                connection = await connect(host, port, self._config, backend=self._backend)
+                self._connections[key] = connection
+            return connection
+
+    async def discard(self, connection: Connection) -> None:
+        """Close ``connection`` and forget it (after an error the caller cannot recover from)."""
+        for key, known in list(self._connections.items()):
+            if known is connection:
+                del self._connections[key]
+        await connection.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        connections, self._connections = list(self._connections.values()), {}
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(c.close() for c in connections), return_exceptions=True)

@@ -1,0 +1,43 @@
+"""The transport's exception tree. Backend errors (OSError, ucxx's UCXError) are translated at
+the backend's edge and chained with ``from``.
+
+    TransportError
+    ├── ConnectError       could not reach the peer (refused, unreachable, connect timeout)
+    ├── TransportTimeout   an operation made no progress within its timeout (also TimeoutError)
+    ├── PeerLost           the peer vanished or reset the connection mid-operation
+    ├── TransportClosed    the connection or listener was closed locally
+    ├── ProtocolError      the peer sent bytes that are not a valid kvferry transport message
+    └── TransferRejected   the receiver refused a transfer (no such tag, buffer too small, ...)
+"""
+
+
+class TransportError(Exception):
+    """Root of every error the transport raises."""
+
+
+class ConnectError(TransportError):
+    """The peer could not be reached."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """An operation made no progress within its timeout."""
+
+
+class PeerLost(TransportError):
+    """The peer vanished, reset or closed the connection while an operation was pending."""
+
+
+class TransportClosed(TransportError):
+    """The connection or listener was closed locally."""
+
+
+class ProtocolError(TransportError):
+    """The peer sent a malformed or unexpected message; the connection is dropped."""
+
+
+class TransferRejected(TransportError):
+    """The receiving side refused the transfer; ``reason`` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason

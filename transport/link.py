@@ -1,0 +1,90 @@
+"""The interface every backend implements: an ordered, reliable message link between two peers,
+and a listener that hands each new link to a callback. The protocol lives in connection.py."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .config import TransportConfig
+
+log = logging.getLogger("kvferry.transport")
+
+
+class Link(ABC):
+    """One connection as the protocol sees it: messages go out whole and in order."""
+
+    peer: str
+
+    @abstractmethod
+    async def send(self, header: bytes, payload: Any = None) -> None:
+        """Send a header and, if given, its payload region (host or device).
+
+        Raises:
+            PeerLost, TransportClosed.
+        """
+
+    @abstractmethod
+    async def recv_header(self, size: int) -> bytes:
+        """Receive the next header of exactly ``size`` bytes.
+
+        Raises:
+            PeerLost, TransportClosed.
+        """
+
+    @abstractmethod
+    async def recv_payload(self, region: Any) -> None:
+        """Receive exactly ``len(region)`` payload bytes into ``region`` (host or device)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release the link; pending operations on it fail."""
+
+
+class ListenerHandle(ABC):
+    port: int
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop accepting connections."""
+
+
+OnLink = Callable[[Link], Awaitable[None]]
+
+
+def resolve_backend(config: TransportConfig) -> str:
+    """The backend that ``config`` selects on this machine: decided once by the caller, logged.
+
+    Raises:
+        ImportError: ``backend="ucxx"`` but ucxx does not import.
+    """
+    if config.backend == "tcp":
+        return "tcp"
+    try:
+        import ucxx  # noqa: F401  (transport/ucx.py is the only module that uses it)
+    except ImportError:
+        if config.backend == "ucxx":
+            raise
+        return "tcp"
+    return "ucxx"
+
+
+def shutdown_backends() -> None:
+    """Release process-wide backend state (ucxx's notifier thread) before the event loop ends."""
+    import sys
+
+    ucx = sys.modules.get(f"{__package__}.ucx")
+    if ucx is not None:
+        ucx.shutdown()
+
+
+def backend_module(name: str):
+    if name == "ucxx":
+        from . import ucx
+
+        return ucx
+    from . import tcp
+
+    return tcp

@@ -1,0 +1,145 @@
+"""The asyncio TCP backend: raw non-blocking sockets (``sock_sendall``/``sock_recv_into``, no
+StreamReader copies). Device buffers are staged through host memory."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from .config import TransportConfig
+from .errors import ConnectError, PeerLost, TransportClosed
+from .link import Link, ListenerHandle, OnLink, log
+
+_SOCKET_BUFFER = 4 << 20
+
+
+class TcpLink(Link):
+    def __init__(self, sock: socket.socket):
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        try:
+            host, port = sock.getpeername()[:2]
+            self.peer = f"{host}:{port}"
+        except OSError:
+            self.peer = "?"
+
+    async def send(self, header: bytes, payload: Any = None) -> None:
+        try:
+            await self._loop.sock_sendall(self._sock, header)
+            if payload is not None and len(payload):
+                await self._loop.sock_sendall(self._sock, _host_bytes(payload))
+        except OSError as exc:
+            raise self._lost(exc) from exc
+
+    async def recv_header(self, size: int) -> bytes:
+        buf = bytearray(size)
+        await self._recv_exactly(memoryview(buf))
+        return bytes(buf)
+
+    async def recv_payload(self, region: Any) -> None:
+        if getattr(region, "is_cuda", False):
+            staging = bytearray(region.numel())
+            await self._recv_exactly(memoryview(staging))
+            import torch
+
+            region.copy_(torch.frombuffer(staging, dtype=torch.uint8))
+        else:
+            await self._recv_exactly(region)
+
+    async def _recv_exactly(self, view: memoryview) -> None:
+        got, total = 0, len(view)
+        while got < total:
+            try:
+                n = await self._loop.sock_recv_into(self._sock, view[got:])
+            except OSError as exc:
+                raise self._lost(exc) from exc
+            if n == 0:
+                raise TransportClosed("link closed") if self._closed else PeerLost("peer closed the connection")
+            got += n
+
+    def _lost(self, exc: OSError) -> Exception:
+        return TransportClosed("link closed") if self._closed else PeerLost(f"{self.peer}: {exc}")
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+
+
+def _host_bytes(payload: Any) -> Any:
+    if getattr(payload, "is_cuda", False):
+        return memoryview(payload.cpu().numpy())
+    return payload
+
+
+class TcpListener(ListenerHandle):
+    def __init__(self, sock: socket.socket, on_link: OnLink):
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._on_link = on_link
+        self._handlers: set[asyncio.Task] = set()
+        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:
+                log.warning("tcp accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            task = loop.create_task(self._on_link(TcpLink(conn)))
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._sock.close()
+
+
+async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig) -> TcpListener:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConnectError(f"cannot listen on {host}:{port}: {exc}") from exc
+    sock.listen(128)
+    sock.setblocking(False)
+    return TcpListener(sock, on_link)
+
+
+async def connect(host: str, port: int, config: TransportConfig) -> TcpLink:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConnectError(f"cannot resolve {host}: {exc}") from exc
+    family, _, proto, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM, proto)
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, address), config.connect_timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        sock.close()
+        reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+        raise ConnectError(f"cannot connect to {host}:{port}: {reason}") from exc
+    return TcpLink(sock)

@@ -1,0 +1,123 @@
+"""The UCX backend over ucxx (the maintained successor of ucx-py): TCP, RDMA or CUDA IPC,
+whatever UCX finds. The only module that imports ucxx. Host and CUDA buffers go to UCX as they
+are (``__cuda_array_interface__``), so GPU-to-GPU needs no staging where UCX can do it.
+
+ucxx is initialized once per process with the caller's UCX options and Python-future
+notification (faster progress); its notifier thread is stopped at exit, as ucxx requires.
+Listeners always enable endpoint error handling, so endpoints do too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+from typing import Any
+
+import numpy as np
+import ucxx
+from ucxx.exceptions import UCXCanceled, UCXCloseError, UCXError
+
+from .config import TransportConfig
+from .errors import ConnectError, PeerLost, TransportClosed
+from .link import Link, ListenerHandle, OnLink, log
+
+
+_started = False
+
+
+@functools.cache
+def _init(options: tuple[tuple[str, str], ...]) -> None:
+    global _started
+    # UCX_* set in the environment win over our defaults: operators tune UCX the usual way.
+    ucxx.init(options=dict(options), env_takes_precedence=True, enable_python_future=True)
+    _started = True
+    atexit.register(ucxx.stop_notifier_thread)
+    log.info("ucxx initialized with UCX options %s (UCX_* environment variables take precedence)", dict(options))
+
+
+def shutdown() -> None:
+    """Stop ucxx's notifier thread; must run before the event loop closes, or closing hangs."""
+    if _started:
+        ucxx.stop_notifier_thread()
+
+
+def _ensure(config: TransportConfig) -> None:
+    _init(tuple(sorted(config.ucx_options.items())))
+
+
+class UcxLink(Link):
+    def __init__(self, endpoint: Any, peer: str):
+        self._ep = endpoint
+        self.peer = peer
+        self._closed = False
+
+    async def send(self, header: bytes, payload: Any = None) -> None:
+        try:
+            await self._ep.send(np.frombuffer(header, dtype=np.uint8))
+            if payload is not None and len(payload):
+                await self._ep.send(payload)
+        except (UCXError, UCXCanceled, UCXCloseError) as exc:
+            raise self._lost(exc) from exc
+
+    async def recv_header(self, size: int) -> bytes:
+        buf = np.empty(size, dtype=np.uint8)
+        await self._recv(buf)
+        return buf.tobytes()
+
+    async def recv_payload(self, region: Any) -> None:
+        if isinstance(region, memoryview):
+            region = np.frombuffer(region, dtype=np.uint8)
+        await self._recv(region)
+
+    async def _recv(self, buf: Any) -> None:
+        try:
+            await self._ep.recv(buf)
+        except (UCXError, UCXCanceled, UCXCloseError) as exc:
+            raise self._lost(exc) from exc
+
+    def _lost(self, exc: Exception) -> Exception:
+        return TransportClosed("link closed") if self._closed else PeerLost(f"{self.peer}: {type(exc).__name__}: {exc}")
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                await self._ep.close()
+            except (UCXError, UCXCanceled, UCXCloseError, asyncio.CancelledError):
+                pass
+
+
+class UcxListener(ListenerHandle):
+    def __init__(self, listener: Any):
+        self._listener = listener
+        self.port = listener.port
+
+    async def close(self) -> None:
+        self._listener.close()
+
+
+async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig) -> UcxListener:
+    _ensure(config)
+
+    async def handler(endpoint: Any) -> None:
+        await on_link(UcxLink(endpoint, "ucx-peer"))
+
+    try:
+        listener = ucxx.create_listener(handler, port, endpoint_error_handling=True,
+                                        connect_timeout=config.connect_timeout)
+    except UCXError as exc:
+        raise ConnectError(f"cannot listen on port {port}: {exc}") from exc
+    return UcxListener(listener)
+
+
+async def connect(host: str, port: int, config: TransportConfig) -> UcxLink:
+    _ensure(config)
+    try:
+        endpoint = await asyncio.wait_for(
+            ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=config.connect_timeout),
+            config.connect_timeout + 1.0,
+        )
+    except (UCXError, OSError, asyncio.TimeoutError, TimeoutError) as exc:
+        raise ConnectError(f"cannot connect to {host}:{port} over UCX: {type(exc).__name__}: {exc}") from exc
+    return UcxLink(endpoint, f"{host}:{port}")

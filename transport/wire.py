@@ -1,0 +1,100 @@
+"""The transport's wire messages (version 1): the one place that knows their byte layout.
+
+Every message is a fixed 48-byte little-endian header, followed, for DATA and REJECT only, by
+``length`` payload bytes:
+
+    offset size field
+         0    4 magic b"KVFT"
+         4    1 version (1)
+         5    1 type (MessageType)
+         6    2 flags (bit 0: DONE on ACK)
+         8    8 tag: the transfer this message belongs to
+        16    8 offset: DATA: byte offset of the payload in the transfer
+        24    8 length: DATA/REJECT: payload bytes that follow; ACK: bytes acknowledged
+        32    8 total: RTS/CTS/DATA: the transfer's size in bytes
+        40    4 reserved (0)
+        44    4 CRC32C of bytes 0..43
+
+A transfer: the sender announces it (RTS, tag, total); the receiver, once a buffer is ready,
+answers CTS (or REJECT with a UTF-8 reason); DATA chunks follow, interleaved with other
+transfers' chunks on the same connection; the receiver ACKs bytes as they land (the sender's
+window) and sets DONE when the last byte is written. GOODBYE ends a connection cleanly.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import google_crc32c
+
+from .errors import ProtocolError
+
+MAGIC = b"KVFT"
+VERSION = 1
+FLAG_DONE = 0x1
+_LAYOUT = struct.Struct("<4sBBHQQQQI")
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _LAYOUT.size + _CRC.size
+assert HEADER_SIZE == 48
+MAX_REASON_BYTES = 4096
+
+
+class MessageType(IntEnum):
+    HELLO = 1
+    RTS = 2
+    CTS = 3
+    REJECT = 4
+    DATA = 5
+    ACK = 6
+    GOODBYE = 7
+
+
+@dataclass(frozen=True)
+class Message:
+    type: MessageType
+    tag: int = 0
+    offset: int = 0
+    length: int = 0
+    total: int = 0
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        body = _LAYOUT.pack(MAGIC, VERSION, int(self.type), self.flags, self.tag, self.offset,
+                            self.length, self.total, 0)
+        return body + _CRC.pack(google_crc32c.value(body))
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes that follow this header on the wire."""
+        return self.length if self.type in (MessageType.DATA, MessageType.REJECT) else 0
+
+
+def unpack(data: bytes | bytearray | memoryview) -> Message:
+    """Parse and check one header.
+
+    Raises:
+        ProtocolError: wrong size, magic, version, checksum, type or field combination.
+    """
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"header is {len(data)} bytes, expected {HEADER_SIZE}")
+    body = bytes(data[:_LAYOUT.size])
+    magic, version, kind, flags, tag, offset, length, total, reserved = _LAYOUT.unpack(body)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported transport version {version}")
+    if _CRC.unpack(bytes(data[_LAYOUT.size:]))[0] != google_crc32c.value(body):
+        raise ProtocolError("header checksum mismatch")
+    try:
+        message_type = MessageType(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {kind}") from None
+    if reserved or flags & ~FLAG_DONE:
+        raise ProtocolError("reserved bits set")
+    if message_type == MessageType.DATA and offset + length > total:
+        raise ProtocolError(f"DATA [{offset}, {offset + length}) beyond transfer size {total}")
+    if message_type == MessageType.REJECT and length > MAX_REASON_BYTES:
+        raise ProtocolError("REJECT reason too long")
+    return Message(message_type, tag, offset, length, total, flags)
