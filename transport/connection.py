@@ -226,7 +226,7 @@ class Connection:
             chunk = self._config.chunk_bytes
             for offset in range(0, data.nbytes, chunk):
                 n = min(chunk, data.nbytes - offset)
-                await self._window.acquire(n, timeout)
+                await self._room_for(state, n, timeout)
                 state.sent += n
                 await self._write(Message(MessageType.DATA, tag, offset, n, data.nbytes),
                                   data.region(offset, offset + n))
@@ -235,6 +235,20 @@ class Connection:
             del self._sends[tag]
             if state.sent > state.acked and not self.closed:
                 await self._window.release(state.sent - state.acked)
+
+    async def _room_for(self, state: _Send, n: int, timeout: float) -> None:
+        """Wait for window room, but give up as soon as the receiver rejects the transfer."""
+        acquire = asyncio.ensure_future(self._window.acquire(n, timeout))
+        finished, _ = await asyncio.wait({acquire, state.done}, return_when=asyncio.FIRST_COMPLETED)
+        if acquire in finished:
+            acquire.result()
+            return
+        acquire.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            if await asyncio.gather(acquire, return_exceptions=True) == [None]:
+                await self._window.release(n)  # it got room just as the rejection came
+        state.done.result()  # raises the rejection or connection failure
+        raise TransportClosed("transfer completed before it was sent")
 
     async def _await(self, future: Awaitable, timeout: float, what: str) -> Any:
         try:

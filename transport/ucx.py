@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import functools
+import gc
 from typing import Any
 
 import numpy as np
@@ -37,9 +38,17 @@ def _init(options: tuple[tuple[str, str], ...]) -> None:
 
 
 def shutdown() -> None:
-    """Stop ucxx's notifier thread; must run before the event loop closes, or closing hangs."""
+    """Stop ucxx's notifier thread and release UCX; must run before the event loop closes, or
+    closing hangs. A later listen/connect initializes UCX again (on the then-running loop)."""
+    global _started
     if _started:
         ucxx.stop_notifier_thread()
+        try:
+            ucxx.reset()
+        except Exception as exc:  # live endpoints keep UCX up; the process is ending anyway
+            log.warning("ucxx reset incomplete: %s", exc)
+        _started = False
+        _init.cache_clear()
 
 
 def _ensure(config: TransportConfig) -> None:
@@ -94,7 +103,12 @@ class UcxListener(ListenerHandle):
         self.port = listener.port
 
     async def close(self) -> None:
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            # The UCX listener goes when its last reference does; handler frames can hold one
+            # in a cycle, and until it goes the port cannot be bound again.
+            gc.collect()
 
 
 async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig) -> UcxListener:

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+import transport
+
+# A CPU machine: UCX over TCP only (set before ucxx initializes; the transport never reads env).
+os.environ.setdefault("UCX_TLS", "tcp")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+BACKENDS = ["tcp", "ucxx"]
+
+
+def config(backend: str, **overrides) -> transport.TransportConfig:
+    settings = dict(backend=backend, chunk_bytes=1 << 20, max_inflight_bytes=8 << 20,
+                    connect_timeout=3.0, op_timeout=5.0, close_timeout=2.0)
+    settings.update(overrides)
+    return transport.TransportConfig(**settings)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+def run(coro, timeout: float = 120.0):
+    """Run a test coroutine with a hard ceiling, so a hang fails instead of stalling CI."""
+    async def bounded():
+        try:
+            return await asyncio.wait_for(coro, timeout)
+        finally:
+            transport.shutdown_backends()
+
+    return asyncio.run(bounded())

@@ -1,0 +1,35 @@
+"""Golden bytes and validation of the transport's message header."""
+
+from __future__ import annotations
+
+import pytest
+
+from transport import ProtocolError, wire
+from transport.wire import Message, MessageType
+
+GOLDEN = bytes.fromhex(
+    "4b56465401050100" "0700000000000000" "0010000000000000" "0004000000000000"
+    "0020000000000000" "00000000")
+
+
+def test_golden_data_header():
+    message = Message(MessageType.DATA, tag=7, offset=4096, length=1024, total=8192, flags=1)
+    packed = message.pack()
+    assert len(packed) == wire.HEADER_SIZE == 48
+    assert packed[:44] == GOLDEN
+    assert wire.unpack(packed) == message
+
+
+@pytest.mark.parametrize("position", range(48))
+def test_any_flipped_byte_is_rejected(position):
+    packed = bytearray(Message(MessageType.RTS, tag=3, total=10).pack())
+    packed[position] ^= 0x40
+    with pytest.raises(ProtocolError):
+        wire.unpack(bytes(packed))
+
+
+def test_data_beyond_total_and_wrong_size():
+    with pytest.raises(ProtocolError, match="beyond"):
+        wire.unpack(Message(MessageType.DATA, tag=1, offset=10, length=10, total=15).pack())
+    with pytest.raises(ProtocolError, match="48"):
+        wire.unpack(b"KVFT")
