@@ -27,8 +27,54 @@ def main(argv: list[str] | None = None) -> int:
                      help="only arrays whose name matches, e.g. '_k$' for a K-only codebook")
     cal.set_defaults(run=_calibrate)
 
+    serve = sub.add_parser("serve", help="run the sidecar daemon (control API + data listener)")
+    serve.add_argument("--config", help="YAML settings file (also KVFERRY_CONFIG)")
+    serve.add_argument("--host", help="control API bind address (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, help="control API port (default 7700)")
+    serve.add_argument("--data-host", help="data listener bind address (default 0.0.0.0)")
+    serve.add_argument("--data-port", type=int, help="data listener port (default 7701; 0 = any)")
+    serve.add_argument("--advertise-host", help="address peers use for the data port")
+    serve.add_argument("--token", help="bearer token for the control API (also KVFERRY_TOKEN)")
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    serve.add_argument("--chunk-bytes", type=int, help="raw KV bytes per pipeline chunk")
+    serve.add_argument("--transport-backend", choices=("auto", "ucxx", "tcp"))
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(run=_serve)
+
+    demo_all = sub.add_parser("demo", help="two sidecars on loopback move real KV, compressed, bit-exact")
+    demo_all.add_argument("--data", type=Path, default=DEFAULT_SAMPLE, help="KV sample (.npz of bf16 bit patterns)")
+    demo_all.add_argument("--backend", choices=("auto", "ucxx", "tcp"), default="tcp")
+    demo_all.set_defaults(run=_demo)
+
     args = parser.parse_args(argv)
     return args.run(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import json
+    import logging
+
+    import uvicorn
+
+    from . import settings as settings_module
+    from .app import create_app
+
+    cli = {k: v for k, v in vars(args).items() if k not in ("command", "run", "config")}
+    settings = settings_module.load(cli, config_file=args.config)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvferry").info("settings: %s", json.dumps(settings.public()))
+    ucx_env = {k: v for k, v in __import__("os").environ.items() if k.startswith("UCX_")}
+    logging.getLogger("kvferry").info("UCX environment: %s", ucx_env)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                                           log_level=settings.log_level, timeout_graceful_shutdown=10))
+    server.run()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.data, args.backend)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -1,0 +1,28 @@
+"""Prometheus metrics, in a registry of the app's own (no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.transfers = Counter("kvferry_transfers", "Transfers that reached a state",
+                                 ["state", "direction"], registry=r)
+        self.bytes_raw = Counter("kvferry_bytes_raw", "Uncompressed KV bytes moved", ["direction"], registry=r)
+        self.bytes_wire = Counter("kvferry_bytes_wire", "Bytes put on or taken off the wire", ["direction"], registry=r)
+        self.ratio = Histogram("kvferry_compression_ratio", "Raw / wire bytes per finished transfer",
+                               buckets=(1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.6, 2.0), registry=r)
+        self.codec_seconds = Counter("kvferry_codec_seconds", "Time in the codec", ["op"], registry=r)
+        self.wire_seconds = Counter("kvferry_wire_seconds", "Time sending chunks", registry=r)
+        self.latency = Histogram("kvferry_transfer_seconds", "Transfer latency, start to last block written",
+                                 ["direction"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60),
+                                 registry=r)
+        self.inflight_chunks = Gauge("kvferry_inflight_chunks", "Chunks encoded and not yet acknowledged",
+                                     registry=r)
+        self.active = Gauge("kvferry_active_transfers", "Transfers queued or running", ["direction"], registry=r)
+        self.errors = Counter("kvferry_errors", "Failures by kind", ["kind"], registry=r)
+        self.regions = Gauge("kvferry_regions", "Registered regions", registry=r)
+        self.info = Info("kvferry_build", "Sidecar build and the transport backend chosen at start-up", registry=r)

@@ -1,0 +1,156 @@
+"""Registered KV memory: a tensor of ``num_blocks`` blocks of ``block_shape`` (block i is the
+i-th slice along dim 0), owned by the sidecar, mapped from a worker's POSIX shared memory, or
+opened from a worker's CUDA IPC handle. Registered once; transfers then name blocks by index."""
+
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import BadRequest, Conflict, InvalidBlocks, NotFound
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
+          "float8_e4m3fn": torch.float8_e4m3fn}
+KINDS = ("owned", "shm", "cuda_ipc")
+
+
+@dataclass
+class Region:
+    name: str
+    kind: str
+    num_blocks: int
+    block_shape: tuple[int, ...]
+    dtype: str
+    tensor: torch.Tensor
+    busy: set[str] = field(default_factory=set)  # ids of incoming transfers writing into it
+    _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.block_shape) * self.tensor.element_size()
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "num_blocks": self.num_blocks,
+                "block_shape": list(self.block_shape), "dtype": self.dtype, "device": str(self.tensor.device),
+                "block_bytes": self.block_bytes, "busy_transfers": sorted(self.busy)}
+
+    def check_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """Block ids as a tensor on the region's device.
+
+        Raises:
+            InvalidBlocks: empty, out of range, or repeated ids.
+        """
+        if not blocks:
+            raise InvalidBlocks("no blocks given")
+        if min(blocks) < 0 or max(blocks) >= self.num_blocks:
+            raise InvalidBlocks(f"block ids must be in 0..{self.num_blocks - 1} for region {self.name!r}")
+        if len(set(blocks)) != len(blocks):
+            raise InvalidBlocks("block ids repeat")
+        return torch.tensor(blocks, dtype=torch.int64, device=self.tensor.device)
+
+    def release(self) -> None:
+        if self.kind == "shm" and self._keepalive is not None:
+            self.tensor = torch.empty(0)
+            self._keepalive.close()
+        elif self.kind == "cuda_ipc" and self._keepalive is not None:
+            import cupy
+
+            self.tensor = torch.empty(0)
+            cupy.cuda.runtime.ipcCloseMemHandle(self._keepalive)
+        self._keepalive = None
+
+
+class RegionTable:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._regions: dict[str, Region] = {}
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def get(self, name: str) -> Region:
+        try:
+            return self._regions[name]
+        except KeyError:
+            raise NotFound(f"no region named {name!r}") from None
+
+    def all(self) -> list[Region]:
+        return list(self._regions.values())
+
+    def register(self, spec: dict[str, Any]) -> Region:
+        """Create a region from a validated request.
+
+        Raises:
+            Conflict: the name is taken. BadRequest: inconsistent layout or unusable memory.
+        """
+        name = spec["name"]
+        if name in self._regions:
+            raise Conflict(f"region {name!r} already exists")
+        dtype = DTYPES[spec["dtype"]]
+        shape = (spec["num_blocks"], *spec["block_shape"])
+        kind = spec["kind"]
+        keepalive = None
+        if kind == "owned":
+            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        elif kind == "shm":
+            tensor, keepalive = _map_shm(spec.get("shm_name") or "", shape, dtype)
+        else:
+            tensor, keepalive = _open_cuda_ipc(spec, shape, dtype)
+        region = Region(name, kind, spec["num_blocks"], tuple(spec["block_shape"]), spec["dtype"], tensor,
+                        _keepalive=keepalive)
+        self._regions[name] = region
+        return region
+
+    def delete(self, name: str) -> None:
+        region = self.get(name)
+        if region.busy:
+            raise Conflict(f"region {name!r} is being written by transfers {sorted(region.busy)}")
+        del self._regions[name]
+        region.release()
+
+    def close(self) -> None:
+        for region in self._regions.values():
+            region.release()
+        self._regions.clear()
+
+
+def _map_shm(shm_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    from multiprocessing import resource_tracker, shared_memory
+
+    import numpy as np
+
+    try:
+        shm = shared_memory.SharedMemory(name=shm_name, create=False)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise BadRequest(f"cannot open shared memory {shm_name!r}: {exc}") from exc
+    # The worker owns the segment: Python < 3.13 would unlink it when this process exits.
+    resource_tracker.unregister(shm._name, "shared_memory")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if shm.size < nbytes:
+        shm.close()
+        raise BadRequest(f"shared memory {shm_name!r} holds {shm.size} bytes, the layout needs {nbytes}")
+    flat = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8, count=nbytes))
+    return flat.view(dtype).view(shape), shm
+
+
+def _open_cuda_ipc(spec: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    if not torch.cuda.is_available():
+        raise BadRequest("cuda_ipc regions need a GPU")
+    import cupy
+
+    device = int(spec.get("device") or 0)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    try:
+        handle = base64.b64decode(spec["ipc_handle"], validate=True)
+        with cupy.cuda.Device(device):
+            base = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+    except Exception as exc:
+        raise BadRequest(f"cannot open CUDA IPC handle: {exc}") from exc
+    memory = cupy.cuda.UnownedMemory(base + int(spec.get("offset") or 0), nbytes, owner=None, device_id=device)
+    array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    tensor = torch.as_tensor(array, device=f"cuda:{device}").view(dtype).view(shape)
+    return tensor, base

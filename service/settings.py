@@ -1,0 +1,79 @@
+"""The sidecar's configuration, built once: defaults < YAML file < KVFERRY_* environment < CLI
+flags. Passed down as a frozen dataclass; nothing else reads the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "0.0.0.0"
+    port: int = 7700  # control API (HTTP)
+    data_host: str = "0.0.0.0"
+    data_port: int = 7701  # transport listener
+    advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
+    token: str = ""  # bearer token for the control API; also sent to peers (one cluster secret)
+    device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda
+    chunk_bytes: int = 4 * MiB  # raw KV per pipeline chunk
+    max_inflight_chunks: int = 4
+    max_concurrent_transfers: int = 64
+    max_body_bytes: int = 64 * MiB
+    transfer_timeout: float = 30.0  # no progress for this long fails a transfer
+    transport_backend: str = "auto"  # auto, ucxx, tcp
+    transport_chunk_bytes: int = 4 * MiB
+    transport_window_bytes: int = 64 * MiB
+    ucx_options: Mapping[str, str] = field(default_factory=dict)
+    log_level: str = "info"
+    fault_corrupt_chunk: int = -1  # testing only: flip a byte of this chunk index on the wire
+
+    def public(self) -> dict[str, Any]:
+        """Settings as printed at start-up, secrets masked."""
+        values = dataclasses.asdict(self)
+        values["token"] = "***" if self.token else ""
+        return values
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = type(getattr(Settings(), name))
+    if name == "ucx_options":
+        if isinstance(value, str):  # KEY=VALUE,KEY=VALUE
+            return dict(item.split("=", 1) for item in value.split(",") if item)
+        return dict(value)
+    if kind is bool:
+        return str(value).lower() in ("1", "true", "yes", "on")
+    return kind(value)
+
+
+def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+         config_file: str | Path | None = None) -> Settings:
+    """Merge the sources; unknown keys in the YAML file are an error (typos must not pass)."""
+    values: dict[str, Any] = {}
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get("KVFERRY_CONFIG")
+    if config_file:
+        import yaml
+
+        document = yaml.safe_load(Path(config_file).read_text()) or {}
+        unknown = set(document) - set(FIELDS)
+        if unknown:
+            raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}")
+        values.update(document)
+    for name in FIELDS:
+        key = f"KVFERRY_{name.upper()}"
+        if key in environ:
+            values[name] = environ[key]
+    for name, value in (cli or {}).items():
+        if value is not None and name in FIELDS:
+            values[name] = value
+    return Settings(**{name: _coerce(name, value) for name, value in values.items()})

@@ -1,0 +1,420 @@
+"""The sidecar's engine: regions, transfers, the data listener and the pipelines that move KV.
+
+Sending: blocks are grouped into chunks of about ``chunk_bytes``; each chunk is encoded (in a
+worker thread, so the event loop keeps the wire busy) while earlier chunks are on the wire, with
+at most ``max_inflight_chunks`` encoded and unacknowledged. The receiver posts receives for the
+next chunks ahead of time and decodes each one straight into the destination blocks, in order.
+A transfer is done on the sender only once the receiver reports every block written.
+
+Data-plane admission: the sender announces a transfer on the receiver's control API with a
+random per-transfer secret; chunk tags are derived from that secret, and the receiver posts
+receives only for those tags, so bytes that were not announced never land anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import torch
+
+import codec
+import transport
+
+from .errors import BadRequest, Conflict, InvalidBlocks, NotFound, PeerError
+from .metrics import Metrics
+from .regions import RegionTable
+from .settings import Settings
+from .transfers import State, Transfer, TransferTable
+
+log = logging.getLogger("kvferry.service")
+ASSUMED_LINK_GBPS = 12.5  # until a transfer to the peer is measured: 100 Gb/s Ethernet
+
+
+def chunk_tag(secret: str, index: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{secret}:{index}".encode(), digest_size=8).digest(), "little")
+
+
+def plan_chunks(blocks: int, block_bytes: int, chunk_bytes: int) -> list[int]:
+    """Blocks per chunk: about ``chunk_bytes`` of raw KV each, at least one block."""
+    per_chunk = max(1, chunk_bytes // max(1, block_bytes))
+    return [min(per_chunk, blocks - start) for start in range(0, blocks, per_chunk)]
+
+
+@dataclass
+class Estimates:
+    """Throughputs (GB/s of raw bytes) for the ``auto`` codec choice (SplitZip, Appendix B)."""
+
+    encode_gbps: float = 0.0
+    decode_gbps: float = 0.0
+    ratio: float = 1.3
+    link_gbps: dict[str, float] = field(default_factory=dict)
+
+    def choose(self, peer: str, raw_bytes: int) -> tuple[str, str]:
+        link = self.link_gbps.get(peer, ASSUMED_LINK_GBPS)
+        raw_s = raw_bytes / (link * 1e9)
+        coded_s = max(raw_bytes / (self.encode_gbps * 1e9), raw_bytes / (self.ratio * link * 1e9),
+                      raw_bytes / (self.decode_gbps * 1e9)) if self.encode_gbps and self.decode_gbps else math.inf
+        choice = "splitzip" if coded_s < raw_s else "raw"
+        reason = (f"predicted raw {raw_s * 1e3:.2f} ms vs splitzip {coded_s * 1e3:.2f} ms "
+                  f"(link {link:.2f} GB/s{'' if peer in self.link_gbps else ' assumed'}, "
+                  f"encode {self.encode_gbps:.2f}, decode {self.decode_gbps:.2f} GB/s, ratio {self.ratio:.3f})")
+        return choice, reason
+
+    def observe_link(self, peer: str, wire_bytes: int, seconds: float) -> None:
+        if seconds > 0 and wire_bytes > 1 << 20:
+            sample = wire_bytes / seconds / 1e9
+            old = self.link_gbps.get(peer)
+            self.link_gbps[peer] = sample if old is None else 0.7 * old + 0.3 * sample
+
+
+class Sidecar:
+    """Everything one daemon holds; created in the app's lifespan, closed at shutdown."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        wanted = settings.device
+        self.device = torch.device("cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available())
+                                   else "cpu")
+        self.regions = RegionTable(self.device)
+        self.transfers = TransferTable(settings.max_concurrent_transfers)
+        self.metrics = Metrics()
+        self.codebooks: dict[str, codec.Codebook] = {}
+        self.estimates = Estimates()
+        self.transport_config = transport.TransportConfig(
+            backend=settings.transport_backend, chunk_bytes=settings.transport_chunk_bytes,
+            max_inflight_bytes=max(settings.transport_window_bytes, settings.transport_chunk_bytes),
+            op_timeout=settings.transfer_timeout,
+            **({"ucx_options": {**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options}}))
+        self.backend = transport.resolve_backend(self.transport_config)
+        self.listener: transport.Listener | None = None
+        self.pool: transport.Pool | None = None
+        self.http: httpx.AsyncClient | None = None
+        self.ready = False
+
+    async def start(self) -> None:
+        self.listener = await transport.listen(self.settings.data_host, self.settings.data_port,
+                                               self.transport_config, backend=self.backend)
+        self.pool = transport.Pool(self.transport_config, backend=self.backend)
+        headers = {"Authorization": f"Bearer {self.settings.token}"} if self.settings.token else {}
+        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(self.settings.transfer_timeout + 5))
+        self.metrics.info.info({"version": "0.1.0", "transport_backend": self.backend, "device": str(self.device)})
+        await asyncio.to_thread(self._measure_codec)
+        self.ready = True
+        log.info("data plane: %s listener on %s:%d; codec on %s: encode %.2f GB/s, decode %.2f GB/s",
+                 self.backend, self.settings.data_host, self.listener.port, self.device,
+                 self.estimates.encode_gbps, self.estimates.decode_gbps)
+
+    def _measure_codec(self) -> None:
+        """A quick codec measurement on this device, for the ``auto`` choice."""
+        sample = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
+        sample = sample.to(self.device)
+        book = codec.calibrate(sample)
+        frame = codec.encode(sample, book)
+        codec.decode(frame)
+        start = time.perf_counter()
+        frame = codec.encode(sample, book)
+        middle = time.perf_counter()
+        codec.decode(frame)
+        end = time.perf_counter()
+        raw = sample.numel() * 2
+        self.estimates.encode_gbps = raw / (middle - start) / 1e9
+        self.estimates.decode_gbps = raw / (end - middle) / 1e9
+
+    async def close(self) -> None:
+        """Stop taking work, fail what is in flight, release the data plane."""
+        self.ready = False
+        for t in self.transfers.all():
+            if t.task is not None and not t.task.done():
+                t.task.cancel()
+        tasks = [t.task for t in self.transfers.all() if t.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in self.transfers.all():
+            self._finish(t, State.FAILED, "the sidecar shut down")
+        if self.pool is not None:
+            await self.pool.close()
+        if self.listener is not None:
+            await self.listener.close()
+        if self.http is not None:
+            await self.http.aclose()
+        self.regions.close()
+        transport.shutdown_backends()
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def _finish(self, t: Transfer, state: State, error: str | None = None) -> None:
+        if not t.move(state, error):
+            return
+        self.metrics.transfers.labels(state.value, t.direction).inc()
+        self.metrics.active.labels(t.direction).set(len(self.transfers.query(direction=t.direction, state="running"))
+                                                    + len(self.transfers.query(direction=t.direction, state="queued")))
+        if state == State.DONE:
+            self.metrics.bytes_raw.labels(t.direction).inc(t.bytes_raw)
+            self.metrics.bytes_wire.labels(t.direction).inc(t.bytes_wire)
+            if t.bytes_wire:
+                self.metrics.ratio.observe(t.bytes_raw / t.bytes_wire)
+            if t.seconds is not None:
+                self.metrics.latency.labels(t.direction).observe(t.seconds)
+        elif state == State.FAILED:
+            self.metrics.errors.labels(_error_kind(error)).inc()
+        if t.direction == "in":
+            try:
+                self.regions.get(t.dst_region).busy.discard(t.id)
+            except NotFound:
+                pass
+
+    def _codebook(self, name: str | None, dtype: str) -> codec.Codebook | None:
+        if name is None:
+            return None  # each chunk calibrates on itself; frames carry their codebook
+        try:
+            book = self.codebooks[name]
+        except KeyError:
+            raise NotFound(f"no codebook named {name!r}") from None
+        if book.dtype != dtype:
+            raise BadRequest(f"codebook {name!r} is for {book.dtype}, the region holds {dtype}")
+        return book
+
+    # ---- sending -------------------------------------------------------------------------------
+    def submit(self, request: dict[str, Any]) -> Transfer:
+        """Validate an outgoing transfer and start it.
+
+        Raises:
+            NotFound, InvalidBlocks, BadRequest, Overloaded.
+        """
+        region = self.regions.get(request["src_region"])
+        region.check_blocks(request["src_blocks"])
+        if len(request["dst_blocks"]) != len(request["src_blocks"]):
+            raise InvalidBlocks("src_blocks and dst_blocks differ in length")
+        self._codebook(request.get("codebook"), region.dtype)
+        transfer = Transfer(id=request.get("id") or _new_id(), direction="out", src_region=region.name,
+                            src_blocks=list(request["src_blocks"]), dst_region=request["dst_region"],
+                            dst_blocks=list(request["dst_blocks"]), peer=request["peer"].rstrip("/"),
+                            codec=request["codec"])
+        self.transfers.add(transfer)
+        self.metrics.active.labels("out").inc()
+        transfer.task = asyncio.create_task(self._run_outgoing(transfer, request.get("codebook")))
+        return transfer
+
+    async def _run_outgoing(self, t: Transfer, codebook_name: str | None) -> None:
+        try:
+            await self._send(t, codebook_name)
+        except asyncio.CancelledError:
+            self._finish(t, State.CANCELLED, t.error or "cancelled")
+            await self._tell_peer_cancel(t)
+        except Exception as exc:
+            reason = _describe(exc)
+            log.warning("transfer %s failed: %s", t.id, reason)
+            self._finish(t, State.FAILED, reason)
+            await self._tell_peer_cancel(t)
+
+    async def _send(self, t: Transfer, codebook_name: str | None) -> None:
+        region = self.regions.get(t.src_region)
+        ids = region.check_blocks(t.src_blocks)
+        book = self._codebook(codebook_name, region.dtype)
+        t.move(State.RUNNING)
+        raw_bytes = len(t.src_blocks) * region.block_bytes
+        if t.codec == "auto":
+            t.chosen_codec, t.choice_reason = self.estimates.choose(t.peer, raw_bytes)
+        else:
+            t.chosen_codec, t.choice_reason = t.codec, "requested"
+        plan = plan_chunks(len(t.src_blocks), region.block_bytes, self.settings.chunk_bytes)
+        announce = {"id": t.id, "secret": t.secret, "dst_region": t.dst_region, "dst_blocks": t.dst_blocks,
+                    "dtype": region.dtype, "block_shape": list(region.block_shape), "codec": t.chosen_codec,
+                    "chunks": plan}
+        reply = await self._peer_call("POST", f"{t.peer}/v1/incoming", json=announce)
+        host = reply.get("data_host") or urlsplit(t.peer).hostname
+        connection = await self.pool.get(host, int(reply["data_port"]))
+        slots = asyncio.Semaphore(self.settings.max_inflight_chunks)
+        sends: list[asyncio.Task] = []
+        wire_start = time.perf_counter()
+        try:
+            start = 0
+            for index, count in enumerate(plan):
+                await slots.acquire()
+                if any(task.done() and task.exception() for task in sends):
+                    break
+                chunk_ids = ids[start:start + count]
+                start += count
+                payload = await asyncio.to_thread(self._encode_chunk, region, chunk_ids, t.chosen_codec, book, index)
+                t.bytes_raw += count * region.block_bytes
+                t.bytes_wire += payload.numel()
+                self.metrics.inflight_chunks.inc()
+                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots)))
+            await asyncio.gather(*sends)
+        finally:
+            for task in sends:
+                task.cancel()
+        self.metrics.wire_seconds.inc(time.perf_counter() - wire_start)
+        self.estimates.observe_link(t.peer, t.bytes_wire, time.perf_counter() - wire_start)
+        # Done only when the receiver has written every block.
+        final = await self._peer_call("GET", f"{t.peer}/v1/transfers/{t.id}",
+                                      params={"wait": self.settings.transfer_timeout})
+        if final["state"] != "done":
+            raise PeerError(f"receiver reports {final['state']}: {final.get('error')}")
+        t.blocks_done = len(t.src_blocks)
+        self._finish(t, State.DONE)
+
+    def _encode_chunk(self, region, chunk_ids: torch.Tensor, chosen: str, book, index: int) -> torch.Tensor:
+        started = time.perf_counter()
+        if chosen == "splitzip":
+            payload = codec.encode_blocks(region.tensor, chunk_ids, book)
+        else:
+            bits = codec.layout_by_name(region.dtype).int_dtype
+            payload = region.tensor.view(bits).index_select(0, chunk_ids).reshape(-1).view(torch.uint8)
+        if index == self.settings.fault_corrupt_chunk:
+            payload = payload.clone()
+            payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
+        if payload.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.metrics.codec_seconds.labels("encode").inc(time.perf_counter() - started)
+        return payload
+
+    async def _send_chunk(self, connection, t: Transfer, index: int, payload: torch.Tensor,
+                          slots: asyncio.Semaphore) -> None:
+        try:
+            await connection.send(chunk_tag(t.secret, index), payload)
+        finally:
+            self.metrics.inflight_chunks.dec()
+            slots.release()
+
+    async def _peer_call(self, method: str, url: str, **kwargs) -> dict[str, Any]:
+        try:
+            response = await self.http.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            raise PeerError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+                detail = f"{body.get('error')}: {body.get('detail')}"
+            except ValueError:
+                detail = response.text[:200]
+            raise PeerError(f"peer answered {response.status_code} to {method} {urlsplit(url).path}: {detail}")
+        return response.json()
+
+    async def _tell_peer_cancel(self, t: Transfer) -> None:
+        try:
+            await self.http.delete(f"{t.peer}/v1/transfers/{t.id}", timeout=2.0)
+        except Exception:  # best effort: the receiver times out on its own
+            pass
+
+    def cancel(self, transfer_id: str) -> Transfer:
+        t = self.transfers.get(transfer_id)
+        if t.state.terminal:
+            raise Conflict(f"transfer {transfer_id} is already {t.state.value}")
+        t.error = "cancelled by request"
+        if t.task is not None:
+            t.task.cancel()
+        else:
+            self._finish(t, State.CANCELLED, t.error)
+        return t
+
+    # ---- receiving -------------------------------------------------------------------------------
+    def accept_incoming(self, request: dict[str, Any], peer_host: str | None) -> dict[str, Any]:
+        """Validate an announced transfer against the destination region and post its receives.
+
+        Raises:
+            NotFound, InvalidBlocks, BadRequest, Conflict, Overloaded.
+        """
+        region = self.regions.get(request["dst_region"])
+        if request["dtype"] != region.dtype or tuple(request["block_shape"]) != region.block_shape:
+            raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
+                             f"the transfer carries {request['dtype']}{request['block_shape']}")
+        region.check_blocks(request["dst_blocks"])
+        if sum(request["chunks"]) != len(request["dst_blocks"]) or min(request["chunks"], default=0) <= 0:
+            raise BadRequest("chunk plan does not cover the blocks")
+        if request["codec"] not in ("splitzip", "raw"):
+            raise BadRequest(f"unknown codec {request['codec']!r}")
+        transfer = Transfer(id=request["id"], direction="in", src_region="", src_blocks=[],
+                            dst_region=region.name, dst_blocks=list(request["dst_blocks"]),
+                            peer=peer_host or "", codec=request["codec"], chosen_codec=request["codec"],
+                            secret=request["secret"])
+        self.transfers.add(transfer)
+        region.busy.add(transfer.id)
+        transfer.move(State.RUNNING)
+        self.metrics.active.labels("in").inc()
+        transfer.task = asyncio.create_task(self._run_incoming(transfer, list(request["chunks"])))
+        return {"id": transfer.id, "data_host": self.settings.advertise_host, "data_port": self.listener.port,
+                "backend": self.backend}
+
+    async def _run_incoming(self, t: Transfer, plan: list[int]) -> None:
+        receives: dict[int, transport.Receive] = {}
+        try:
+            region = self.regions.get(t.dst_region)
+            ids = region.check_blocks(t.dst_blocks)
+            capacities = [self._chunk_capacity(region, count, t.chosen_codec) for count in plan]
+            ahead = self.settings.max_inflight_chunks + 1
+            starts = [sum(plan[:i]) for i in range(len(plan))]
+
+            def post(i: int) -> None:
+                if i < len(plan) and i not in receives:
+                    buffer = torch.empty(capacities[i], dtype=torch.uint8, device=region.tensor.device)
+                    receives[i] = self.listener.expect(chunk_tag(t.secret, i), buffer)
+
+            for i in range(ahead):
+                post(i)
+            for i, count in enumerate(plan):
+                receive = receives[i]
+                nbytes = await receive.wait(self.settings.transfer_timeout)
+                post(i + ahead)
+                frame = receive.buffer.obj[:nbytes]
+                await asyncio.to_thread(self._decode_chunk, region, frame, ids[starts[i]:starts[i] + count],
+                                        t.chosen_codec, i)
+                del receives[i]
+                t.bytes_wire += nbytes
+                t.bytes_raw += count * region.block_bytes
+                t.blocks_done += count
+            self._finish(t, State.DONE)
+        except asyncio.CancelledError:
+            self._finish(t, State.CANCELLED, t.error or "cancelled")
+        except Exception as exc:
+            reason = _describe(exc)
+            log.warning("incoming transfer %s failed: %s", t.id, reason)
+            self._finish(t, State.FAILED, reason)
+        finally:
+            for receive in receives.values():
+                receive.cancel()
+
+    def _chunk_capacity(self, region, count: int, chosen: str) -> int:
+        if chosen == "raw":
+            return count * region.block_bytes
+        return codec.frame_capacity((count, *region.block_shape), region.tensor.dtype)
+
+    def _decode_chunk(self, region, frame: torch.Tensor, chunk_ids: torch.Tensor, chosen: str, index: int) -> None:
+        started = time.perf_counter()
+        if chosen == "splitzip":
+            try:
+                codec.decode_blocks(frame, region.tensor, chunk_ids)
+            except codec.CodecError as exc:
+                raise BadRequest(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
+        else:
+            expected = len(chunk_ids) * region.block_bytes
+            if frame.numel() != expected:
+                raise BadRequest(f"chunk {index}: {frame.numel()} raw bytes, expected {expected}")
+            bits = codec.layout_by_name(region.dtype).int_dtype
+            blocks = frame.view(bits).view(len(chunk_ids), *region.block_shape)
+            region.tensor.view(bits).index_copy_(0, chunk_ids, blocks)
+        if frame.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.metrics.codec_seconds.labels("decode").inc(time.perf_counter() - started)
+
+
+def _new_id() -> str:
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _error_kind(error: str | None) -> str:
+    if not error:
+        return "unknown"
+    return error.split(":", 1)[0]
