@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+
+from service.client import Client
+from service.demo import free_port, load_kv, start_sidecar, wait_ready
+from tests.conftest import KV_SAMPLE
+
+TOKEN = "test-token-123"
+
+
+@dataclass
+class Daemon:
+    url: str
+    client: Client
+    process: subprocess.Popen
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def spawn(backend: str = "tcp", env: dict | None = None, extra: list[str] | None = None) -> Daemon:
+    port, data_port = free_port(), free_port()
+    process = start_sidecar(port, data_port, backend, token=TOKEN, extra=extra, env=env)
+    url = f"http://127.0.0.1:{port}"
+    client = Client(url, token=TOKEN)
+    wait_ready(client, process)
+    return Daemon(url, client, process)
+
+
+def stop(*daemons: Daemon) -> None:
+    for daemon in daemons:
+        daemon.client.close()
+        daemon.process.terminate()
+    for daemon in daemons:
+        try:
+            daemon.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            daemon.process.kill()
+
+
+@pytest.fixture(scope="module", params=["tcp", "ucxx"])
+def pair(request):
+    """A prefill-side and a decode-side sidecar, real processes and ports."""
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "10", "KVFERRY_CHUNK_BYTES": str(1 << 20)}
+    a, b = spawn(request.param, env), spawn(request.param, env)
+    yield a, b
+    stop(a, b)
+
+
+@pytest.fixture(scope="session")
+def kv():
+    return load_kv(KV_SAMPLE)
+

@@ -1,0 +1,28 @@
+"""Settings merge: defaults < YAML file < KVFERRY_* environment < CLI flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from service import settings
+
+
+def test_precedence(tmp_path):
+    config = tmp_path / "kvferry.yaml"
+    config.write_text("port: 9000\ndata_port: 9001\nchunk_bytes: 1024\nucx_options: {TLS: tcp}\n")
+    merged = settings.load({"port": 9100}, {"KVFERRY_DATA_PORT": "9201", "KVFERRY_TOKEN": "s3cret"}, config)
+    assert (merged.port, merged.data_port, merged.chunk_bytes) == (9100, 9201, 1024)
+    assert merged.ucx_options == {"TLS": "tcp"}
+    assert merged.public()["token"] == "***"
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path):
+    config = tmp_path / "kvferry.yaml"
+    config.write_text("prot: 1\n")
+    with pytest.raises(ValueError, match="prot"):
+        settings.load({}, {}, config)
+
+
+def test_ucx_options_from_environment():
+    merged = settings.load({}, {"KVFERRY_UCX_OPTIONS": "TLS=tcp,TCP_TX_SEG_SIZE=2m"})
+    assert merged.ucx_options == {"TLS": "tcp", "TCP_TX_SEG_SIZE": "2m"}
