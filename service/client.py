@@ -4,6 +4,7 @@ transfers, wait, cancel. Errors come back as the service's own exception classes
 from __future__ import annotations
 
 import base64
+import time
 from typing import Any
 
 import httpx
@@ -104,7 +105,12 @@ class Client:
 
     def wait(self, transfer_id: str, timeout: float = 60.0) -> dict:
         """Long-poll until the transfer is done, failed or cancelled (or ``timeout`` passes)."""
-        return self.transfer(transfer_id, wait=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            step = max(0.0, min(60.0, deadline - time.monotonic()))
+            state = self.transfer(transfer_id, wait=step) if step else self.transfer(transfer_id)
+            if state["state"] in ("done", "failed", "cancelled") or time.monotonic() >= deadline:
+                return state
 
     def transfers(self, state: str | None = None, direction: str | None = None) -> list[dict]:
         params = {k: v for k, v in (("state", state), ("direction", direction)) if v}

@@ -20,10 +20,10 @@ def free_port() -> int:
 
 
 def start_sidecar(port: int, data_port: int, backend: str, token: str = "", extra: list[str] | None = None,
-                  env: dict | None = None) -> subprocess.Popen:
+                  env: dict | None = None, device: str = "cpu") -> subprocess.Popen:
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--data-host", "127.0.0.1", "--data-port", str(data_port), "--advertise-host", "127.0.0.1",
-               "--transport-backend", backend, "--device", "cpu", "--log-level", "warning", *(extra or [])]
+               "--transport-backend", backend, "--device", device, "--log-level", "warning", *(extra or [])]
     if token:
         command += ["--token", token]
     environment = dict(os.environ, **(env or {}))
