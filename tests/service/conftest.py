@@ -23,9 +23,9 @@ class Daemon:
         self.process.wait()
 
 
-def spawn(backend: str = "tcp", env: dict | None = None, extra: list[str] | None = None) -> Daemon:
+def spawn(backend: str = "tcp", env: dict | None = None, extra: list[str] | None = None, device: str = "cpu") -> Daemon:
     port, data_port = free_port(), free_port()
-    process = start_sidecar(port, data_port, backend, token=TOKEN, extra=extra, env=env)
+    process = start_sidecar(port, data_port, backend, token=TOKEN, extra=extra, env=env, device=device)
     url = f"http://127.0.0.1:{port}"
     client = Client(url, token=TOKEN)
     wait_ready(client, process)

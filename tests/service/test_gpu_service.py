@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not splitzip_gpu.available(), 
 
 
 def _gpu_pair():
-    env = {"KVFERRY_DEVICE": "cuda", "KVFERRY_CHUNK_BYTES": str(1 << 20)}
-    return spawn("tcp", env), spawn("tcp", env)
+    env = {"KVFERRY_CHUNK_BYTES": str(1 << 20)}
+    return spawn("tcp", env, device="cuda"), spawn("tcp", env, device="cuda")
 
 
 def test_owned_gpu_regions_splitzip(kv):
