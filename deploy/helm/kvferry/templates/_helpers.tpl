@@ -1,0 +1,91 @@
+{{- define "kvferry.name" -}}kvferry{{- end -}}
+
+{{- define "kvferry.fullname" -}}
+{{- if contains "kvferry" .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-kvferry" .Release.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "kvferry.labels" -}}
+app.kubernetes.io/name: {{ include "kvferry.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvferry.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvferry.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvferry.tokenSecret" -}}
+{{- if .Values.token.existingSecret -}}{{ .Values.token.existingSecret }}{{- else -}}{{ include "kvferry.fullname" . }}-token{{- end -}}
+{{- end -}}
+
+{{/*
+The sidecar container. Include it in your worker pod's containers:
+  containers:
+    - name: worker
+      ...
+    {{- include "kvferry.sidecar" . | nindent 4 }}
+*/}}
+{{- define "kvferry.sidecar" -}}
+- name: kvferry
+  image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args: ["--port", "{{ .Values.ports.control }}", "--data-port", "{{ .Values.ports.data }}"]
+  ports:
+    - {name: control, containerPort: {{ .Values.ports.control }}, protocol: TCP}
+    - {name: data, containerPort: {{ .Values.ports.data }}, protocol: TCP}
+  env:
+    - name: KVFERRY_ADVERTISE_HOST
+      valueFrom: {fieldRef: {fieldPath: status.podIP}}
+    {{- range $key, $value := .Values.config }}
+    {{- if ne $key "token" }}{{/* the token only ever comes from a Secret */}}
+    - name: {{ printf "KVFERRY_%s" (upper $key) }}
+      {{- /* YAML integers arrive as floats: print whole numbers without an exponent */}}
+      value: {{ if and (kindIs "float64" $value) (eq (floor $value) $value) }}{{ int64 $value | quote }}{{ else }}{{ $value | quote }}{{ end }}
+    {{- end }}
+    {{- end }}
+    - {name: HOME, value: /tmp}  # the root filesystem is read-only; caches (CuPy kernels) go to /tmp
+    - {name: CUPY_CACHE_DIR, value: /tmp/cupy}
+    {{- if or .Values.token.existingSecret .Values.token.create }}
+    - name: KVFERRY_TOKEN
+      valueFrom: {secretKeyRef: {name: {{ include "kvferry.tokenSecret" . }}, key: token}}
+    {{- end }}
+    - name: NVIDIA_VISIBLE_DEVICES
+      value: {{ .Values.gpuVisibility | quote }}
+    {{- with .Values.ucx.tls }}
+    - {name: UCX_TLS, value: {{ . | quote }}}
+    {{- end }}
+    {{- with .Values.ucx.netDevices }}
+    - {name: UCX_NET_DEVICES, value: {{ . | quote }}}
+    {{- end }}
+    - {name: UCX_TCP_TX_SEG_SIZE, value: {{ .Values.ucx.tcpSegSize | quote }}}
+    - {name: UCX_TCP_RX_SEG_SIZE, value: {{ .Values.ucx.tcpSegSize | quote }}}
+    {{- range $key, $value := .Values.ucx.extraEnv }}
+    - {name: {{ $key }}, value: {{ $value | quote }}}
+    {{- end }}
+  readinessProbe:
+    httpGet: {path: /readyz, port: control}
+    {{- toYaml .Values.probes.readiness | nindent 4 }}
+  livenessProbe:
+    httpGet: {path: /healthz, port: control}
+    {{- toYaml .Values.probes.liveness | nindent 4 }}
+  resources:
+    {{- $resources := deepCopy .Values.resources }}
+    {{- if and .Values.rdma.enabled .Values.rdma.resources }}
+    {{- $_ := set $resources "limits" (merge (default dict $resources.limits) .Values.rdma.resources) }}
+    {{- $_ := set $resources "requests" (merge (default dict $resources.requests) .Values.rdma.resources) }}
+    {{- end }}
+    {{- toYaml $resources | nindent 4 }}
+  securityContext:
+    {{- $security := deepCopy .Values.securityContext }}
+    {{- if .Values.rdma.enabled }}
+    {{- $_ := set $security "capabilities" (dict "add" (list "IPC_LOCK")) }}
+    {{- end }}
+    {{- toYaml $security | nindent 4 }}
+  volumeMounts:
+    - {name: dshm, mountPath: /dev/shm}
+    - {name: kvferry-tmp, mountPath: /tmp}
+{{- end -}}
