@@ -75,6 +75,31 @@ class Estimates:
             self.link_gbps[peer] = sample if old is None else 0.7 * old + 0.3 * sample
 
 
+class BufferPool:
+    """Receive buffers, reused across chunks and transfers (chunk sizes repeat), up to a bound.
+
+    A buffer goes back only after its chunk was decoded: one whose receive failed or was
+    cancelled may still be written by a late payload, so it is left to the garbage collector.
+    """
+
+    def __init__(self, max_bytes: int):
+        self._free: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._bytes = 0
+        self._max_bytes = max_bytes
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        stack = self._free.get((str(device), nbytes))
+        if stack:
+            self._bytes -= nbytes
+            return stack.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        if self._bytes + buffer.numel() <= self._max_bytes:
+            self._free.setdefault((str(buffer.device), buffer.numel()), []).append(buffer)
+            self._bytes += buffer.numel()
+
+
 class Sidecar:
     """Everything one daemon holds; created in the app's lifespan, closed at shutdown."""
 
@@ -97,6 +122,7 @@ class Sidecar:
         self.listener: transport.Listener | None = None
         self.pool: transport.Pool | None = None
         self.http: httpx.AsyncClient | None = None
+        self.buffers = BufferPool(4 * settings.max_inflight_chunks * settings.chunk_bytes + (64 << 20))
         self.ready = False
 
     async def start(self) -> None:
@@ -353,7 +379,7 @@ class Sidecar:
 
             def post(i: int) -> None:
                 if i < len(plan) and i not in receives:
-                    buffer = torch.empty(capacities[i], dtype=torch.uint8, device=region.tensor.device)
+                    buffer = self.buffers.take(capacities[i], region.tensor.device)
                     receives[i] = self.listener.expect(chunk_tag(t.secret, i), buffer)
 
             for i in range(ahead):
@@ -365,7 +391,7 @@ class Sidecar:
                 frame = receive.buffer.obj[:nbytes]
                 await asyncio.to_thread(self._decode_chunk, region, frame, ids[starts[i]:starts[i] + count],
                                         t.chosen_codec, i)
-                del receives[i]
+                self.buffers.give(receives.pop(i).buffer.obj)
                 t.bytes_wire += nbytes
                 t.bytes_raw += count * region.block_bytes
                 t.blocks_done += count

@@ -152,3 +152,26 @@ def test_openapi_documents_the_api(pair):
                  "/v1/codebooks/{name}", "/v1/codebooks/{name}/calibrate"):
         assert path in paths, path
 
+
+
+def test_codebooks_calibrate_store_and_use(pair, kv):
+    a, b = pair
+    src, dst = _name(), _name()
+    a.client.region_from_tensor(src, kv)
+    b.client.create_region(dst, 60, list(kv.shape[1:]), "bfloat16")
+    book = a.client.calibrate("k-layers", src, list(range(0, 60, 2)))
+    assert book["dtype"] == "bfloat16" and book["coverage"] > 0.999 and len(book["exponents"]) == 16
+    stored = httpx.get(f"{a.url}/v1/codebooks/k-layers", headers={"Authorization": "Bearer test-token-123"}).json()
+    assert stored["exponents"] == book["exponents"]
+    a.client.put_codebook("copy", httpx.get(f"{a.url}/v1/codebooks/k-layers",
+                                            headers={"Authorization": "Bearer test-token-123"}).text)
+    ids = list(range(0, 60, 2))
+    result = a.client.wait(a.client.submit(src, ids, b.url, dst, ids, codec="splitzip", codebook="copy"), timeout=60)
+    assert result["state"] == "done" and result["ratio"] > 1.3
+    assert bits_equal(_blocks(b.client, dst, ids, kv), kv[ids])
+    with pytest.raises(errors.NotFound):
+        a.client.submit(src, [0], b.url, dst, [0], codec="splitzip", codebook="missing")
+    with pytest.raises(errors.BadRequest):
+        a.client.put_codebook("broken", '{"format": "kvferry-codebook", "version": 1, "dtype": "bfloat16"}')
+    listed = b.client.transfers(direction="in", state="done")
+    assert result["id"] in {t["id"] for t in listed}
