@@ -28,8 +28,8 @@ class Settings:
     max_body_bytes: int = 64 * MiB
     transfer_timeout: float = 30.0  # no progress for this long fails a transfer
     transport_backend: str = "auto"  # auto, ucxx, tcp
-    transport_chunk_bytes: int = 4 * MiB
-    transport_window_bytes: int = 64 * MiB
+    transport_chunk_bytes: int = 16 * MiB
+    transport_window_bytes: int = 128 * MiB
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     log_level: str = "info"
     fault_corrupt_chunk: int = -1  # testing only: flip a byte of this chunk index on the wire
