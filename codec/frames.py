@@ -57,7 +57,7 @@ def encode_into(x: torch.Tensor, codebook: Codebook, out: torch.Tensor, *, chunk
     """
     layout = _check_tensor(x)
     book = _codebook_for(x, codebook, layout, chunk)
-    return _encode_into(x.contiguous().view(-1) if x.is_cuda else x, None, 0, tuple(x.shape), layout, book, chunk, out)
+    return _encode_into(x.contiguous().view(-1) if x.is_cuda else x, tuple(x.shape), layout, book, chunk, out)
 
 
 def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: Codebook,
@@ -71,11 +71,11 @@ def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Ten
     if _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems and ids.numel():
         _check_buffer(out, cache.device, frame_capacity(shape, cache.dtype, chunk=chunk))
         return splitzip_gpu.encode_into(cache, ids, block_elems, shape, layout, book.exponents, chunk, out)
-    return _encode_into(cache.index_select(0, ids), None, 0, shape, layout, book, chunk, out)
+    return _encode_into(cache.index_select(0, ids), shape, layout, book, chunk, out)
 
 
-def _encode_into(x: torch.Tensor, ids: None, block_elems: int, shape: tuple[int, ...], layout: FloatLayout,
-                 book: Codebook, chunk: int, out: torch.Tensor) -> torch.Tensor:
+def _encode_into(x: torch.Tensor, shape: tuple[int, ...], layout: FloatLayout, book: Codebook, chunk: int,
+                 out: torch.Tensor) -> torch.Tensor:
     _check_buffer(out, x.device, frame_capacity(shape, layout.dtype, chunk=chunk))
     if _on_gpu(x, chunk) and x.numel():
         return splitzip_gpu.encode_into(x, None, 0, shape, layout, book.exponents, chunk, out)

@@ -109,7 +109,7 @@ async def readyz(sc: SidecarDep) -> Response:
 @health.get("/metrics")
 async def metrics(sc: SidecarDep) -> Response:
     """Prometheus exposition."""
-    sc.metrics.regions.set(len(sc.regions))
+    sc.refresh_gauges()
     return Response(generate_latest(sc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -174,12 +174,17 @@ class Sidecar:
         transport.shutdown_backends()
 
     # ---- bookkeeping -------------------------------------------------------------------------
+    def refresh_gauges(self) -> None:
+        """Gauges that are cheaper to count at scrape time than to keep in step."""
+        self.metrics.regions.set(len(self.regions))
+        for direction in ("in", "out"):
+            active = sum(not t.state.terminal for t in self.transfers.query(direction=direction))
+            self.metrics.active.labels(direction).set(active)
+
     def _finish(self, t: Transfer, state: State, error: str | None = None) -> None:
         if not t.move(state, error):
             return
         self.metrics.transfers.labels(state.value, t.direction).inc()
-        self.metrics.active.labels(t.direction).set(len(self.transfers.query(direction=t.direction, state="running"))
-                                                    + len(self.transfers.query(direction=t.direction, state="queued")))
         if state == State.DONE:
             self.metrics.bytes_raw.labels(t.direction).inc(t.bytes_raw)
             self.metrics.bytes_wire.labels(t.direction).inc(t.bytes_wire)
@@ -223,7 +228,6 @@ class Sidecar:
                             dst_blocks=list(request["dst_blocks"]), peer=request["peer"].rstrip("/"),
                             codec=request["codec"])
         self.transfers.add(transfer)
-        self.metrics.active.labels("out").inc()
         transfer.task = asyncio.create_task(self._run_outgoing(transfer, request.get("codebook")))
         return transfer
 
@@ -363,7 +367,6 @@ class Sidecar:
         self.transfers.add(transfer)
         region.busy.add(transfer.id)
         transfer.move(State.RUNNING)
-        self.metrics.active.labels("in").inc()
         transfer.task = asyncio.create_task(self._run_incoming(transfer, list(request["chunks"])))
         return {"id": transfer.id, "data_host": self.settings.advertise_host, "data_port": self.listener.port,
                 "backend": self.backend}
