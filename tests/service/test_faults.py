@@ -72,3 +72,25 @@ def test_corrupt_chunk_fails_the_transfer(kv):
         b.client.create_region(name, 1, [4], "bfloat16")  # still serving
     finally:
         stop(a, b)
+
+
+def test_graceful_shutdown_fails_in_flight_and_exits(kv):
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "5", "KVFERRY_CHUNK_BYTES": str(1 << 20)}
+    a, b = spawn("tcp", env), spawn("tcp", env)
+    try:
+        big = kv.repeat(8, 1, 1, 1)
+        a.client.region_from_tensor("src", big)
+        b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
+        ids = list(range(big.shape[0]))
+        transfer = a.client.submit("src", ids, b.url, "dst", ids, codec="splitzip")
+        time.sleep(0.5)
+        a.process.terminate()  # SIGTERM: stop accepting, fail what is in flight, exit
+        # uvicorn re-raises the signal after its graceful shutdown, so the exit status is -SIGTERM
+        assert a.process.wait(timeout=20) in (0, -15)
+        incoming = b.client.wait(transfer, timeout=30)
+        # cancelled, not failed: the sender told the receiver on its way out (an abrupt death
+        # would surface as a lost peer instead)
+        assert incoming["state"] == "cancelled" and incoming["error"], incoming
+        assert incoming["blocks_done"] < len(ids)
+    finally:
+        stop(a, b)
