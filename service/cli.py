@@ -10,7 +10,7 @@ DEFAULT_SAMPLE = Path("tests/data/kv_smollm2_gpl3.npz")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvferry", description="kvferry: lossless, compressed KV-cache transfer sidecar for disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("codec-demo", help="compress real (or synthetic) KV, check it round-trips bit-exactly")
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import json
     import logging
+    import os
 
     import uvicorn
 
@@ -63,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = settings_module.load(cli, config_file=args.config)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvferry").info("settings: %s", json.dumps(settings.public()))
-    ucx_env = {k: v for k, v in __import__("os").environ.items() if k.startswith("UCX_")}
+    ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     logging.getLogger("kvferry").info("UCX environment: %s", ucx_env)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                                            log_level=settings.log_level, timeout_graceful_shutdown=10))
