@@ -223,7 +223,8 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
            layout: FloatLayout, codebook: tuple[int, ...], chunk: int, checksum: bool) -> torch.Tensor:
     """Frame for ``source`` (flat contiguous), or for ``source[block_ids]`` (a contiguous cache).
     One host synchronization, at the end, to learn the frame's length."""
-    buf = torch.empty(capacity(layout, shape, chunk), dtype=torch.uint8, device=source.device)
+    plan = _encode_plan(layout, shape, chunk, codebook, source.device, _tuning())
+    buf = torch.empty(plan.capacity, dtype=torch.uint8, device=source.device)
     length = int(encode_into(source, block_ids, block_elems, shape, layout, codebook, chunk, buf))
     frame = buf[:length]
     if checksum:
