@@ -103,9 +103,13 @@ class Transfer:
 
 
 class TransferTable:
-    def __init__(self, max_active: int):
+    """Transfers by id. Finished ones are kept for queries, the oldest forgotten beyond
+    ``history`` so a long-running daemon does not grow without bound."""
+
+    def __init__(self, max_active: int, history: int = 4096):
         self._max_active = max_active
-        self._transfers: dict[str, Transfer] = {}
+        self._history = history
+        self._transfers: dict[str, Transfer] = {}  # insertion order = age
 
     def add(self, transfer: Transfer) -> Transfer:
         if transfer.id in self._transfers:
@@ -113,6 +117,10 @@ class TransferTable:
         if self.active() >= self._max_active:
             raise Overloaded(f"{self._max_active} transfers are already in progress")
         self._transfers[transfer.id] = transfer
+        if len(self._transfers) > self._history + self._max_active:
+            finished = [tid for tid, t in self._transfers.items() if t.state.terminal]
+            for tid in finished[: len(self._transfers) - self._history - self._max_active]:
+                del self._transfers[tid]
         return transfer
 
     def active(self) -> int:
