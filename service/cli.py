@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-DEFAULT_SAMPLE = Path("tests/data/kv_smollm2_gpl3.npz")
+# The real KV sample in the source tree (editable installs, the Quick start), wherever the CWD is.
+DEFAULT_SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "kv_smollm2_gpl3.npz"
 
 
 def main(argv: list[str] | None = None) -> int:
