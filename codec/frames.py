@@ -124,13 +124,11 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         IndexError: a block id outside the cache.
     """
     header = read_header(frame)
-    ids = _block_ids(block_ids, cache)
+    ids = _block_ids(block_ids, cache, unique=True)
     expected = (ids.numel(), *cache.shape[1:])
     if header.layout.dtype != cache.dtype or header.shape != expected:
         raise OutputMismatch(f"frame holds {header.layout.name}{list(header.shape)}, blocks need "
                              f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
-    if ids.numel() != torch.unique(ids).numel():
-        raise OutputMismatch("block ids repeat")
     _verify_stream_crc(frame, header)
     block_elems = cache[0].numel() if cache.shape[0] else 0
     if (_on_gpu(frame, header.chunk or 8) and cache.device == frame.device and cache.is_contiguous()
@@ -241,11 +239,27 @@ def _codebook_for(x: torch.Tensor, codebook: Codebook | None, layout: FloatLayou
     return codebook
 
 
-def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False) -> torch.Tensor:
+    """Block ids as an int64 tensor on the cache's device, range-checked (and checked for
+    repeats when ``unique``) with a single device-to-host read.
+
+    Raises:
+        IndexError: an id outside the cache. OutputMismatch: a repeated id where ``unique``.
+    """
     ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
     blocks = cache.shape[0] if cache.dim() else 0
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= blocks):
+    if not ids.numel():
+        return ids
+    checks = [ids.min(), ids.max()]
+    if unique:  # counting beats sorting: one pass, no torch.unique
+        hits = torch.zeros(max(blocks, 1), dtype=torch.int32, device=ids.device)
+        hits.index_add_(0, ids.clamp(0, max(blocks - 1, 0)), torch.ones_like(ids, dtype=torch.int32))
+        checks.append(hits.max().to(torch.int64))
+    low, high, *most = torch.stack(checks).tolist()
+    if low < 0 or high >= blocks:
         raise IndexError(f"block ids must be in 0..{blocks - 1}")
+    if unique and most[0] > 1:
+        raise OutputMismatch("block ids repeat")
     return ids
 
 
