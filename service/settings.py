@@ -21,7 +21,7 @@ class Settings:
     data_port: int = 7701  # transport listener
     advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
     token: str = ""  # bearer token for the control API; also sent to peers (one cluster secret)
-    device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda
+    device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
     chunk_bytes: int = 4 * MiB  # raw KV per pipeline chunk
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64
@@ -32,6 +32,7 @@ class Settings:
     transport_window_bytes: int = 128 * MiB
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     log_level: str = "info"
+    link_gbps: float = 0.0  # benchmarks only: pace outgoing data to this many GB/s (0 = off)
     fault_corrupt_chunk: int = -1  # testing only: flip a byte of this chunk index on the wire
 
     def public(self) -> dict[str, Any]:

@@ -106,8 +106,10 @@ class Sidecar:
     def __init__(self, settings: Settings):
         self.settings = settings
         wanted = settings.device
-        self.device = torch.device("cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available())
-                                   else "cpu")
+        if wanted.startswith("cuda"):
+            self.device = torch.device(wanted)
+        else:
+            self.device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else "cpu")
         self.regions = RegionTable(self.device)
         self.transfers = TransferTable(settings.max_concurrent_transfers)
         self.metrics = Metrics()
@@ -116,7 +118,7 @@ class Sidecar:
         self.transport_config = transport.TransportConfig(
             backend=settings.transport_backend, chunk_bytes=settings.transport_chunk_bytes,
             max_inflight_bytes=max(settings.transport_window_bytes, settings.transport_chunk_bytes),
-            op_timeout=settings.transfer_timeout,
+            op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
             **({"ucx_options": {**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options}}))
         self.backend = transport.resolve_backend(self.transport_config)
         self.listener: transport.Listener | None = None
@@ -301,7 +303,7 @@ class Sidecar:
             payload = payload.clone()
             payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
         if payload.is_cuda:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(payload.device).synchronize()
         self.metrics.codec_seconds.labels("encode").inc(time.perf_counter() - started)
         return payload
 
@@ -429,7 +431,7 @@ class Sidecar:
             blocks = frame.view(bits).view(len(chunk_ids), *region.block_shape)
             region.tensor.view(bits).index_copy_(0, chunk_ids, blocks)
         if frame.is_cuda:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(frame.device).synchronize()
         self.metrics.codec_seconds.labels("decode").inc(time.perf_counter() - started)
 
 

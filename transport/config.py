@@ -34,6 +34,8 @@ class TransportConfig:
     connect_timeout: float = 5.0
     op_timeout: float = 30.0
     close_timeout: float = 5.0
+    # Link emulation for benchmarks: pace DATA to this many bytes/s per connection (0 = off).
+    pace_bytes_per_s: float = 0.0
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
 
     def __post_init__(self) -> None:

@@ -176,6 +176,21 @@ class _Window:
             self._changed.notify_all()
 
 
+class _Pacer:
+    """Sender-side pacing to a fixed rate: stands in for a slower link in benchmarks."""
+
+    def __init__(self, bytes_per_s: float):
+        self._rate = bytes_per_s
+        self._next = time.monotonic()
+
+    async def admit(self, n: int) -> None:
+        now = time.monotonic()
+        start = max(now, self._next)
+        self._next = start + n / self._rate
+        if start > now:
+            await asyncio.sleep(start - now)
+
+
 class Connection:
     """A multiplexed, flow-controlled connection to one peer."""
 
@@ -189,6 +204,7 @@ class Connection:
         self._mailbox = mailbox
         self._write_lock = asyncio.Lock()
         self._window = _Window(config.max_inflight_bytes)
+        self._pacer = _Pacer(config.pace_bytes_per_s) if config.pace_bytes_per_s > 0 else None
         self._sends: dict[int, _Send] = {}
         self._receives: dict[int, Receive] = {}
         self._control: asyncio.Queue[Message | bytes | None] = asyncio.Queue()
@@ -227,6 +243,8 @@ class Connection:
             for offset in range(0, data.nbytes, chunk):
                 n = min(chunk, data.nbytes - offset)
                 await self._room_for(state, n, timeout)
+                if self._pacer is not None:
+                    await self._pacer.admit(n)
                 state.sent += n
                 await self._write(Message(MessageType.DATA, tag, offset, n, data.nbytes),
                                   data.region(offset, offset + n))

@@ -215,3 +215,20 @@ def test_garbage_from_a_peer_drops_only_that_connection():
         await listener.close()
 
     run(main())
+
+
+def test_pacing_emulates_a_slower_link():
+    async def main():
+        rate = 200e6  # 200 MB/s: far below loopback, so the pacer sets the pace
+        cfg, listener, connection = await _pair("tcp", chunk_bytes=1 << 20, max_inflight_bytes=8 << 20,
+                                                pace_bytes_per_s=rate)
+        payload = bytes(64 << 20)
+        receive = listener.expect(1, bytearray(len(payload)))
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(connection.send(1, payload), receive.wait(cfg.op_timeout))
+        elapsed = asyncio.get_running_loop().time() - started
+        assert 0.9 * len(payload) / rate <= elapsed <= 2.0 * len(payload) / rate
+        await connection.close()
+        await listener.close()
+
+    run(main())
