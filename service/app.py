@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, field_validator
 import codec
 import torch
 
-from .errors import BadRequest, NotFound, PayloadTooLarge, ServiceError, Unauthorized
+from .errors import BadRequest, Conflict, NotFound, PayloadTooLarge, ServiceError, Unauthorized
 from .regions import DTYPES
 from .settings import Settings
 from .sidecar import Sidecar
@@ -148,7 +148,7 @@ async def put_block(name: str, index: int, request: Request, sc: SidecarDep) -> 
     if len(body) != region.block_bytes:
         raise BadRequest(f"block {index} of {name!r} is {region.block_bytes} bytes, got {len(body)}")
     if region.busy:
-        raise BadRequest(f"region {name!r} is being written by a transfer")
+        raise Conflict(f"region {name!r} is in use by a transfer")
     bits = codec.layout_by_name(region.dtype).int_dtype
     block = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(bits).view(region.block_shape)
     region.tensor.view(bits)[index].copy_(block)

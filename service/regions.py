@@ -26,7 +26,7 @@ class Region:
     block_shape: tuple[int, ...]
     dtype: str
     tensor: torch.Tensor
-    busy: set[str] = field(default_factory=set)  # ids of incoming transfers writing into it
+    busy: set[str] = field(default_factory=set)  # ids of transfers reading or writing it
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
 
     @property
@@ -108,7 +108,7 @@ class RegionTable:
     def delete(self, name: str) -> None:
         region = self.get(name)
         if region.busy:
-            raise Conflict(f"region {name!r} is being written by transfers {sorted(region.busy)}")
+            raise Conflict(f"region {name!r} is in use by transfers {sorted(region.busy)}")
         del self._regions[name]
         region.release()
 

@@ -196,11 +196,10 @@ class Sidecar:
                 self.metrics.latency.labels(t.direction).observe(t.seconds)
         elif state == State.FAILED:
             self.metrics.errors.labels(_error_kind(error)).inc()
-        if t.direction == "in":
-            try:
-                self.regions.get(t.dst_region).busy.discard(t.id)
-            except NotFound:
-                pass
+        try:  # the region may be deleted again once no transfer uses it
+            self.regions.get(t.dst_region if t.direction == "in" else t.src_region).busy.discard(t.id)
+        except NotFound:
+            pass
 
     def _codebook(self, name: str | None, dtype: str) -> codec.Codebook | None:
         if name is None:
@@ -230,6 +229,7 @@ class Sidecar:
                             dst_blocks=list(request["dst_blocks"]), peer=request["peer"].rstrip("/"),
                             codec=request["codec"])
         self.transfers.add(transfer)
+        region.busy.add(transfer.id)  # a shm/IPC mapping must outlive the reads of this transfer
         transfer.task = asyncio.create_task(self._run_outgoing(transfer, request.get("codebook")))
         return transfer
 
