@@ -89,6 +89,8 @@ def test_cancel_mid_transfer(pair, kv):
     transfer = a.client.submit(src, list(range(big.shape[0])), b.url, dst, list(range(big.shape[0])), codec="splitzip")
     while a.client.transfer(transfer)["state"] == "queued":
         pass
+    with pytest.raises(errors.Conflict, match="in use"):
+        a.client.delete_region(src)  # the transfer is reading it
     a.client.cancel(transfer)
     result = a.client.wait(transfer, timeout=30)
     assert result["state"] == "cancelled"
@@ -97,6 +99,7 @@ def test_cancel_mid_transfer(pair, kv):
     with pytest.raises(errors.Conflict):
         a.client.cancel(transfer)
     b.client.delete_region(dst)  # not busy any more
+    a.client.delete_region(src)
 
 
 def test_bad_requests_get_clear_errors(pair, kv):
