@@ -275,19 +275,30 @@ class Connection:
             raise TransportTimeout(f"{what} within {timeout:g} s") from None
 
     async def _write(self, message: Message, payload: Any = None) -> None:
+        """Write one message whole. A caller cancelled mid-write does not cut the message short
+        (the peer would lose framing): the write finishes in the background, holding the lock."""
         self._check_open()
-        async with self._write_lock:
+        await self._write_lock.acquire()
+        try:
             self._check_open()
-            try:
-                await asyncio.wait_for(self.link.send(message.pack(), payload), self._config.op_timeout)
-            except asyncio.TimeoutError:
-                # A write cut short leaves the stream mid-message: the connection cannot go on.
-                exc = TransportTimeout(f"{self.peer}: a write made no progress for {self._config.op_timeout:g} s")
-                await self._fail(exc)
-                raise exc from None
-            except TransportError as exc:
-                await self._fail(exc)
-                raise
+        except TransportError:
+            self._write_lock.release()
+            raise
+        write = asyncio.ensure_future(self._send_message(message, payload))
+        write.add_done_callback(lambda _: self._write_lock.release())
+        await asyncio.shield(write)
+
+    async def _send_message(self, message: Message, payload: Any) -> None:
+        try:
+            await asyncio.wait_for(self.link.send(message.pack(), payload), self._config.op_timeout)
+        except asyncio.TimeoutError:
+            # A write cut short leaves the stream mid-message: the connection cannot go on.
+            exc = TransportTimeout(f"{self.peer}: a write made no progress for {self._config.op_timeout:g} s")
+            await self._fail(exc)
+            raise exc from None
+        except TransportError as exc:
+            await self._fail(exc)
+            raise
 
     # ---- receiving -----------------------------------------------------------------------
     async def recv(self, tag: int, buffer: Any, *, timeout: float | None = None) -> int:

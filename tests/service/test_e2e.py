@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -87,15 +88,17 @@ def test_cancel_mid_transfer(pair, kv):
     a.client.region_from_tensor(src, big)
     b.client.create_region(dst, big.shape[0], list(big.shape[1:]), "bfloat16")
     transfer = a.client.submit(src, list(range(big.shape[0])), b.url, dst, list(range(big.shape[0])), codec="splitzip")
-    while a.client.transfer(transfer)["state"] == "queued":
-        pass
+    deadline = time.monotonic() + 30
+    while a.client.transfer(transfer)["bytes_wire"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)  # until chunks are on the wire: announced, mid-transfer
     with pytest.raises(errors.Conflict, match="in use"):
         a.client.delete_region(src)  # the transfer is reading it
     a.client.cancel(transfer)
     result = a.client.wait(transfer, timeout=30)
     assert result["state"] == "cancelled"
     incoming = b.client.wait(transfer, timeout=30)
-    assert incoming["state"] in ("cancelled", "failed") and incoming["error"]
+    assert incoming["state"] in ("cancelled", "failed") and incoming["error"], incoming
+    assert incoming["blocks_done"] < big.shape[0]
     with pytest.raises(errors.Conflict):
         a.client.cancel(transfer)
     b.client.delete_region(dst)  # not busy any more
