@@ -15,7 +15,6 @@ from .errors import BadRequest, Conflict, InvalidBlocks, NotFound
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
           "float8_e4m3fn": torch.float8_e4m3fn}
-KINDS = ("owned", "shm", "cuda_ipc")
 
 
 @dataclass
