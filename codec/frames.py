@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import torch
 
-from . import splitzip, splitzip_gpu
+from . import bitpack, splitzip, splitzip_gpu
 from .checksum import crc32c
 from .codebook import Codebook, calibrate
 from .dtypes import FloatLayout, layout_for
 from .errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
-from .fields import as_bits, from_bits, split
+from .fields import as_bits, split
 from .format import (DEFAULT_CHUNK, HEADER_SIZE, MAX_CHUNK, MAX_NDIM, Codec, Header, Stream,
                      make_header, parse_header, splitzip_size, stored_size)
 
@@ -146,16 +146,19 @@ def _encode(x: torch.Tensor, book: Codebook | None, *, checksum: bool, chunk: in
     layout = _check_tensor(x)
     if book is None:
         book = calibrate(x)
-    bits = as_bits(x, layout)
-    exponent, residual = split(bits, layout)
-    marked = splitzip.marked_codes(exponent, book.exponents, layout)
-    escapes = splitzip.find_escapes(exponent, marked, chunk, layout)
+    exponent, residual = split(as_bits(x, layout), layout)
+    if layout.code_bits == 4:
+        codes, escapes = splitzip.pair_encode(exponent, book.exponents, chunk, layout)
+    else:
+        marked = splitzip.marked_codes(exponent, book.exponents, layout)
+        escapes = splitzip.find_escapes(exponent, marked, chunk, layout)
+        codes = bitpack.pack(marked & (layout.codebook_size - 1), layout.code_bits)
     count = escapes.index.numel()
     shape = tuple(x.shape)
     smaller = splitzip_size(layout, x.numel(), chunk, count) < stored_size(layout, x.numel())
     if force == Codec.SPLITZIP or (force is None and smaller):
         header = make_header(Codec.SPLITZIP, layout, shape, chunk, book.exponents, count)
-        streams = splitzip.encode_streams(residual, marked, escapes, layout)
+        streams = splitzip.encode_streams(residual, codes, escapes, layout)
     else:
         header = make_header(Codec.STORED, layout, shape, 0, (), 0)
         streams = [x.reshape(-1).view(torch.uint8)]
@@ -220,9 +223,9 @@ def _decode_validated(frame: torch.Tensor, header: Header) -> torch.Tensor:
     escapes = splitzip.read_escapes(streams[Stream.CHUNK_COUNTS], streams[Stream.ESC_POSITIONS],
                                     streams[Stream.ESC_VALUES], header.numel, header.chunk,
                                     header.escapes, layout)
-    bits = splitzip.decode_bits(streams[Stream.RESIDUAL], streams[Stream.CODES], escapes,
-                                header.codebook, header.numel, layout)
-    return from_bits(bits, layout).view(header.shape)
+    flat = splitzip.decode_elements(streams[Stream.RESIDUAL], streams[Stream.CODES], escapes,
+                                    header.codebook, header.numel, layout)
+    return flat.view(header.shape)
 
 
 def _on_gpu(t: torch.Tensor, chunk: int) -> bool:

@@ -8,6 +8,7 @@ elements carry code 0 in the dense stream; decode looks every code up, then over
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from . import bitpack
 from .dtypes import FloatLayout
 from .errors import CorruptFrame
-from .fields import join
+from .fields import from_bits, join
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,47 @@ class Escapes:
     counts: torch.Tensor
     positions: torch.Tensor
     values: torch.Tensor
+
+
+@functools.lru_cache(maxsize=32)
+def _pair_exponents(codebook: tuple[int, ...]) -> torch.Tensor:
+    """int16 by byte value: the exponents of its low and high 4-bit code as the low and high
+    byte, so the gathered int16s viewed as bytes are the exponents in element order."""
+    book = torch.tensor(codebook, dtype=torch.uint8)
+    byte = torch.arange(256)
+    return torch.stack([book[byte & 15], book[byte >> 4]], dim=1).contiguous().view(torch.int16).view(-1)
+
+
+@functools.lru_cache(maxsize=32)
+def _pair_codes(codebook: tuple[int, ...], size: int) -> torch.Tensor:
+    """int16 by exponent pair ``e0 | e1 << 8``: low byte the packed code byte (escapes coded 0),
+    bits 8 and 9 whether e0 or e1 escapes — one lookup per output byte for 4-bit codes."""
+    marked = torch.full((256,), size, dtype=torch.int32)
+    marked[torch.tensor(codebook, dtype=torch.int64)] = torch.arange(size, dtype=torch.int32)
+    pair = torch.arange(1 << 16)
+    first, second = marked[pair & 0xFF], marked[pair >> 8]
+    codes = (first & (size - 1)) | ((second & (size - 1)) << 4)
+    flags = (first == size).to(torch.int32) | ((second == size).to(torch.int32) << 1)
+    return (codes | (flags << 8)).to(torch.int16)
+
+
+def pair_encode(exponent: torch.Tensor, codebook: tuple[int, ...], chunk: int, layout: FloatLayout
+                ) -> tuple[torch.Tensor, Escapes]:
+    """Packed 4-bit code stream and escapes in one table lookup per pair of elements."""
+    n = exponent.numel()
+    exps = exponent.to(torch.uint8)
+    if n % 2:  # pad with the exponent of code 0: a zero high nibble and no escape
+        exps = torch.cat([exps, exps.new_full((1,), codebook[0])])
+    index = exps.view(torch.int16).to(torch.int64) & 0xFFFF
+    looked_up = _pair_codes(codebook, layout.codebook_size).to(exponent.device)[index]
+    codes = looked_up.to(torch.uint8)  # low byte: the packed codes
+    flags = (looked_up >> 8) & 3
+    pairs = torch.nonzero(flags).view(-1)
+    pair_flags = flags[pairs]
+    index = torch.cat([2 * pairs[(pair_flags & 1).bool()], 2 * pairs[(pair_flags & 2).bool()] + 1]).sort().values
+    chunk_id = index // chunk
+    counts = torch.bincount(chunk_id, minlength=(n + chunk - 1) // chunk)
+    return codes, Escapes(index, counts, index - chunk_id * chunk, exponent[index])
 
 
 def marked_codes(exponent: torch.Tensor, codebook: tuple[int, ...], layout: FloatLayout) -> torch.Tensor:
@@ -46,13 +88,12 @@ def find_escapes(exponent: torch.Tensor, marked: torch.Tensor, chunk: int, layou
     return Escapes(index, counts, index - chunk_id * chunk, exponent[index])
 
 
-def encode_streams(residual: torch.Tensor, marked: torch.Tensor, escapes: Escapes,
+def encode_streams(residual: torch.Tensor, codes: torch.Tensor, escapes: Escapes,
                    layout: FloatLayout) -> list[torch.Tensor]:
-    """The five SplitZip streams as uint8 tensors, in frame order."""
-    codes = marked & (layout.codebook_size - 1)
+    """The five SplitZip streams as uint8 tensors, in frame order (``codes`` already packed)."""
     return [
         bitpack.pack(residual, layout.residual_bits),
-        bitpack.pack(codes, layout.code_bits),
+        codes,
         _u16_le(escapes.counts),
         _u16_le(escapes.positions),
         escapes.values.to(torch.uint8),
@@ -91,15 +132,25 @@ def read_escapes(counts_stream: torch.Tensor, positions_stream: torch.Tensor, va
     return Escapes(chunk_id * chunk + positions, counts, positions, values)
 
 
-def decode_bits(residual_stream: torch.Tensor, codes_stream: torch.Tensor, escapes: Escapes,
-                codebook: tuple[int, ...], numel: int, layout: FloatLayout) -> torch.Tensor:
-    """Element bits (int32) from validated streams."""
+def decode_elements(residual_stream: torch.Tensor, codes_stream: torch.Tensor, escapes: Escapes,
+                    codebook: tuple[int, ...], numel: int, layout: FloatLayout) -> torch.Tensor:
+    """The flat tensor of ``layout.dtype`` from validated streams."""
     device = codes_stream.device
-    table = torch.tensor(codebook, dtype=torch.int32, device=device)
-    exponent = table[bitpack.unpack(codes_stream, numel, layout.code_bits).long()]
-    exponent[escapes.index] = escapes.values
+    if layout.code_bits == 4:
+        # One lookup per byte: a 256-row table gives both exponents of the two codes it holds.
+        exponent = _pair_exponents(codebook).to(device)[codes_stream.long()].view(torch.uint8)[:numel]
+    else:
+        table = torch.tensor(codebook, dtype=torch.int32, device=device)
+        exponent = table[bitpack.unpack(codes_stream, numel, layout.code_bits).long()]
+    exponent[escapes.index] = escapes.values.to(exponent.dtype)
+    if layout.total_bits == 16 and layout.exp_bits == 8:
+        # bfloat16 byte by byte: high = sign | exponent >> 1, low = exponent & 1 | mantissa.
+        residual = residual_stream[:numel]
+        high = (residual & 0x80) | (exponent >> 1)
+        low = ((exponent & 1) << 7) | (residual & 0x7F)
+        return torch.stack([low, high], dim=1).view(torch.int16).view(-1).view(layout.dtype)
     residual = bitpack.unpack(residual_stream, numel, layout.residual_bits)
-    return join(exponent, residual, layout)
+    return from_bits(join(exponent, residual, layout), layout)
 
 
 def _u16_le(values: torch.Tensor) -> torch.Tensor:
