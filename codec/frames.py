@@ -71,7 +71,7 @@ def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Ten
     if _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems and ids.numel():
         _check_buffer(out, cache.device, frame_capacity(shape, cache.dtype, chunk=chunk))
         return splitzip_gpu.encode_into(cache, ids, block_elems, shape, layout, book.exponents, chunk, out)
-    return _encode_into(cache.index_select(0, ids), shape, layout, book, chunk, out)
+    return _encode_into(_gather(cache, ids), shape, layout, book, chunk, out)
 
 
 def _encode_into(x: torch.Tensor, shape: tuple[int, ...], layout: FloatLayout, book: Codebook, chunk: int,
@@ -106,12 +106,12 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
     ids = _block_ids(block_ids, cache)
     block_elems = cache[0].numel() if cache.dim() and cache.shape[0] else 0
     if codebook is None:
-        codebook = calibrate(cache.index_select(0, ids))  # needs the data; pass a codebook to avoid it
+        codebook = calibrate(_gather(cache, ids))  # needs the data; pass a codebook to avoid it
     book = _codebook_for(cache, codebook, layout, chunk)
     shape = (ids.numel(), *cache.shape[1:])
     if _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems:
         return splitzip_gpu.encode(cache, ids, block_elems, shape, layout, book.exponents, chunk, checksum)
-    return encode(cache.index_select(0, ids), book, checksum=checksum, chunk=chunk)
+    return encode(_gather(cache, ids), book, checksum=checksum, chunk=chunk)
 
 
 def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
@@ -264,6 +264,12 @@ def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, 
     if unique and most[0] > 1:
         raise OutputMismatch("block ids repeat")
     return ids
+
+
+def _gather(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``cache[ids]`` through the same-width integer view: not every device has float8 kernels."""
+    bits = layout_for(cache.dtype).int_dtype
+    return cache.view(bits).index_select(0, ids).view(cache.dtype)
 
 
 def _verify_stream_crc(frame: torch.Tensor, header: Header) -> None:
