@@ -46,7 +46,8 @@ def stop(*daemons: Daemon) -> None:
 @pytest.fixture(scope="module", params=["tcp", "ucxx"])
 def pair(request):
     """A prefill-side and a decode-side sidecar, real processes and ports."""
-    env = {"KVFERRY_TRANSFER_TIMEOUT": "10", "KVFERRY_CHUNK_BYTES": str(1 << 20)}
+    # Paced at 0.2 GB/s so that a mid-transfer cancel has a transfer to cancel on a fast machine.
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "10", "KVFERRY_CHUNK_BYTES": str(1 << 20), "KVFERRY_LINK_GBPS": "0.2"}
     a, b = spawn(request.param, env), spawn(request.param, env)
     yield a, b
     stop(a, b)

@@ -15,8 +15,12 @@ from tests.service.conftest import spawn, stop
 pytestmark = pytest.mark.slow
 
 
+# Senders paced to 50 MB/s: the 94 MB transfers below stay in flight for about two seconds.
+SLOW = {"KVFERRY_CHUNK_BYTES": str(1 << 20), "KVFERRY_LINK_GBPS": "0.05"}
+
+
 def test_receiver_killed_mid_transfer(kv):
-    env = {"KVFERRY_TRANSFER_TIMEOUT": "3", "KVFERRY_CHUNK_BYTES": str(1 << 20)}
+    env = dict(SLOW, KVFERRY_TRANSFER_TIMEOUT="3")
     a, b = spawn("tcp", env), spawn("tcp", env)
     try:
         big = kv.repeat(8, 1, 1, 1)  # 94 MB, splitzip on the CPU: seconds
@@ -75,7 +79,7 @@ def test_corrupt_chunk_fails_the_transfer(kv):
 
 
 def test_graceful_shutdown_fails_in_flight_and_exits(kv):
-    env = {"KVFERRY_TRANSFER_TIMEOUT": "5", "KVFERRY_CHUNK_BYTES": str(1 << 20)}
+    env = dict(SLOW, KVFERRY_TRANSFER_TIMEOUT="5")
     a, b = spawn("tcp", env), spawn("tcp", env)
     try:
         big = kv.repeat(8, 1, 1, 1)
@@ -83,7 +87,9 @@ def test_graceful_shutdown_fails_in_flight_and_exits(kv):
         b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
         ids = list(range(big.shape[0]))
         transfer = a.client.submit("src", ids, b.url, "dst", ids, codec="splitzip")
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while a.client.transfer(transfer)["bytes_wire"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
         a.process.terminate()  # SIGTERM: stop accepting, fail what is in flight, exit
         # uvicorn re-raises the signal after its graceful shutdown, so the exit status is -SIGTERM
         assert a.process.wait(timeout=20) in (0, -15)
