@@ -227,7 +227,7 @@ def test_pacing_emulates_a_slower_link():
         started = asyncio.get_running_loop().time()
         await asyncio.gather(connection.send(1, payload), receive.wait(cfg.op_timeout))
         elapsed = asyncio.get_running_loop().time() - started
-        assert 0.9 * len(payload) / rate <= elapsed <= 2.0 * len(payload) / rate
+        assert 0.9 * len(payload) / rate <= elapsed <= 3.0 * len(payload) / rate  # slack for a loaded CI box
         await connection.close()
         await listener.close()
 
