@@ -65,11 +65,6 @@ class Message:
                             self.length, self.total, 0)
         return body + _CRC.pack(google_crc32c.value(body))
 
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes that follow this header on the wire."""
-        return self.length if self.type in (MessageType.DATA, MessageType.REJECT) else 0
-
 
 def unpack(data: bytes | bytearray | memoryview) -> Message:
     """Parse and check one header.
