@@ -41,11 +41,14 @@ class Listener:
         return self.mailbox.expect(tag, buffer)
 
     async def close(self) -> None:
-        """Stop accepting, then close every accepted connection."""
+        """Stop accepting, close every accepted connection, then release the port.
+
+        Connections close first: a backend may keep the port bound while a handler still runs.
+        """
         self._closed = True
+        await asyncio.gather(*(c.close() for c in list(self._connections)), return_exceptions=True)
         if self._handle is not None:
             await self._handle.close()
-        await asyncio.gather(*(c.close() for c in list(self._connections)), return_exceptions=True)
 
 
 async def listen(host: str, port: int, config: TransportConfig, *, backend: str | None = None,

@@ -25,6 +25,7 @@ from .link import Link, ListenerHandle, OnLink, log
 
 
 _started = False
+_HANDLER_DRAIN_S = 2.0
 
 
 @functools.cache
@@ -104,6 +105,12 @@ class UcxListener(ListenerHandle):
 
     async def close(self) -> None:
         if self._listener is not None:
+            # Handlers hold the listener; it (and its port) lives until they end.
+            deadline = asyncio.get_running_loop().time() + _HANDLER_DRAIN_S
+            while self._listener.active_clients and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            if self._listener.active_clients:
+                log.warning("closing a UCX listener with %d handler(s) still running", self._listener.active_clients)
             self._listener.close()
             self._listener = None
             # The UCX listener goes when its last reference does; handler frames can hold one
@@ -117,12 +124,18 @@ async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig)
     async def handler(endpoint: Any) -> None:
         await on_link(UcxLink(endpoint, "ucx-peer"))
 
-    try:
-        listener = ucxx.create_listener(handler, port, endpoint_error_handling=True,
-                                        connect_timeout=config.connect_timeout)
-    except UCXError as exc:
-        raise ConnectError(f"cannot listen on port {port}: {exc}") from exc
-    return UcxListener(listener)
+    deadline = asyncio.get_running_loop().time() + (config.connect_timeout if port else 0.0)
+    while True:
+        try:
+            listener = ucxx.create_listener(handler, port, endpoint_error_handling=True,
+                                            connect_timeout=config.connect_timeout)
+            return UcxListener(listener)
+        except UCXError as exc:
+            # A listener closed a moment ago may still hold a fixed port until UCX lets it go.
+            if asyncio.get_running_loop().time() >= deadline:
+                raise ConnectError(f"cannot listen on port {port}: {exc}") from exc
+        gc.collect()
+        await asyncio.sleep(0.1)
 
 
 async def connect(host: str, port: int, config: TransportConfig) -> UcxLink:
