@@ -22,7 +22,7 @@ class Settings:
     advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
     token: str = ""  # bearer token for the control API; also sent to peers (one cluster secret)
     device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
-    chunk_bytes: int = 4 * MiB  # raw KV per pipeline chunk
+    chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 64 MiB on a GPU, 4 MiB on the CPU
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64
     max_body_bytes: int = 64 * MiB
@@ -33,6 +33,7 @@ class Settings:
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     log_level: str = "info"
     link_gbps: float = 0.0  # benchmarks only: pace outgoing data to this many GB/s (0 = off)
+    assumed_link_gbps: float = 12.5  # link speed ``auto`` assumes until it has measured a peer
     fault_corrupt_chunk: int = -1  # testing only: flip a byte of this chunk index on the wire
 
     def public(self) -> dict[str, Any]:
