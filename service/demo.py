@@ -20,7 +20,9 @@ def free_port() -> int:
 
 
 def start_sidecar(port: int, data_port: int, backend: str, token: str = "", extra: list[str] | None = None,
-                  env: dict | None = None, device: str = "cpu") -> subprocess.Popen:
+                  env: dict | None = None, device: str = "cpu", log: Path | None = None) -> subprocess.Popen:
+    """Start ``kvferry serve`` as a child process; its stderr goes to a pipe, or to ``log``
+    for long runs (an unread pipe would eventually block the daemon)."""
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--data-host", "127.0.0.1", "--data-port", str(data_port), "--advertise-host", "127.0.0.1",
                "--transport-backend", backend, "--device", device, "--log-level", "warning", *(extra or [])]
@@ -29,14 +31,16 @@ def start_sidecar(port: int, data_port: int, backend: str, token: str = "", extr
     environment = dict(os.environ, **(env or {}))
     environment.setdefault("UCX_TLS", "tcp")
     environment["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), environment.get("PYTHONPATH", "")])
-    return subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
 def wait_ready(client: Client, process: subprocess.Popen, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"sidecar exited: {process.stderr.read()[-2000:]}")
+            output = process.stderr.read() if process.stderr else "(see its log file)"
+            raise RuntimeError(f"sidecar exited: {output[-2000:]}")
         if client.ready():
             return
         time.sleep(0.1)

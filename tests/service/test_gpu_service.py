@@ -13,13 +13,26 @@ from tests.service.conftest import spawn, stop
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not splitzip_gpu.available(), reason="needs a CUDA GPU and CuPy")]
 
 
-def _gpu_pair():
-    env = {"KVFERRY_CHUNK_BYTES": str(1 << 20)}
-    return spawn("tcp", env, device="cuda"), spawn("tcp", env, device="cuda")
+def _has_ucxx() -> bool:
+    try:
+        import ucxx  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-def test_owned_gpu_regions_splitzip(kv):
-    a, b = _gpu_pair()
+# ucxx moves the CUDA buffers themselves (cuda_ipc on one host); TCP stages them through the host.
+BACKENDS = ["tcp", pytest.param("ucxx", marks=pytest.mark.skipif(not _has_ucxx(), reason="needs ucxx"))]
+
+
+def _gpu_pair(backend: str = "tcp"):
+    env = {"KVFERRY_CHUNK_BYTES": str(1 << 20), "UCX_TLS": "tcp,cuda_copy,cuda_ipc"}
+    return spawn(backend, env, device="cuda"), spawn(backend, env, device="cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_owned_gpu_regions_splitzip(kv, backend):
+    a, b = _gpu_pair(backend)
     try:
         info, _ = a.client.region_from_tensor("kv", kv)
         assert info["device"].startswith("cuda")
@@ -34,8 +47,9 @@ def test_owned_gpu_regions_splitzip(kv):
         stop(a, b)
 
 
-def test_cuda_ipc_regions_from_the_worker_process(kv):
-    a, b = _gpu_pair()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_ipc_regions_from_the_worker_process(kv, backend):
+    a, b = _gpu_pair(backend)
     try:
         source = kv.cuda()
         target = torch.zeros_like(source)
