@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -125,7 +126,7 @@ class Rig:
 
     def __init__(self, args, sender_device: str, receiver_device: str, logs: Path):
         self.links = args.links
-        env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls or
+        env = {"KVFERRY_TRANSFER_TIMEOUT": str(args.transfer_timeout), "KVFERRY_LOG_LEVEL": "info", "UCX_TLS": args.ucx_tls or
                ("tcp,cuda_copy,cuda_ipc" if sender_device.startswith("cuda") else "tcp")}
         if args.chunk_mib:
             env["KVFERRY_CHUNK_BYTES"] = str(args.chunk_mib << 20)
@@ -172,7 +173,7 @@ def run_point(rig: Rig, cache: torch.Tensor, link: str, tokens: int, codec_name:
     sender = rig.client(f"sender-{link}")
     ids = list(range(blocks))
     transfer = sender.submit("src", ids, rig.receiver_url, "dst", ids, codec=codec_name, codebook="kv")
-    result = sender.wait(transfer, timeout=600)
+    result = sender.wait(transfer, timeout=120)
     exact = result["state"] == "done" and all(receiver.get_block("dst", b) == block_bytes(cache, b) for b in picked)
     return result, exact
 
@@ -185,7 +186,14 @@ def sweep(args) -> dict:
     per_chunk = max(1, (args.chunk_mib << 20 if args.chunk_mib else
                         (64 << 20 if sender_device.startswith("cuda") else 4 << 20)) // block_bytes_len(cache))
     codec_speed = time_codec(cache, min(per_chunk, max_blocks), receiver_device)
-    logs = Path(tempfile.mkdtemp(prefix="kvferry-e2e-"))
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="kvferry-e2e-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    fixed: dict[str, float] = {}
+
+    def report(done: list[Point]) -> dict:
+        return {"meta": meta(args, sender_device, receiver_device, block_shape, logs), "codec": codec_speed,
+                "fixed_s": fixed, "points": [dict(asdict(p), median_s=p.median_s) for p in done]}
+
     rig = Rig(args, sender_device, receiver_device, logs)
     shm = []
     started = time.monotonic()
@@ -199,14 +207,18 @@ def sweep(args) -> dict:
             if handle is not None:
                 shm.append(handle)
             client.put_codebook("kv", codec_speed["codebook"])
-        fixed = fixed_cost(rig, args.links[-1], args.codecs)
+        fixed.update(fixed_cost(rig, args.links[-1], args.codecs))
         generator = torch.Generator().manual_seed(0)
         plan = [(link, tokens) for link in args.links for tokens in args.tokens]
         progress = _progress(len(plan) * args.repeats * len(args.codecs), args.progress)
+        failures: dict[str, int] = {}
         for link, tokens in plan:
             if time.monotonic() - started > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping before link {link}, {tokens} tokens", flush=True)
                 break
+            if failures.get(link, 0) >= 2:
+                print(f"link {link}: skipping {tokens} tokens after repeated failures", file=sys.stderr, flush=True)
+                continue
             blocks = tokens // BLOCK_TOKENS
             samples = [0, blocks - 1, *torch.randint(0, blocks, (2,), generator=generator).tolist()]
             results = {name: Point(link, tokens, name, blocks * block_bytes_len(cache), [], 0, "", True)
@@ -222,16 +234,23 @@ def sweep(args) -> dict:
                         point.seconds.append(result["seconds"])
                     else:
                         point.error = result.get("error") or result["state"]
+                    if point.error or not exact:
+                        failures[link] = failures.get(link, 0) + 1
+                        print(f"link {link} tokens {tokens} {name}: {result['state']}, exact {exact}, "
+                              f"error {point.error}", file=sys.stderr, flush=True)
                     progress.update(1)
             points.extend(results.values())
+            print(f"link {link:>5} tokens {tokens:>6}: " + ", ".join(
+                f"{p.codec} {p.median_s * 1e3:.2f} ms" for p in results.values()), file=sys.stderr, flush=True)
+            if args.out:  # after every point, so a cut-short run still leaves its results
+                args.out.write_text(json.dumps(report(points), indent=1))
         progress.close()
     finally:
         rig.close()
         for handle in shm:
             handle.close()
             handle.unlink()
-    return {"meta": meta(args, sender_device, receiver_device, block_shape, logs), "codec": codec_speed,
-            "fixed_s": fixed, "points": [dict(asdict(p), median_s=p.median_s) for p in points]}
+    return report(points)
 
 
 def fixed_cost(rig: Rig, link: str, codecs: list[str], count: int = 10) -> dict[str, float]:
@@ -240,9 +259,13 @@ def fixed_cost(rig: Rig, link: str, codecs: list[str], count: int = 10) -> dict[
     sender = rig.client(f"sender-{link}")
     costs = {}
     for name in codecs:
-        seconds = [sender.wait(sender.submit("src", [0], rig.receiver_url, "dst", [0], codec=name, codebook="kv"),
-                               timeout=60)["seconds"] for _ in range(count)]
-        costs[name] = statistics.median(seconds)
+        results = [sender.wait(sender.submit("src", [0], rig.receiver_url, "dst", [0], codec=name, codebook="kv"),
+                               timeout=60) for _ in range(count)]
+        seconds = [r["seconds"] for r in results if r["state"] == "done"]
+        costs[name] = statistics.median(seconds) if seconds else float("nan")
+        for r in results:
+            if r["state"] != "done":
+                print(f"one-block {name} transfer: {r['state']}: {r.get('error')}", file=sys.stderr, flush=True)
     return costs
 
 
@@ -374,16 +397,20 @@ def main() -> None:
     parser.add_argument("--ucx-tls", default="", help="UCX_TLS for the sidecars (default: tcp + CUDA on a GPU)")
     parser.add_argument("--chunk-mib", type=int, default=0, help="pipeline chunk; 0 = the daemon's default")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="stop sweeping after this long")
+    parser.add_argument("--transfer-timeout", type=float, default=30.0, help="the sidecars' no-progress limit")
+    parser.add_argument("--logs", type=Path, help="directory for the sidecars' logs (default: a temporary one)")
     parser.add_argument("--progress", action="store_true", help="a progress bar (tqdm)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "e2e.png")
     parser.add_argument("--plot-only", type=Path, help="redraw table and plot from a saved JSON")
     args = parser.parse_args()
+    # A run cut short by ``timeout`` still stops its sidecars (the finally blocks run).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"terminated; partial results in {args.out}"))
     if args.plot_only:
         report = json.loads(args.plot_only.read_text())
     else:
-        report = sweep(args)
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = sweep(args)
         args.out.write_text(json.dumps(report, indent=1))
     rows = analyse(report)
     print(markdown(report, rows), flush=True)

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # One device call for the end-to-end benchmark (see /work/.library/device). Carried: .whl-svc
 # (the daemon's wheels the GPU image lacks) and .carry/ucx-site.tar.xz (ucxx + UCX libraries,
-# librmm stubbed: kvferry makes no RMM allocations). Runs the GPU service tests on both
-# transports, then bench/e2e.py with ucxx (TCP if ucxx cannot move CUDA buffers here).
-# Usage there: bash bench/e2e_session.sh [e2e.py arguments]   (writes logs, JSON, PNG under $OUT)
+# librmm stubbed: kvferry makes no RMM allocations). Runs bench/e2e.py over ucxx (CUDA buffers
+# moved by UCX), then over TCP (staged through the host) for comparison.
+# Usage there: bash bench/e2e_session.sh   (writes logs, JSON, PNG under $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/kvferry-out}
 mkdir -p "$OUT" /tmp/ucx
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-svc/*.whl || exit 1
 tar -xJf .carry/ucx-site.tar.xz -C /tmp/ucx || exit 1
 export PYTHONPATH=/tmp/site:/tmp/ucx/.ucx-site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-nvidia-smi topo -m 2>&1 | head -8
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/service/test_gpu_service.py 2>&1 | tee "$OUT/gpu_service_tests.log" | tail -15
-backend=ucxx
-grep -q "ucxx.*PASSED\|passed" "$OUT/gpu_service_tests.log" && ! grep -q "FAILED.*ucxx" "$OUT/gpu_service_tests.log" || backend=tcp
-echo "e2e backend: $backend"
-python3 bench/e2e.py --backend "$backend" --progress --out "$OUT/e2e.json" --plot "$OUT/e2e.png" "$@" 2>&1 | tee "$OUT/e2e.log"
-cp -r /tmp/kvferry-e2e-* "$OUT/" 2>/dev/null
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+timeout 260 python3 bench/e2e.py --backend ucxx --budget-s 170 --transfer-timeout 20 --logs "$OUT/logs-ucxx" \
+    --out "$OUT/e2e_ucxx.json" --plot "$OUT/e2e_ucxx.png" > "$OUT/e2e_ucxx.log" 2> "$OUT/e2e_ucxx.err"
+rc=$?; echo "ucxx rc $rc"; grep -v "UCX  WARN" "$OUT/e2e_ucxx.err" | tail -25; tail -4 "$OUT/e2e_ucxx.log"
+if [ "$rc" != 0 ]; then  # isolate: the same over ucxx with small chunks (the GPU tests' setting)
+  timeout 120 python3 bench/e2e.py --backend ucxx --chunk-mib 4 --tokens 1K,4K,16K --links 12.5,100,max \
+      --repeats 1 --budget-s 50 --transfer-timeout 10 --logs "$OUT/logs-ucxx-small" --out "$OUT/e2e_ucxx_small.json" \
+      --plot "$OUT/e2e_ucxx_small.png" > "$OUT/e2e_ucxx_small.log" 2> "$OUT/e2e_ucxx_small.err"
+  echo "ucxx small-chunk rc $?"; grep -v "UCX  WARN" "$OUT/e2e_ucxx_small.err" | tail -12
+fi
+timeout 200 python3 bench/e2e.py --backend tcp --tokens 1K,2K,4K,8K,16K --repeats 2 --budget-s 110 \
+    --transfer-timeout 20 --logs "$OUT/logs-tcp" --out "$OUT/e2e_tcp.json" --plot "$OUT/e2e_tcp.png" \
+    > "$OUT/e2e_tcp.log" 2> "$OUT/e2e_tcp.err"
+echo "tcp rc $?"; tail -12 "$OUT/e2e_tcp.err"; tail -3 "$OUT/e2e_tcp.log"
