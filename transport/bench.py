@@ -1,9 +1,11 @@
-"""Loopback throughput: ``python -m transport.bench --backend {ucxx,tcp} --size 256MiB --count N``.
+"""Loopback throughput: ``python -m transport.bench --backend {ucxx,tcp} --size 256MiB --count N
+[--device cuda:0]``.
 
 Runs a receiving process and a sending process on 127.0.0.1 and prints one line ending in GB/s
 (payload bytes / seconds from the first announcement to the last acknowledgement). With
 ``--baseline`` it first measures raw blocking sockets (sendall / recv_into) between two
-processes the same way, and the main line reports the ratio to it.
+processes the same way, and the main line reports the ratio to it. ``--device cuda:N`` moves
+CUDA buffers (torch tensors) instead of host memory: GPU to GPU through UCX where it can.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ async def _serve(args: argparse.Namespace) -> None:
     config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window)
     listener = await listen("127.0.0.1", 0, config)
     print(json.dumps({"port": listener.port}), flush=True)
-    buffers = [bytearray(args.size), bytearray(args.size)]
+    buffers = [_buffer(args), _buffer(args)]
     for i in range(args.count):
         receive = listener.expect(i, buffers[i % 2])
         await receive.wait(config.op_timeout)
@@ -44,7 +46,7 @@ async def _serve(args: argparse.Namespace) -> None:
 async def _send(args: argparse.Namespace, port: int) -> float:
     config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window)
     connection = await connect("127.0.0.1", port, config)
-    payload = memoryview(bytearray(args.size))
+    payload = _buffer(args)
     start = time.perf_counter()
     pending = set()
     for i in range(args.count):  # two transfers in flight, so the pipe never drains between them
@@ -59,6 +61,14 @@ async def _send(args: argparse.Namespace, port: int) -> float:
     await connection.close()
     shutdown_backends()
     return elapsed
+
+
+def _buffer(args: argparse.Namespace):
+    if args.device == "cpu":
+        return bytearray(args.size)
+    import torch
+
+    return torch.ones(args.size, dtype=torch.uint8, device=args.device)
 
 
 def _raw_serve(size: int, count: int) -> None:
@@ -91,7 +101,7 @@ def _raw_send(port: int, size: int, count: int) -> float:
 def _spawn(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     command = [sys.executable, "-m", "transport.bench", "--role", role, "--backend", args.backend,
                "--size", str(args.size), "--count", str(args.count), "--chunk", str(args.chunk),
-               "--window", str(args.window)]
+               "--window", str(args.window), "--device", args.device]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     for line in process.stdout:  # UCX may print its own warnings on stdout first
         if line.startswith("{"):
@@ -107,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", type=int, default=4)
     parser.add_argument("--chunk", type=parse_size, default=parse_size("16MiB"))
     parser.add_argument("--window", type=parse_size, default=parse_size("128MiB"))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda:N for GPU buffers")
     parser.add_argument("--baseline", action="store_true", help="also measure raw blocking sockets")
     parser.add_argument("--role", choices=("server", "raw-server"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -127,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     rate = total / asyncio.run(_send(args, port)) / 1e9
     process.wait(timeout=60)
     ratio = f" ratio_vs_raw={rate / raw_rate:.2f}" if raw_rate else ""
-    print(f"{args.backend} size={args.size >> 20}MiB count={args.count} chunk={args.chunk >> 20}MiB{ratio} {rate:.2f} GB/s")
+    print(f"{args.backend} device={args.device} size={args.size >> 20}MiB count={args.count} "
+          f"chunk={args.chunk >> 20}MiB{ratio} {rate:.2f} GB/s")
 
 
 if __name__ == "__main__":
