@@ -307,6 +307,11 @@ def analyse(report: dict) -> list[dict]:
     """One row per point with the speedup over raw, the model's prediction and the targets."""
     ce, cd = report["codec"]["encode_gbps"], report["codec"]["decode_gbps"]
     by_key = {(p["link"], p["tokens"], p["codec"]): p for p in report["points"]}
+    # The stack's own ceiling: raw KV moved per second with no pacing, at the largest payload.
+    unpaced = [p for p in report["points"] if p["link"] == "max" and p["codec"] == "raw" and p["seconds"]]
+    ceiling = max(unpaced, key=lambda p: p["bytes_raw"], default=None)
+    ceiling_gbps = ceiling["bytes_raw"] / ceiling["median_s"] / GB if ceiling else None
+    report["ceiling_gbps"] = ceiling_gbps
     rows = []
     for p in report["points"]:
         raw = by_key.get((p["link"], p["tokens"], "raw"))
@@ -314,15 +319,11 @@ def analyse(report: dict) -> list[dict]:
         seconds = p["median_s"]
         ratio = s / p["bytes_wire"] if p["bytes_wire"] else float("nan")
         link = None if p["link"] == "max" else float(p["link"])
-        if link is None:
-            model = None
-        elif p["chosen"] == "raw":
-            model = s / (link * GB)
-        else:
-            model = max(s / (ce * GB), s / (ratio * link * GB), s / (cd * GB))
+        links = [link, min(link, ceiling_gbps) if ceiling_gbps else None] if link else [ceiling_gbps, ceiling_gbps]
+        model, model_at_ceiling = (_model(s, p["chosen"], b, ratio, ce, cd) for b in links)
         rows.append({**p, "gbps": None if math.isnan(seconds) else s / seconds / GB, "ratio": ratio,
                      "speedup": raw["median_s"] / seconds if raw and not math.isnan(seconds) else None,
-                     "model_s": model})
+                     "model_s": model if link else None, "model_ceiling_s": model_at_ceiling})
     for row in rows:
         pair = {r["codec"]: r for r in rows if (r["link"], r["tokens"]) == (row["link"], row["tokens"])}
         best = min((pair[c]["median_s"] for c in ("raw", "splitzip") if c in pair), default=None)
@@ -334,6 +335,15 @@ def analyse(report: dict) -> list[dict]:
     return rows
 
 
+def _model(s: int, chosen: str, link_gbps: float | None, ratio: float, ce: float, cd: float) -> float | None:
+    """SplitZip Appendix B: a pipeline runs at its slowest stage (raw has only the link)."""
+    if not link_gbps:
+        return None
+    if chosen == "raw":
+        return s / (link_gbps * GB)
+    return max(s / (ce * GB), s / (ratio * link_gbps * GB), s / (cd * GB))
+
+
 def markdown(report: dict, rows: list[dict]) -> str:
     m, c = report["meta"], report["codec"]
     lines = [(f"{m['date']}; sender {m['sender_device']}, receiver {m['receiver_device']}; backend {m['backend']}"
@@ -341,14 +351,16 @@ def markdown(report: dict, rows: list[dict]) -> str:
              (f"Codec at the pipeline's chunk ({c['chunk_bytes'] >> 20} MiB per call): encode {c['encode_gbps']:.0f} GB/s,"
               f" decode {c['decode_gbps']:.0f} GB/s, ratio {c['ratio']:.3f}. Command: `{m['command']}`"),
              "Fixed cost of a one-block transfer (median s): "
-             + ", ".join(f"{k} {v:.4f}" for k, v in report.get("fixed_s", {}).items()), "",
-             "| link GB/s | tokens | GiB | codec | chose | seconds | GB/s | speedup | ratio | model s | target | exact |",
-             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
+             + ", ".join(f"{k} {v:.4f}" for k, v in report.get("fixed_s", {}).items())
+             + f". Unpaced raw ceiling of the stack: {_num(report.get('ceiling_gbps'), 2)} GB/s.", "",
+             "| link GB/s | tokens | GiB | codec | chose | seconds | GB/s | speedup | ratio | model s "
+             "| model s at min(link, ceiling) | target | exact |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         target = {None: "", True: "met", False: "**missed**"}[r["target"]]
         lines.append(f"| {r['link']} | {r['tokens']} | {r['bytes_raw'] / 2**30:.2f} | {r['codec']} | {r['chosen']} "
                      f"| {_num(r['median_s'], 4)} | {_num(r['gbps'], 1)} | {_num(r['speedup'], 3)} | {_num(r['ratio'], 3)} "
-                     f"| {_num(r['model_s'], 4)} | {target} | {'yes' if r['exact'] else 'NO ' + str(r['error'])} |")
+                     f"| {_num(r['model_s'], 4)} | {_num(r['model_ceiling_s'], 4)} | {target} | {'yes' if r['exact'] else 'NO ' + str(r['error'])} |")
     return "\n".join(lines)
 
 
@@ -366,13 +378,15 @@ def plot(report: dict, rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(links), figsize=(3.2 * len(links), 3.4), sharey=False, squeeze=False)
     for ax, link in zip(axes[0], links):
         for name, style in (("raw", "o-"), ("splitzip", "s-"), ("auto", "x--")):
-            series = sorted((r["tokens"], r["median_s"]) for r in rows if r["link"] == link and r["codec"] == name)
+            series = sorted((r["tokens"], r["median_s"]) for r in rows
+                            if r["link"] == link and r["codec"] == name and not math.isnan(r["median_s"]))
             if series:
                 ax.plot([t for t, _ in series], [s * 1e3 for _, s in series], style, label=name, markersize=4)
-        model = sorted((r["tokens"], r["model_s"]) for r in rows
-                       if r["link"] == link and r["codec"] == "splitzip" and r["model_s"])
-        if model:
-            ax.plot([t for t, _ in model], [s * 1e3 for _, s in model], ":", color="gray", label="splitzip model")
+        for key, style, label in (("model_s", ":", "splitzip model"),
+                                  ("model_ceiling_s", "-.", "model, link capped at stack ceiling")):
+            model = sorted((r["tokens"], r[key]) for r in rows if r["link"] == link and r["codec"] == "splitzip" and r[key])
+            if model:
+                ax.plot([t for t, _ in model], [s * 1e3 for _, s in model], style, color="gray", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"link {link} GB/s" if link != "max" else "unpaced")
@@ -380,7 +394,9 @@ def plot(report: dict, rows: list[dict], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("transfer time (ms)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"kvferry end to end, Llama-3-8B KV, {report['meta']['sender_device']}", fontsize=9)
+    meta_ = report["meta"]
+    fig.suptitle(f"kvferry end to end, Llama-3-8B KV, {meta_['sender_device']} -> {meta_['receiver_device']}, "
+                 f"{meta_['backend']} transport (unpaced ceiling {_num(report.get('ceiling_gbps'), 2)} GB/s)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -414,11 +430,14 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=1))
     rows = analyse(report)
     print(markdown(report, rows), flush=True)
-    try:
-        plot(report, rows, args.plot)
-        print(f"plot: {args.plot}")
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    if not any(r["seconds"] for r in rows):
+        print("no transfer finished: no plot", file=sys.stderr)
+    else:
+        try:
+            plot(report, rows, args.plot)
+            print(f"plot: {args.plot}")
+        except ImportError:
+            print("matplotlib not installed: no plot", file=sys.stderr)
     missed = [r for r in rows if r["target"] is False]
     print(f"targets: {sum(r['target'] is True for r in rows)} met, {len(missed)} missed; "
           f"all transfers exact: {all(r['exact'] for r in rows)}")

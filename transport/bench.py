@@ -32,9 +32,9 @@ def parse_size(text: str) -> int:
 
 async def _serve(args: argparse.Namespace) -> None:
     config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window)
+    buffers = [_buffer(args), _buffer(args)]  # before UCX starts: it finds CUDA as the daemon does
     listener = await listen("127.0.0.1", 0, config)
     print(json.dumps({"port": listener.port}), flush=True)
-    buffers = [_buffer(args), _buffer(args)]
     for i in range(args.count):
         receive = listener.expect(i, buffers[i % 2])
         await receive.wait(config.op_timeout)
@@ -45,8 +45,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
 async def _send(args: argparse.Namespace, port: int) -> float:
     config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window)
-    connection = await connect("127.0.0.1", port, config)
     payload = _buffer(args)
+    connection = await connect("127.0.0.1", port, config)
     start = time.perf_counter()
     pending = set()
     for i in range(args.count):  # two transfers in flight, so the pipe never drains between them

@@ -177,18 +177,18 @@ class _Window:
 
 
 class _Pacer:
-    """Sender-side pacing to a fixed rate: stands in for a slower link in benchmarks."""
+    """Sender-side pacing to a fixed rate: stands in for a slower link in benchmarks. A message
+    leaves once a link of that rate would have finished serializing it (store and forward), so
+    even a one-message transfer takes at least its size over the rate."""
 
     def __init__(self, bytes_per_s: float):
         self._rate = bytes_per_s
-        self._next = time.monotonic()
+        self._free_at = time.monotonic()
 
     async def admit(self, n: int) -> None:
         now = time.monotonic()
-        start = max(now, self._next)
-        self._next = start + n / self._rate
-        if start > now:
-            await asyncio.sleep(start - now)
+        self._free_at = max(now, self._free_at) + n / self._rate
+        await asyncio.sleep(self._free_at - now)
 
 
 class Connection:

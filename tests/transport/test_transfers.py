@@ -217,6 +217,22 @@ def test_garbage_from_a_peer_drops_only_that_connection():
     run(main())
 
 
+def test_pacing_delays_even_a_one_message_transfer():
+    async def main():
+        rate = 100e6
+        cfg, listener, connection = await _pair("tcp", chunk_bytes=16 << 20, max_inflight_bytes=32 << 20,
+                                                pace_bytes_per_s=rate)
+        payload = bytes(4 << 20)  # one DATA message: a link of that rate needs 42 ms for it
+        receive = listener.expect(1, bytearray(len(payload)))
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(connection.send(1, payload), receive.wait(cfg.op_timeout))
+        assert asyncio.get_running_loop().time() - started >= len(payload) / rate
+        await connection.close()
+        await listener.close()
+
+    run(main())
+
+
 def test_pacing_emulates_a_slower_link():
     async def main():
         rate = 200e6  # 200 MB/s: far below loopback, so the pacer sets the pace
