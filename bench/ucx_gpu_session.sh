@@ -9,10 +9,15 @@ mkdir -p "$OUT" /tmp/ucx
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-svc/*.whl || exit 1
 tar -xJf .carry/ucx-site.tar.xz -C /tmp/ucx || exit 1
 export PYTHONPATH=/tmp/site:/tmp/ucx/.ucx-site:$PWD PYTHONUNBUFFERED=1
+# First what UCX itself says (transports found, memory types, errors), and host memory as control.
+UCX_TLS=tcp,cuda_copy,cuda_ipc UCX_LOG_LEVEL=info timeout 45 python3 -m transport.bench --backend ucxx \
+    --device cuda:0 --size 4MiB --count 2 > "$OUT/ucx_info.log" 2>&1
+grep -i "cuda\|memtype\|transport\|error" "$OUT/ucx_info.log" | sed 's/^\[[^]]*\] *//' | sort | uniq -c | head -20
+UCX_TLS=tcp timeout 45 python3 -m transport.bench --backend ucxx --size 64MiB --count 8 2>&1 | tail -1
 best=""; best_rate=0
 for tls in tcp,cuda_copy,cuda_ipc tcp,cuda_copy all sm,cuda_copy,cuda_ipc,tcp; do
   echo "== UCX_TLS=$tls" >> "$OUT/probe.log"
-  UCX_TLS=$tls UCX_LOG_LEVEL=error timeout 45 python3 -m transport.bench --backend ucxx --device cuda:0 \
+  UCX_TLS=$tls UCX_LOG_LEVEL=warn timeout 45 python3 -m transport.bench --backend ucxx --device cuda:0 \
       --size 64MiB --count 8 >> "$OUT/probe.log" 2>&1
   rate=$(tail -1 "$OUT/probe.log" | grep -o '[0-9.]* GB/s$' | cut -d' ' -f1)
   echo "UCX_TLS=$tls: ${rate:-failed} GB/s"
