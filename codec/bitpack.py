@@ -28,26 +28,22 @@ def pack(values: torch.Tensor, k: int) -> torch.Tensor:
         pairs = v.view(-1, 2)
         return pairs[:, 0] | (pairs[:, 1] << 4)
     groups = (n + _GROUP - 1) // _GROUP
-    v = torch.zeros(groups * _GROUP, dtype=torch.int64, device=values.device)
-    v[:n] = values.to(torch.int64) & ((1 << k) - 1)
-    v = v.view(groups, _GROUP)
-    # A group holds 8k <= 128 bits: a low and a high 64-bit word (int64 shifts wrap, which is
-    # exactly the truncation wanted; sign bits are masked off when bytes are extracted).
-    lo = torch.zeros(groups, dtype=torch.int64, device=values.device)
-    hi = torch.zeros_like(lo)
-    for i in range(_GROUP):
-        shift = i * k
-        if shift < 64:
-            lo |= v[:, i] << shift
-            if shift + k > 64:
-                hi |= v[:, i] >> (64 - shift)
-        else:
-            hi |= v[:, i] << (shift - 64)
-    out = torch.empty(groups, k, dtype=torch.uint8, device=values.device)
-    for j in range(k):
-        word, byte = (lo, j) if j < 8 else (hi, j - 8)
-        out[:, j] = ((word >> (8 * byte)) & 0xFF).to(torch.uint8)
-    return out.view(-1)[: packed_size(n, k)]
+    v = torch.zeros(groups * _GROUP, dtype=torch.int32, device=values.device)
+    v[:n] = values.to(torch.int32) & ((1 << k) - 1)
+    v = [column.contiguous() for column in v.view(groups, _GROUP).t()]  # field i of every group
+    out = torch.empty(k, groups, dtype=torch.uint8, device=values.device)
+    for j in range(k):  # byte j of a group: the fields overlapping bits [8j, 8j + 8), shifted into place
+        byte = None
+        for i, shift in _overlaps(j, k):
+            term = v[i] << shift if shift >= 0 else v[i] >> -shift
+            byte = term if byte is None else byte | term
+        out[j] = byte.to(torch.uint8)  # the cast keeps the low byte
+    return out.t().contiguous().view(-1)[: packed_size(n, k)]
+
+
+def _overlaps(byte: int, k: int) -> list[tuple[int, int]]:
+    """(field, left shift) of each field in a group of 8 that has bits in byte ``byte``."""
+    return [(i, i * k - 8 * byte) for i in range(_GROUP) if i * k < 8 * byte + 8 and i * k + k > 8 * byte]
 
 
 def unpack(stream: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -59,26 +55,16 @@ def unpack(stream: torch.Tensor, n: int, k: int) -> torch.Tensor:
         out = torch.stack([s & 0xF, s >> 4], dim=1).view(-1)
         return out[:n]
     groups = (n + _GROUP - 1) // _GROUP
-    b = torch.zeros(groups * k, dtype=torch.int64, device=stream.device)
-    b[: stream.numel()] = stream.to(torch.int64)
-    b = b.view(groups, k)
-    lo = torch.zeros(groups, dtype=torch.int64, device=stream.device)
-    hi = torch.zeros_like(lo)
-    for j in range(k):
-        if j < 8:
-            lo |= b[:, j] << (8 * j)
-        else:
-            hi |= b[:, j] << (8 * (j - 8))
-    mask = (1 << k) - 1
-    out = torch.empty(groups, _GROUP, dtype=torch.int64, device=stream.device)
-    for i in range(_GROUP):
-        shift = i * k
-        if shift + k <= 64:
-            field = (lo >> shift) if shift else lo
-        elif shift < 64:
-            low_part = (lo >> shift) & ((1 << (64 - shift)) - 1)
-            field = low_part | (hi << (64 - shift))
-        else:
-            field = hi >> (shift - 64)
-        out[:, i] = field & mask
-    return out.view(-1)[:n].to(torch.int32)
+    b = torch.zeros(groups * k, dtype=torch.uint8, device=stream.device)
+    b[: stream.numel()] = stream
+    b = b.view(groups, k).t().contiguous()  # byte j of every group in one contiguous row
+    rows = [row.to(torch.int32) for row in b]
+    out = torch.empty(groups, _GROUP, dtype=torch.int32, device=stream.device)
+    for i in range(_GROUP):  # field i: the bytes it overlaps, shifted back
+        field = None
+        for j in range(i * k // 8, (i * k + k - 1) // 8 + 1):
+            shift = i * k - 8 * j
+            term = rows[j] >> shift if shift >= 0 else rows[j] << -shift
+            field = term if field is None else field | term
+        torch.bitwise_and(field, (1 << k) - 1, out=out[:, i])
+    return out.view(-1)[:n]

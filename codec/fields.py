@@ -16,8 +16,14 @@ def as_bits(x: torch.Tensor, layout: FloatLayout) -> torch.Tensor:
 
 
 def split(bits: torch.Tensor, layout: FloatLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exponent, residual) of each element, in the width of ``bits``; residual = sign << mant_bits | mantissa."""
+    """(exponent, residual) of each element, in the width of ``bits`` (uint8 for bfloat16, whose
+    two fields are a byte each); residual = sign << mant_bits | mantissa."""
     m, e = layout.mant_bits, layout.exp_bits
+    if layout.total_bits == 16 and e == 8:
+        # Casts to uint8 keep the low byte, so each field costs one or two narrow passes.
+        exponent = (bits >> m).to(torch.uint8)
+        residual = ((bits >> 8).to(torch.uint8) & 0x80) | (bits.to(torch.uint8) & 0x7F)
+        return exponent, residual
     exponent = (bits >> m) & ((1 << e) - 1)
     residual = (((bits >> (e + m)) & 1) << m) | (bits & ((1 << m) - 1))
     return exponent, residual
@@ -40,4 +46,4 @@ def from_bits(bits: torch.Tensor, layout: FloatLayout) -> torch.Tensor:
 def exponent_histogram(x: torch.Tensor, layout: FloatLayout) -> torch.Tensor:
     """Count of each exponent value in ``x``, on x's device."""
     exponent, _ = split(as_bits(x, layout), layout)
-    return torch.bincount(exponent.to(torch.int64), minlength=1 << layout.exp_bits)
+    return torch.bincount(exponent, minlength=1 << layout.exp_bits)  # any integer dtype; no int64 copy

@@ -152,11 +152,13 @@ def _encode(x: torch.Tensor, book: Codebook | None, *, checksum: bool, chunk: in
     else:
         marked = splitzip.marked_codes(exponent, book.exponents, layout)
         escapes = splitzip.find_escapes(exponent, marked, chunk, layout)
-        codes = bitpack.pack(marked & (layout.codebook_size - 1), layout.code_bits)
+        codes = None  # packed only if the frame is coded
     count = escapes.index.numel()
     shape = tuple(x.shape)
     smaller = splitzip_size(layout, x.numel(), chunk, count) < stored_size(layout, x.numel())
     if force == Codec.SPLITZIP or (force is None and smaller):
+        if codes is None:
+            codes = bitpack.pack(marked & (layout.codebook_size - 1), layout.code_bits)
         header = make_header(Codec.SPLITZIP, layout, shape, chunk, book.exponents, count)
         streams = splitzip.encode_streams(residual, codes, escapes, layout)
     else:
