@@ -88,6 +88,14 @@ class Estimates:
             old = self.link_gbps.get(peer)
             self.link_gbps[peer] = sample if old is None else 0.7 * old + 0.3 * sample
 
+    def observe_codec(self, direction: str, raw_bytes: int, seconds: float) -> None:
+        """Follow the codec speed real chunks see (the start-up sample can be taken while the
+        machine is busy starting, and a GPU shares its bandwidth with the serving engine)."""
+        if seconds > 0 and raw_bytes >= 1 << 20:
+            sample = raw_bytes / seconds / 1e9
+            old = getattr(self, f"{direction}_gbps")
+            setattr(self, f"{direction}_gbps", sample if not old else 0.7 * old + 0.3 * sample)
+
     def observe_ratio(self, raw_bytes: int, wire_bytes: int) -> None:
         """Follow the ratio real SplitZip transfers achieve (data, not the start-up sample)."""
         if wire_bytes > 1 << 20:
@@ -332,7 +340,10 @@ class Sidecar:
             payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
         if payload.is_cuda:
             torch.cuda.current_stream(payload.device).synchronize()
-        self.metrics.codec_seconds.labels("encode").inc(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.metrics.codec_seconds.labels("encode").inc(seconds)
+        if chosen == "splitzip":
+            self.estimates.observe_codec("encode", len(chunk_ids) * region.block_bytes, seconds)
         return payload
 
     async def _send_chunk(self, connection, t: Transfer, index: int, payload: torch.Tensor,
@@ -460,7 +471,10 @@ class Sidecar:
             region.tensor.view(bits).index_copy_(0, chunk_ids, blocks)
         if frame.is_cuda:
             torch.cuda.current_stream(frame.device).synchronize()
-        self.metrics.codec_seconds.labels("decode").inc(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.metrics.codec_seconds.labels("decode").inc(seconds)
+        if chosen == "splitzip":
+            self.estimates.observe_codec("decode", len(chunk_ids) * region.block_bytes, seconds)
 
 
 def _new_id() -> str:

@@ -48,3 +48,12 @@ def test_measured_link_and_ratio_replace_the_assumptions():
     assert est.ratio == 0.7 * before + 0.3 * (4 / 3)
     est.observe_ratio(4 << 10, 1 << 10)  # too small to tell
     assert est.ratio == 0.7 * before + 0.3 * (4 / 3)
+
+
+def test_codec_speeds_follow_real_chunks():
+    est = Estimates(encode_gbps=0.07, decode_gbps=0.3)
+    for _ in range(20):
+        est.observe_codec("encode", 8 * MiB, 8 * MiB / 0.6e9)
+    assert math.isclose(est.encode_gbps, 0.6, rel_tol=1e-2) and est.decode_gbps == 0.3
+    est.observe_codec("decode", 4 << 10, 1e-6)  # too small a chunk to time
+    assert est.decode_gbps == 0.3
