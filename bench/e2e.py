@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import codec  # noqa: E402
 from service.client import Client  # noqa: E402
 from service.demo import free_port, load_kv, start_sidecar, wait_ready  # noqa: E402
+from service.sidecar import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
 
 KV_SAMPLE = ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz"
 KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 8, 128, 16
@@ -126,8 +127,8 @@ class Rig:
 
     def __init__(self, args, sender_device: str, receiver_device: str, logs: Path):
         self.links = args.links
-        env = {"KVFERRY_TRANSFER_TIMEOUT": str(args.transfer_timeout), "KVFERRY_LOG_LEVEL": "info", "UCX_TLS": args.ucx_tls or
-               ("tcp,cuda_copy,cuda_ipc" if sender_device.startswith("cuda") else "tcp")}
+        ucx_tls = args.ucx_tls or ("tcp,cuda_copy,cuda_ipc" if sender_device.startswith("cuda") else "tcp")
+        env = {"KVFERRY_TRANSFER_TIMEOUT": str(args.transfer_timeout), "UCX_TLS": ucx_tls}
         if args.chunk_mib:
             env["KVFERRY_CHUNK_BYTES"] = str(args.chunk_mib << 20)
         self.processes, self.clients = [], {}
@@ -183,8 +184,8 @@ def sweep(args) -> dict:
     max_blocks = max(args.tokens) // BLOCK_TOKENS
     cache = fill_cache(max_blocks, args.layers, sender_device)
     block_shape = list(cache.shape[1:])
-    per_chunk = max(1, (args.chunk_mib << 20 if args.chunk_mib else
-                        (64 << 20 if sender_device.startswith("cuda") else 4 << 20)) // block_bytes_len(cache))
+    chunk_bytes = args.chunk_mib << 20 or (GPU_CHUNK_BYTES if cache.is_cuda else CPU_CHUNK_BYTES)
+    per_chunk = max(1, chunk_bytes // block_bytes_len(cache))  # blocks per chunk, as the sidecar plans them
     codec_speed = time_codec(cache, min(per_chunk, max_blocks), receiver_device)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="kvferry-e2e-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -221,27 +222,11 @@ def sweep(args) -> dict:
                 continue
             blocks = tokens // BLOCK_TOKENS
             samples = [0, blocks - 1, *torch.randint(0, blocks, (2,), generator=generator).tolist()]
-            results = {name: Point(link, tokens, name, blocks * block_bytes_len(cache), [], 0, "", True)
-                       for name in args.codecs}
-            for _ in range(args.repeats):
-                for name in args.codecs:  # interleaved, so drift hits every codec alike
-                    result, exact = run_point(rig, cache, link, tokens, name, samples)
-                    point = results[name]
-                    point.exact &= exact
-                    point.bytes_wire = result["bytes_wire"]
-                    point.chosen = result.get("chosen_codec") or name
-                    if result["state"] == "done" and result["seconds"]:
-                        point.seconds.append(result["seconds"])
-                    else:
-                        point.error = result.get("error") or result["state"]
-                    if point.error or not exact:
-                        failures[link] = failures.get(link, 0) + 1
-                        print(f"link {link} tokens {tokens} {name}: {result['state']}, exact {exact}, "
-                              f"error {point.error}", file=sys.stderr, flush=True)
-                    progress.update(1)
-            points.extend(results.values())
+            results = measure(rig, cache, link, tokens, args.codecs, args.repeats, samples, progress)
+            failures[link] = failures.get(link, 0) + sum(bool(p.error) or not p.exact for p in results)
+            points.extend(results)
             print(f"link {link:>5} tokens {tokens:>6}: " + ", ".join(
-                f"{p.codec} {p.median_s * 1e3:.2f} ms" for p in results.values()), file=sys.stderr, flush=True)
+                f"{p.codec} {p.median_s * 1e3:.2f} ms" for p in results), file=sys.stderr, flush=True)
             if args.out:  # after every point, so a cut-short run still leaves its results
                 args.out.write_text(json.dumps(report(points), indent=1))
         progress.close()
@@ -251,6 +236,28 @@ def sweep(args) -> dict:
             handle.close()
             handle.unlink()
     return report(points)
+
+
+def measure(rig: Rig, cache: torch.Tensor, link: str, tokens: int, codecs: list[str], repeats: int,
+            samples: list[int], progress) -> list[Point]:
+    """One sweep point: ``repeats`` transfers per codec, interleaved so drift hits each alike."""
+    blocks = tokens // BLOCK_TOKENS
+    points = {name: Point(link, tokens, name, blocks * block_bytes_len(cache), [], 0, "", True) for name in codecs}
+    for _ in range(repeats):
+        for name, point in points.items():
+            result, exact = run_point(rig, cache, link, tokens, name, samples)
+            point.exact &= exact
+            point.bytes_wire = result["bytes_wire"]
+            point.chosen = result.get("chosen_codec") or name
+            if result["state"] == "done" and result["seconds"]:
+                point.seconds.append(result["seconds"])
+            else:
+                point.error = result.get("error") or result["state"]
+            if point.error or not exact:
+                print(f"link {link} tokens {tokens} {name}: {result['state']}, exact {exact}, "
+                      f"error {point.error}", file=sys.stderr, flush=True)
+            progress.update(1)
+    return list(points.values())
 
 
 def fixed_cost(rig: Rig, link: str, codecs: list[str], count: int = 10) -> dict[str, float]:
@@ -353,8 +360,8 @@ def markdown(report: dict, rows: list[dict]) -> str:
              "Fixed cost of a one-block transfer (median s): "
              + ", ".join(f"{k} {v:.4f}" for k, v in report.get("fixed_s", {}).items())
              + f". Unpaced raw ceiling of the stack: {_num(report.get('ceiling_gbps'), 2)} GB/s.", "",
-             "| link GB/s | tokens | GiB | codec | chose | seconds | GB/s | speedup | ratio | model s "
-             "| model s at min(link, ceiling) | target | exact |",
+             ("| link GB/s | tokens | GiB | codec | chose | seconds | GB/s | speedup | ratio | model s "
+              "| model s at min(link, ceiling) | target | exact |"),
              "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         target = {None: "", True: "met", False: "**missed**"}[r["target"]]
