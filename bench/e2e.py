@@ -127,8 +127,8 @@ class Rig:
 
     def __init__(self, args, sender_device: str, receiver_device: str, logs: Path):
         self.links = args.links
-        ucx_tls = args.ucx_tls or ("tcp,cuda_copy,cuda_ipc" if sender_device.startswith("cuda") else "tcp")
-        env = {"KVFERRY_TRANSFER_TIMEOUT": str(args.transfer_timeout), "UCX_TLS": ucx_tls}
+        self.ucx_tls = args.ucx_tls or ("tcp,cuda_copy,cuda_ipc" if sender_device.startswith("cuda") else "tcp")
+        env = {"KVFERRY_TRANSFER_TIMEOUT": str(args.transfer_timeout), "UCX_TLS": self.ucx_tls}
         if args.chunk_mib:
             env["KVFERRY_CHUNK_BYTES"] = str(args.chunk_mib << 20)
         self.processes, self.clients = [], {}
@@ -192,7 +192,7 @@ def sweep(args) -> dict:
     fixed: dict[str, float] = {}
 
     def report(done: list[Point]) -> dict:
-        return {"meta": meta(args, sender_device, receiver_device, block_shape, logs), "codec": codec_speed,
+        return {"meta": meta(args, rig.ucx_tls, sender_device, receiver_device, block_shape, logs), "codec": codec_speed,
                 "fixed_s": fixed, "points": [dict(asdict(p), median_s=p.median_s) for p in done]}
 
     rig = Rig(args, sender_device, receiver_device, logs)
@@ -280,7 +280,7 @@ def block_bytes_len(cache: torch.Tensor) -> int:
     return cache[0].numel() * cache.element_size()
 
 
-def meta(args, sender_device: str, receiver_device: str, block_shape: list[int], logs: Path) -> dict:
+def meta(args, ucx_tls: str, sender_device: str, receiver_device: str, block_shape: list[int], logs: Path) -> dict:
     def name(device: str) -> str:
         return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else platform.processor() or "cpu"
 
@@ -288,7 +288,7 @@ def meta(args, sender_device: str, receiver_device: str, block_shape: list[int],
             "sender_device": f"{sender_device} ({name(sender_device)})",
             "receiver_device": f"{receiver_device} ({name(receiver_device)})",
             "gpus_visible": torch.cuda.device_count(), "torch": torch.__version__, "backend": args.backend,
-            "ucx_tls": args.ucx_tls, "block_shape": block_shape, "repeats": args.repeats, "logs": str(logs)}
+            "ucx_tls": ucx_tls if args.backend != "tcp" else "", "block_shape": block_shape, "repeats": args.repeats, "logs": str(logs)}
 
 
 def _progress(total: int, wanted: bool):
