@@ -1,15 +1,10 @@
 #!/usr/bin/env bash
-# One device call for the end-to-end benchmark (see /work/.library/device). Carried: .whl-svc
-# (the daemon's wheels the GPU image lacks) and .carry/ucx-site.tar.xz (ucxx + UCX libraries,
-# librmm stubbed: kvferry makes no RMM allocations). Runs bench/e2e.py over ucxx (CUDA buffers
-# moved by UCX), then over TCP (staged through the host) for comparison.
+# One device call for the end-to-end benchmark (see /work/.library/device); carry .whl-svc and
+# .carry (bench/device_setup.sh). Runs bench/e2e.py over ucxx (CUDA buffers moved by UCX), then
+# over TCP (staged through the host) for comparison.
 # Usage there: bash bench/e2e_session.sh   (writes logs, JSON, PNG under $OUT)
 set -uo pipefail
-OUT=${OUT:-/tmp/kvferry-out}
-mkdir -p "$OUT" /tmp/ucx
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-svc/*.whl || exit 1
-tar -xJf .carry/ucx-site.tar.xz -C /tmp/ucx || exit 1
-export PYTHONPATH=/tmp/site:/tmp/ucx/.ucx-site:$PWD PYTHONUNBUFFERED=1
+. bench/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 timeout 230 python3 bench/e2e.py --backend ucxx --budget-s 150 --transfer-timeout 20 --logs "$OUT/logs-ucxx" \
     --out "$OUT/e2e_ucxx.json" --plot "$OUT/e2e_ucxx.png" > "$OUT/e2e_ucxx.log" 2> "$OUT/e2e_ucxx.err"

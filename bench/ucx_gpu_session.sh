@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
 # One device call: which UCX transport list moves CUDA buffers between two processes here
 # (python -m transport.bench --device cuda:0 per UCX_TLS), then bench/e2e.py over ucxx with the
-# fastest list that worked. Carried: .whl-svc and .carry/ucx-site.tar.xz (see e2e_session.sh).
+# fastest list that worked. Carry .whl-svc and .carry (bench/device_setup.sh).
 # Usage there: bash bench/ucx_gpu_session.sh   (writes probe.log, e2e_* and sidecars.log under $OUT)
 set -uo pipefail
-OUT=${OUT:-/tmp/kvferry-out}
-mkdir -p "$OUT" /tmp/ucx
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-svc/*.whl || exit 1
-tar -xJf .carry/ucx-site.tar.xz -C /tmp/ucx || exit 1
-export PYTHONPATH=/tmp/site:/tmp/ucx/.ucx-site:$PWD PYTHONUNBUFFERED=1
+. bench/device_setup.sh
 # First what UCX itself says (transports found, memory types, errors), and host memory as control.
 UCX_TLS=tcp,cuda_copy,cuda_ipc UCX_LOG_LEVEL=info timeout 45 python3 -m transport.bench --backend ucxx \
     --device cuda:0 --size 4MiB --count 2 > "$OUT/ucx_info.log" 2>&1
