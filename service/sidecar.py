@@ -84,22 +84,24 @@ class Estimates:
 
     def observe_link(self, peer: str, wire_bytes: int, seconds: float) -> None:
         if seconds > 0 and wire_bytes > 1 << 20:
-            sample = wire_bytes / seconds / 1e9
-            old = self.link_gbps.get(peer)
-            self.link_gbps[peer] = sample if old is None else 0.7 * old + 0.3 * sample
+            self.link_gbps[peer] = _follow(self.link_gbps.get(peer), wire_bytes / seconds / 1e9)
 
     def observe_codec(self, direction: str, raw_bytes: int, seconds: float) -> None:
         """Follow the codec speed real chunks see (the start-up sample can be taken while the
         machine is busy starting, and a GPU shares its bandwidth with the serving engine)."""
         if seconds > 0 and raw_bytes >= 1 << 20:
-            sample = raw_bytes / seconds / 1e9
-            old = getattr(self, f"{direction}_gbps")
-            setattr(self, f"{direction}_gbps", sample if not old else 0.7 * old + 0.3 * sample)
+            name = f"{direction}_gbps"
+            setattr(self, name, _follow(getattr(self, name), raw_bytes / seconds / 1e9))
 
     def observe_ratio(self, raw_bytes: int, wire_bytes: int) -> None:
         """Follow the ratio real SplitZip transfers achieve (data, not the start-up sample)."""
         if wire_bytes > 1 << 20:
-            self.ratio = 0.7 * self.ratio + 0.3 * raw_bytes / wire_bytes
+            self.ratio = _follow(self.ratio, raw_bytes / wire_bytes)
+
+
+def _follow(old: float | None, sample: float) -> float:
+    """Exponential moving average that starts at the first sample (0 or None = none yet)."""
+    return sample if not old else 0.7 * old + 0.3 * sample
 
 
 class BufferPool:
@@ -338,12 +340,7 @@ class Sidecar:
         if index == self.settings.fault_corrupt_chunk:
             payload = payload.clone()
             payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
-        if payload.is_cuda:
-            torch.cuda.current_stream(payload.device).synchronize()
-        seconds = time.perf_counter() - started
-        self.metrics.codec_seconds.labels("encode").inc(seconds)
-        if chosen == "splitzip":
-            self.estimates.observe_codec("encode", len(chunk_ids) * region.block_bytes, seconds)
+        self._codec_done("encode", payload, chosen, len(chunk_ids) * region.block_bytes, started)
         return payload
 
     async def _send_chunk(self, connection, t: Transfer, index: int, payload: torch.Tensor,
@@ -469,12 +466,16 @@ class Sidecar:
             bits = codec.layout_by_name(region.dtype).int_dtype
             blocks = frame.view(bits).view(len(chunk_ids), *region.block_shape)
             region.tensor.view(bits).index_copy_(0, chunk_ids, blocks)
-        if frame.is_cuda:
-            torch.cuda.current_stream(frame.device).synchronize()
+        self._codec_done("decode", frame, chosen, len(chunk_ids) * region.block_bytes, started)
+
+    def _codec_done(self, direction: str, tensor: torch.Tensor, chosen: str, raw_bytes: int, started: float) -> None:
+        """Wait for the chunk's GPU work, then account its time (metrics, and ``auto``'s estimates)."""
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
         seconds = time.perf_counter() - started
-        self.metrics.codec_seconds.labels("decode").inc(seconds)
+        self.metrics.codec_seconds.labels(direction).inc(seconds)
         if chosen == "splitzip":
-            self.estimates.observe_codec("decode", len(chunk_ids) * region.block_bytes, seconds)
+            self.estimates.observe_codec(direction, raw_bytes, seconds)
 
 
 def _new_id() -> str:
