@@ -164,18 +164,17 @@ def block_bytes(cache: torch.Tensor, index: int) -> bytes:
     return cache[index].reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
-def run_point(rig: Rig, cache: torch.Tensor, link: str, tokens: int, codec_name: str, samples: list[int]) -> tuple:
-    blocks = tokens // BLOCK_TOKENS
+def run_point(rig: Rig, link: str, tokens: int, codec_name: str, expected: dict[int, bytes]) -> tuple:
+    """One transfer of the first ``tokens`` worth of blocks; the ``expected`` destination blocks
+    are zeroed first and compared after, so a transfer that writes nothing cannot pass."""
     receiver = rig.client("receiver")
-    picked = [b for b in samples if b < blocks] or [0]
-    zeros = bytes(len(block_bytes(cache, 0)))
-    for b in picked:
-        receiver.put_block("dst", b, zeros)
+    for b, data in expected.items():
+        receiver.put_block("dst", b, bytes(len(data)))
     sender = rig.client(f"sender-{link}")
-    ids = list(range(blocks))
+    ids = list(range(tokens // BLOCK_TOKENS))
     transfer = sender.submit("src", ids, rig.receiver_url, "dst", ids, codec=codec_name, codebook="kv")
     result = sender.wait(transfer, timeout=120)
-    exact = result["state"] == "done" and all(receiver.get_block("dst", b) == block_bytes(cache, b) for b in picked)
+    exact = result["state"] == "done" and all(receiver.get_block("dst", b) == data for b, data in expected.items())
     return result, exact
 
 
@@ -243,9 +242,10 @@ def measure(rig: Rig, cache: torch.Tensor, link: str, tokens: int, codecs: list[
     """One sweep point: ``repeats`` transfers per codec, interleaved so drift hits each alike."""
     blocks = tokens // BLOCK_TOKENS
     points = {name: Point(link, tokens, name, blocks * block_bytes_len(cache), [], 0, "", True) for name in codecs}
+    expected = {b: block_bytes(cache, b) for b in samples}
     for _ in range(repeats):
         for name, point in points.items():
-            result, exact = run_point(rig, cache, link, tokens, name, samples)
+            result, exact = run_point(rig, link, tokens, name, expected)
             point.exact &= exact
             point.bytes_wire = result["bytes_wire"]
             point.chosen = result.get("chosen_codec") or name
