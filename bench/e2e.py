@@ -314,11 +314,7 @@ def analyse(report: dict) -> list[dict]:
     """One row per point with the speedup over raw, the model's prediction and the targets."""
     ce, cd = report["codec"]["encode_gbps"], report["codec"]["decode_gbps"]
     by_key = {(p["link"], p["tokens"], p["codec"]): p for p in report["points"]}
-    # The stack's own ceiling: raw KV moved per second with no pacing, at the largest payload.
-    unpaced = [p for p in report["points"] if p["link"] == "max" and p["codec"] == "raw" and p["seconds"]]
-    ceiling = max(unpaced, key=lambda p: p["bytes_raw"], default=None)
-    ceiling_gbps = ceiling["bytes_raw"] / ceiling["median_s"] / GB if ceiling else None
-    report["ceiling_gbps"] = ceiling_gbps
+    ceiling_gbps = stack_ceiling_gbps(report)
     rows = []
     for p in report["points"]:
         raw = by_key.get((p["link"], p["tokens"], "raw"))
@@ -326,11 +322,11 @@ def analyse(report: dict) -> list[dict]:
         seconds = p["median_s"]
         ratio = s / p["bytes_wire"] if p["bytes_wire"] else float("nan")
         link = None if p["link"] == "max" else float(p["link"])
-        links = [link, min(link, ceiling_gbps) if ceiling_gbps else None] if link else [ceiling_gbps, ceiling_gbps]
-        model, model_at_ceiling = (_model(s, p["chosen"], b, ratio, ce, cd) for b in links)
+        capped = (min(link, ceiling_gbps) if ceiling_gbps else None) if link else ceiling_gbps
+        model, model_at_ceiling = (_model(s, p["chosen"], b, ratio, ce, cd) for b in (link, capped))
         rows.append({**p, "gbps": None if math.isnan(seconds) else s / seconds / GB, "ratio": ratio,
                      "speedup": raw["median_s"] / seconds if raw and not math.isnan(seconds) else None,
-                     "model_s": model if link else None, "model_ceiling_s": model_at_ceiling})
+                     "model_s": model, "model_ceiling_s": model_at_ceiling})
     for row in rows:
         pair = {r["codec"]: r for r in rows if (r["link"], r["tokens"]) == (row["link"], row["tokens"])}
         best = min((pair[c]["median_s"] for c in ("raw", "splitzip") if c in pair), default=None)
@@ -340,6 +336,13 @@ def analyse(report: dict) -> list[dict]:
         if row["codec"] == "auto" and best:
             row["target"] = row["median_s"] <= 1.02 * best
     return rows
+
+
+def stack_ceiling_gbps(report: dict) -> float | None:
+    """The stack's own ceiling: raw KV moved per second with no pacing, at the largest payload."""
+    unpaced = [p for p in report["points"] if p["link"] == "max" and p["codec"] == "raw" and p["seconds"]]
+    ceiling = max(unpaced, key=lambda p: p["bytes_raw"], default=None)
+    return ceiling["bytes_raw"] / ceiling["median_s"] / GB if ceiling else None
 
 
 def _model(s: int, chosen: str, link_gbps: float | None, ratio: float, ce: float, cd: float) -> float | None:
@@ -359,7 +362,7 @@ def markdown(report: dict, rows: list[dict]) -> str:
               f" decode {c['decode_gbps']:.0f} GB/s, ratio {c['ratio']:.3f}. Command: `{m['command']}`"),
              "Fixed cost of a one-block transfer (median s): "
              + ", ".join(f"{k} {v:.4f}" for k, v in report.get("fixed_s", {}).items())
-             + f". Unpaced raw ceiling of the stack: {_num(report.get('ceiling_gbps'), 2)} GB/s.", "",
+             + f". Unpaced raw ceiling of the stack: {_num(stack_ceiling_gbps(report), 2)} GB/s.", "",
              ("| link GB/s | tokens | GiB | codec | chose | seconds | GB/s | speedup | ratio | model s "
               "| model s at min(link, ceiling) | target | exact |"),
              "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -403,7 +406,7 @@ def plot(report: dict, rows: list[dict], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     meta_ = report["meta"]
     fig.suptitle(f"kvferry end to end, Llama-3-8B KV, {meta_['sender_device']} -> {meta_['receiver_device']}, "
-                 f"{meta_['backend']} transport (unpaced ceiling {_num(report.get('ceiling_gbps'), 2)} GB/s)", fontsize=9)
+                 f"{meta_['backend']} transport (unpaced ceiling {_num(stack_ceiling_gbps(report), 2)} GB/s)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
