@@ -217,34 +217,28 @@ def test_garbage_from_a_peer_drops_only_that_connection():
     run(main())
 
 
-def test_pacing_delays_even_a_one_message_transfer():
+def _paced_seconds(rate: float, payload_bytes: int, chunk_bytes: int) -> float:
+    """Seconds one paced TCP transfer of ``payload_bytes`` takes, send to last byte received."""
     async def main():
-        rate = 100e6
-        cfg, listener, connection = await _pair("tcp", chunk_bytes=16 << 20, max_inflight_bytes=32 << 20,
+        cfg, listener, connection = await _pair("tcp", chunk_bytes=chunk_bytes, max_inflight_bytes=8 * chunk_bytes,
                                                 pace_bytes_per_s=rate)
-        payload = bytes(4 << 20)  # one DATA message: a link of that rate needs 42 ms for it
-        receive = listener.expect(1, bytearray(len(payload)))
+        receive = listener.expect(1, bytearray(payload_bytes))
         started = asyncio.get_running_loop().time()
-        await asyncio.gather(connection.send(1, payload), receive.wait(cfg.op_timeout))
-        assert asyncio.get_running_loop().time() - started >= len(payload) / rate
+        await asyncio.gather(connection.send(1, bytes(payload_bytes)), receive.wait(cfg.op_timeout))
+        elapsed = asyncio.get_running_loop().time() - started
         await connection.close()
         await listener.close()
+        return elapsed
 
-    run(main())
+    return run(main())
+
+
+def test_pacing_delays_even_a_one_message_transfer():
+    rate, size = 100e6, 4 << 20  # one DATA message: a link of that rate needs 42 ms for it
+    assert _paced_seconds(rate, size, chunk_bytes=16 << 20) >= size / rate
 
 
 def test_pacing_emulates_a_slower_link():
-    async def main():
-        rate = 200e6  # 200 MB/s: far below loopback, so the pacer sets the pace
-        cfg, listener, connection = await _pair("tcp", chunk_bytes=1 << 20, max_inflight_bytes=8 << 20,
-                                                pace_bytes_per_s=rate)
-        payload = bytes(64 << 20)
-        receive = listener.expect(1, bytearray(len(payload)))
-        started = asyncio.get_running_loop().time()
-        await asyncio.gather(connection.send(1, payload), receive.wait(cfg.op_timeout))
-        elapsed = asyncio.get_running_loop().time() - started
-        assert 0.9 * len(payload) / rate <= elapsed <= 3.0 * len(payload) / rate  # slack for a loaded CI box
-        await connection.close()
-        await listener.close()
-
-    run(main())
+    rate, size = 200e6, 64 << 20  # 200 MB/s: far below loopback, so the pacer sets the pace
+    elapsed = _paced_seconds(rate, size, chunk_bytes=1 << 20)
+    assert 0.9 * size / rate <= elapsed <= 3.0 * size / rate  # slack for a loaded CI box
