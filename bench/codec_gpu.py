@@ -81,6 +81,39 @@ def profile_calls(x: torch.Tensor, book: codec.Codebook) -> None:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
+def host_profile(x: torch.Tensor, book: codec.Codebook, chunk_bytes: int = 64 << 20, calls: int = 50) -> None:
+    """Per-call cost of the sidecar's codec calls (``encode_blocks``/``decode_blocks`` of one
+    pipeline chunk of 16 KiB blocks): wall clock per synchronized call against GPU time, and
+    the Python functions that take the host's time."""
+    import cProfile
+    import pstats
+
+    per_block = BLOCK_BYTES // x.element_size()
+    blocks = chunk_bytes // BLOCK_BYTES
+    cache = x[: 2 * blocks * per_block].view(2 * blocks, per_block)
+    ids = torch.randperm(2 * blocks, device=x.device)[:blocks]
+    frame = codec.encode_blocks(cache, ids, book)
+    dst = torch.zeros_like(cache)
+    for label, fn in (("encode_blocks", lambda: codec.encode_blocks(cache, ids, book)),
+                      ("decode_blocks", lambda: codec.decode_blocks(frame, dst, ids))):
+        gpu = cuda_time(fn, calls)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - started) / calls
+        print(f"--- host profile: {label}, {chunk_bytes >> 20} MiB: {wall * 1e6:.0f} us/call wall "
+              f"({chunk_bytes / wall / 1e9:.0f} GB/s), {gpu * 1e6:.0f} us between events ---")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+
+
 def bench_blocks(x: torch.Tensor, book: codec.Codebook, repeats: int) -> dict:
     """16 KiB blocks: a cache twice the payload, every other block (shuffled) sent."""
     per_block = BLOCK_BYTES // x.element_size()
@@ -128,6 +161,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true", help="print a kernel-level profile of encode/decode")
+    parser.add_argument("--host-profile", action="store_true", help="profile the host side of 64 MiB block calls, then stop")
     parser.add_argument("--skip-cpu-check", action="store_true", help="skip the full-size CPU byte comparison")
     args = parser.parse_args()
     n = parse_size(args.elements)
@@ -144,6 +178,9 @@ def main() -> None:
     book = codec.calibrate([calib.to(torch.bfloat16)])
     x = tile(data, n).to(torch.bfloat16).to(device)
     rows = []
+    if args.host_profile:
+        host_profile(x, book)
+        return
     if args.profile:
         profile_calls(x, book)
 

@@ -62,16 +62,22 @@ def encode_into(x: torch.Tensor, codebook: Codebook, out: torch.Tensor, *, chunk
 
 def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: Codebook,
                        out: torch.Tensor, *, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """``encode_into`` for ``cache[block_ids]``, reading the blocks in place on the GPU."""
+    """``encode_into`` for ``cache[block_ids]``, reading the blocks in place on the GPU.
+
+    On the GPU the block ids are checked there too, so that nothing waits: a length of -1 means
+    an id lies outside the cache (no block was read, nothing written). Elsewhere that raises
+    IndexError, as ``encode_blocks`` does.
+    """
     layout = _check_tensor(cache)
-    ids = _block_ids(block_ids, cache)
     book = _codebook_for(cache, codebook, layout, chunk)
-    shape = (ids.numel(), *cache.shape[1:])
-    block_elems = cache[0].numel() if cache.dim() and cache.shape[0] else 0
-    if _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems and ids.numel():
-        _check_buffer(out, cache.device, frame_capacity(shape, cache.dtype, chunk=chunk))
-        return splitzip_gpu.encode_into(cache, ids, block_elems, shape, layout, book.exponents, chunk, out)
-    return _encode_into(_gather(cache, ids), shape, layout, book, chunk, out)
+    if _blocks_on_gpu(cache, chunk):
+        ids = _block_ids(block_ids, cache, check=False)
+        if ids.numel():
+            shape = (ids.numel(), *cache.shape[1:])
+            _check_buffer(out, cache.device, frame_capacity(shape, cache.dtype, chunk=chunk))
+            return splitzip_gpu.encode_into(cache, ids, cache[0].numel(), shape, layout, book.exponents, chunk, out)
+    ids = _block_ids(block_ids, cache)
+    return _encode_into(_gather(cache, ids), (ids.numel(), *cache.shape[1:]), layout, book, chunk, out)
 
 
 def _encode_into(x: torch.Tensor, shape: tuple[int, ...], layout: FloatLayout, book: Codebook, chunk: int,
@@ -103,14 +109,15 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
         IndexError: a block id outside the cache.
     """
     layout = _check_tensor(cache)
-    ids = _block_ids(block_ids, cache)
-    block_elems = cache[0].numel() if cache.dim() and cache.shape[0] else 0
+    # The GPU kernels check the ids themselves (no wait here); calibrating reads the blocks first.
+    on_gpu = _blocks_on_gpu(cache, chunk) and codebook is not None
+    ids = _block_ids(block_ids, cache, check=not on_gpu)
     if codebook is None:
         codebook = calibrate(_gather(cache, ids))  # needs the data; pass a codebook to avoid it
     book = _codebook_for(cache, codebook, layout, chunk)
-    shape = (ids.numel(), *cache.shape[1:])
-    if _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems:
-        return splitzip_gpu.encode(cache, ids, block_elems, shape, layout, book.exponents, chunk, checksum)
+    if on_gpu:
+        shape = (ids.numel(), *cache.shape[1:])
+        return splitzip_gpu.encode(cache, ids, cache[0].numel(), shape, layout, book.exponents, chunk, checksum)
     return encode(_gather(cache, ids), book, checksum=checksum, chunk=chunk)
 
 
@@ -124,16 +131,17 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         IndexError: a block id outside the cache.
     """
     header = read_header(frame)
-    ids = _block_ids(block_ids, cache, unique=True)
+    # Coded frames on the GPU: the validation kernel checks the ids along with the streams.
+    on_gpu = (header.codec == Codec.SPLITZIP and _blocks_on_gpu(cache, header.chunk)
+              and frame.device == cache.device)
+    ids = _block_ids(block_ids, cache, unique=True, check=not on_gpu)
     expected = (ids.numel(), *cache.shape[1:])
     if header.layout.dtype != cache.dtype or header.shape != expected:
         raise OutputMismatch(f"frame holds {header.layout.name}{list(header.shape)}, blocks need "
                              f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
     _verify_stream_crc(frame, header)
-    block_elems = cache[0].numel() if cache.shape[0] else 0
-    if (_on_gpu(frame, header.chunk or 8) and cache.device == frame.device and cache.is_contiguous()
-            and block_elems % 8 == 0 and block_elems):
-        splitzip_gpu.decode_into(splitzip_gpu.check_alignment(frame), header, cache, ids, block_elems)
+    if on_gpu:
+        splitzip_gpu.decode_into(splitzip_gpu.check_alignment(frame), header, cache, ids, cache[0].numel())
         return
     blocks = _decode_validated(frame, header)
     bits = header.layout.int_dtype  # index_copy_ lacks float8 kernels; the bits are what matter
@@ -244,16 +252,23 @@ def _codebook_for(x: torch.Tensor, codebook: Codebook | None, layout: FloatLayou
     return codebook
 
 
-def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False) -> torch.Tensor:
-    """Block ids as an int64 tensor on the cache's device, range-checked (and checked for
-    repeats when ``unique``) with a single device-to-host read.
+def _blocks_on_gpu(cache: torch.Tensor, chunk: int) -> bool:
+    """The kernels address a cache by whole blocks of whole 8-element groups."""
+    block_elems = cache[0].numel() if cache.dim() and cache.shape[0] else 0
+    return _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems > 0
+
+
+def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False,
+               check: bool = True) -> torch.Tensor:
+    """Block ids as an int64 tensor on the cache's device; with ``check``, range-checked (and
+    checked for repeats when ``unique``) with a single device-to-host read.
 
     Raises:
         IndexError: an id outside the cache. OutputMismatch: a repeated id where ``unique``.
     """
     ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
     blocks = cache.shape[0] if cache.dim() else 0
-    if not ids.numel():
+    if not ids.numel() or not check:
         return ids
     checks = [ids.min(), ids.max()]
     if unique:  # counting beats sorting: one pass, no torch.unique

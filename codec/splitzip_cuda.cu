@@ -213,11 +213,23 @@ __device__ __forceinline__ void encode_group(const u32 (&w)[Elem<TOTAL>::WORDS],
     }
 }
 
+// True (in every lane of the subgroup) when a block id under elements [start, end) lies outside
+// the cache: ids are checked on the device, before the blocks they name are read or written.
+__device__ __forceinline__ bool chunk_ids_bad(const i64* block_ids, u64 block_elems, u64 nblocks, u64 start,
+                                              u64 end, int sublane, u32 mask) {
+    bool bad = false;
+    for (u64 b = start / block_elems + sublane; b <= (end - 1) / block_elems; b += LANES)
+        bad |= (u64)block_ids[b] >= nblocks;  // a negative id reads as a huge one
+    return __any_sync(mask, bad);
+}
+
 // Dense pass: residual and code streams, per-chunk escape counts, and each chunk's escapes
-// spilled in order to spill_pos/spill_val at the chunk's first element index.
+// spilled in order to spill_pos/spill_val at the chunk's first element index. A chunk whose
+// blocks do not exist gets the count -(n + 1), which makes the escape total negative: the tail
+// pass then writes nothing and reports a length of -1.
 template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, MINB)
-encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64 nchunks,
+encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
              const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out,
              i64* counts_out, u16* spill_pos, u8* spill_val) {
     constexpr int R = TOTAL - E;
@@ -232,6 +244,10 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
     for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
+        if (block_ids != nullptr && chunk_ids_bad(block_ids, block_elems, nblocks, start, end, sublane, mask)) {
+            if (sublane == 0) counts_out[c] = -(i64)(n + 1);
+            continue;
+        }
         const ChunkAddr<TOTAL> at(x, block_ids, block_elems, start, chunk);
         u32 running = 0;
         for (u64 seg = start; seg < end; seg += SPAN) {
@@ -281,12 +297,22 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 n, u32 chunk, u64
 
 // Decode validation: everything the decode kernel indexes by. Sets bits of *flags:
 // 1 count > chunk length, 2 counts overrun the escape total, 4 position outside chunk,
-// 8 positions not increasing, 16 escape value too wide, 32 counts do not sum to the total.
+// 8 positions not increasing, 16 escape value too wide, 32 counts do not sum to the total,
+// 64 a block id outside the cache, 128 a block id repeated (seen: a zeroed bitmap of nblocks bits).
 template <int E>
 __global__ void __launch_bounds__(THREADS)
 validate_escapes(const u8* counts16, const i64* inclusive, u64 nchunks, u64 n, u32 chunk,
-                 u64 total, const u8* pos_bytes, const u8* val, u32* flags) {
+                 u64 total, const u8* pos_bytes, const u8* val, const i64* block_ids, u64 nids,
+                 u64 nblocks, u32* seen, u32* flags) {
     const int lane = threadIdx.x & 31;
+    for (u64 k = (u64)blockIdx.x * THREADS + threadIdx.x; k < nids; k += (u64)gridDim.x * THREADS) {
+        u64 id = (u64)block_ids[k];
+        if (id >= nblocks) {
+            atomicOr(flags, 64u);
+        } else if (atomicOr(seen + (id >> 5), 1u << (id & 31)) & (1u << (id & 31))) {
+            atomicOr(flags, 128u);
+        }
+    }
     for (u64 c = (u64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * (THREADS / 32)) {
         u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         u64 start = c * chunk;
@@ -420,7 +446,7 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
 }
 
 // The end of encode, on the device, so the host need not learn the escape total X before the
-// frame is complete:
+// frame is complete (a negative total: bad block ids, nothing is written, the length is -1):
 //  - the value stream's offset, align16(pos_off + 2X), follows from X = inclusive[last];
 //  - if the coded frame is smaller than a stored one, each warp copies a chunk's spilled escapes
 //    to their place and block 0 zeroes the (< 16-byte) padding gaps before streams;
@@ -435,7 +461,12 @@ encode_tail(const i64* counts, const i64* inclusive, u64 nchunks, u32 chunk, con
             i64* length_out) {
     __shared__ u32 crc_table[256];
     __shared__ u8 head[160];
-    const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
+    const i64 signed_escapes = nchunks ? inclusive[nchunks - 1] : 0;
+    if (signed_escapes < 0) {  // encode_dense found a block id outside the cache
+        if (blockIdx.x == 0 && threadIdx.x == 0) *length_out = -1;
+        return;
+    }
+    const u64 escapes = (u64)signed_escapes;
     const u64 pos_end = pos_off + 2 * escapes;
     const u64 val_off = (pos_end + 15) & ~15ull;
     const u64 coded_total = escapes ? val_off + escapes : counts_end;

@@ -23,7 +23,7 @@ import torch
 
 from .checksum import crc32c
 from .dtypes import LAYOUTS, FloatLayout
-from .errors import CorruptFrame
+from .errors import CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
 
 THREADS = 128
@@ -39,6 +39,7 @@ _FLAG_REASONS = {
     16: "an escape exponent does not fit the exponent field",
     32: "chunk escape counts do not sum to the header's total",
 }
+_BAD_ID, _REPEATED_ID = 64, 128  # block ids, checked by the same kernel
 
 
 def available() -> bool:
@@ -190,7 +191,8 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
     """Write the frame of ``source`` (flat contiguous) or ``source[block_ids]`` (a contiguous
     cache) into ``buf`` (at least ``capacity`` bytes) without any host synchronization.
 
-    Returns the frame's length as a 0-d int64 tensor on the device.
+    Returns the frame's length as a 0-d int64 tensor on the device: -1 if a block id lies outside
+    the cache (checked on the device, before any block is read; nothing is written then).
     """
     device = source.device
     plan = _encode_plan(layout, shape, chunk, codebook, device, _tuning())
@@ -202,8 +204,9 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
     spill = torch.empty(plan.nchunks * chunk * 3, dtype=torch.uint8, device=device)
     spill_pos, spill_val = spill.data_ptr(), spill.data_ptr() + plan.nchunks * chunk * 2
     base, ids = buf.data_ptr(), 0 if block_ids is None else block_ids.data_ptr()
+    nblocks = source.numel() // block_elems if block_elems else 0
     plan.dense(stream, plan.dense_grid, (
-        np.uint64(source.data_ptr()), np.uint64(ids), np.uint64(block_elems), *plan.dense_scalars,
+        np.uint64(source.data_ptr()), np.uint64(ids), np.uint64(block_elems), np.uint64(nblocks), *plan.dense_scalars,
         np.uint64(plan.marked_table.data_ptr()), np.uint64(base + plan.residual_off),
         np.uint64(base + plan.codes_off), np.uint64(base + plan.counts_off), np.uint64(counts.data_ptr()),
         np.uint64(spill_pos), np.uint64(spill_val),
@@ -222,10 +225,16 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
 def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
            layout: FloatLayout, codebook: tuple[int, ...], chunk: int, checksum: bool) -> torch.Tensor:
     """Frame for ``source`` (flat contiguous), or for ``source[block_ids]`` (a contiguous cache).
-    One host synchronization, at the end, to learn the frame's length."""
+    One host synchronization, at the end, to learn the frame's length.
+
+    Raises:
+        IndexError: a block id outside the cache.
+    """
     plan = _encode_plan(layout, shape, chunk, codebook, source.device, _tuning())
     buf = torch.empty(plan.capacity, dtype=torch.uint8, device=source.device)
     length = int(encode_into(source, block_ids, block_elems, shape, layout, codebook, chunk, buf))
+    if length < 0:
+        raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
     frame = buf[:length]
     if checksum:
         header = parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), length)
@@ -241,20 +250,17 @@ def _codebook_table(codebook: tuple[int, ...], device: torch.device) -> torch.Te
 
 def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
                 block_ids: torch.Tensor | None = None, block_elems: int = 0) -> None:
-    """Decode a validated-header frame into ``out`` (flat contiguous, or a cache with block_ids).
+    """Decode a validated-header frame into ``out`` (flat contiguous, or for a coded frame a
+    cache with ``block_ids``, which are checked on the device along with the escape streams).
 
     Raises:
-        CorruptFrame: the escape streams fail validation (nothing was written).
+        CorruptFrame: the escape streams fail validation. IndexError: a block id outside the
+            cache. OutputMismatch: a block id repeats. In every case nothing was written.
     """
     device = frame.device
     layout = header.layout
     if header.codec == Codec.STORED:
-        raw = frame[HEADER_SIZE:header.total].view(layout.dtype)
-        if block_ids is None:
-            out.copy_(raw)
-        else:
-            bits = layout.int_dtype  # index_copy_ lacks float8 kernels
-            out.view(bits).view(-1, block_elems).index_copy_(0, block_ids, raw.view(bits).view(-1, block_elems))
+        out.copy_(frame[HEADER_SIZE:header.total].view(layout.dtype))
         return
     tuning = _tuning()
     numel, chunk = header.numel, header.chunk
@@ -265,12 +271,17 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     # the top bit set reads negative here, but validation reads it unsigned and rejects it.
     start = header.offsets[Stream.CHUNK_COUNTS]
     inclusive = torch.cumsum(frame[start:start + 2 * nchunks].view(torch.int16), 0, dtype=torch.int64)
-    flags = torch.zeros(1, dtype=torch.int32, device=device)
+    nids = 0 if block_ids is None else block_ids.numel()
+    nblocks = out.numel() // block_elems if nids else 0
+    # The verdict word, then a bitmap of the cache's blocks for spotting repeated ids.
+    flags = torch.zeros(1 + (nblocks + 31) // 32, dtype=torch.int32, device=device)
     scalars = (np.uint64(numel), np.uint32(chunk), np.uint64(nchunks))
-    _kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning)(stream, _blocks_for_chunks(nchunks, 32), (
+    validate = _kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning)
+    validate(stream, max(_blocks_for_chunks(nchunks, 32), -(-nids // THREADS)), (
         np.uint64(off[Stream.CHUNK_COUNTS]), np.uint64(inclusive.data_ptr()), scalars[2], scalars[0], scalars[1],
         np.uint64(header.escapes), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
-        np.uint64(flags.data_ptr()),
+        np.uint64(block_ids.data_ptr() if nids else 0), np.uint64(nids), np.uint64(nblocks),
+        np.uint64(flags.data_ptr() + 4), np.uint64(flags.data_ptr()),
     ))
     _kernel(device.index, f"decode_chunks{_template(layout)}", tuning)(
         stream, _blocks_for_chunks(nchunks, TUNING["LANES"]), (
@@ -281,10 +292,13 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
             np.uint64(block_elems), np.uint64(flags.data_ptr()),
         ))
     # The decode kernel skipped every write if validation failed; one sync, after all the work.
-    verdict = int(flags.item())
+    verdict = int(flags[0].item())
+    if verdict & _BAD_ID:
+        raise IndexError(f"block ids must be in 0..{nblocks - 1}")
+    if verdict & _REPEATED_ID:
+        raise OutputMismatch("block ids repeat")
     if verdict:
-        reasons = "; ".join(text for bit, text in _FLAG_REASONS.items() if verdict & bit)
-        raise CorruptFrame(reasons)
+        raise CorruptFrame("; ".join(text for bit, text in _FLAG_REASONS.items() if verdict & bit))
 
 
 def check_alignment(frame: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ log = logging.getLogger("kvferry.service")
 # large; on the CPU the codec is slow enough that small chunks keep the pipeline short.
 GPU_CHUNK_BYTES = 64 << 20
 CPU_CHUNK_BYTES = 4 << 20
+CPU_MESSAGE_BYTES = 16 << 20
 
 
 def chunk_tag(secret: str, index: int) -> int:
@@ -146,9 +147,13 @@ class Sidecar:
         # An emulated link's speed is known; otherwise assume a 100 Gb/s NIC until measured.
         self.estimates = Estimates(assumed_link_gbps=settings.link_gbps or settings.assumed_link_gbps)
         self.chunk_bytes = settings.chunk_bytes or (GPU_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES)
+        # On a GPU each message costs a UCX rendezvous and Python work (~0.5 ms), so a frame
+        # travels whole; host memory moves in 16 MiB pieces.
+        message_bytes = settings.transport_chunk_bytes or (
+            self.chunk_bytes + (1 << 20) if self.device.type == "cuda" else CPU_MESSAGE_BYTES)
         self.transport_config = transport.TransportConfig(
-            backend=settings.transport_backend, chunk_bytes=settings.transport_chunk_bytes,
-            max_inflight_bytes=max(settings.transport_window_bytes, settings.transport_chunk_bytes),
+            backend=settings.transport_backend, chunk_bytes=message_bytes,
+            max_inflight_bytes=max(settings.transport_window_bytes, 2 * message_bytes),
             op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
             ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options})
         self.backend = transport.resolve_backend(self.transport_config)

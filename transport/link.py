@@ -63,7 +63,7 @@ def resolve_backend(config: TransportConfig) -> str:
     if config.backend == "tcp":
         return "tcp"
     try:
-        import ucxx  # noqa: F401  (transport/ucx.py is the only module that uses it)
+        from . import ucx  # noqa: F401  (the only module that imports ucxx, with UCX's env defaults)
     except ImportError:
         if config.backend == "ucxx":
             raise

@@ -13,10 +13,17 @@ import asyncio
 import atexit
 import functools
 import gc
+import os
 from typing import Any
 
 import numpy as np
-import ucxx
+
+# UCX reads UCX_MEMTYPE_CACHE when libucs loads, and ucxx loads it before it sets its own default
+# (off), so the default must be in the environment before the import. With the cache on, a CUDA
+# buffer whose allocation UCX's hooks did not see (torch's pool allocates before UCX starts) is
+# taken for host memory and handed to send(2): transfers fail with "Input/output error".
+os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+import ucxx  # noqa: E402
 from ucxx.exceptions import UCXCanceled, UCXCloseError, UCXError
 
 from .config import TransportConfig

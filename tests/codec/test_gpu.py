@@ -140,6 +140,30 @@ def test_blocks_on_gpu(dtype):
     assert int(torch.count_nonzero(dst[rest].view(torch.uint8))) == 0
 
 
+@pytest.mark.parametrize("block_shape", [(2, 16, 256), (4, 8)], ids=["16KiB", "32-element"])
+def test_block_ids_checked_on_gpu_write_nothing(block_shape):
+    """The kernels check ids themselves (no host wait): bad ids anywhere in the list, in blocks
+    larger and smaller than a chunk, raise and leave the destination untouched."""
+    cache = torch.randn(64, *block_shape).to(torch.bfloat16).cuda()
+    book = codec.calibrate(cache)
+    good = list(range(0, 64, 2))
+    for bad in ([*good, 64], [-1, *good], [*good[:7], 1 << 40, *good[7:]]):
+        with pytest.raises(IndexError):
+            codec.encode_blocks(cache, bad, book)
+        out = torch.empty(codec.frame_capacity((len(bad), *block_shape), cache.dtype), dtype=torch.uint8, device="cuda")
+        assert int(codec.encode_blocks_into(cache, bad, book, out)) == -1
+    frame = codec.encode_blocks(cache, good, book)
+    assert torch.equal(frame.cpu(), codec.encode(cache.cpu()[good], book))
+    dst = torch.zeros_like(cache)
+    for slots, error in (([*good[:-1], 64], IndexError), ([-3, *good[1:]], IndexError),
+                         ([*good[:-1], good[0]], codec.OutputMismatch)):
+        with pytest.raises(error):
+            codec.decode_blocks(frame, dst, slots)
+    assert int(torch.count_nonzero(dst.view(torch.uint8))) == 0
+    codec.decode_blocks(frame, dst, good[::-1])
+    assert bits_equal(dst[good[::-1]].cpu(), cache[good].cpu())
+
+
 def test_blocks_with_odd_block_size_fall_back():
     cache = torch.randn(10, 3, 5).to(torch.bfloat16)  # 15 elements: not a multiple of 8
     frame = codec.encode_blocks(cache.cuda(), [4, 2])

@@ -4,11 +4,13 @@ import asyncio
 import os
 
 import pytest
+import torch
 
 import transport
 
-# A CPU machine: UCX over TCP only (set before ucxx initializes; the transport never reads env).
-os.environ.setdefault("UCX_TLS", "tcp")
+# UCX over TCP, plus its CUDA transports where there is a GPU (set before ucxx initializes; the
+# transport never reads the environment).
+os.environ.setdefault("UCX_TLS", "tcp,cuda_copy,cuda_ipc" if torch.cuda.is_available() else "tcp")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 BACKENDS = ["tcp", "ucxx"]
