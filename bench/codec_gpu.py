@@ -112,6 +112,13 @@ def host_profile(x: torch.Tensor, book: codec.Codebook, chunk_bytes: int = 64 <<
         torch.cuda.synchronize()
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=50))
 
 
 def bench_blocks(x: torch.Tensor, book: codec.Codebook, repeats: int) -> dict:
