@@ -14,6 +14,7 @@ receives only for those tags, so bytes that were not announced never land anywhe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -141,6 +142,11 @@ class Sidecar:
         else:
             self.device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else "cpu")
         self.regions = RegionTable(self.device)
+        # Codec work runs on streams of its own, one per direction: on torch's default (legacy)
+        # stream it would wait for, and hold up, UCX's copies into the same GPU, and a
+        # sidecar's sends and receives would wait for each other.
+        self.codec_streams = ({"encode": torch.cuda.Stream(self.device), "decode": torch.cuda.Stream(self.device)}
+                              if self.device.type == "cuda" else {})
         self.transfers = TransferTable(settings.max_concurrent_transfers)
         self.metrics = Metrics()
         self.codebooks: dict[str, codec.Codebook] = {}
@@ -153,7 +159,7 @@ class Sidecar:
             self.chunk_bytes + (1 << 20) if self.device.type == "cuda" else CPU_MESSAGE_BYTES)
         self.transport_config = transport.TransportConfig(
             backend=settings.transport_backend, chunk_bytes=message_bytes,
-            max_inflight_bytes=max(settings.transport_window_bytes, 2 * message_bytes),
+            max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
             op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
             ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options})
         self.backend = transport.resolve_backend(self.transport_config)
@@ -335,7 +341,15 @@ class Sidecar:
         t.blocks_done = len(t.src_blocks)
         self._finish(t, State.DONE)
 
+    def _codec_stream(self, direction: str, tensor: torch.Tensor):
+        stream = self.codec_streams.get(direction)
+        return torch.cuda.stream(stream) if tensor.is_cuda and stream is not None else contextlib.nullcontext()
+
     def _encode_chunk(self, region, chunk_ids: torch.Tensor, chosen: str, book, index: int) -> torch.Tensor:
+        with self._codec_stream("encode", region.tensor):
+            return self._encode_on_stream(region, chunk_ids, chosen, book, index)
+
+    def _encode_on_stream(self, region, chunk_ids: torch.Tensor, chosen: str, book, index: int) -> torch.Tensor:
         started = time.perf_counter()
         if chosen == "splitzip":
             payload = codec.encode_blocks(region.tensor, chunk_ids, book)
@@ -458,6 +472,10 @@ class Sidecar:
         return codec.frame_capacity((count, *region.block_shape), region.tensor.dtype)
 
     def _decode_chunk(self, region, frame: torch.Tensor, chunk_ids: torch.Tensor, chosen: str, index: int) -> None:
+        with self._codec_stream("decode", region.tensor):
+            self._decode_on_stream(region, frame, chunk_ids, chosen, index)
+
+    def _decode_on_stream(self, region, frame: torch.Tensor, chunk_ids: torch.Tensor, chosen: str, index: int) -> None:
         started = time.perf_counter()
         if chosen == "splitzip":
             try:
