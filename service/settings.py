@@ -22,7 +22,7 @@ class Settings:
     advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
     token: str = ""  # bearer token for the control API; also sent to peers (one cluster secret)
     device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
-    chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 64 MiB on a GPU, 4 MiB on the CPU
+    chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64
     max_body_bytes: int = 64 * MiB
