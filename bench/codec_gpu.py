@@ -121,6 +121,35 @@ def host_profile(x: torch.Tensor, book: codec.Codebook, chunk_bytes: int = 64 <<
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=50))
 
 
+SWEEP = [  # compile-time variants of splitzip_cuda.cu; the first is the default
+    {}, {"WIDE": 1}, {"WIDE": 1, "LOAD_HINT": 0}, {"WIDE": 1, "STORE_HINT": 0}, {"WIDE": 1, "LOAD_HINT": 2, "STORE_HINT": 0},
+    {"LOAD_HINT": 0, "STORE_HINT": 0}, {"WIDE": 1, "MINB": 4}, {"WIDE": 1, "LANES": 16},
+]
+
+
+def sweep(x: torch.Tensor, book: codec.Codebook, repeats: int) -> None:
+    """Encode/decode GB/s of each kernel variant, its frame byte-compared with the default's."""
+    from codec import splitzip_gpu
+
+    default = dict(splitzip_gpu.TUNING)
+    reference = codec.encode(x, book)
+    out = torch.empty_like(x)
+    print(f"{'variant':<44}{'enc GB/s':>10}{'dec GB/s':>10}  same bytes")
+    try:
+        for variant in SWEEP:
+            splitzip_gpu.TUNING = {**default, **variant}
+            frame = codec.encode(x, book)
+            out.zero_()
+            codec.decode(reference, out=out)
+            same = torch.equal(frame, reference) and torch.equal(out.view(torch.int16), x.view(torch.int16))
+            t_enc = cuda_time(lambda: codec.encode(x, book), repeats)
+            t_dec = cuda_time(lambda: codec.decode(reference, out=out), repeats)
+            raw = x.numel() * x.element_size()
+            print(f"{str(variant or 'default ' + str(default)):<44}{raw / t_enc / 1e9:>10.1f}{raw / t_dec / 1e9:>10.1f}  {same}")
+    finally:
+        splitzip_gpu.TUNING = default
+
+
 def bench_blocks(x: torch.Tensor, book: codec.Codebook, repeats: int) -> dict:
     """16 KiB blocks: a cache twice the payload, every other block (shuffled) sent."""
     per_block = BLOCK_BYTES // x.element_size()
@@ -169,6 +198,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true", help="print a kernel-level profile of encode/decode")
     parser.add_argument("--host-profile", action="store_true", help="profile the host side of 64 MiB block calls, then stop")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel variants in SWEEP, then stop")
     parser.add_argument("--skip-cpu-check", action="store_true", help="skip the full-size CPU byte comparison")
     args = parser.parse_args()
     n = parse_size(args.elements)
@@ -187,6 +217,9 @@ def main() -> None:
     rows = []
     if args.host_profile:
         host_profile(x, book)
+        return
+    if args.sweep:
+        sweep(x, book, args.repeats)
         return
     if args.profile:
         profile_calls(x, book)

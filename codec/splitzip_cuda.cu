@@ -29,7 +29,44 @@ typedef long long i64;
 #ifndef MINB
 #define MINB 1
 #endif
+// Cache hints for the streamed data, chosen at compile time (measured in bench/RESULTS.md):
+// LOAD_HINT 0 plain, 1 evict-first (ld.global.cs), 2 read-only path (ld.global.nc);
+// STORE_HINT 0 plain, 1 evict-first (st.global.cs).
+#ifndef LOAD_HINT
+#define LOAD_HINT 1
+#endif
+#ifndef STORE_HINT
+#define STORE_HINT 1
+#endif
 #define SPAN (LANES * GROUP * UNROLL)
+
+// With WIDE, a bfloat16 lane takes two adjacent groups per step: 16 bytes of residuals and 8 of
+// codes move in one access (encode stores, decode loads) instead of two.
+#ifndef WIDE
+#define WIDE 0
+#endif
+
+// Element index of a lane's k-th group in a pass; W adjacent groups per lane per step.
+template <int W>
+__device__ __forceinline__ u64 group_index(u64 seg, int k, int sublane) {
+    return seg + (((u64)(k / W) * LANES + sublane) * W + (k % W)) * GROUP;
+}
+
+template <int TOTAL, int E, int C>
+struct Width { enum { W = (WIDE && TOTAL == 16 && E == 8 && C == 4) ? 2 : 1 }; };
+
+template <typename T>
+__device__ __forceinline__ T load_streamed(const T* p) {
+    if constexpr (LOAD_HINT == 1) return __ldcs(p);
+    else if constexpr (LOAD_HINT == 2) return __ldg(p);
+    else return *p;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_streamed(T* p, T v) {
+    if constexpr (STORE_HINT == 1) __stcs(p, v);
+    else *p = v;
+}
 #define SUBGROUPS (THREADS / LANES)
 
 template <int TOTAL>
@@ -75,7 +112,7 @@ __device__ __forceinline__ void load_group(const typename Elem<TOTAL>::T* p, int
     typedef typename Elem<TOTAL>::T T;
     typedef typename Elem<TOTAL>::Vec V;
     if (valid == GROUP && (reinterpret_cast<u64>(p) % sizeof(V)) == 0) {
-        V v = __ldcs(reinterpret_cast<const V*>(p));  // streamed once: do not keep in cache
+        V v = load_streamed(reinterpret_cast<const V*>(p));  // streamed once
         const u32* vw = reinterpret_cast<const u32*>(&v);
 #pragma unroll
         for (int k = 0; k < Elem<TOTAL>::WORDS; k++) w[k] = vw[k];
@@ -104,7 +141,7 @@ __device__ __forceinline__ void store_group(typename Elem<TOTAL>::T* p, int vali
         u32* vw = reinterpret_cast<u32*>(&v);
 #pragma unroll
         for (int k = 0; k < Elem<TOTAL>::WORDS; k++) vw[k] = w[k];
-        __stcs(reinterpret_cast<V*>(p), v);
+        store_streamed(reinterpret_cast<V*>(p), v);
     } else {
 #pragma unroll
         for (int j = 0; j < GROUP; j++)
@@ -115,8 +152,8 @@ __device__ __forceinline__ void store_group(typename Elem<TOTAL>::T* p, int vali
 // Write the first `nbytes` bytes of a little-endian 128-bit value (lo, hi) at p.
 template <int K>
 __device__ __forceinline__ void store_bits(u8* p, u64 lo, u64 hi, int nbytes) {
-    if (K == 8 && nbytes == 8) { __stcs(reinterpret_cast<u64*>(p), lo); return; }
-    if (K == 4 && nbytes == 4) { __stcs(reinterpret_cast<u32*>(p), (u32)lo); return; }
+    if (K == 8 && nbytes == 8) { store_streamed(reinterpret_cast<u64*>(p), lo); return; }
+    if (K == 4 && nbytes == 4) { store_streamed(reinterpret_cast<u32*>(p), (u32)lo); return; }
     for (int j = 0; j < nbytes; j++) p[j] = (u8)(j < 8 ? lo >> (8 * j) : hi >> (8 * (j - 8)));
 }
 
@@ -124,8 +161,8 @@ __device__ __forceinline__ void store_bits(u8* p, u64 lo, u64 hi, int nbytes) {
 template <int K>
 __device__ __forceinline__ void load_bits(const u8* p, int nbytes, u64& lo, u64& hi) {
     hi = 0;
-    if (K == 8 && nbytes == 8) { lo = __ldcs(reinterpret_cast<const u64*>(p)); return; }
-    if (K == 4 && nbytes == 4) { lo = __ldcs(reinterpret_cast<const u32*>(p)); return; }
+    if (K == 8 && nbytes == 8) { lo = load_streamed(reinterpret_cast<const u64*>(p)); return; }
+    if (K == 4 && nbytes == 4) { lo = load_streamed(reinterpret_cast<const u32*>(p)); return; }
     lo = 0;
     for (int j = 0; j < nbytes; j++) {
         u64 b = p[j];
@@ -234,6 +271,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
              i64* counts_out, u16* spill_pos, u8* spill_val) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
+    constexpr int W = Width<TOTAL, E, C>::W;
     __shared__ u8 table[1 << E];
     for (int t = threadIdx.x; t < (1 << E); t += THREADS) table[t] = marked_table[t];
     __syncthreads();
@@ -255,32 +293,50 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
             int valid[UNROLL];
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
-                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
+                u64 i = group_index<W>(seg, k, sublane);
                 valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
                 if (valid[k]) load_group<TOTAL>(at(i), valid[k], w[k]);
             }
 #pragma unroll
-            for (int k = 0; k < UNROLL; k++) {
-                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
-                u64 rlo = 0, rhi = 0;
-                u32 codes = 0, escmask = 0, exps[2] = {0, 0};
-                if (valid[k]) {
-                    encode_group<TOTAL, E, C>(w[k], valid[k], table, rlo, rhi, codes, escmask, exps);
-                    u64 g = i / GROUP;
-                    store_bits<R>(residual_out + g * R, rlo, rhi, (valid[k] * R + 7) / 8);
-                    store_bits<C>(codes_out + g * C, codes, 0, (valid[k] * C + 7) / 8);
+            for (int k = 0; k < UNROLL; k += W) {
+                u64 rlo[W], rhi[W];
+                u32 codes[W], escmask[W], exps[W][2];
+                u32 mine = 0;
+#pragma unroll
+                for (int v = 0; v < W; v++) {
+                    rlo[v] = rhi[v] = 0;
+                    codes[v] = escmask[v] = exps[v][0] = exps[v][1] = 0;
+                    if (valid[k + v])
+                        encode_group<TOTAL, E, C>(w[k + v], valid[k + v], table, rlo[v], rhi[v], codes[v], escmask[v], exps[v]);
+                    mine += __popc(escmask[v]);
                 }
-                u32 mine = __popc(escmask);
+                const u64 g0 = group_index<W>(seg, k, sublane) / GROUP;
+                if (W == 2 && valid[k] == GROUP && valid[k + W - 1] == GROUP) {
+                    store_streamed(reinterpret_cast<uint4*>(residual_out + g0 * R),
+                                   make_uint4((u32)rlo[0], (u32)(rlo[0] >> 32), (u32)rlo[W - 1], (u32)(rlo[W - 1] >> 32)));
+                    store_streamed(reinterpret_cast<uint2*>(codes_out + g0 * C), make_uint2(codes[0], codes[W - 1]));
+                } else {
+#pragma unroll
+                    for (int v = 0; v < W; v++) {
+                        if (!valid[k + v]) continue;
+                        store_bits<R>(residual_out + (g0 + v) * R, rlo[v], rhi[v], (valid[k + v] * R + 7) / 8);
+                        store_bits<C>(codes_out + (g0 + v) * C, codes[v], 0, (valid[k + v] * C + 7) / 8);
+                    }
+                }
                 u32 total = __reduce_add_sync(mask, mine);
-                if (total) {  // rare: order this pass's escapes across the subgroup
+                if (total) {  // rare: order this step's escapes across the subgroup
                     u32 incl = subgroup_inclusive_scan(mine, sublane, mask);
                     u64 slot = start + running + incl - mine;
 #pragma unroll
-                    for (int j = 0; j < GROUP; j++) {
-                        if (escmask & (1u << j)) {
-                            spill_pos[slot] = (u16)(i + j - start);
-                            spill_val[slot] = (u8)(exps[j >> 2] >> (8 * (j & 3)));
-                            slot++;
+                    for (int v = 0; v < W; v++) {
+                        const u64 i = (g0 + v) * GROUP;
+#pragma unroll
+                        for (int j = 0; j < GROUP; j++) {
+                            if (escmask[v] & (1u << j)) {
+                                spill_pos[slot] = (u16)(i + j - start);
+                                spill_val[slot] = (u8)(exps[v][j >> 2] >> (8 * (j & 3)));
+                                slot++;
+                            }
                         }
                     }
                 }
@@ -389,6 +445,7 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
     constexpr int R = TOTAL - E;
     constexpr u32 SIZE = 1u << C;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
+    constexpr int W = Width<TOTAL, E, C>::W;
     // validate_escapes ran just before on the same stream: a bad frame writes nothing.
     if (*flags) return;
     __shared__ u32 table[SIZE];
@@ -415,11 +472,21 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
             int valid[UNROLL];
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
-                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
+                u64 i = group_index<W>(seg, k, sublane);
                 valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
-                u64 g = i / GROUP, unused;
                 rlo[k] = rhi[k] = clo[k] = 0;
-                if (valid[k]) {
+            }
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) {
+                u64 g = group_index<W>(seg, k, sublane) / GROUP, unused;
+                if (W == 2 && k % 2 == 0 && valid[k] == GROUP && valid[k + W - 1] == GROUP) {
+                    const uint4 r = load_streamed(reinterpret_cast<const uint4*>(residual_in + g * R));
+                    const uint2 cc = load_streamed(reinterpret_cast<const uint2*>(codes_in + g * C));
+                    rlo[k] = r.x | ((u64)r.y << 32);
+                    rlo[k + W - 1] = r.z | ((u64)r.w << 32);
+                    clo[k] = cc.x;
+                    clo[k + W - 1] = cc.y;
+                } else if (valid[k] && !(W == 2 && k % 2 == 1 && valid[k - (W - 1)] == GROUP && valid[k] == GROUP)) {
                     load_bits<R>(residual_in + g * R, (valid[k] * R + 7) / 8, rlo[k], rhi[k]);
                     load_bits<C>(codes_in + g * C, (valid[k] * C + 7) / 8, clo[k], unused);
                 }
@@ -427,7 +494,7 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
                 if (!valid[k]) continue;
-                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
+                u64 i = group_index<W>(seg, k, sublane);
                 u32 w[WORDS];
                 decode_group<TOTAL, E, C>(rlo[k], rhi[k], (u32)clo[k], table, book, w);
                 store_group<TOTAL>(at(i), valid[k], w);
