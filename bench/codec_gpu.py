@@ -121,9 +121,8 @@ def host_profile(x: torch.Tensor, book: codec.Codebook, chunk_bytes: int = 64 <<
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=50))
 
 
-SWEEP = [  # compile-time variants of splitzip_cuda.cu; the first is the default
-    {}, {"WIDE": 1}, {"WIDE": 1, "LOAD_HINT": 0}, {"WIDE": 1, "STORE_HINT": 0}, {"WIDE": 1, "LOAD_HINT": 2, "STORE_HINT": 0},
-    {"LOAD_HINT": 0, "STORE_HINT": 0}, {"WIDE": 1, "MINB": 4}, {"WIDE": 1, "LANES": 16},
+SWEEP = [  # compile-time variants of splitzip_cuda.cu, over the default (the first row)
+    {}, {"LOAD_HINT": 0}, {"LOAD_HINT": 1, "STORE_HINT": 1}, {"ENC_WIDE": 0}, {"DEC_WIDE": 1},
 ]
 
 

@@ -40,10 +40,13 @@ typedef long long i64;
 #endif
 #define SPAN (LANES * GROUP * UNROLL)
 
-// With WIDE, a bfloat16 lane takes two adjacent groups per step: 16 bytes of residuals and 8 of
-// codes move in one access (encode stores, decode loads) instead of two.
-#ifndef WIDE
-#define WIDE 0
+// With ENC_WIDE / DEC_WIDE, a bfloat16 lane takes two adjacent groups per step: 16 bytes of
+// residuals and 8 of codes move in one access (encode stores, decode loads) instead of two.
+#ifndef ENC_WIDE
+#define ENC_WIDE 0
+#endif
+#ifndef DEC_WIDE
+#define DEC_WIDE 0
 #endif
 
 // Element index of a lane's k-th group in a pass; W adjacent groups per lane per step.
@@ -52,7 +55,7 @@ __device__ __forceinline__ u64 group_index(u64 seg, int k, int sublane) {
     return seg + (((u64)(k / W) * LANES + sublane) * W + (k % W)) * GROUP;
 }
 
-template <int TOTAL, int E, int C>
+template <int TOTAL, int E, int C, bool WIDE>
 struct Width { enum { W = (WIDE && TOTAL == 16 && E == 8 && C == 4) ? 2 : 1 }; };
 
 template <typename T>
@@ -271,7 +274,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
              i64* counts_out, u16* spill_pos, u8* spill_val) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
-    constexpr int W = Width<TOTAL, E, C>::W;
+    constexpr int W = Width<TOTAL, E, C, ENC_WIDE>::W;
     __shared__ u8 table[1 << E];
     for (int t = threadIdx.x; t < (1 << E); t += THREADS) table[t] = marked_table[t];
     __syncthreads();
@@ -445,7 +448,7 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
     constexpr int R = TOTAL - E;
     constexpr u32 SIZE = 1u << C;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
-    constexpr int W = Width<TOTAL, E, C>::W;
+    constexpr int W = Width<TOTAL, E, C, DEC_WIDE>::W;
     // validate_escapes ran just before on the same stream: a bad frame writes nothing.
     if (*flags) return;
     __shared__ u32 table[SIZE];

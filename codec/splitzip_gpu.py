@@ -27,9 +27,10 @@ from .errors import CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
 
 THREADS = 128
-# Lanes of a warp that share one chunk (32, 16 or 8) and the register cap (min blocks per SM):
-# compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md.
-TUNING = {"LANES": 32, "MINB": 8}
+# Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
+# lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
+# whether bfloat16 lanes take two adjacent groups per step when encoding / decoding.
+TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 2, "STORE_HINT": 0, "ENC_WIDE": 1, "DEC_WIDE": 0}
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -90,8 +91,14 @@ class _Kernel:
     device_index: int
 
     def __call__(self, stream: int, grid: int, args: tuple, threads: int = THREADS) -> None:
-        with _cupy().cuda.Device(self.device_index), _cupy_stream(stream, self.device_index):
-            self.function((max(1, min(grid, self.resident_blocks)),), (threads,), args)
+        cupy = _cupy()
+        launch = (max(1, min(grid, self.resident_blocks)),), (threads,), args
+        on = _cupy_stream(stream, self.device_index)
+        if cupy.cuda.runtime.getDevice() == self.device_index:  # the usual case: no device switch
+            self.function(*launch, stream=on)
+        else:
+            with cupy.cuda.Device(self.device_index):
+                self.function(*launch, stream=on)
 
 
 @functools.lru_cache(maxsize=None)
