@@ -363,8 +363,8 @@ __global__ void __launch_bounds__(THREADS)
 validate_escapes(const u8* counts16, const i64* inclusive, u64 nchunks, u64 n, u32 chunk,
                  u64 total, const u8* pos_bytes, const u8* val, const i64* block_ids, u64 nids,
                  u64 nblocks, u32* seen, u32* flags) {
-    const int lane = threadIdx.x & 31;
-    for (u64 k = (u64)blockIdx.x * THREADS + threadIdx.x; k < nids; k += (u64)gridDim.x * THREADS) {
+    const u64 stride = (u64)gridDim.x * THREADS;
+    for (u64 k = (u64)blockIdx.x * THREADS + threadIdx.x; k < nids; k += stride) {
         u64 id = (u64)block_ids[k];
         if (id >= nblocks) {
             atomicOr(flags, 64u);
@@ -372,28 +372,29 @@ validate_escapes(const u8* counts16, const i64* inclusive, u64 nchunks, u64 n, u
             atomicOr(flags, 128u);
         }
     }
-    for (u64 c = (u64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5); c < nchunks; c += (u64)gridDim.x * (THREADS / 32)) {
+    // A thread per chunk: the per-chunk loads coalesce across the warp, and most chunks hold no
+    // escape at all (a warp per chunk spent its time waiting on one chunk's loads after another).
+    for (u64 c = (u64)blockIdx.x * THREADS + threadIdx.x; c < nchunks; c += stride) {
         u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         u64 start = c * chunk;
         u32 len = (u32)min((u64)chunk, n - start);
         u64 end_off = (u64)inclusive[c];
-        if (lane == 0) {
-            if (count > len) atomicOr(flags, 1u);
-            if (end_off > total) atomicOr(flags, 2u);
-            if (c == nchunks - 1 && end_off != total) atomicOr(flags, 32u);
-        }
-        if (count == 0 || count > len || end_off > total) continue;
-        u64 off = end_off - count;
-        for (u32 t = lane; t < count; t += 32) {
-            u64 k = off + t;
-            u32 p = pos_bytes[2 * k] | ((u32)pos_bytes[2 * k + 1] << 8);
-            if (p >= len) atomicOr(flags, 4u);
-            if (t > 0) {
-                u32 q = pos_bytes[2 * k - 2] | ((u32)pos_bytes[2 * k - 1] << 8);
-                if (p <= q) atomicOr(flags, 8u);
+        u32 bad = 0;
+        if (count > len) bad |= 1u;
+        if (end_off > total) bad |= 2u;
+        if (c == nchunks - 1 && end_off != total) bad |= 32u;
+        if (count && !(bad & 3u)) {
+            const u64 off = end_off - count;
+            u32 previous = 0;
+            for (u32 t = 0; t < count; t++) {
+                u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
+                if (p >= len) bad |= 4u;
+                if (t > 0 && p <= previous) bad |= 8u;
+                if (val[off + t] >> E) bad |= 16u;
+                previous = p;
             }
-            if (val[k] >> E) atomicOr(flags, 16u);
         }
+        if (bad) atomicOr(flags, bad);
     }
 }
 
@@ -577,13 +578,13 @@ encode_tail(const i64* counts, const i64* inclusive, u64 nchunks, u32 chunk, con
     if (coded) {
         u16* pos_out = reinterpret_cast<u16*>(frame + pos_off);
         u8* val_out = frame + val_off;
-        const int lane = t & 31;
-        for (u64 c = (u64)blockIdx.x * (THREADS / 32) + (t >> 5); c < nchunks; c += (u64)gridDim.x * (THREADS / 32)) {
+        // A thread per chunk, as in validate_escapes: most chunks have nothing to copy.
+        for (u64 c = (u64)blockIdx.x * THREADS + t; c < nchunks; c += (u64)gridDim.x * THREADS) {
             u32 count = (u32)counts[c];
             if (count == 0) continue;
             u64 off = (u64)inclusive[c] - count;
             u64 src = c * chunk;
-            for (u32 k = lane; k < count; k += 32) {
+            for (u32 k = 0; k < count; k++) {
                 pos_out[off + k] = spill_pos[src + k];
                 val_out[off + k] = spill_val[src + k];
             }

@@ -170,7 +170,7 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
     marked = bytearray([layout.codebook_size] * (1 << layout.exp_bits))
     for code, exponent in enumerate(codebook):
         marked[exponent] = code
-    tail_work = max(_blocks_for_chunks(nchunks, 32), -(-numel // (8 * THREADS)))
+    tail_work = max(-(-nchunks // THREADS), -(-numel // (8 * THREADS)))
     return _EncodePlan(
         numel=numel, nchunks=nchunks, capacity=max(stored.total, dense.total),
         dense=_kernel(device.index, f"encode_dense{_template(layout)}", tuning),
@@ -284,7 +284,7 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     flags = torch.zeros(1 + (nblocks + 31) // 32, dtype=torch.int32, device=device)
     scalars = (np.uint64(numel), np.uint32(chunk), np.uint64(nchunks))
     validate = _kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning)
-    validate(stream, max(_blocks_for_chunks(nchunks, 32), -(-nids // THREADS)), (
+    validate(stream, -(-max(nchunks, nids) // THREADS), (
         np.uint64(off[Stream.CHUNK_COUNTS]), np.uint64(inclusive.data_ptr()), scalars[2], scalars[0], scalars[1],
         np.uint64(header.escapes), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
         np.uint64(block_ids.data_ptr() if nids else 0), np.uint64(nids), np.uint64(nblocks),
