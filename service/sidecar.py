@@ -57,13 +57,21 @@ def plan_chunks(blocks: int, block_bytes: int, chunk_bytes: int) -> list[int]:
 @dataclass
 class Estimates:
     """Throughputs (GB/s of raw bytes) for the ``auto`` codec choice: SplitZip's Appendix-B model
-    (a pipeline runs at its slowest stage) plus the pipeline's fill, which decides small transfers."""
+    (a pipeline runs at its slowest stage) plus the pipeline's fill, which decides small transfers.
+
+    Measured beats modelled: once both codecs have recently moved transfers of about this size
+    (same power of two) to this peer, ``auto`` takes the one that was faster. The model assumes
+    the stages overlap perfectly, which a busy host does not give it on fast links.
+    """
 
     encode_gbps: float = 0.0
     decode_gbps: float = 0.0
     ratio: float = 1.3
     assumed_link_gbps: float = 12.5
     link_gbps: dict[str, float] = field(default_factory=dict)
+    # (peer, codec, size class) -> (GB/s of raw bytes, when last seen on time.monotonic())
+    measured: dict[tuple[str, str, int], tuple[float, float]] = field(default_factory=dict)
+    measured_ttl_s: float = 600.0
 
     def predict(self, peer: str, raw_bytes: int, chunk_bytes: int) -> tuple[float, float]:
         """Seconds for (raw, splitzip). With k chunks and per-chunk stage times e, w, d the
@@ -76,7 +84,14 @@ class Estimates:
         stages = (chunk / (self.encode_gbps * 1e9), chunk / (self.ratio * link), chunk / (self.decode_gbps * 1e9))
         return raw_s, raw_bytes / chunk * max(stages) + sum(stages) - max(stages)
 
-    def choose(self, peer: str, raw_bytes: int, chunk_bytes: int) -> tuple[str, str]:
+    def choose(self, peer: str, raw_bytes: int, chunk_bytes: int, now: float | None = None) -> tuple[str, str]:
+        now = time.monotonic() if now is None else now
+        seen = {codec: self.measured.get((peer, codec, raw_bytes.bit_length())) for codec in ("raw", "splitzip")}
+        if all(entry and now - entry[1] <= self.measured_ttl_s for entry in seen.values()):
+            raw_gbps, coded_gbps = seen["raw"][0], seen["splitzip"][0]
+            choice = "splitzip" if coded_gbps > raw_gbps else "raw"
+            return choice, (f"measured raw {raw_gbps:.2f} vs splitzip {coded_gbps:.2f} GB/s "
+                            f"for transfers of this size to this peer")
         raw_s, coded_s = self.predict(peer, raw_bytes, chunk_bytes)
         link = self.link_gbps.get(peer, self.assumed_link_gbps)
         choice = "splitzip" if coded_s < raw_s else "raw"
@@ -84,6 +99,15 @@ class Estimates:
                   f"(link {link:.2f} GB/s{'' if peer in self.link_gbps else ' assumed'}, "
                   f"encode {self.encode_gbps:.2f}, decode {self.decode_gbps:.2f} GB/s, ratio {self.ratio:.3f})")
         return choice, reason
+
+    def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None) -> None:
+        """A whole transfer's speed, as the worker saw it (fixed costs included)."""
+        if seconds > 0 and raw_bytes >= 1 << 20:
+            now = time.monotonic() if now is None else now
+            key = (peer, codec, raw_bytes.bit_length())
+            old = self.measured.get(key)
+            fresh = old is not None and now - old[1] <= self.measured_ttl_s
+            self.measured[key] = (_follow(old[0] if fresh else None, raw_bytes / seconds / 1e9), now)
 
     def observe_link(self, peer: str, wire_bytes: int, seconds: float) -> None:
         if seconds > 0 and wire_bytes > 1 << 20:
@@ -294,6 +318,7 @@ class Sidecar:
             await self._tell_peer_cancel(t)
 
     async def _send(self, t: Transfer, codebook_name: str | None) -> None:
+        started = time.perf_counter()
         region = self.regions.get(t.src_region)
         ids = region.check_blocks(t.src_blocks)
         book = self._codebook(codebook_name, region.dtype)
@@ -341,6 +366,7 @@ class Sidecar:
             raise PeerError(f"receiver reports {final['state']}: {final.get('error')}")
         t.blocks_done = len(t.src_blocks)
         self._finish(t, State.DONE)
+        self.estimates.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - started)
 
     def _codec_stream(self, direction: str, tensor: torch.Tensor):
         stream = self.codec_streams.get(direction)

@@ -57,3 +57,27 @@ def test_codec_speeds_follow_real_chunks():
     assert math.isclose(est.encode_gbps, 0.6, rel_tol=1e-2) and est.decode_gbps == 0.3
     est.observe_codec("decode", 4 << 10, 1e-6)  # too small a chunk to time
     assert est.decode_gbps == 0.3
+
+
+def test_measured_speeds_of_both_codecs_decide_once_fresh():
+    est = Estimates(encode_gbps=900, decode_gbps=500, ratio=1.33, assumed_link_gbps=200)
+    size = 4 << 30
+    assert est.choose("p", size, 256 * MiB, now=0.0)[0] == "splitzip"  # the model, fast codec
+    est.observe_transfer("p", "raw", size, size / 110e9, now=1.0)
+    assert est.choose("p", size, 256 * MiB, now=2.0)[0] == "splitzip"  # one codec measured: still the model
+    est.observe_transfer("p", "splitzip", size, size / 100e9, now=3.0)
+    choice, reason = est.choose("p", size, 256 * MiB, now=4.0)
+    assert choice == "raw" and "measured raw 110.00 vs splitzip 100.00" in reason
+    assert est.choose("p", size + (size - 1), 256 * MiB, now=4.0)[0] == "raw"  # same power of two
+    assert est.choose("p", 2 * size, 256 * MiB, now=4.0)[0] == "splitzip"  # another size: the model
+    assert est.choose("q", size, 256 * MiB, now=4.0)[0] == "splitzip"  # another peer: the model
+    assert est.choose("p", size, 256 * MiB, now=1.0 + est.measured_ttl_s + 1)[0] == "splitzip"  # stale
+
+
+def test_measured_speeds_follow_repeats():
+    est = Estimates()
+    for seconds in (1.0, 0.5):
+        est.observe_transfer("p", "raw", 1 << 30, seconds, now=0.0)
+    assert math.isclose(est.measured[("p", "raw", 31)][0], 0.7 * (1 << 30) / 1e9 + 0.3 * (1 << 30) / 0.5e9)
+    est.observe_transfer("p", "raw", 1 << 10, 1e-6, now=0.0)  # too small to tell
+    assert ("p", "raw", 11) not in est.measured
