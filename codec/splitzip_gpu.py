@@ -274,35 +274,30 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     nchunks = (numel + chunk - 1) // chunk
     off = [frame.data_ptr() + o for o in header.offsets]
     stream = torch.cuda.current_stream(device).cuda_stream
-    # Every argument is ready before the first launch, so the three kernels go out back to back
-    # and the GPU does not wait on Python between them.
+    # Counts are < 2**15 for the chunk sizes this path takes (``supports``); a corrupt count with
+    # the top bit set reads negative here, but validation reads it unsigned and rejects it.
+    start = header.offsets[Stream.CHUNK_COUNTS]
+    inclusive = torch.cumsum(frame[start:start + 2 * nchunks].view(torch.int16), 0, dtype=torch.int64)
     nids = 0 if block_ids is None else block_ids.numel()
     nblocks = out.numel() // block_elems if nids else 0
     # The verdict word, then a bitmap of the cache's blocks for spotting repeated ids.
     flags = torch.zeros(1 + (nblocks + 31) // 32, dtype=torch.int32, device=device)
-    inclusive = torch.empty(nchunks, dtype=torch.int64, device=device)
     scalars = (np.uint64(numel), np.uint32(chunk), np.uint64(nchunks))
     validate = _kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning)
-    validate_args = (
+    validate(stream, -(-max(nchunks, nids) // THREADS), (
         np.uint64(off[Stream.CHUNK_COUNTS]), np.uint64(inclusive.data_ptr()), scalars[2], scalars[0], scalars[1],
         np.uint64(header.escapes), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
         np.uint64(block_ids.data_ptr() if nids else 0), np.uint64(nids), np.uint64(nblocks),
         np.uint64(flags.data_ptr() + 4), np.uint64(flags.data_ptr()),
-    )
-    decode = _kernel(device.index, f"decode_chunks{_template(layout)}", tuning)
-    decode_args = (
-        *(np.uint64(off[s]) for s in (Stream.RESIDUAL, Stream.CODES, Stream.CHUNK_COUNTS)),
-        np.uint64(inclusive.data_ptr()), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
-        np.uint64(_codebook_table(header.codebook, device).data_ptr()), *scalars,
-        np.uint64(out.data_ptr()), np.uint64(0 if block_ids is None else block_ids.data_ptr()),
-        np.uint64(block_elems), np.uint64(flags.data_ptr()),
-    )
-    # Counts are < 2**15 for the chunk sizes this path takes (``supports``); a corrupt count with
-    # the top bit set reads negative here, but validation reads it unsigned and rejects it.
-    start = header.offsets[Stream.CHUNK_COUNTS]
-    torch.cumsum(frame[start:start + 2 * nchunks].view(torch.int16), 0, dtype=torch.int64, out=inclusive)
-    validate(stream, -(-max(nchunks, nids) // THREADS), validate_args)
-    decode(stream, _blocks_for_chunks(nchunks, TUNING["LANES"]), decode_args)
+    ))
+    _kernel(device.index, f"decode_chunks{_template(layout)}", tuning)(
+        stream, _blocks_for_chunks(nchunks, TUNING["LANES"]), (
+            *(np.uint64(off[s]) for s in (Stream.RESIDUAL, Stream.CODES, Stream.CHUNK_COUNTS)),
+            np.uint64(inclusive.data_ptr()), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
+            np.uint64(_codebook_table(header.codebook, device).data_ptr()), *scalars,
+            np.uint64(out.data_ptr()), np.uint64(0 if block_ids is None else block_ids.data_ptr()),
+            np.uint64(block_elems), np.uint64(flags.data_ptr()),
+        ))
     # The decode kernel skipped every write if validation failed; one sync, after all the work.
     verdict = int(flags[0].item())
     if verdict & _BAD_ID:
