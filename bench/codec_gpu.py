@@ -124,7 +124,7 @@ def host_profile(x: torch.Tensor, book: codec.Codebook, chunk_bytes: int = 64 <<
 
 
 SWEEP = [  # compile-time variants of splitzip_cuda.cu, over the default (the first row)
-    {}, {"LOAD_HINT": 2}, {"LOAD_HINT": 1, "STORE_HINT": 1}, {"ENC_WIDE": 0}, {"DEC_WIDE": 1},
+    {}, {"LOAD_HINT": 2}, {"LOAD_HINT": 1, "STORE_HINT": 1}, {"ENC_WIDE": 0},
 ]
 
 

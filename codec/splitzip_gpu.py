@@ -29,8 +29,8 @@ from .format import HEADER_SIZE, Codec, Header, Stream, make_header, parse_heade
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
-# whether bfloat16 lanes take two adjacent groups per step when encoding / decoding.
-TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1, "DEC_WIDE": 0}
+# whether bfloat16 lanes take two adjacent groups per encode step.
+TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1}
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",

@@ -1,5 +1,6 @@
 """Transport settings, built once by the caller (the daemon's settings) and passed down frozen.
-The transport never reads the environment itself; UCX's own ``UCX_*`` variables still reach UCX."""
+The transport never reads the environment itself; UCX's own ``UCX_*`` variables still reach UCX
+(``transport/ucx.py`` only gives ``UCX_MEMTYPE_CACHE`` a default before UCX loads)."""
 
 from __future__ import annotations
 
