@@ -123,8 +123,8 @@ def host_profile(x: torch.Tensor, book: codec.Codebook, chunk_bytes: int = 64 <<
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=50))
 
 
-SWEEP = [  # compile-time variants of splitzip_cuda.cu, over the default (the first row)
-    {}, {"LOAD_HINT": 2}, {"LOAD_HINT": 1, "STORE_HINT": 1}, {"ENC_WIDE": 0},
+SWEEP = [  # variants of splitzip_cuda.cu (TUNING), over the default (the first row)
+    {}, {"DEC_PIPE": 0}, {"LOAD_HINT": 3}, {"LOAD_HINT": 3, "DEC_PIPE": 0}, {"LOAD_HINT": 2},
 ]
 
 

@@ -30,7 +30,8 @@ typedef long long i64;
 #define MINB 1
 #endif
 // Cache hints for the streamed data, chosen at compile time (measured in bench/RESULTS.md):
-// LOAD_HINT 0 plain, 1 evict-first (ld.global.cs), 2 read-only path (ld.global.nc);
+// LOAD_HINT 0 plain, 1 evict-first (ld.global.cs), 2 read-only path (ld.global.nc), 3 plain with
+// an L2 prefetch of 256 bytes;
 // STORE_HINT 0 plain, 1 evict-first (st.global.cs).
 #ifndef LOAD_HINT
 #define LOAD_HINT 1
@@ -56,10 +57,33 @@ __device__ __forceinline__ u64 group_index(u64 seg, int k, int sublane) {
 template <int TOTAL, int E, int C>
 struct Width { enum { W = (ENC_WIDE && TOTAL == 16 && E == 8 && C == 4) ? 2 : 1 }; };
 
+// LOAD_HINT 3: a plain load that asks L2 to fetch the whole 256-byte sector group around it.
+__device__ __forceinline__ u32 load_l2_256(const u32* p) {
+    u32 v;
+    asm("ld.global.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u64 load_l2_256(const u64* p) {
+    u64 v;
+    asm("ld.global.L2::256B.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 load_l2_256(const uint2* p) {
+    uint2 v;
+    asm("ld.global.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 load_l2_256(const uint4* p) {
+    uint4 v;
+    asm("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 template <typename T>
 __device__ __forceinline__ T load_streamed(const T* p) {
     if constexpr (LOAD_HINT == 1) return __ldcs(p);
     else if constexpr (LOAD_HINT == 2) return __ldg(p);
+    else if constexpr (LOAD_HINT == 3) return load_l2_256(p);
     else return *p;
 }
 
@@ -436,71 +460,168 @@ __device__ __forceinline__ void decode_group(u64 rlo, u64 rhi, u32 codes, const 
     }
 }
 
-// Decode: dense table lookup for every element of a chunk, then the chunk's escapes overwrite
-// their exponents. Escape streams were validated first, so every write is in bounds.
-template <int TOTAL, int E, int C>
-__global__ void __launch_bounds__(THREADS, MINB)
-decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, const i64* inclusive,
-              const u16* pos_in, const u8* val_in, const u8* codebook, u64 n, u32 chunk, u64 nchunks,
-              u8* out, const i64* block_ids, u64 block_elems, const u32* flags) {
+// The chunk's escapes overwrite the exponents its dense pass wrote (escape streams validated).
+template <int TOTAL, int E>
+__device__ __forceinline__ void patch_escapes(const ChunkAddr<TOTAL>& at, u64 start, u32 count, u64 end_off,
+                                              const u16* pos_in, const u8* val_in, int sublane, u32 mask) {
     constexpr int M = TOTAL - 1 - E;
+    constexpr u32 EMASK = ((1u << E) - 1) << M;
+    typedef typename Elem<TOTAL>::T T;
+    __syncwarp(mask);  // the chunk's dense writes are visible to the whole subgroup
+    const u64 off = end_off - count;
+    for (u32 t = sublane; t < count; t += LANES) {
+        T* p = at(start + pos_in[off + t]);
+        *p = (T)((*p & ~EMASK) | ((u32)val_in[off + t] << M));
+    }
+}
+
+// Decode of chunk c: dense table lookup for every element, then the escapes.
+template <int TOTAL, int E, int C>
+__device__ __forceinline__ void decode_chunk(u64 c, const u8* residual_in, const u8* codes_in, const u8* counts16,
+                                             const i64* inclusive, const u16* pos_in, const u8* val_in, u64 n,
+                                             u32 chunk, u8* out, const i64* block_ids, u64 block_elems,
+                                             const u32* table, const u32 (&book)[4], int sublane, u32 mask) {
     constexpr int R = TOTAL - E;
-    constexpr u32 SIZE = 1u << C;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
-    // validate_escapes ran just before on the same stream: a bad frame writes nothing.
-    if (*flags) return;
-    __shared__ u32 table[SIZE];
+    u64 start = c * chunk;
+    u64 end = min(start + chunk, n);
+    const ChunkAddr<TOTAL> at(out, block_ids, block_elems, start, chunk);
+    // Loaded up front, with the streams, so the escape check does not wait on memory.
+    u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
+    for (u64 seg = start; seg < end; seg += SPAN) {
+        u64 rlo[UNROLL], rhi[UNROLL], clo[UNROLL];
+        int valid[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
+            valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
+            u64 g = i / GROUP, unused;
+            rlo[k] = rhi[k] = clo[k] = 0;
+            if (valid[k]) {
+                load_bits<R>(residual_in + g * R, (valid[k] * R + 7) / 8, rlo[k], rhi[k]);
+                load_bits<C>(codes_in + g * C, (valid[k] * C + 7) / 8, clo[k], unused);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            if (!valid[k]) continue;
+            u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
+            u32 w[WORDS];
+            decode_group<TOTAL, E, C>(rlo[k], rhi[k], (u32)clo[k], table, book, w);
+            store_group<TOTAL>(at(i), valid[k], w);
+        }
+    }
+    if (count) patch_escapes<TOTAL, E>(at, start, count, (u64)inclusive[c], pos_in, val_in, sublane, mask);
+}
+
+// The codebook in shared memory (generic path) and packed into four registers (bfloat16 path).
+template <int C>
+__device__ __forceinline__ void load_codebook(const u8* codebook, u32* table, u32 (&book)[4]) {
+    constexpr u32 SIZE = 1u << C;
     if (threadIdx.x < SIZE) table[threadIdx.x] = codebook[threadIdx.x];
     __syncthreads();
-    u32 book[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         book[k] = 0;
         for (int j = 0; j < 4 && 4 * k + j < (int)SIZE; j++) book[k] |= (table[4 * k + j] & 0xFF) << (8 * j);
     }
+}
+
+// Decode: every chunk through decode_chunk. Escape streams were validated first (a bad frame
+// sets *flags and nothing is written), so every write is in bounds.
+template <int TOTAL, int E, int C>
+__global__ void __launch_bounds__(THREADS, MINB)
+decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, const i64* inclusive,
+              const u16* pos_in, const u8* val_in, const u8* codebook, u64 n, u32 chunk, u64 nchunks,
+              u8* out, const i64* block_ids, u64 block_elems, const u32* flags) {
+    // validate_escapes ran just before on the same stream: a bad frame writes nothing.
+    if (*flags) return;
+    __shared__ u32 table[1u << C];
+    u32 book[4];
+    load_codebook<C>(codebook, table, book);
     const int sublane = threadIdx.x % LANES;
     const u32 mask = subgroup_mask();
     const u64 nsub = (u64)gridDim.x * SUBGROUPS;
+    for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub)
+        decode_chunk<TOTAL, E, C>(c, residual_in, codes_in, counts16, inclusive, pos_in, val_in, n, chunk, out,
+                                  block_ids, block_elems, table, book, sublane, mask);
+}
 
-    for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
-        u64 start = c * chunk;
-        u64 end = min(start + chunk, n);
-        const ChunkAddr<TOTAL> at(out, block_ids, block_elems, start, chunk);
-        // Loaded up front, with the streams, so the escape check does not wait on memory.
-        u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
-        for (u64 seg = start; seg < end; seg += SPAN) {
-            u64 rlo[UNROLL], rhi[UNROLL], clo[UNROLL];
-            int valid[UNROLL];
+// One pass (SPAN elements) of bfloat16 streams: UNROLL groups per lane, 8 residual bytes and
+// 4 code bytes each.
+struct Bf16Pass {
+    u64 residual[UNROLL];
+    u32 codes[UNROLL];
+};
+
+__device__ __forceinline__ void load_bf16_pass(const u8* residual_in, const u8* codes_in, u64 seg, int sublane,
+                                               Bf16Pass& pass) {
+#pragma unroll
+    for (int k = 0; k < UNROLL; k++) {
+        const u64 g = seg / GROUP + (u64)k * LANES + sublane;
+        pass.residual[k] = load_streamed(reinterpret_cast<const u64*>(residual_in) + g);
+        pass.codes[k] = load_streamed(reinterpret_cast<const u32*>(codes_in) + g);
+    }
+}
+
+// Bfloat16 decode for frames whose chunks are whole passes (chunk % SPAN == 0), each inside one
+// block of the cache, with 16-byte aligned output. A subgroup loads its next pass's streams
+// before it decodes and stores the current one, so loads stay in flight while stores drain.
+// The last chunk, if partial, goes through decode_chunk.
+__global__ void __launch_bounds__(THREADS, MINB)
+decode_bf16_pipelined(const u8* residual_in, const u8* codes_in, const u8* counts16, const i64* inclusive,
+                      const u16* pos_in, const u8* val_in, const u8* codebook, u64 n, u32 chunk, u64 nchunks,
+                      u8* out, const i64* block_ids, u64 block_elems, const u32* flags) {
+    if (*flags) return;
+    __shared__ u32 table[16];
+    u32 book[4];
+    load_codebook<4>(codebook, table, book);
+    const int sublane = threadIdx.x % LANES;
+    const u32 mask = subgroup_mask();
+    const u64 nsub = (u64)gridDim.x * SUBGROUPS;
+    const u64 first = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES;
+    const u64 full = n / chunk;
+    const u32 passes = chunk / SPAN;
+    if (first < full) {
+        u64 c = first;
+        u32 p = 0;
+        Bf16Pass now, next;
+        ChunkAddr<16> at(out, block_ids, block_elems, c * chunk, chunk);
+        u32 count = reinterpret_cast<const u16*>(counts16)[c];
+        load_bf16_pass(residual_in, codes_in, c * chunk, sublane, now);
+        while (true) {
+            u64 next_c = c;
+            u32 next_p = p + 1;
+            if (next_p == passes) {
+                next_p = 0;
+                next_c = c + nsub;
+            }
+            const bool more = next_c < full;
+            if (more) load_bf16_pass(residual_in, codes_in, next_c * chunk + (u64)next_p * SPAN, sublane, next);
+            u16* dst = at.chunk_ptr + (u64)p * SPAN;
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
-                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
-                valid[k] = i < end ? (int)min((u64)GROUP, end - i) : 0;
-                u64 g = i / GROUP, unused;
-                rlo[k] = rhi[k] = clo[k] = 0;
-                if (valid[k]) {
-                    load_bits<R>(residual_in + g * R, (valid[k] * R + 7) / 8, rlo[k], rhi[k]);
-                    load_bits<C>(codes_in + g * C, (valid[k] * C + 7) / 8, clo[k], unused);
+                u32 w[4];
+                decode_group<16, 8, 4>(now.residual[k], 0, now.codes[k], table, book, w);
+                store_streamed(reinterpret_cast<uint4*>(dst + ((u64)k * LANES + sublane) * GROUP),
+                               make_uint4(w[0], w[1], w[2], w[3]));
+            }
+            if (next_p == 0) {
+                if (count) patch_escapes<16, 8>(at, c * chunk, count, (u64)inclusive[c], pos_in, val_in, sublane, mask);
+                if (more) {
+                    at = ChunkAddr<16>(out, block_ids, block_elems, next_c * chunk, chunk);
+                    count = reinterpret_cast<const u16*>(counts16)[next_c];
                 }
             }
-#pragma unroll
-            for (int k = 0; k < UNROLL; k++) {
-                if (!valid[k]) continue;
-                u64 i = seg + ((u64)k * LANES + sublane) * GROUP;
-                u32 w[WORDS];
-                decode_group<TOTAL, E, C>(rlo[k], rhi[k], (u32)clo[k], table, book, w);
-                store_group<TOTAL>(at(i), valid[k], w);
-            }
-        }
-        if (count == 0) continue;
-        __syncwarp(mask);  // the chunk's dense writes are visible to the whole subgroup
-        u64 off = (u64)inclusive[c] - count;
-        constexpr u32 EMASK = ((1u << E) - 1) << M;
-        typedef typename Elem<TOTAL>::T T;
-        for (u32 t = sublane; t < count; t += LANES) {
-            T* p = at(start + pos_in[off + t]);
-            *p = (T)((*p & ~EMASK) | ((u32)val_in[off + t] << M));
+            if (!more) break;
+            now = next;
+            c = next_c;
+            p = next_p;
         }
     }
+    if (full < nchunks && full % nsub == first)
+        decode_chunk<16, 8, 4>(full, residual_in, codes_in, counts16, inclusive, pos_in, val_in, n, chunk, out,
+                               block_ids, block_elems, table, book, sublane, mask);
 }
 
 // The end of encode, on the device, so the host need not learn the escape total X before the

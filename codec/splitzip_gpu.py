@@ -14,7 +14,6 @@ shapes over and over and the host's per-call cost bounds small-chunk throughput.
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,12 +24,15 @@ from .checksum import crc32c
 from .dtypes import LAYOUTS, FloatLayout
 from .errors import CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
+from .staging import read_to_host
 
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
-# lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
-# whether bfloat16 lanes take two adjacent groups per encode step.
-TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1}
+# lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints,
+# whether bfloat16 lanes take two adjacent groups per encode step, and whether bfloat16 decode
+# takes the pipelined kernel (a host-side choice).
+TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1, "DEC_PIPE": 1}
+_SPAN = 1024  # elements a subgroup covers per pass (LANES * 8 * UNROLL in the kernels)
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -74,6 +76,7 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
     for layout in LAYOUTS:
         names |= {f"encode_dense{_template(layout)}", f"decode_chunks{_template(layout)}",
                   f"validate_escapes<{layout.exp_bits}>", f"encode_tail<{layout.total_bits}>"}
+    names.add("decode_bf16_pipelined")
     options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=sorted(names))
@@ -84,21 +87,33 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
 @dataclass(frozen=True)
 class _Kernel:
     """A compiled kernel and the largest grid worth launching: every kernel loops over its work,
-    so more blocks than fit on the GPU at once would only queue."""
+    so more blocks than fit on the GPU at once would only queue.
+
+    Launches go straight to ``cuLaunchKernel`` with the arguments packed in one array: every
+    argument is passed as 8 little-endian bytes (a 32-bit parameter reads the low half), which
+    costs a few microseconds where CuPy's per-argument conversion cost tens, on every call.
+    """
 
     function: object
     resident_blocks: int
     device_index: int
 
-    def __call__(self, stream: int, grid: int, args: tuple, threads: int = THREADS) -> None:
+    def __call__(self, stream: int, grid: int, args: tuple[int, ...], threads: int = THREADS) -> None:
         cupy = _cupy()
-        launch = (max(1, min(grid, self.resident_blocks)),), (threads,), args
-        on = _cupy_stream(stream, self.device_index)
-        if cupy.cuda.runtime.getDevice() == self.device_index:  # the usual case: no device switch
-            self.function(*launch, stream=on)
-        else:
+        values = np.array(args, dtype=np.uint64)
+        pointers = _ARG_OFFSETS[: len(args)] + np.uint64(values.ctypes.data)
+        launch = (self.function.ptr, max(1, min(grid, self.resident_blocks)), 1, 1, threads, 1, 1, 0, stream,
+                  pointers.ctypes.data, 0)
+        if cupy.cuda.runtime.getDevice() != self.device_index:
             with cupy.cuda.Device(self.device_index):
-                self.function(*launch, stream=on)
+                cupy.cuda.driver.launchKernel(*launch)
+            return
+        if not cupy.cuda.driver.ctxGetCurrent():  # a thread the runtime has not yet bound to a context
+            cupy.cuda.runtime.free(0)
+        cupy.cuda.driver.launchKernel(*launch)
+
+
+_ARG_OFFSETS = np.arange(32, dtype=np.uint64) * np.uint64(8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,14 +123,6 @@ def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...]) -
     per_sm = max(1, min(2048 // THREADS, 65536 // (regs * THREADS)))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return _Kernel(function, per_sm * sms, device_index)
-
-
-@functools.lru_cache(maxsize=32)
-def _cupy_stream(pointer: int, device_index: int):
-    """CuPy's view of a torch stream, made once per stream."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # its replacement wants a stream object
-        return _cupy().cuda.ExternalStream(pointer, device_index)
 
 
 def _blocks_for_chunks(chunks: int, lanes: int) -> int:
@@ -178,9 +185,8 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning), tail_grid=tail_work,
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
         marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack(), device),
-        dense_scalars=(np.uint64(numel), np.uint32(chunk), np.uint64(nchunks)),
-        tail_scalars=(np.uint64(counts_end), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(stored.total),
-                      np.uint64(gaps[0]), np.uint64(gaps[1])),
+        dense_scalars=(numel, chunk, nchunks),
+        tail_scalars=(counts_end, off[Stream.ESC_POSITIONS], stored.total, gaps[0], gaps[1]),
     )
 
 
@@ -213,18 +219,15 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
     base, ids = buf.data_ptr(), 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
     plan.dense(stream, plan.dense_grid, (
-        np.uint64(source.data_ptr()), np.uint64(ids), np.uint64(block_elems), np.uint64(nblocks), *plan.dense_scalars,
-        np.uint64(plan.marked_table.data_ptr()), np.uint64(base + plan.residual_off),
-        np.uint64(base + plan.codes_off), np.uint64(base + plan.counts_off), np.uint64(counts.data_ptr()),
-        np.uint64(spill_pos), np.uint64(spill_val),
+        source.data_ptr(), ids, block_elems, nblocks, *plan.dense_scalars, plan.marked_table.data_ptr(),
+        base + plan.residual_off, base + plan.codes_off, base + plan.counts_off, counts.data_ptr(),
+        spill_pos, spill_val,
     ))
     inclusive = torch.cumsum(counts[:-1], 0)
     length = counts[-1]
     plan.tail(stream, plan.tail_grid, (
-        np.uint64(counts.data_ptr()), np.uint64(inclusive.data_ptr()), plan.dense_scalars[2], plan.dense_scalars[1],
-        np.uint64(spill_pos), np.uint64(spill_val), np.uint64(source.data_ptr()), np.uint64(ids),
-        np.uint64(block_elems), plan.dense_scalars[0], np.uint64(base), *plan.tail_scalars,
-        np.uint64(plan.templates.data_ptr()), np.uint64(length.data_ptr()),
+        counts.data_ptr(), inclusive.data_ptr(), plan.nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids,
+        block_elems, plan.numel, base, *plan.tail_scalars, plan.templates.data_ptr(), length.data_ptr(),
     ))
     return length
 
@@ -239,7 +242,8 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     """
     plan = _encode_plan(layout, shape, chunk, codebook, source.device, _tuning())
     buf = torch.empty(plan.capacity, dtype=torch.uint8, device=source.device)
-    length = int(encode_into(source, block_ids, block_elems, shape, layout, codebook, chunk, buf))
+    length = int(read_to_host(encode_into(source, block_ids, block_elems, shape, layout, codebook, chunk, buf))
+                 .view(np.int64)[0])
     if length < 0:
         raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
     frame = buf[:length]
@@ -250,9 +254,34 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     return frame
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What decoding a (layout, element count, chunk, codebook) needs that no frame changes:
+    kernels, grids and the codebook on the device. Escape counts differ from frame to frame,
+    so the stream offsets come from each header."""
+
+    nchunks: int
+    validate: _Kernel
+    dense: _Kernel
+    pipelined: _Kernel | None
+    dense_grid: int
+    codebook_table: torch.Tensor
+
+
 @functools.lru_cache(maxsize=64)
-def _codebook_table(codebook: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return _on_device(bytes(codebook), device)
+def _decode_plan(layout: FloatLayout, numel: int, chunk: int, codebook: tuple[int, ...], device: torch.device,
+                 tuning: tuple[tuple[str, int], ...]) -> _DecodePlan:
+    nchunks = (numel + chunk - 1) // chunk
+    # The pipelined bfloat16 kernel wants chunks of whole passes (SPAN = 1024 elements).
+    pipelined = (layout.total_bits, layout.exp_bits, layout.code_bits) == (16, 8, 4) and chunk % _SPAN == 0
+    return _DecodePlan(
+        nchunks=nchunks,
+        validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning),
+        dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
+        pipelined=_kernel(device.index, "decode_bf16_pipelined", tuning) if pipelined and dict(tuning)["DEC_PIPE"] else None,
+        dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
+        codebook_table=_on_device(bytes(codebook), device),
+    )
 
 
 def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
@@ -265,13 +294,12 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
             cache. OutputMismatch: a block id repeats. In every case nothing was written.
     """
     device = frame.device
-    layout = header.layout
     if header.codec == Codec.STORED:
-        out.copy_(frame[HEADER_SIZE:header.total].view(layout.dtype))
+        out.copy_(frame[HEADER_SIZE:header.total].view(header.layout.dtype))
         return
-    tuning = _tuning()
     numel, chunk = header.numel, header.chunk
-    nchunks = (numel + chunk - 1) // chunk
+    plan = _decode_plan(header.layout, numel, chunk, header.codebook, device, _tuning())
+    nchunks = plan.nchunks
     off = [frame.data_ptr() + o for o in header.offsets]
     stream = torch.cuda.current_stream(device).cuda_stream
     # Counts are < 2**15 for the chunk sizes this path takes (``supports``); a corrupt count with
@@ -279,27 +307,24 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     start = header.offsets[Stream.CHUNK_COUNTS]
     inclusive = torch.cumsum(frame[start:start + 2 * nchunks].view(torch.int16), 0, dtype=torch.int64)
     nids = 0 if block_ids is None else block_ids.numel()
+    ids = block_ids.data_ptr() if nids else 0
     nblocks = out.numel() // block_elems if nids else 0
     # The verdict word, then a bitmap of the cache's blocks for spotting repeated ids.
     flags = torch.zeros(1 + (nblocks + 31) // 32, dtype=torch.int32, device=device)
-    scalars = (np.uint64(numel), np.uint32(chunk), np.uint64(nchunks))
-    validate = _kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning)
-    validate(stream, -(-max(nchunks, nids) // THREADS), (
-        np.uint64(off[Stream.CHUNK_COUNTS]), np.uint64(inclusive.data_ptr()), scalars[2], scalars[0], scalars[1],
-        np.uint64(header.escapes), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
-        np.uint64(block_ids.data_ptr() if nids else 0), np.uint64(nids), np.uint64(nblocks),
-        np.uint64(flags.data_ptr() + 4), np.uint64(flags.data_ptr()),
+    plan.validate(stream, -(-max(nchunks, nids) // THREADS), (
+        off[Stream.CHUNK_COUNTS], inclusive.data_ptr(), nchunks, numel, chunk, header.escapes,
+        off[Stream.ESC_POSITIONS], off[Stream.ESC_VALUES], ids, nids, nblocks, flags.data_ptr() + 4, flags.data_ptr(),
     ))
-    _kernel(device.index, f"decode_chunks{_template(layout)}", tuning)(
-        stream, _blocks_for_chunks(nchunks, TUNING["LANES"]), (
-            *(np.uint64(off[s]) for s in (Stream.RESIDUAL, Stream.CODES, Stream.CHUNK_COUNTS)),
-            np.uint64(inclusive.data_ptr()), np.uint64(off[Stream.ESC_POSITIONS]), np.uint64(off[Stream.ESC_VALUES]),
-            np.uint64(_codebook_table(header.codebook, device).data_ptr()), *scalars,
-            np.uint64(out.data_ptr()), np.uint64(0 if block_ids is None else block_ids.data_ptr()),
-            np.uint64(block_elems), np.uint64(flags.data_ptr()),
-        ))
+    dense = plan.dense
+    if plan.pipelined is not None and out.data_ptr() % 16 == 0 and (not nids or block_elems % chunk == 0):
+        dense = plan.pipelined
+    dense(stream, plan.dense_grid, (
+        off[Stream.RESIDUAL], off[Stream.CODES], off[Stream.CHUNK_COUNTS], inclusive.data_ptr(),
+        off[Stream.ESC_POSITIONS], off[Stream.ESC_VALUES], plan.codebook_table.data_ptr(), numel, chunk, nchunks,
+        out.data_ptr(), ids, block_elems, flags.data_ptr(),
+    ))
     # The decode kernel skipped every write if validation failed; one sync, after all the work.
-    verdict = int(flags[0].item())
+    verdict = int(read_to_host(flags[:1]).view(np.int32)[0])
     if verdict & _BAD_ID:
         raise IndexError(f"block ids must be in 0..{nblocks - 1}")
     if verdict & _REPEATED_ID:

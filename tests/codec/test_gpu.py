@@ -94,6 +94,24 @@ def test_decode_into_out_and_noncontiguous():
     assert bits_equal(codec.decode(odd), x)
 
 
+@pytest.mark.parametrize("pipelined", [0, 1], ids=["generic", "pipelined"])
+@pytest.mark.parametrize("chunk", [512, 1024, 2048, 3072])
+@pytest.mark.parametrize("n", [1, 1024, 6144, 3 * 3072 * 41 + 17])
+def test_bf16_decode_kernels_agree(monkeypatch, pipelined, chunk, n):
+    """bfloat16 decode has a pipelined kernel for chunks of whole 1024-element passes into
+    16-byte aligned memory, and the generic one for everything else: both give the CPU's bits,
+    with escapes, partial last chunks and misaligned output."""
+    monkeypatch.setitem(splitzip_gpu.TUNING, "DEC_PIPE", pipelined)
+    x = _random_bits(n, torch.bfloat16, seed=n + chunk, escape_rate=0.02)
+    book = codec.calibrate(torch.randn(5000).to(torch.bfloat16))
+    frame = codec.encode(x, book, chunk=chunk)
+    assert codec.read_header(frame).codec == Codec.SPLITZIP or n == 1
+    assert bits_equal(codec.decode(frame.cuda()).cpu(), x)
+    shifted = torch.zeros(n + 1, dtype=torch.bfloat16, device="cuda")
+    codec.decode(frame.cuda(), out=shifted[1:])  # 2-byte aligned: the generic kernel
+    assert bits_equal(shifted[1:].cpu(), x) and int(shifted[:1].view(torch.int16)) == 0
+
+
 def test_corrupt_frames_raise_on_gpu():
     x = _random_bits(3 * 1024 + 11, torch.bfloat16, seed=2, escape_rate=0.02)
     base = codec.encode(x)
@@ -199,3 +217,26 @@ def test_encode_into_queues_without_host_sync():
     length = codec.encode_into(stored, book, buf)  # random bits: the device picks a stored frame
     assert torch.equal(buf[: int(length)].cpu(), codec.encode(stored.cpu(), book))
     assert codec.read_header(buf[: int(length)]).codec == Codec.STORED
+
+
+def test_codec_in_a_fresh_thread():
+    """Kernels launch through the driver API, which needs a context bound to the calling thread:
+    a thread that has made no CUDA call yet must work too (the sidecar codes on worker threads)."""
+    import threading
+
+    x = _random_bits(70_000, torch.bfloat16, seed=3, escape_rate=0.01)
+    results = {}
+
+    def work() -> None:
+        try:
+            frame = codec.encode(x.cuda())
+            results["frame"], results["y"] = frame.cpu(), codec.decode(frame).cpu()
+        except Exception as error:  # reported by the assertion below
+            results["error"] = error
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in results, results.get("error")
+    assert torch.equal(results["frame"], codec.encode(x, codec.calibrate(x)))
+    assert bits_equal(results["y"], x)
