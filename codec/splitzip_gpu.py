@@ -94,15 +94,16 @@ class _Kernel:
     costs a few microseconds where CuPy's per-argument conversion cost tens, on every call.
     """
 
-    function: object
+    function: int  # CUfunction
     resident_blocks: int
     device_index: int
+    owner: object  # CuPy's RawKernel, which keeps the module (and so the function) loaded
 
     def __call__(self, stream: int, grid: int, args: tuple[int, ...], threads: int = THREADS) -> None:
         cupy = _cupy()
         values = np.array(args, dtype=np.uint64)
         pointers = _ARG_OFFSETS[: len(args)] + np.uint64(values.ctypes.data)
-        launch = (self.function.ptr, max(1, min(grid, self.resident_blocks)), 1, 1, threads, 1, 1, 0, stream,
+        launch = (self.function, max(1, min(grid, self.resident_blocks)), 1, 1, threads, 1, 1, 0, stream,
                   pointers.ctypes.data, 0)
         if cupy.cuda.runtime.getDevice() != self.device_index:
             with cupy.cuda.Device(self.device_index):
@@ -118,11 +119,14 @@ _ARG_OFFSETS = np.arange(32, dtype=np.uint64) * np.uint64(8)
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...]) -> _Kernel:
+    cupy = _cupy()
     function = _module(device_index, tuning).get_function(name)
+    with cupy.cuda.Device(device_index):
+        handle = function.kernel.ptr  # the CUfunction under CuPy's RawKernel
     regs = (max(1, function.num_regs) + 7) // 8 * 8
     per_sm = max(1, min(2048 // THREADS, 65536 // (regs * THREADS)))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return _Kernel(function, per_sm * sms, device_index)
+    return _Kernel(handle, per_sm * sms, device_index, function)
 
 
 def _blocks_for_chunks(chunks: int, lanes: int) -> int:
