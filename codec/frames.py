@@ -15,7 +15,7 @@ from .errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedT
 from .fields import as_bits, split
 from .format import (DEFAULT_CHUNK, HEADER_SIZE, MAX_CHUNK, MAX_NDIM, Codec, Header, Stream,
                      make_header, parse_header, splitzip_size, stored_size)
-from .staging import read_to_host
+from .staging import current_stream, read_to_host
 
 
 def encode(x: torch.Tensor, codebook: Codebook | None = None, *, checksum: bool = False,
@@ -221,9 +221,12 @@ def read_header(frame: torch.Tensor) -> Header:
     """
     if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
         raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    head = frame[:HEADER_SIZE]
-    raw = read_to_host(head).tobytes() if head.is_cuda else head.numpy().tobytes()
-    return parse_header(raw, frame.numel())
+    size = frame.numel()
+    if frame.is_cuda:
+        raw = read_to_host(frame, min(size, HEADER_SIZE), current_stream(frame.device)).tobytes()
+    else:
+        raw = frame[:HEADER_SIZE].numpy().tobytes()
+    return parse_header(raw, size)
 
 
 def _decode_validated(frame: torch.Tensor, header: Header) -> torch.Tensor:

@@ -287,8 +287,8 @@ __device__ __forceinline__ bool chunk_ids_bad(const i64* block_ids, u64 block_el
 
 // Dense pass: residual and code streams, per-chunk escape counts, and each chunk's escapes
 // spilled in order to spill_pos/spill_val at the chunk's first element index. A chunk whose
-// blocks do not exist gets the count -(n + 1), which makes the escape total negative: the tail
-// pass then writes nothing and reports a length of -1.
+// blocks do not exist gets the count -(n + 1), which scan_counts flags: the tail pass then
+// writes nothing and reports a length of -1.
 template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, MINB)
 encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
@@ -376,15 +376,79 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
     }
 }
 
-// Decode validation: everything the decode kernel indexes by. Sets bits of *flags:
+// Prefix sums of per-chunk escape counts in one pass: each block takes a tile of SCAN_TILE chunks
+// in the order blocks start (a ticket, so every earlier tile belongs to a block already running),
+// scans it, and finds the sum of all earlier tiles by a decoupled look-back over the sums they
+// publish. `status` (a word per tile) and the ticket start zeroed.
+#define SCAN_ITEMS 4
+#define SCAN_TILE (THREADS * SCAN_ITEMS)
+#define TILE_AGGREGATE (1ull << 62)  // status word: the tile's own sum is known
+#define TILE_PREFIX (1ull << 63)     // status word: the sum through the end of the tile is known
+#define TILE_VALUE (TILE_AGGREGATE - 1)
+
+// The tile this block scans (same in every thread).
+__device__ __forceinline__ u64 scan_ticket(u32* ticket) {
+    __shared__ u32 tile;
+    if (threadIdx.x == 0) tile = atomicAdd(ticket, 1u);
+    __syncthreads();
+    return tile;
+}
+
+// Sum of `local` over the threads of the block before this one, and over all of them.
+__device__ __forceinline__ u64 block_exclusive_sum(u64 local, u64& block_total) {
+    __shared__ u64 warp_totals[THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u64 inclusive = local;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        u64 y = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += y;
+    }
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    u64 before = 0;
+    block_total = 0;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; w++) {
+        if (w < warp) before += warp_totals[w];
+        block_total += warp_totals[w];
+    }
+    return before + inclusive - local;
+}
+
+// Sum of every tile before `tile`, found by thread 0 and shared with the block. Each status word
+// holds a flag and a value together, so one 64-bit access publishes or reads both.
+__device__ __forceinline__ u64 tile_exclusive_prefix(u64* status, u64 tile, u64 tile_total) {
+    __shared__ u64 prefix;
+    if (threadIdx.x == 0) {
+        volatile u64* words = status;
+        u64 sum = 0;
+        if (tile > 0) {
+            words[tile] = TILE_AGGREGATE | tile_total;
+            for (u64 j = tile; j-- > 0;) {
+                u64 word;
+                do { word = words[j]; } while (word == 0);
+                sum += word & TILE_VALUE;
+                if (word & TILE_PREFIX) break;
+            }
+        }
+        words[tile] = TILE_PREFIX | (sum + tile_total);
+        prefix = sum;
+    }
+    __syncthreads();
+    return prefix;
+}
+
+// Decode validation, with the escape offsets: writes inclusive[c] (escapes through chunk c) and
+// checks everything the decode kernel indexes by. Sets bits of *flags:
 // 1 count > chunk length, 2 counts overrun the escape total, 4 position outside chunk,
 // 8 positions not increasing, 16 escape value too wide, 32 counts do not sum to the total,
 // 64 a block id outside the cache, 128 a block id repeated (seen: a zeroed bitmap of nblocks bits).
 template <int E>
 __global__ void __launch_bounds__(THREADS)
-validate_escapes(const u8* counts16, const i64* inclusive, u64 nchunks, u64 n, u32 chunk,
-                 u64 total, const u8* pos_bytes, const u8* val, const i64* block_ids, u64 nids,
-                 u64 nblocks, u32* seen, u32* flags) {
+validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chunk, u64 total,
+                 const u8* pos_bytes, const u8* val, const i64* block_ids, u64 nids, u64 nblocks,
+                 u32* seen, u32* flags, u64* status, u32* ticket) {
     const u64 stride = (u64)gridDim.x * THREADS;
     for (u64 k = (u64)blockIdx.x * THREADS + threadIdx.x; k < nids; k += stride) {
         u64 id = (u64)block_ids[k];
@@ -394,29 +458,76 @@ validate_escapes(const u8* counts16, const i64* inclusive, u64 nchunks, u64 n, u
             atomicOr(flags, 128u);
         }
     }
-    // A thread per chunk: the per-chunk loads coalesce across the warp, and most chunks hold no
-    // escape at all (a warp per chunk spent its time waiting on one chunk's loads after another).
-    for (u64 c = (u64)blockIdx.x * THREADS + threadIdx.x; c < nchunks; c += stride) {
-        u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
-        u64 start = c * chunk;
-        u32 len = (u32)min((u64)chunk, n - start);
-        u64 end_off = (u64)inclusive[c];
-        u32 bad = 0;
-        if (count > len) bad |= 1u;
-        if (end_off > total) bad |= 2u;
-        if (c == nchunks - 1 && end_off != total) bad |= 32u;
-        if (count && !(bad & 3u)) {
-            const u64 off = end_off - count;
+    const u64 tile = scan_ticket(ticket);
+    if (tile * SCAN_TILE >= nchunks) return;  // a block only there for the ids
+    const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
+    u32 count[SCAN_ITEMS];
+    u64 local = 0;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) {
+        const u64 c = first + k;
+        count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
+        local += count[k];
+    }
+    u64 tile_total;
+    const u64 before = block_exclusive_sum(local, tile_total);
+    u64 end_off = tile_exclusive_prefix(status, tile, tile_total) + before;
+    u32 bad = 0;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) {
+        const u64 c = first + k;
+        if (c >= nchunks) break;
+        end_off += count[k];
+        inclusive[c] = (i64)end_off;
+        const u64 start = c * chunk;
+        const u32 len = (u32)min((u64)chunk, n - start);
+        u32 chunk_bad = 0;
+        if (count[k] > len) chunk_bad |= 1u;
+        if (end_off > total) chunk_bad |= 2u;
+        if (c == nchunks - 1 && end_off != total) chunk_bad |= 32u;
+        if (count[k] && !(chunk_bad & 3u)) {
+            const u64 off = end_off - count[k];
             u32 previous = 0;
-            for (u32 t = 0; t < count; t++) {
+            for (u32 t = 0; t < count[k]; t++) {
                 u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
-                if (p >= len) bad |= 4u;
-                if (t > 0 && p <= previous) bad |= 8u;
-                if (val[off + t] >> E) bad |= 16u;
+                if (p >= len) chunk_bad |= 4u;
+                if (t > 0 && p <= previous) chunk_bad |= 8u;
+                if (val[off + t] >> E) chunk_bad |= 16u;
                 previous = p;
             }
         }
-        if (bad) atomicOr(flags, bad);
+        bad |= chunk_bad;
+    }
+    if (bad) atomicOr(flags, bad);
+}
+
+// Encode's prefix sums of the dense pass's per-chunk escape counts, as in validate_escapes. A
+// negative count (a chunk whose blocks do not exist) sets *bad_ids instead.
+__global__ void __launch_bounds__(THREADS)
+scan_counts(const i64* counts, i64* inclusive, u64 nchunks, u64* status, u32* ticket, u32* bad_ids) {
+    const u64 tile = scan_ticket(ticket);
+    if (tile * SCAN_TILE >= nchunks) return;
+    const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
+    u64 count[SCAN_ITEMS], local = 0;
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) {
+        const u64 c = first + k;
+        const i64 v = c < nchunks ? counts[c] : 0;
+        bad |= v < 0;
+        count[k] = v < 0 ? 0 : (u64)v;
+        local += count[k];
+    }
+    if (bad) atomicOr(bad_ids, 1u);
+    u64 tile_total;
+    const u64 before = block_exclusive_sum(local, tile_total);
+    u64 end_off = tile_exclusive_prefix(status, tile, tile_total) + before;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) {
+        const u64 c = first + k;
+        if (c >= nchunks) break;
+        end_off += count[k];
+        inclusive[c] = (i64)end_off;
     }
 }
 
@@ -547,85 +658,8 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
                                   block_ids, block_elems, table, book, sublane, mask);
 }
 
-// One pass (SPAN elements) of bfloat16 streams: UNROLL groups per lane, 8 residual bytes and
-// 4 code bytes each.
-struct Bf16Pass {
-    u64 residual[UNROLL];
-    u32 codes[UNROLL];
-};
-
-__device__ __forceinline__ void load_bf16_pass(const u8* residual_in, const u8* codes_in, u64 seg, int sublane,
-                                               Bf16Pass& pass) {
-#pragma unroll
-    for (int k = 0; k < UNROLL; k++) {
-        const u64 g = seg / GROUP + (u64)k * LANES + sublane;
-        pass.residual[k] = load_streamed(reinterpret_cast<const u64*>(residual_in) + g);
-        pass.codes[k] = load_streamed(reinterpret_cast<const u32*>(codes_in) + g);
-    }
-}
-
-// Bfloat16 decode for frames whose chunks are whole passes (chunk % SPAN == 0), each inside one
-// block of the cache, with 16-byte aligned output. A subgroup loads its next pass's streams
-// before it decodes and stores the current one, so loads stay in flight while stores drain.
-// The last chunk, if partial, goes through decode_chunk.
-__global__ void __launch_bounds__(THREADS, MINB)
-decode_bf16_pipelined(const u8* residual_in, const u8* codes_in, const u8* counts16, const i64* inclusive,
-                      const u16* pos_in, const u8* val_in, const u8* codebook, u64 n, u32 chunk, u64 nchunks,
-                      u8* out, const i64* block_ids, u64 block_elems, const u32* flags) {
-    if (*flags) return;
-    __shared__ u32 table[16];
-    u32 book[4];
-    load_codebook<4>(codebook, table, book);
-    const int sublane = threadIdx.x % LANES;
-    const u32 mask = subgroup_mask();
-    const u64 nsub = (u64)gridDim.x * SUBGROUPS;
-    const u64 first = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES;
-    const u64 full = n / chunk;
-    const u32 passes = chunk / SPAN;
-    if (first < full) {
-        u64 c = first;
-        u32 p = 0;
-        Bf16Pass now, next;
-        ChunkAddr<16> at(out, block_ids, block_elems, c * chunk, chunk);
-        u32 count = reinterpret_cast<const u16*>(counts16)[c];
-        load_bf16_pass(residual_in, codes_in, c * chunk, sublane, now);
-        while (true) {
-            u64 next_c = c;
-            u32 next_p = p + 1;
-            if (next_p == passes) {
-                next_p = 0;
-                next_c = c + nsub;
-            }
-            const bool more = next_c < full;
-            if (more) load_bf16_pass(residual_in, codes_in, next_c * chunk + (u64)next_p * SPAN, sublane, next);
-            u16* dst = at.chunk_ptr + (u64)p * SPAN;
-#pragma unroll
-            for (int k = 0; k < UNROLL; k++) {
-                u32 w[4];
-                decode_group<16, 8, 4>(now.residual[k], 0, now.codes[k], table, book, w);
-                store_streamed(reinterpret_cast<uint4*>(dst + ((u64)k * LANES + sublane) * GROUP),
-                               make_uint4(w[0], w[1], w[2], w[3]));
-            }
-            if (next_p == 0) {
-                if (count) patch_escapes<16, 8>(at, c * chunk, count, (u64)inclusive[c], pos_in, val_in, sublane, mask);
-                if (more) {
-                    at = ChunkAddr<16>(out, block_ids, block_elems, next_c * chunk, chunk);
-                    count = reinterpret_cast<const u16*>(counts16)[next_c];
-                }
-            }
-            if (!more) break;
-            now = next;
-            c = next_c;
-            p = next_p;
-        }
-    }
-    if (full < nchunks && full % nsub == first)
-        decode_chunk<16, 8, 4>(full, residual_in, codes_in, counts16, inclusive, pos_in, val_in, n, chunk, out,
-                               block_ids, block_elems, table, book, sublane, mask);
-}
-
 // The end of encode, on the device, so the host need not learn the escape total X before the
-// frame is complete (a negative total: bad block ids, nothing is written, the length is -1):
+// frame is complete (bad block ids, flagged by scan_counts: nothing is written, the length is -1):
 //  - the value stream's offset, align16(pos_off + 2X), follows from X = inclusive[last];
 //  - if the coded frame is smaller than a stored one, each warp copies a chunk's spilled escapes
 //    to their place and block 0 zeroes the (< 16-byte) padding gaps before streams;
@@ -637,15 +671,14 @@ __global__ void __launch_bounds__(THREADS)
 encode_tail(const i64* counts, const i64* inclusive, u64 nchunks, u32 chunk, const u16* spill_pos,
             const u8* spill_val, u8* x, const i64* block_ids, u64 block_elems, u64 n, u8* frame,
             u64 counts_end, u64 pos_off, u64 stored_total, u64 gap0, u64 gap1, const u8* templates,
-            i64* length_out) {
+            const u32* bad_ids, i64* length_out) {
     __shared__ u32 crc_table[256];
     __shared__ u8 head[160];
-    const i64 signed_escapes = nchunks ? inclusive[nchunks - 1] : 0;
-    if (signed_escapes < 0) {  // encode_dense found a block id outside the cache
+    if (*bad_ids) {  // encode_dense found a block id outside the cache
         if (blockIdx.x == 0 && threadIdx.x == 0) *length_out = -1;
         return;
     }
-    const u64 escapes = (u64)signed_escapes;
+    const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
     const u64 pos_end = pos_off + 2 * escapes;
     const u64 val_off = (pos_end + 15) & ~15ull;
     const u64 coded_total = escapes ? val_off + escapes : counts_end;

@@ -24,15 +24,14 @@ from .checksum import crc32c
 from .dtypes import LAYOUTS, FloatLayout
 from .errors import CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
-from .staging import read_to_host
+from .staging import current_stream, read_to_host
 
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
-# lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints,
-# whether bfloat16 lanes take two adjacent groups per encode step, and whether bfloat16 decode
-# takes the pipelined kernel (a host-side choice).
-TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1, "DEC_PIPE": 1}
-_SPAN = 1024  # elements a subgroup covers per pass (LANES * 8 * UNROLL in the kernels)
+# lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
+# whether bfloat16 lanes take two adjacent groups per encode step.
+TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1}
+SCAN_TILE = 512  # chunks per block in the scans (SCAN_TILE in the kernels)
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -76,7 +75,7 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
     for layout in LAYOUTS:
         names |= {f"encode_dense{_template(layout)}", f"decode_chunks{_template(layout)}",
                   f"validate_escapes<{layout.exp_bits}>", f"encode_tail<{layout.total_bits}>"}
-    names.add("decode_bf16_pipelined")
+    names.add("scan_counts")
     options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=sorted(names))
@@ -99,19 +98,30 @@ class _Kernel:
     device_index: int
     owner: object  # CuPy's RawKernel, which keeps the module (and so the function) loaded
 
-    def __call__(self, stream: int, grid: int, args: tuple[int, ...], threads: int = THREADS) -> None:
-        cupy = _cupy()
+    def __call__(self, stream: int, grid: int, args: tuple[int, ...], *, every_block: bool = False) -> None:
+        """Launch ``grid`` blocks, capped at what fits on the GPU unless ``every_block`` (the
+        scans: each block takes a tile by ticket and none loops)."""
         values = np.array(args, dtype=np.uint64)
         pointers = _ARG_OFFSETS[: len(args)] + np.uint64(values.ctypes.data)
-        launch = (self.function, max(1, min(grid, self.resident_blocks)), 1, 1, threads, 1, 1, 0, stream,
-                  pointers.ctypes.data, 0)
-        if cupy.cuda.runtime.getDevice() != self.device_index:
-            with cupy.cuda.Device(self.device_index):
-                cupy.cuda.driver.launchKernel(*launch)
-            return
-        if not cupy.cuda.driver.ctxGetCurrent():  # a thread the runtime has not yet bound to a context
-            cupy.cuda.runtime.free(0)
-        cupy.cuda.driver.launchKernel(*launch)
+        blocks = max(1, grid if every_block else min(grid, self.resident_blocks))
+        _in_context(self.device_index, _cupy().cuda.driver.launchKernel,
+                   self.function, blocks, 1, 1, THREADS, 1, 1, 0, stream, pointers.ctypes.data, 0)
+
+
+def _in_context(device_index: int, call, *args) -> None:
+    """``call(*args)`` with ``device_index``'s primary context current on this thread."""
+    cupy = _cupy()
+    if cupy.cuda.runtime.getDevice() != device_index:
+        with cupy.cuda.Device(device_index):
+            call(*args)
+        return
+    if not cupy.cuda.driver.ctxGetCurrent():  # a thread the runtime has not yet bound to a context
+        cupy.cuda.runtime.free(0)
+    call(*args)
+
+
+def _zero(device_index: int, pointer: int, nbytes: int, stream: int) -> None:
+    _in_context(device_index, _cupy().cuda.runtime.memsetAsync, pointer, 0, nbytes, stream)
 
 
 _ARG_OFFSETS = np.arange(32, dtype=np.uint64) * np.uint64(8)
@@ -152,6 +162,8 @@ class _EncodePlan:
     capacity: int
     dense: _Kernel
     dense_grid: int
+    scan: _Kernel
+    tiles: int
     tail: _Kernel
     tail_grid: int
     residual_off: int
@@ -186,6 +198,7 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         numel=numel, nchunks=nchunks, capacity=max(stored.total, dense.total),
         dense=_kernel(device.index, f"encode_dense{_template(layout)}", tuning),
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
+        scan=_kernel(device.index, "scan_counts", tuning), tiles=-(-nchunks // SCAN_TILE),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning), tail_grid=tail_work,
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
         marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack(), device),
@@ -213,27 +226,30 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
     """
     device = source.device
     plan = _encode_plan(layout, shape, chunk, codebook, device, _tuning())
-    stream = torch.cuda.current_stream(device).cuda_stream
-    # counts, their running sum, and the length, in one allocation; escapes spill per chunk
-    # before compaction, 3 bytes an element, allocated per call (the caching allocator makes
-    # that cheap) so that encodes on different streams never share scratch.
-    counts = torch.empty(plan.nchunks + 1, dtype=torch.int64, device=device)
-    spill = torch.empty(plan.nchunks * chunk * 3, dtype=torch.uint8, device=device)
-    spill_pos, spill_val = spill.data_ptr(), spill.data_ptr() + plan.nchunks * chunk * 2
+    stream = current_stream(device)
+    # One int64 scratch for the scan (ticket and bad-id word, a status word per tile: zeroed),
+    # the length, the counts and their running sum. Escapes spill per chunk before compaction,
+    # 3 bytes an element. Both are allocated per call (the caching allocator makes that cheap)
+    # so that encodes on different streams never share scratch.
+    tiles, nchunks = plan.tiles, plan.nchunks
+    scratch = torch.empty(2 + tiles + 2 * nchunks, dtype=torch.int64, device=device)
+    words = scratch.data_ptr()
+    _zero(device.index, words, 8 * (1 + tiles), stream)
+    length_at, counts, inclusive = words + 8 * (1 + tiles), words + 8 * (2 + tiles), words + 8 * (2 + tiles + nchunks)
+    spill = torch.empty(nchunks * chunk * 3, dtype=torch.uint8, device=device)
+    spill_pos, spill_val = spill.data_ptr(), spill.data_ptr() + nchunks * chunk * 2
     base, ids = buf.data_ptr(), 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
     plan.dense(stream, plan.dense_grid, (
         source.data_ptr(), ids, block_elems, nblocks, *plan.dense_scalars, plan.marked_table.data_ptr(),
-        base + plan.residual_off, base + plan.codes_off, base + plan.counts_off, counts.data_ptr(),
-        spill_pos, spill_val,
+        base + plan.residual_off, base + plan.codes_off, base + plan.counts_off, counts, spill_pos, spill_val,
     ))
-    inclusive = torch.cumsum(counts[:-1], 0)
-    length = counts[-1]
+    plan.scan(stream, tiles, (counts, inclusive, nchunks, words + 8, words, words + 4), every_block=True)
     plan.tail(stream, plan.tail_grid, (
-        counts.data_ptr(), inclusive.data_ptr(), plan.nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids,
-        block_elems, plan.numel, base, *plan.tail_scalars, plan.templates.data_ptr(), length.data_ptr(),
+        counts, inclusive, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems, plan.numel,
+        base, *plan.tail_scalars, plan.templates.data_ptr(), words + 4, length_at,
     ))
-    return length
+    return scratch[1 + tiles]
 
 
 def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
@@ -246,8 +262,8 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     """
     plan = _encode_plan(layout, shape, chunk, codebook, source.device, _tuning())
     buf = torch.empty(plan.capacity, dtype=torch.uint8, device=source.device)
-    length = int(read_to_host(encode_into(source, block_ids, block_elems, shape, layout, codebook, chunk, buf))
-                 .view(np.int64)[0])
+    length_on_device = encode_into(source, block_ids, block_elems, shape, layout, codebook, chunk, buf)
+    length = int(read_to_host(length_on_device, 8, current_stream(source.device)).view(np.int64)[0])
     if length < 0:
         raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
     frame = buf[:length]
@@ -265,9 +281,9 @@ class _DecodePlan:
     so the stream offsets come from each header."""
 
     nchunks: int
+    tiles: int
     validate: _Kernel
     dense: _Kernel
-    pipelined: _Kernel | None
     dense_grid: int
     codebook_table: torch.Tensor
 
@@ -276,13 +292,10 @@ class _DecodePlan:
 def _decode_plan(layout: FloatLayout, numel: int, chunk: int, codebook: tuple[int, ...], device: torch.device,
                  tuning: tuple[tuple[str, int], ...]) -> _DecodePlan:
     nchunks = (numel + chunk - 1) // chunk
-    # The pipelined bfloat16 kernel wants chunks of whole passes (SPAN = 1024 elements).
-    pipelined = (layout.total_bits, layout.exp_bits, layout.code_bits) == (16, 8, 4) and chunk % _SPAN == 0
     return _DecodePlan(
-        nchunks=nchunks,
+        nchunks=nchunks, tiles=-(-nchunks // SCAN_TILE),
         validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning),
         dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
-        pipelined=_kernel(device.index, "decode_bf16_pipelined", tuning) if pipelined and dict(tuning)["DEC_PIPE"] else None,
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
         codebook_table=_on_device(bytes(codebook), device),
     )
@@ -303,32 +316,30 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
         return
     numel, chunk = header.numel, header.chunk
     plan = _decode_plan(header.layout, numel, chunk, header.codebook, device, _tuning())
-    nchunks = plan.nchunks
+    nchunks, tiles = plan.nchunks, plan.tiles
     off = [frame.data_ptr() + o for o in header.offsets]
-    stream = torch.cuda.current_stream(device).cuda_stream
-    # Counts are < 2**15 for the chunk sizes this path takes (``supports``); a corrupt count with
-    # the top bit set reads negative here, but validation reads it unsigned and rejects it.
-    start = header.offsets[Stream.CHUNK_COUNTS]
-    inclusive = torch.cumsum(frame[start:start + 2 * nchunks].view(torch.int16), 0, dtype=torch.int64)
+    stream = current_stream(device)
     nids = 0 if block_ids is None else block_ids.numel()
     ids = block_ids.data_ptr() if nids else 0
     nblocks = out.numel() // block_elems if nids else 0
-    # The verdict word, then a bitmap of the cache's blocks for spotting repeated ids.
-    flags = torch.zeros(1 + (nblocks + 31) // 32, dtype=torch.int32, device=device)
-    plan.validate(stream, -(-max(nchunks, nids) // THREADS), (
-        off[Stream.CHUNK_COUNTS], inclusive.data_ptr(), nchunks, numel, chunk, header.escapes,
-        off[Stream.ESC_POSITIONS], off[Stream.ESC_VALUES], ids, nids, nblocks, flags.data_ptr() + 4, flags.data_ptr(),
-    ))
-    dense = plan.dense
-    if plan.pipelined is not None and out.data_ptr() % 16 == 0 and (not nids or block_elems % chunk == 0):
-        dense = plan.pipelined
-    dense(stream, plan.dense_grid, (
-        off[Stream.RESIDUAL], off[Stream.CODES], off[Stream.CHUNK_COUNTS], inclusive.data_ptr(),
-        off[Stream.ESC_POSITIONS], off[Stream.ESC_VALUES], plan.codebook_table.data_ptr(), numel, chunk, nchunks,
-        out.data_ptr(), ids, block_elems, flags.data_ptr(),
+    # One scratch: the verdict word, the scan's ticket and a status word per tile, a bitmap of
+    # the cache's blocks for spotting repeated ids (all zeroed), then the escape offsets.
+    zeroed = 8 * (1 + tiles) + 8 * ((nblocks + 63) // 64)
+    scratch = torch.empty(zeroed + 8 * nchunks, dtype=torch.uint8, device=device)
+    words = scratch.data_ptr()
+    _zero(device.index, words, zeroed, stream)
+    flags, inclusive = words, words + zeroed
+    plan.validate(stream, max(tiles, -(-nids // THREADS)), (
+        off[Stream.CHUNK_COUNTS], inclusive, nchunks, numel, chunk, header.escapes, off[Stream.ESC_POSITIONS],
+        off[Stream.ESC_VALUES], ids, nids, nblocks, words + 8 * (1 + tiles), flags, words + 8, words + 4,
+    ), every_block=True)
+    plan.dense(stream, plan.dense_grid, (
+        off[Stream.RESIDUAL], off[Stream.CODES], off[Stream.CHUNK_COUNTS], inclusive, off[Stream.ESC_POSITIONS],
+        off[Stream.ESC_VALUES], plan.codebook_table.data_ptr(), numel, chunk, nchunks, out.data_ptr(), ids,
+        block_elems, flags,
     ))
     # The decode kernel skipped every write if validation failed; one sync, after all the work.
-    verdict = int(read_to_host(flags[:1]).view(np.int32)[0])
+    verdict = int(read_to_host(scratch, 4, stream).view(np.int32)[0])
     if verdict & _BAD_ID:
         raise IndexError(f"block ids must be in 0..{nblocks - 1}")
     if verdict & _REPEATED_ID:
