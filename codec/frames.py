@@ -34,7 +34,7 @@ def encode(x: torch.Tensor, codebook: Codebook | None = None, *, checksum: bool 
     layout = _check_tensor(x)
     book = _codebook_for(x, codebook, layout, chunk)
     if _on_gpu(x, chunk) and x.numel():
-        return splitzip_gpu.encode(x.contiguous().view(-1), None, 0, tuple(x.shape), layout,
+        return splitzip_gpu.encode(x.contiguous(), None, 0, tuple(x.shape), layout,
                                    book.exponents, chunk, checksum)
     return _encode(x, book, checksum=checksum, chunk=chunk, force=None)
 
@@ -58,7 +58,7 @@ def encode_into(x: torch.Tensor, codebook: Codebook, out: torch.Tensor, *, chunk
     """
     layout = _check_tensor(x)
     book = _codebook_for(x, codebook, layout, chunk)
-    return _encode_into(x.contiguous().view(-1) if x.is_cuda else x, tuple(x.shape), layout, book, chunk, out)
+    return _encode_into(x.contiguous() if x.is_cuda else x, tuple(x.shape), layout, book, chunk, out)
 
 
 def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: Codebook,
@@ -200,7 +200,7 @@ def decode(frame: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     if _on_gpu(frame, header.chunk or 8):
         direct = out is not None and out.is_contiguous() and out.device == frame.device
         target = out if direct else torch.empty(header.shape, dtype=header.layout.dtype, device=frame.device)
-        splitzip_gpu.decode_into(splitzip_gpu.check_alignment(frame), header, target.view(-1))
+        splitzip_gpu.decode_into(splitzip_gpu.check_alignment(frame), header, target)
         if out is None:
             return target
         if not direct:

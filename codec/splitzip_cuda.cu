@@ -380,7 +380,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
 // in the order blocks start (a ticket, so every earlier tile belongs to a block already running),
 // scans it, and finds the sum of all earlier tiles by a decoupled look-back over the sums they
 // publish. `status` (a word per tile) and the ticket start zeroed.
-#define SCAN_ITEMS 4
+#define SCAN_ITEMS 8  // validate_escapes reads them as one 16-byte load
 #define SCAN_TILE (THREADS * SCAN_ITEMS)
 #define TILE_AGGREGATE (1ull << 62)  // status word: the tile's own sum is known
 #define TILE_PREFIX (1ull << 63)     // status word: the sum through the end of the tile is known
@@ -416,24 +416,35 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 local, u64& block_total) 
     return before + inclusive - local;
 }
 
-// Sum of every tile before `tile`, found by thread 0 and shared with the block. Each status word
-// holds a flag and a value together, so one 64-bit access publishes or reads both.
+// Sum of every tile before `tile`, found by the first warp and shared with the block: its lanes
+// read 32 predecessors' status words at once, stop at the nearest one that holds a full prefix,
+// and otherwise add 32 aggregates and move 32 tiles back. Each word holds a flag and a value
+// together, so one 64-bit access publishes or reads both.
 __device__ __forceinline__ u64 tile_exclusive_prefix(u64* status, u64 tile, u64 tile_total) {
     __shared__ u64 prefix;
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {
         volatile u64* words = status;
+        const int lane = threadIdx.x;
+        if (lane == 0 && tile > 0) words[tile] = TILE_AGGREGATE | tile_total;
         u64 sum = 0;
-        if (tile > 0) {
-            words[tile] = TILE_AGGREGATE | tile_total;
-            for (u64 j = tile; j-- > 0;) {
-                u64 word;
+        for (i64 newest = (i64)tile - 1; newest >= 0; newest -= 32) {
+            const i64 j = newest - lane;
+            u64 word = TILE_PREFIX;  // before tile 0: an empty prefix
+            if (j >= 0) {
                 do { word = words[j]; } while (word == 0);
-                sum += word & TILE_VALUE;
-                if (word & TILE_PREFIX) break;
             }
+            const u32 prefixed = __ballot_sync(0xffffffffu, (word & TILE_PREFIX) != 0);
+            const int stop = prefixed ? __ffs(prefixed) - 1 : 31;
+            u64 value = lane <= stop ? word & TILE_VALUE : 0;
+#pragma unroll
+            for (int d = 16; d > 0; d >>= 1) value += __shfl_xor_sync(0xffffffffu, value, d);
+            sum += value;
+            if (prefixed) break;
         }
-        words[tile] = TILE_PREFIX | (sum + tile_total);
-        prefix = sum;
+        if (lane == 0) {
+            words[tile] = TILE_PREFIX | (sum + tile_total);
+            prefix = sum;
+        }
     }
     __syncthreads();
     return prefix;
@@ -463,12 +474,20 @@ validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chu
     const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
     u32 count[SCAN_ITEMS];
     u64 local = 0;
+    if (first + SCAN_ITEMS <= nchunks) {  // 16 aligned bytes: the stream and `first` are aligned
+        const uint4 v = *reinterpret_cast<const uint4*>(counts16 + 2 * first);
+        const u32 pairs[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) {
-        const u64 c = first + k;
-        count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
-        local += count[k];
+        for (int k = 0; k < SCAN_ITEMS; k++) count[k] = (pairs[k / 2] >> (16 * (k % 2))) & 0xFFFF;
+    } else {
+#pragma unroll
+        for (int k = 0; k < SCAN_ITEMS; k++) {
+            const u64 c = first + k;
+            count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
+        }
     }
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) local += count[k];
     u64 tile_total;
     const u64 before = block_exclusive_sum(local, tile_total);
     u64 end_off = tile_exclusive_prefix(status, tile, tile_total) + before;

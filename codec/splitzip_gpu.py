@@ -31,7 +31,7 @@ THREADS = 128
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
 # whether bfloat16 lanes take two adjacent groups per encode step.
 TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1}
-SCAN_TILE = 512  # chunks per block in the scans (SCAN_TILE in the kernels)
+SCAN_TILE = 1024  # chunks per block in the scans (SCAN_TILE in the kernels)
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -224,26 +224,32 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
     Returns the frame's length as a 0-d int64 tensor on the device: -1 if a block id lies outside
     the cache (checked on the device, before any block is read; nothing is written then).
     """
+    plan = _encode_plan(layout, shape, chunk, codebook, source.device, _tuning())
+    return _encode_launch(plan, source, block_ids, block_elems, chunk, buf, current_stream(source.device))
+
+
+def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int,
+                   chunk: int, buf: torch.Tensor, stream: int) -> torch.Tensor:
+    """``encode_into``'s work. The dense pass is launched first, so the GPU starts while the
+    host still prepares the rest."""
     device = source.device
-    plan = _encode_plan(layout, shape, chunk, codebook, device, _tuning())
-    stream = current_stream(device)
     # One int64 scratch for the scan (ticket and bad-id word, a status word per tile: zeroed),
     # the length, the counts and their running sum. Escapes spill per chunk before compaction,
     # 3 bytes an element. Both are allocated per call (the caching allocator makes that cheap)
     # so that encodes on different streams never share scratch.
     tiles, nchunks = plan.tiles, plan.nchunks
     scratch = torch.empty(2 + tiles + 2 * nchunks, dtype=torch.int64, device=device)
-    words = scratch.data_ptr()
-    _zero(device.index, words, 8 * (1 + tiles), stream)
-    length_at, counts, inclusive = words + 8 * (1 + tiles), words + 8 * (2 + tiles), words + 8 * (2 + tiles + nchunks)
     spill = torch.empty(nchunks * chunk * 3, dtype=torch.uint8, device=device)
-    spill_pos, spill_val = spill.data_ptr(), spill.data_ptr() + nchunks * chunk * 2
+    words, spill_pos = scratch.data_ptr(), spill.data_ptr()
+    length_at, counts, inclusive = words + 8 * (1 + tiles), words + 8 * (2 + tiles), words + 8 * (2 + tiles + nchunks)
+    spill_val = spill_pos + nchunks * chunk * 2
     base, ids = buf.data_ptr(), 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
     plan.dense(stream, plan.dense_grid, (
         source.data_ptr(), ids, block_elems, nblocks, *plan.dense_scalars, plan.marked_table.data_ptr(),
         base + plan.residual_off, base + plan.codes_off, base + plan.counts_off, counts, spill_pos, spill_val,
     ))
+    _zero(device.index, words, 8 * (1 + tiles), stream)
     plan.scan(stream, tiles, (counts, inclusive, nchunks, words + 8, words, words + 4), every_block=True)
     plan.tail(stream, plan.tail_grid, (
         counts, inclusive, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems, plan.numel,
@@ -260,10 +266,12 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     Raises:
         IndexError: a block id outside the cache.
     """
-    plan = _encode_plan(layout, shape, chunk, codebook, source.device, _tuning())
-    buf = torch.empty(plan.capacity, dtype=torch.uint8, device=source.device)
-    length_on_device = encode_into(source, block_ids, block_elems, shape, layout, codebook, chunk, buf)
-    length = int(read_to_host(length_on_device, 8, current_stream(source.device)).view(np.int64)[0])
+    device = source.device
+    plan = _encode_plan(layout, shape, chunk, codebook, device, _tuning())
+    stream = current_stream(device)
+    buf = torch.empty(plan.capacity, dtype=torch.uint8, device=device)
+    length_on_device = _encode_launch(plan, source, block_ids, block_elems, chunk, buf, stream)
+    length = int(read_to_host(length_on_device, 8, stream).view(np.int64)[0])
     if length < 0:
         raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
     frame = buf[:length]
@@ -312,7 +320,7 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     """
     device = frame.device
     if header.codec == Codec.STORED:
-        out.copy_(frame[HEADER_SIZE:header.total].view(header.layout.dtype))
+        out.view(-1).copy_(frame[HEADER_SIZE:header.total].view(header.layout.dtype))
         return
     numel, chunk = header.numel, header.chunk
     plan = _decode_plan(header.layout, numel, chunk, header.codebook, device, _tuning())
