@@ -76,7 +76,7 @@ def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Ten
         if ids.numel():
             shape = (ids.numel(), *cache.shape[1:])
             _check_buffer(out, cache.device, frame_capacity(shape, cache.dtype, chunk=chunk))
-            return splitzip_gpu.encode_into(cache, ids, cache[0].numel(), shape, layout, book.exponents, chunk, out)
+            return splitzip_gpu.encode_into(cache, ids, _block_elems(cache), shape, layout, book.exponents, chunk, out)
     ids = _block_ids(block_ids, cache)
     return _encode_into(_gather(cache, ids), (ids.numel(), *cache.shape[1:]), layout, book, chunk, out)
 
@@ -118,7 +118,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
     book = _codebook_for(cache, codebook, layout, chunk)
     if on_gpu:
         shape = (ids.numel(), *cache.shape[1:])
-        return splitzip_gpu.encode(cache, ids, cache[0].numel(), shape, layout, book.exponents, chunk, checksum)
+        return splitzip_gpu.encode(cache, ids, _block_elems(cache), shape, layout, book.exponents, chunk, checksum)
     return encode(_gather(cache, ids), book, checksum=checksum, chunk=chunk)
 
 
@@ -142,7 +142,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
                              f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
     _verify_stream_crc(frame, header)
     if on_gpu:
-        splitzip_gpu.decode_into(splitzip_gpu.check_alignment(frame), header, cache, ids, cache[0].numel())
+        splitzip_gpu.decode_into(splitzip_gpu.check_alignment(frame), header, cache, ids, _block_elems(cache))
         return
     blocks = _decode_validated(frame, header)
     bits = header.layout.int_dtype  # index_copy_ lacks float8 kernels; the bits are what matter
@@ -259,8 +259,13 @@ def _codebook_for(x: torch.Tensor, codebook: Codebook | None, layout: FloatLayou
 
 def _blocks_on_gpu(cache: torch.Tensor, chunk: int) -> bool:
     """The kernels address a cache by whole blocks of whole 8-element groups."""
-    block_elems = cache[0].numel() if cache.dim() and cache.shape[0] else 0
+    block_elems = _block_elems(cache)
     return _on_gpu(cache, chunk) and cache.is_contiguous() and block_elems % 8 == 0 and block_elems > 0
+
+
+def _block_elems(cache: torch.Tensor) -> int:
+    """Elements per block (0 for an empty cache), without indexing a tensor."""
+    return cache.numel() // cache.shape[0] if cache.dim() and cache.shape[0] else 0
 
 
 def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False,
@@ -271,7 +276,11 @@ def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, 
     Raises:
         IndexError: an id outside the cache. OutputMismatch: a repeated id where ``unique``.
     """
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
+    if (isinstance(block_ids, torch.Tensor) and block_ids.dtype == torch.int64 and block_ids.dim() == 1
+            and block_ids.device == cache.device and block_ids.is_contiguous()):
+        ids = block_ids  # already what the kernels read
+    else:
+        ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device).contiguous()
     blocks = cache.shape[0] if cache.dim() else 0
     if not ids.numel() or not check:
         return ids

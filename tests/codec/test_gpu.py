@@ -238,3 +238,16 @@ def test_codec_in_a_fresh_thread():
     assert "error" not in results, results.get("error")
     assert torch.equal(results["frame"], codec.encode(x, codec.calibrate(x)))
     assert bits_equal(results["y"], x)
+
+
+def test_strided_block_id_tensors():
+    """Ids given as a strided CUDA view are read as the values they show, not as memory."""
+    cache = torch.randn(32, 4096).to(torch.bfloat16)
+    book = codec.calibrate(cache)
+    every_other = torch.tensor([5, 0, 9, 0, 2, 0, 30, 0], device="cuda")[::2]
+    frame = codec.encode_blocks(cache.cuda(), every_other, book)
+    assert torch.equal(frame.cpu(), codec.encode(cache[[5, 9, 2, 30]], book))
+    dst = torch.zeros_like(cache, device="cuda")
+    codec.decode_blocks(frame, dst, torch.tensor([7, 0, 1, 0, 3, 0, 4, 0], device="cuda")[::2])
+    assert bits_equal(dst[[7, 1, 3, 4]].cpu(), cache[[5, 9, 2, 30]])
+    assert int(torch.count_nonzero(dst[[0, 2, 5, 6]].view(torch.int16))) == 0
