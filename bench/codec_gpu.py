@@ -81,6 +81,46 @@ def profile_calls(x: torch.Tensor, book: codec.Codebook) -> None:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
+def host_timeline(x: torch.Tensor, book: codec.Codebook, calls: int = 20) -> None:
+    """When, within one call, the host reaches each kernel launch and each device read, and
+    when the call returns (µs from the call's start, medians): the GPU idles until the first
+    launch and from its last kernel until the next call's first launch."""
+    from codec import splitzip_gpu, staging
+
+    marks: list[tuple[str, float]] = []
+    launch, read = splitzip_gpu._Kernel.__call__, staging.read_to_host
+
+    def timed_launch(self, *args, **kwargs):
+        marks.append(("launch", time.perf_counter()))
+        return launch(self, *args, **kwargs)
+
+    def timed_read(*args, **kwargs):
+        marks.append(("read", time.perf_counter()))
+        result = read(*args, **kwargs)
+        marks.append(("read done", time.perf_counter()))
+        return result
+
+    frame = codec.encode(x, book)
+    out = torch.empty_like(x)
+    splitzip_gpu._Kernel.__call__ = timed_launch
+    splitzip_gpu.read_to_host = codec.frames.read_to_host = timed_read
+    try:
+        for label, fn in (("encode", lambda: codec.encode(x, book)), ("decode", lambda: codec.decode(frame, out=out))):
+            rows = []
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                marks.clear()
+                started = time.perf_counter()
+                fn()
+                ended = time.perf_counter()
+                rows.append([(name, (t - started) * 1e6) for name, t in marks] + [("return", (ended - started) * 1e6)])
+            steps = ", ".join(f"{name} {statistics.median(r[i][1] for r in rows):.0f}" for i, (name, _) in enumerate(rows[0]))
+            print(f"host timeline, {label} of {x.numel() >> 20}M elements, µs from the call's start: {steps}")
+    finally:
+        splitzip_gpu._Kernel.__call__ = launch
+        splitzip_gpu.read_to_host = codec.frames.read_to_host = read
+
+
 def host_profile(x: torch.Tensor, book: codec.Codebook, chunk_bytes: int = 64 << 20, calls: int = 50) -> None:
     """Per-call cost of the sidecar's codec calls (``encode_blocks``/``decode_blocks`` of one
     pipeline chunk of 16 KiB blocks): wall clock per synchronized call against GPU time, and
@@ -250,6 +290,7 @@ def main() -> None:
         return
     if args.profile:
         profile_calls(x, book)
+        host_timeline(x, book)
 
     t_copy = cuda_time(lambda: x.clone(), args.repeats)
     rows.append(row("device copy (roofline)", x.numel() * 2, None, t_copy, t_copy, "GB/s of input; bytes moved = 2x"))

@@ -376,12 +376,12 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
     }
 }
 
-// Prefix sums of per-chunk escape counts in one pass: each block takes a tile of SCAN_TILE chunks
-// in the order blocks start (a ticket, so every earlier tile belongs to a block already running),
-// scans it, and finds the sum of all earlier tiles by a decoupled look-back over the sums they
-// publish. `status` (a word per tile) and the ticket start zeroed.
-#define SCAN_ITEMS 8  // validate_escapes reads them as one 16-byte load
-#define SCAN_TILE (THREADS * SCAN_ITEMS)
+// Prefix sums of per-chunk escape counts in one pass: each block of SCAN_THREADS threads takes
+// a tile of one chunk per thread, in the order blocks start (a ticket, so every earlier tile
+// belongs to a block already running), scans it, and finds the sum of all earlier tiles by a
+// decoupled look-back over the sums they publish. `status` (a word per tile) and the ticket
+// start zeroed. A thread per chunk also spreads decode's escape checks as thin as they go.
+#define SCAN_THREADS 1024
 #define TILE_AGGREGATE (1ull << 62)  // status word: the tile's own sum is known
 #define TILE_PREFIX (1ull << 63)     // status word: the sum through the end of the tile is known
 #define TILE_VALUE (TILE_AGGREGATE - 1)
@@ -394,11 +394,11 @@ __device__ __forceinline__ u64 scan_ticket(u32* ticket) {
     return tile;
 }
 
-// Sum of `local` over the threads of the block before this one, and over all of them.
-__device__ __forceinline__ u64 block_exclusive_sum(u64 local, u64& block_total) {
-    __shared__ u64 warp_totals[THREADS / 32];
+// Sum of `value` over the threads of the block before this one, and over all of them.
+__device__ __forceinline__ u64 block_exclusive_sum(u64 value, u64& block_total) {
+    __shared__ u64 warp_totals[SCAN_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u64 inclusive = local;
+    u64 inclusive = value;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
         u64 y = __shfl_up_sync(0xffffffffu, inclusive, d);
@@ -406,20 +406,25 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 local, u64& block_total) 
     }
     if (lane == 31) warp_totals[warp] = inclusive;
     __syncthreads();
-    u64 before = 0;
-    block_total = 0;
+    // Every warp scans the 32 warp totals itself: lane w holds warp w's.
+    u64 totals = warp_totals[lane];
 #pragma unroll
-    for (int w = 0; w < THREADS / 32; w++) {
-        if (w < warp) before += warp_totals[w];
-        block_total += warp_totals[w];
+    for (int d = 1; d < 32; d <<= 1) {
+        u64 y = __shfl_up_sync(0xffffffffu, totals, d);
+        if (lane >= d) totals += y;
     }
-    return before + inclusive - local;
+    block_total = __shfl_sync(0xffffffffu, totals, 31);
+    const u64 before_warp = warp ? __shfl_sync(0xffffffffu, totals, warp - 1) : 0;
+    return before_warp + inclusive - value;
 }
 
-// Sum of every tile before `tile`, found by the first warp and shared with the block: its lanes
-// read 32 predecessors' status words at once, stop at the nearest one that holds a full prefix,
-// and otherwise add 32 aggregates and move 32 tiles back. Each word holds a flag and a value
-// together, so one 64-bit access publishes or reads both.
+// Sum of every tile before `tile`, found by the first warp and shared with the block. Tiles
+// finish their own sums at about the same time, so a look-back mostly finds aggregates, not
+// prefixes: each lane reads LOOKBACK_WORDS predecessors' status words at once (their loads in
+// flight together), the warp stops at the nearest word that holds a full prefix, and otherwise
+// adds all the aggregates and moves a window back. Each word holds a flag and a value together,
+// so one 64-bit access publishes or reads both.
+#define LOOKBACK_WORDS 4
 __device__ __forceinline__ u64 tile_exclusive_prefix(u64* status, u64 tile, u64 tile_total) {
     __shared__ u64 prefix;
     if (threadIdx.x < 32) {
@@ -427,19 +432,29 @@ __device__ __forceinline__ u64 tile_exclusive_prefix(u64* status, u64 tile, u64 
         const int lane = threadIdx.x;
         if (lane == 0 && tile > 0) words[tile] = TILE_AGGREGATE | tile_total;
         u64 sum = 0;
-        for (i64 newest = (i64)tile - 1; newest >= 0; newest -= 32) {
-            const i64 j = newest - lane;
-            u64 word = TILE_PREFIX;  // before tile 0: an empty prefix
-            if (j >= 0) {
-                do { word = words[j]; } while (word == 0);
-            }
-            const u32 prefixed = __ballot_sync(0xffffffffu, (word & TILE_PREFIX) != 0);
-            const int stop = prefixed ? __ffs(prefixed) - 1 : 31;
-            u64 value = lane <= stop ? word & TILE_VALUE : 0;
+        bool found = false;
+        for (i64 newest = (i64)tile - 1; newest >= 0 && !found; newest -= 32 * LOOKBACK_WORDS) {
+            u64 word[LOOKBACK_WORDS];
 #pragma unroll
-            for (int d = 16; d > 0; d >>= 1) value += __shfl_xor_sync(0xffffffffu, value, d);
-            sum += value;
-            if (prefixed) break;
+            for (int k = 0; k < LOOKBACK_WORDS; k++) {
+                const i64 j = newest - (k * 32 + lane);
+                word[k] = j >= 0 ? words[j] : TILE_PREFIX;  // before tile 0: an empty prefix
+            }
+#pragma unroll
+            for (int k = 0; k < LOOKBACK_WORDS; k++) {
+                while (word[k] == 0) word[k] = words[newest - (k * 32 + lane)];
+            }
+#pragma unroll
+            for (int k = 0; k < LOOKBACK_WORDS; k++) {
+                if (found) break;
+                const u32 prefixed = __ballot_sync(0xffffffffu, (word[k] & TILE_PREFIX) != 0);
+                const int stop = prefixed ? __ffs(prefixed) - 1 : 31;
+                u64 value = lane <= stop ? word[k] & TILE_VALUE : 0;
+#pragma unroll
+                for (int d = 16; d > 0; d >>= 1) value += __shfl_xor_sync(0xffffffffu, value, d);
+                sum += value;
+                found = prefixed != 0;
+            }
         }
         if (lane == 0) {
             words[tile] = TILE_PREFIX | (sum + tile_total);
@@ -450,18 +465,25 @@ __device__ __forceinline__ u64 tile_exclusive_prefix(u64* status, u64 tile, u64 
     return prefix;
 }
 
+// Escapes through the end of this thread's chunk (the block's tile is scanned together).
+__device__ __forceinline__ u64 scan_chunk(u64 count, u64* status, u64 tile) {
+    u64 tile_total;
+    const u64 before = block_exclusive_sum(count, tile_total);
+    return tile_exclusive_prefix(status, tile, tile_total) + before + count;
+}
+
 // Decode validation, with the escape offsets: writes inclusive[c] (escapes through chunk c) and
 // checks everything the decode kernel indexes by. Sets bits of *flags:
 // 1 count > chunk length, 2 counts overrun the escape total, 4 position outside chunk,
 // 8 positions not increasing, 16 escape value too wide, 32 counts do not sum to the total,
 // 64 a block id outside the cache, 128 a block id repeated (seen: a zeroed bitmap of nblocks bits).
 template <int E>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(SCAN_THREADS)
 validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chunk, u64 total,
                  const u8* pos_bytes, const u8* val, const i64* block_ids, u64 nids, u64 nblocks,
                  u32* seen, u32* flags, u64* status, u32* ticket) {
-    const u64 stride = (u64)gridDim.x * THREADS;
-    for (u64 k = (u64)blockIdx.x * THREADS + threadIdx.x; k < nids; k += stride) {
+    const u64 stride = (u64)gridDim.x * SCAN_THREADS;
+    for (u64 k = (u64)blockIdx.x * SCAN_THREADS + threadIdx.x; k < nids; k += stride) {
         u64 id = (u64)block_ids[k];
         if (id >= nblocks) {
             atomicOr(flags, 64u);
@@ -470,84 +492,43 @@ validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chu
         }
     }
     const u64 tile = scan_ticket(ticket);
-    if (tile * SCAN_TILE >= nchunks) return;  // a block only there for the ids
-    const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
-    u32 count[SCAN_ITEMS];
-    u64 local = 0;
-    if (first + SCAN_ITEMS <= nchunks) {  // 16 aligned bytes: the stream and `first` are aligned
-        const uint4 v = *reinterpret_cast<const uint4*>(counts16 + 2 * first);
-        const u32 pairs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < SCAN_ITEMS; k++) count[k] = (pairs[k / 2] >> (16 * (k % 2))) & 0xFFFF;
-    } else {
-#pragma unroll
-        for (int k = 0; k < SCAN_ITEMS; k++) {
-            const u64 c = first + k;
-            count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) local += count[k];
-    u64 tile_total;
-    const u64 before = block_exclusive_sum(local, tile_total);
-    u64 end_off = tile_exclusive_prefix(status, tile, tile_total) + before;
+    if (tile * SCAN_THREADS >= nchunks) return;  // a block only there for the ids
+    const u64 c = tile * SCAN_THREADS + threadIdx.x;
+    const u32 count = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
+    const u64 end_off = scan_chunk(count, status, tile);
+    if (c >= nchunks) return;
+    inclusive[c] = (i64)end_off;
+    const u64 start = c * chunk;
+    const u32 len = (u32)min((u64)chunk, n - start);
     u32 bad = 0;
-#pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) {
-        const u64 c = first + k;
-        if (c >= nchunks) break;
-        end_off += count[k];
-        inclusive[c] = (i64)end_off;
-        const u64 start = c * chunk;
-        const u32 len = (u32)min((u64)chunk, n - start);
-        u32 chunk_bad = 0;
-        if (count[k] > len) chunk_bad |= 1u;
-        if (end_off > total) chunk_bad |= 2u;
-        if (c == nchunks - 1 && end_off != total) chunk_bad |= 32u;
-        if (count[k] && !(chunk_bad & 3u)) {
-            const u64 off = end_off - count[k];
-            u32 previous = 0;
-            for (u32 t = 0; t < count[k]; t++) {
-                u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
-                if (p >= len) chunk_bad |= 4u;
-                if (t > 0 && p <= previous) chunk_bad |= 8u;
-                if (val[off + t] >> E) chunk_bad |= 16u;
-                previous = p;
-            }
+    if (count > len) bad |= 1u;
+    if (end_off > total) bad |= 2u;
+    if (c == nchunks - 1 && end_off != total) bad |= 32u;
+    if (count && !(bad & 3u)) {
+        const u64 off = end_off - count;
+        u32 previous = 0;
+        for (u32 t = 0; t < count; t++) {
+            u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
+            if (p >= len) bad |= 4u;
+            if (t > 0 && p <= previous) bad |= 8u;
+            if (val[off + t] >> E) bad |= 16u;
+            previous = p;
         }
-        bad |= chunk_bad;
     }
     if (bad) atomicOr(flags, bad);
 }
 
 // Encode's prefix sums of the dense pass's per-chunk escape counts, as in validate_escapes. A
 // negative count (a chunk whose blocks do not exist) sets *bad_ids instead.
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(SCAN_THREADS)
 scan_counts(const i64* counts, i64* inclusive, u64 nchunks, u64* status, u32* ticket, u32* bad_ids) {
     const u64 tile = scan_ticket(ticket);
-    if (tile * SCAN_TILE >= nchunks) return;
-    const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
-    u64 count[SCAN_ITEMS], local = 0;
-    bool bad = false;
-#pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) {
-        const u64 c = first + k;
-        const i64 v = c < nchunks ? counts[c] : 0;
-        bad |= v < 0;
-        count[k] = v < 0 ? 0 : (u64)v;
-        local += count[k];
-    }
-    if (bad) atomicOr(bad_ids, 1u);
-    u64 tile_total;
-    const u64 before = block_exclusive_sum(local, tile_total);
-    u64 end_off = tile_exclusive_prefix(status, tile, tile_total) + before;
-#pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) {
-        const u64 c = first + k;
-        if (c >= nchunks) break;
-        end_off += count[k];
-        inclusive[c] = (i64)end_off;
-    }
+    if (tile * SCAN_THREADS >= nchunks) return;
+    const u64 c = tile * SCAN_THREADS + threadIdx.x;
+    const i64 value = c < nchunks ? counts[c] : 0;
+    if (value < 0) atomicOr(bad_ids, 1u);
+    const u64 end_off = scan_chunk(value < 0 ? 0 : (u64)value, status, tile);
+    if (c < nchunks) inclusive[c] = (i64)end_off;
 }
 
 // One group back from its residual bits and codes.

@@ -31,7 +31,7 @@ THREADS = 128
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
 # whether bfloat16 lanes take two adjacent groups per encode step.
 TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1}
-SCAN_TILE = 1024  # chunks per block in the scans (SCAN_TILE in the kernels)
+SCAN_TILE = 1024  # chunks per block in the scans, one per thread (SCAN_THREADS in the kernels)
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -94,6 +94,7 @@ class _Kernel:
     """
 
     function: int  # CUfunction
+    threads: int  # per block
     resident_blocks: int
     device_index: int
     owner: object  # CuPy's RawKernel, which keeps the module (and so the function) loaded
@@ -105,7 +106,7 @@ class _Kernel:
         pointers = _ARG_OFFSETS[: len(args)] + np.uint64(values.ctypes.data)
         blocks = max(1, grid if every_block else min(grid, self.resident_blocks))
         _in_context(self.device_index, _cupy().cuda.driver.launchKernel,
-                   self.function, blocks, 1, 1, THREADS, 1, 1, 0, stream, pointers.ctypes.data, 0)
+                   self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, pointers.ctypes.data, 0)
 
 
 def _in_context(device_index: int, call, *args) -> None:
@@ -128,15 +129,15 @@ _ARG_OFFSETS = np.arange(32, dtype=np.uint64) * np.uint64(8)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...]) -> _Kernel:
+def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...], threads: int = THREADS) -> _Kernel:
     cupy = _cupy()
     function = _module(device_index, tuning).get_function(name)
     with cupy.cuda.Device(device_index):
         handle = function.kernel.ptr  # the CUfunction under CuPy's RawKernel
     regs = (max(1, function.num_regs) + 7) // 8 * 8
-    per_sm = max(1, min(2048 // THREADS, 65536 // (regs * THREADS)))
+    per_sm = max(1, min(2048 // threads, 65536 // (regs * threads)))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return _Kernel(handle, per_sm * sms, device_index, function)
+    return _Kernel(handle, threads, per_sm * sms, device_index, function)
 
 
 def _blocks_for_chunks(chunks: int, lanes: int) -> int:
@@ -198,7 +199,7 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         numel=numel, nchunks=nchunks, capacity=max(stored.total, dense.total),
         dense=_kernel(device.index, f"encode_dense{_template(layout)}", tuning),
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
-        scan=_kernel(device.index, "scan_counts", tuning), tiles=-(-nchunks // SCAN_TILE),
+        scan=_kernel(device.index, "scan_counts", tuning, SCAN_TILE), tiles=-(-nchunks // SCAN_TILE),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning), tail_grid=tail_work,
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
         marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack(), device),
@@ -302,7 +303,7 @@ def _decode_plan(layout: FloatLayout, numel: int, chunk: int, codebook: tuple[in
     nchunks = (numel + chunk - 1) // chunk
     return _DecodePlan(
         nchunks=nchunks, tiles=-(-nchunks // SCAN_TILE),
-        validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning),
+        validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, SCAN_TILE),
         dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
         codebook_table=_on_device(bytes(codebook), device),
@@ -337,7 +338,7 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     words = scratch.data_ptr()
     _zero(device.index, words, zeroed, stream)
     flags, inclusive = words, words + zeroed
-    plan.validate(stream, max(tiles, -(-nids // THREADS)), (
+    plan.validate(stream, max(tiles, -(-nids // SCAN_TILE)), (
         off[Stream.CHUNK_COUNTS], inclusive, nchunks, numel, chunk, header.escapes, off[Stream.ESC_POSITIONS],
         off[Stream.ESC_VALUES], ids, nids, nblocks, words + 8 * (1 + tiles), flags, words + 8, words + 4,
     ), every_block=True)
