@@ -44,8 +44,9 @@ _FLAG_REASONS = {
 _BAD_ID, _REPEATED_ID = 64, 128  # block ids, checked by the same kernel
 
 
+@functools.cache
 def available() -> bool:
-    """True when CUDA and CuPy are both usable."""
+    """True when CUDA and CuPy are both usable (asked once: neither changes in a process)."""
     return _cupy() is not None and torch.cuda.is_available()
 
 
@@ -234,15 +235,17 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
     """``encode_into``'s work. The dense pass is launched first, so the GPU starts while the
     host still prepares the rest."""
     device = source.device
-    # One int64 scratch for the scan (ticket and bad-id word, a status word per tile: zeroed),
-    # the length, the counts and their running sum. Escapes spill per chunk before compaction,
-    # 3 bytes an element. Both are allocated per call (the caching allocator makes that cheap)
-    # so that encodes on different streams never share scratch.
+    # One int64 scratch: the length, the scan's ticket and bad-id word and a status word per tile
+    # (zeroed), the counts, their running sum, then the escapes spilled per chunk before
+    # compaction (3 bytes an element). Allocated per call, which the caching allocator makes
+    # cheap, so that encodes on different streams never share scratch. The length is returned
+    # as a view of a separate small tensor: the caller may hold it long after the call.
     tiles, nchunks = plan.tiles, plan.nchunks
-    scratch = torch.empty(2 + tiles + 2 * nchunks, dtype=torch.int64, device=device)
-    spill = torch.empty(nchunks * chunk * 3, dtype=torch.uint8, device=device)
-    words, spill_pos = scratch.data_ptr(), spill.data_ptr()
-    length_at, counts, inclusive = words + 8 * (1 + tiles), words + 8 * (2 + tiles), words + 8 * (2 + tiles + nchunks)
+    length = torch.empty((), dtype=torch.int64, device=device)
+    scratch = torch.empty(1 + tiles + 2 * nchunks + -(-3 * nchunks * chunk // 8), dtype=torch.int64, device=device)
+    words, length_at = scratch.data_ptr(), length.data_ptr()
+    counts, inclusive = words + 8 * (1 + tiles), words + 8 * (1 + tiles + nchunks)
+    spill_pos = words + 8 * (1 + tiles + 2 * nchunks)
     spill_val = spill_pos + nchunks * chunk * 2
     base, ids = buf.data_ptr(), 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
@@ -256,7 +259,7 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
         counts, inclusive, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems, plan.numel,
         base, *plan.tail_scalars, plan.templates.data_ptr(), words + 4, length_at,
     ))
-    return scratch[1 + tiles]
+    return length
 
 
 def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
