@@ -377,11 +377,15 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
 }
 
 // Prefix sums of per-chunk escape counts in one pass: each block of SCAN_THREADS threads takes
-// a tile of one chunk per thread, in the order blocks start (a ticket, so every earlier tile
-// belongs to a block already running), scans it, and finds the sum of all earlier tiles by a
-// decoupled look-back over the sums they publish. `status` (a word per tile) and the ticket
-// start zeroed. A thread per chunk also spreads decode's escape checks as thin as they go.
+// a tile of SCAN_ITEMS consecutive chunks per thread, in the order blocks start (a ticket, so
+// every earlier tile belongs to a block already running), scans it, and finds the sum of all
+// earlier tiles by a decoupled look-back over the sums they publish. `status` (a word per tile)
+// and the ticket start zeroed.
 #define SCAN_THREADS 1024
+#ifndef SCAN_ITEMS
+#define SCAN_ITEMS 4
+#endif
+#define SCAN_TILE (SCAN_THREADS * SCAN_ITEMS)
 #define TILE_AGGREGATE (1ull << 62)  // status word: the tile's own sum is known
 #define TILE_PREFIX (1ull << 63)     // status word: the sum through the end of the tile is known
 #define TILE_VALUE (TILE_AGGREGATE - 1)
@@ -465,11 +469,12 @@ __device__ __forceinline__ u64 tile_exclusive_prefix(u64* status, u64 tile, u64 
     return prefix;
 }
 
-// Escapes through the end of this thread's chunk (the block's tile is scanned together).
-__device__ __forceinline__ u64 scan_chunk(u64 count, u64* status, u64 tile) {
+// Escapes before this thread's first chunk, its chunks' counts summing to `local` (the block's
+// tile is scanned together).
+__device__ __forceinline__ u64 scan_exclusive(u64 local, u64* status, u64 tile) {
     u64 tile_total;
-    const u64 before = block_exclusive_sum(count, tile_total);
-    return tile_exclusive_prefix(status, tile, tile_total) + before + count;
+    const u64 before = block_exclusive_sum(local, tile_total);
+    return tile_exclusive_prefix(status, tile, tile_total) + before;
 }
 
 // Decode validation, with the escape offsets: writes inclusive[c] (escapes through chunk c) and
@@ -492,28 +497,42 @@ validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chu
         }
     }
     const u64 tile = scan_ticket(ticket);
-    if (tile * SCAN_THREADS >= nchunks) return;  // a block only there for the ids
-    const u64 c = tile * SCAN_THREADS + threadIdx.x;
-    const u32 count = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
-    const u64 end_off = scan_chunk(count, status, tile);
-    if (c >= nchunks) return;
-    inclusive[c] = (i64)end_off;
-    const u64 start = c * chunk;
-    const u32 len = (u32)min((u64)chunk, n - start);
+    if (tile * SCAN_TILE >= nchunks) return;  // a block only there for the ids
+    const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
+    u32 count[SCAN_ITEMS];
+    u64 local = 0;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) {
+        const u64 c = first + k;
+        count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
+        local += count[k];
+    }
+    u64 end_off = scan_exclusive(local, status, tile);
     u32 bad = 0;
-    if (count > len) bad |= 1u;
-    if (end_off > total) bad |= 2u;
-    if (c == nchunks - 1 && end_off != total) bad |= 32u;
-    if (count && !(bad & 3u)) {
-        const u64 off = end_off - count;
-        u32 previous = 0;
-        for (u32 t = 0; t < count; t++) {
-            u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
-            if (p >= len) bad |= 4u;
-            if (t > 0 && p <= previous) bad |= 8u;
-            if (val[off + t] >> E) bad |= 16u;
-            previous = p;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) {
+        const u64 c = first + k;
+        if (c >= nchunks) break;
+        end_off += count[k];
+        inclusive[c] = (i64)end_off;
+        const u64 start = c * chunk;
+        const u32 len = (u32)min((u64)chunk, n - start);
+        u32 chunk_bad = 0;
+        if (count[k] > len) chunk_bad |= 1u;
+        if (end_off > total) chunk_bad |= 2u;
+        if (c == nchunks - 1 && end_off != total) chunk_bad |= 32u;
+        if (count[k] && !(chunk_bad & 3u)) {
+            const u64 off = end_off - count[k];
+            u32 previous = 0;
+            for (u32 t = 0; t < count[k]; t++) {
+                u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
+                if (p >= len) chunk_bad |= 4u;
+                if (t > 0 && p <= previous) chunk_bad |= 8u;
+                if (val[off + t] >> E) chunk_bad |= 16u;
+                previous = p;
+            }
         }
+        bad |= chunk_bad;
     }
     if (bad) atomicOr(flags, bad);
 }
@@ -523,12 +542,27 @@ validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chu
 __global__ void __launch_bounds__(SCAN_THREADS)
 scan_counts(const i64* counts, i64* inclusive, u64 nchunks, u64* status, u32* ticket, u32* bad_ids) {
     const u64 tile = scan_ticket(ticket);
-    if (tile * SCAN_THREADS >= nchunks) return;
-    const u64 c = tile * SCAN_THREADS + threadIdx.x;
-    const i64 value = c < nchunks ? counts[c] : 0;
-    if (value < 0) atomicOr(bad_ids, 1u);
-    const u64 end_off = scan_chunk(value < 0 ? 0 : (u64)value, status, tile);
-    if (c < nchunks) inclusive[c] = (i64)end_off;
+    if (tile * SCAN_TILE >= nchunks) return;
+    const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
+    u64 count[SCAN_ITEMS], local = 0;
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) {
+        const u64 c = first + k;
+        const i64 value = c < nchunks ? counts[c] : 0;
+        bad |= value < 0;
+        count[k] = value < 0 ? 0 : (u64)value;
+        local += count[k];
+    }
+    if (bad) atomicOr(bad_ids, 1u);
+    u64 end_off = scan_exclusive(local, status, tile);
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) {
+        const u64 c = first + k;
+        if (c >= nchunks) break;
+        end_off += count[k];
+        inclusive[c] = (i64)end_off;
+    }
 }
 
 // One group back from its residual bits and codes.

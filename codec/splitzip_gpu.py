@@ -31,7 +31,7 @@ THREADS = 128
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
 # whether bfloat16 lanes take two adjacent groups per encode step.
 TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1}
-SCAN_TILE = 1024  # chunks per block in the scans, one per thread (SCAN_THREADS in the kernels)
+SCAN_THREADS, SCAN_TILE = 1024, 4096  # threads and chunks per block in the scans (as in the kernels)
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -200,7 +200,7 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         numel=numel, nchunks=nchunks, capacity=max(stored.total, dense.total),
         dense=_kernel(device.index, f"encode_dense{_template(layout)}", tuning),
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
-        scan=_kernel(device.index, "scan_counts", tuning, SCAN_TILE), tiles=-(-nchunks // SCAN_TILE),
+        scan=_kernel(device.index, "scan_counts", tuning, SCAN_THREADS), tiles=-(-nchunks // SCAN_TILE),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning), tail_grid=tail_work,
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
         marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack(), device),
@@ -306,7 +306,7 @@ def _decode_plan(layout: FloatLayout, numel: int, chunk: int, codebook: tuple[in
     nchunks = (numel + chunk - 1) // chunk
     return _DecodePlan(
         nchunks=nchunks, tiles=-(-nchunks // SCAN_TILE),
-        validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, SCAN_TILE),
+        validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, SCAN_THREADS),
         dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
         codebook_table=_on_device(bytes(codebook), device),
@@ -341,7 +341,7 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     words = scratch.data_ptr()
     _zero(device.index, words, zeroed, stream)
     flags, inclusive = words, words + zeroed
-    plan.validate(stream, max(tiles, -(-nids // SCAN_TILE)), (
+    plan.validate(stream, max(tiles, -(-nids // SCAN_THREADS)), (
         off[Stream.CHUNK_COUNTS], inclusive, nchunks, numel, chunk, header.escapes, off[Stream.ESC_POSITIONS],
         off[Stream.ESC_VALUES], ids, nids, nblocks, words + 8 * (1 + tiles), flags, words + 8, words + 4,
     ), every_block=True)
