@@ -1,19 +1,23 @@
 """SplitZip on CUDA: launchers for the kernels in ``splitzip_cuda.cu`` (CuPy/NVRTC, compiled on
 first use and cached). Produces frames byte-identical to the torch reference in ``splitzip.py``.
 
-Encode is two kernels and a scan: a dense pass (residual and code streams, per-chunk escape
-counts, escapes spilled per chunk), torch's cumsum over the counts, and a tail pass that compacts
+Encode: a dense pass (residual and code streams, per-chunk escape counts, escapes spilled per
+chunk), a one-pass scan over the counts (decoupled look-back), and a tail pass that compacts
 escapes, falls back to a stored frame if coding did not pay, and writes the header. The frame's
 size stays on the device (``encode_into``); ``encode`` reads it once at the end. Decode: a
-validation pass over the escape streams and a dense pass that skips every write if validation
-failed; one synchronization at the end reads the verdict. Everything runs on torch's current
-stream. Per-shape launch parameters are cached in plans, since a sidecar encodes the same chunk
-shapes over and over and the host's per-call cost bounds small-chunk throughput.
+validation pass that also scans the escape counts, and a dense pass that skips every write if
+validation failed; one synchronization at the end reads the verdict. Everything runs on torch's
+current stream. The host's share of a call is kept small because it bounds small-chunk
+throughput and sits between the GPU's bursts: per-shape plans, one scratch allocation and one
+memset per call, launches through ``cuLaunchKernel`` with a reused parameter block, and device
+reads through pinned memory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -89,9 +93,10 @@ class _Kernel:
     """A compiled kernel and the largest grid worth launching: every kernel loops over its work,
     so more blocks than fit on the GPU at once would only queue.
 
-    Launches go straight to ``cuLaunchKernel`` with the arguments packed in one array: every
-    argument is passed as 8 little-endian bytes (a 32-bit parameter reads the low half), which
-    costs a few microseconds where CuPy's per-argument conversion cost tens, on every call.
+    Launches go straight to ``cuLaunchKernel`` with the arguments written into a parameter block
+    kept per thread (``_parameters``): every argument is passed as 8 little-endian bytes (a
+    32-bit parameter reads the low half). That costs well under a microsecond where CuPy's
+    per-argument conversion cost tens, on every call.
     """
 
     function: int  # CUfunction
@@ -103,11 +108,29 @@ class _Kernel:
     def __call__(self, stream: int, grid: int, args: tuple[int, ...], *, every_block: bool = False) -> None:
         """Launch ``grid`` blocks, capped at what fits on the GPU unless ``every_block`` (the
         scans: each block takes a tile by ticket and none loops)."""
-        values = np.array(args, dtype=np.uint64)
-        pointers = _ARG_OFFSETS[: len(args)] + np.uint64(values.ctypes.data)
         blocks = max(1, grid if every_block else min(grid, self.resident_blocks))
         _in_context(self.device_index, _cupy().cuda.driver.launchKernel,
-                   self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, pointers.ctypes.data, 0)
+                    self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, _parameters(args), 0)
+
+
+_thread = threading.local()
+
+
+def _parameters(args: tuple[int, ...]) -> int:
+    """Address of a ``void*[]`` whose entries point at ``args`` as 64-bit values. The block is
+    this thread's, reused by its next launch: ``cuLaunchKernel`` copies the values before it
+    returns."""
+    blocks = getattr(_thread, "parameters", None)
+    if blocks is None:
+        blocks = _thread.parameters = {}
+    held = blocks.get(len(args))
+    if held is None:
+        values = (ctypes.c_uint64 * len(args))()
+        base = ctypes.addressof(values)
+        pointers = (ctypes.c_void_p * len(args))(*(base + 8 * i for i in range(len(args))))
+        held = blocks[len(args)] = (values, pointers, ctypes.addressof(pointers))
+    held[0][:] = args
+    return held[2]
 
 
 def _in_context(device_index: int, call, *args) -> None:
@@ -117,16 +140,16 @@ def _in_context(device_index: int, call, *args) -> None:
         with cupy.cuda.Device(device_index):
             call(*args)
         return
-    if not cupy.cuda.driver.ctxGetCurrent():  # a thread the runtime has not yet bound to a context
-        cupy.cuda.runtime.free(0)
+    if not getattr(_thread, "bound", False):  # once per thread: bind it to the runtime's context
+        if not cupy.cuda.driver.ctxGetCurrent():
+            cupy.cuda.runtime.free(0)
+        _thread.bound = True
     call(*args)
 
 
 def _zero(device_index: int, pointer: int, nbytes: int, stream: int) -> None:
     _in_context(device_index, _cupy().cuda.runtime.memsetAsync, pointer, 0, nbytes, stream)
 
-
-_ARG_OFFSETS = np.arange(32, dtype=np.uint64) * np.uint64(8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,27 +250,28 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
     the cache (checked on the device, before any block is read; nothing is written then).
     """
     plan = _encode_plan(layout, shape, chunk, codebook, source.device, _tuning())
-    return _encode_launch(plan, source, block_ids, block_elems, chunk, buf, current_stream(source.device))
+    length = torch.empty((), dtype=torch.int64, device=source.device)  # the caller may hold it: not in scratch
+    _encode_launch(plan, source, block_ids, block_elems, chunk, buf.data_ptr(), length.data_ptr(),
+                   current_stream(source.device))
+    return length
 
 
 def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int,
-                   chunk: int, buf: torch.Tensor, stream: int) -> torch.Tensor:
-    """``encode_into``'s work. The dense pass is launched first, so the GPU starts while the
-    host still prepares the rest."""
+                   chunk: int, base: int, length_at: int, stream: int) -> None:
+    """``encode_into``'s work, the frame written at ``base`` and its length at ``length_at``. The
+    dense pass is launched first, so the GPU starts while the host still prepares the rest."""
     device = source.device
-    # One int64 scratch: the length, the scan's ticket and bad-id word and a status word per tile
-    # (zeroed), the counts, their running sum, then the escapes spilled per chunk before
-    # compaction (3 bytes an element). Allocated per call, which the caching allocator makes
-    # cheap, so that encodes on different streams never share scratch. The length is returned
-    # as a view of a separate small tensor: the caller may hold it long after the call.
+    # One int64 scratch: the scan's ticket and bad-id word and a status word per tile (zeroed),
+    # the counts, their running sum, then the escapes spilled per chunk before compaction
+    # (3 bytes an element). Allocated per call, which the caching allocator makes cheap, so
+    # that encodes on different streams never share scratch.
     tiles, nchunks = plan.tiles, plan.nchunks
-    length = torch.empty((), dtype=torch.int64, device=device)
     scratch = torch.empty(1 + tiles + 2 * nchunks + -(-3 * nchunks * chunk // 8), dtype=torch.int64, device=device)
-    words, length_at = scratch.data_ptr(), length.data_ptr()
+    words = scratch.data_ptr()
     counts, inclusive = words + 8 * (1 + tiles), words + 8 * (1 + tiles + nchunks)
     spill_pos = words + 8 * (1 + tiles + 2 * nchunks)
     spill_val = spill_pos + nchunks * chunk * 2
-    base, ids = buf.data_ptr(), 0 if block_ids is None else block_ids.data_ptr()
+    ids = 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
     plan.dense(stream, plan.dense_grid, (
         source.data_ptr(), ids, block_elems, nblocks, *plan.dense_scalars, plan.marked_table.data_ptr(),
@@ -259,7 +283,6 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
         counts, inclusive, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems, plan.numel,
         base, *plan.tail_scalars, plan.templates.data_ptr(), words + 4, length_at,
     ))
-    return length
 
 
 def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
@@ -273,9 +296,11 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     device = source.device
     plan = _encode_plan(layout, shape, chunk, codebook, device, _tuning())
     stream = current_stream(device)
-    buf = torch.empty(plan.capacity, dtype=torch.uint8, device=device)
-    length_on_device = _encode_launch(plan, source, block_ids, block_elems, chunk, buf, stream)
-    length = int(read_to_host(length_on_device, 8, stream).view(np.int64)[0])
+    # The frame's buffer, with 8 aligned bytes after it for the length: one allocation fewer.
+    length_offset = (plan.capacity + 7) // 8 * 8
+    buf = torch.empty(length_offset + 8, dtype=torch.uint8, device=device)
+    _encode_launch(plan, source, block_ids, block_elems, chunk, buf.data_ptr(), buf.data_ptr() + length_offset, stream)
+    length = int(read_to_host(buf, 8, stream, offset=length_offset).view(np.int64)[0])
     if length < 0:
         raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
     frame = buf[:length]
@@ -315,8 +340,8 @@ def _decode_plan(layout: FloatLayout, numel: int, chunk: int, codebook: tuple[in
 
 def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
                 block_ids: torch.Tensor | None = None, block_elems: int = 0) -> None:
-    """Decode a validated-header frame into ``out`` (flat contiguous, or for a coded frame a
-    cache with ``block_ids``, which are checked on the device along with the escape streams).
+    """Decode a validated-header frame into ``out`` (contiguous, any shape; for a coded frame
+    also a cache with ``block_ids``, which are checked on the device with the escape streams).
 
     Raises:
         CorruptFrame: the escape streams fail validation. IndexError: a block id outside the

@@ -38,9 +38,9 @@ def current_stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
-def read_to_host(t: torch.Tensor, nbytes: int, stream: int) -> np.ndarray:
-    """The first ``nbytes`` bytes of the contiguous CUDA tensor ``t``, once ``stream`` (a raw
-    handle, torch's current stream for ``t``'s device) has produced them.
+def read_to_host(t: torch.Tensor, nbytes: int, stream: int, offset: int = 0) -> np.ndarray:
+    """``nbytes`` bytes from byte ``offset`` of the contiguous CUDA tensor ``t``, once ``stream``
+    (a raw handle, torch's current stream for ``t``'s device) has produced them.
 
     The array is a copy: the pinned buffer is reused by this thread's next read.
     """
@@ -50,10 +50,10 @@ def read_to_host(t: torch.Tensor, nbytes: int, stream: int) -> np.ndarray:
         device = t.device.index
         if runtime.getDevice() != device:
             with torch.cuda.device(device):
-                return read_to_host(t, nbytes, stream)
-        runtime.memcpyAsync(buf.data_ptr(), t.data_ptr(), nbytes, runtime.memcpyDeviceToHost, stream)
+                return read_to_host(t, nbytes, stream, offset)
+        runtime.memcpyAsync(buf.data_ptr(), t.data_ptr() + offset, nbytes, runtime.memcpyDeviceToHost, stream)
         runtime.streamSynchronize(stream)
     else:
-        buf[:nbytes].copy_(t.reshape(-1).view(torch.uint8)[:nbytes], non_blocking=True)
+        buf[:nbytes].copy_(t.reshape(-1).view(torch.uint8)[offset:offset + nbytes], non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()
     return array[:nbytes].copy()
