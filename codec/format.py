@@ -176,7 +176,7 @@ def parse_header(buf: bytes, frame_size: int) -> Header:
     if codec == Codec.STORED:
         if code_bits or chunk or escapes or any(codebook):
             raise CorruptFrame("stored frame carries coding fields")
-        expected = make_header(codec, layout, shape, 0, (), 0)
+        expected = (numel * layout.itemsize, 0, 0, 0, 0)
     else:
         if code_bits != layout.code_bits:
             raise CorruptFrame(f"code width {code_bits} is not {layout.code_bits} for {layout.name}")
@@ -190,13 +190,13 @@ def parse_header(buf: bytes, frame_size: int) -> Header:
             raise CorruptFrame("codebook padding is not zero")
         if max(codebook) >= 1 << layout.exp_bits or len(set(codebook)) != size:
             raise CorruptFrame(f"codebook {codebook} is not {size} distinct {layout.exp_bits}-bit exponents")
-        expected = make_header(codec, layout, shape, chunk, codebook, escapes)
-    if lengths != expected.lengths:
-        raise CorruptFrame(f"stream lengths {lengths} disagree with the header, expected {expected.lengths}")
-    if frame_size != expected.total:
-        raise CorruptFrame(f"frame is {frame_size} bytes, header describes {expected.total}")
+        expected = stream_lengths(layout, numel, chunk, escapes)
+    if lengths != expected:
+        raise CorruptFrame(f"stream lengths {lengths} disagree with the header, expected {expected}")
+    offsets, total = stream_offsets(lengths)
+    if frame_size != total:
+        raise CorruptFrame(f"frame is {frame_size} bytes, header describes {total}")
     crc = stream_crc if flags & FLAG_STREAM_CRC else None
     if crc is None and stream_crc:
         raise CorruptFrame("stream checksum present without its flag")
-    return Header(codec, layout, shape, numel, expected.chunk, codebook, escapes, lengths,
-                  expected.offsets, expected.total, crc)
+    return Header(codec, layout, shape, numel, chunk, codebook, escapes, lengths, offsets, total, crc)
