@@ -93,6 +93,7 @@ __device__ __forceinline__ void store_streamed(T* p, T v) {
     else *p = v;
 }
 #define SUBGROUPS (THREADS / LANES)
+#define SCAN_THREADS 1024  // threads of the scanning kernels: a chunk (or SCAN_ITEMS) each
 
 template <int TOTAL>
 struct Elem;
@@ -285,15 +286,21 @@ __device__ __forceinline__ bool chunk_ids_bad(const i64* block_ids, u64 block_el
     return __any_sync(mask, bad);
 }
 
-// Dense pass: residual and code streams, per-chunk escape counts, and each chunk's escapes
-// spilled in order to spill_pos/spill_val at the chunk's first element index. A chunk whose
-// blocks do not exist gets the count -(n + 1), which scan_counts flags: the tail pass then
-// writes nothing and reports a length of -1.
+// Encode's escape counts are also summed per tile of SCAN_THREADS chunks (tile_sums, zeroed
+// before the dense pass), so that the tail pass finds every chunk's offset without a scan.
+__device__ __forceinline__ void add_to_tile(i64* tile_sums, u64 c, i64 count) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(tile_sums + c / SCAN_THREADS), (unsigned long long)count);
+}
+
+// Dense pass: residual and code streams, per-chunk escape counts (also summed per tile), and
+// each chunk's escapes spilled in order to spill_pos/spill_val at the chunk's first element
+// index. A chunk whose blocks do not exist counts -(n + 1), which makes the escape total
+// negative: the tail pass then writes nothing and reports a length of -1.
 template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, MINB)
 encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
              const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out,
-             i64* counts_out, u16* spill_pos, u8* spill_val) {
+             i64* counts_out, i64* tile_sums, u16* spill_pos, u8* spill_val) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
     constexpr int W = Width<TOTAL, E, C>::W;
@@ -308,7 +315,10 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
         if (block_ids != nullptr && chunk_ids_bad(block_ids, block_elems, nblocks, start, end, sublane, mask)) {
-            if (sublane == 0) counts_out[c] = -(i64)(n + 1);
+            if (sublane == 0) {
+                counts_out[c] = -(i64)(n + 1);
+                add_to_tile(tile_sums, c, -(i64)(n + 1));
+            }
             continue;
         }
         const ChunkAddr<TOTAL> at(x, block_ids, block_elems, start, chunk);
@@ -372,6 +382,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
             counts16_out[2 * c] = (u8)running;
             counts16_out[2 * c + 1] = (u8)(running >> 8);
             counts_out[c] = running;
+            if (running) add_to_tile(tile_sums, c, running);
         }
     }
 }
@@ -381,7 +392,6 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
 // every earlier tile belongs to a block already running), scans it, and finds the sum of all
 // earlier tiles by a decoupled look-back over the sums they publish. `status` (a word per tile)
 // and the ticket start zeroed.
-#define SCAN_THREADS 1024
 #ifndef SCAN_ITEMS
 #define SCAN_ITEMS 4
 #endif
@@ -537,34 +547,6 @@ validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chu
     if (bad) atomicOr(flags, bad);
 }
 
-// Encode's prefix sums of the dense pass's per-chunk escape counts, as in validate_escapes. A
-// negative count (a chunk whose blocks do not exist) sets *bad_ids instead.
-__global__ void __launch_bounds__(SCAN_THREADS)
-scan_counts(const i64* counts, i64* inclusive, u64 nchunks, u64* status, u32* ticket, u32* bad_ids) {
-    const u64 tile = scan_ticket(ticket);
-    if (tile * SCAN_TILE >= nchunks) return;
-    const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
-    u64 count[SCAN_ITEMS], local = 0;
-    bool bad = false;
-#pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) {
-        const u64 c = first + k;
-        const i64 value = c < nchunks ? counts[c] : 0;
-        bad |= value < 0;
-        count[k] = value < 0 ? 0 : (u64)value;
-        local += count[k];
-    }
-    if (bad) atomicOr(bad_ids, 1u);
-    u64 end_off = scan_exclusive(local, status, tile);
-#pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) {
-        const u64 c = first + k;
-        if (c >= nchunks) break;
-        end_off += count[k];
-        inclusive[c] = (i64)end_off;
-    }
-}
-
 // One group back from its residual bits and codes.
 template <int TOTAL, int E, int C>
 __device__ __forceinline__ void decode_group(u64 rlo, u64 rhi, u32 codes, const u32* table, const u32 (&book)[4],
@@ -693,39 +675,66 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
 }
 
 // The end of encode, on the device, so the host need not learn the escape total X before the
-// frame is complete (bad block ids, flagged by scan_counts: nothing is written, the length is -1):
-//  - the value stream's offset, align16(pos_off + 2X), follows from X = inclusive[last];
-//  - if the coded frame is smaller than a stored one, each warp copies a chunk's spilled escapes
-//    to their place and block 0 zeroes the (< 16-byte) padding gaps before streams;
+// frame is complete. A block per tile of SCAN_THREADS chunks, a thread per chunk:
+//  - warp 0 adds up the dense pass's tile sums: X, and the escapes before this tile (a negative
+//    X means bad block ids: nothing is written and the length is -1); a block scan adds the
+//    escapes before each chunk within the tile;
+//  - the value stream's offset, align16(pos_off + 2X), follows from X;
+//  - if the coded frame is smaller than a stored one, each thread copies its chunk's spilled
+//    escapes to their place and block 0 zeroes the (< 16-byte) padding gaps before streams;
 //  - otherwise the raw elements are copied after the header (over the dense streams);
 //  - block 0 picks the coded or stored header template (built by the host with X = 0), patches
 //    X and the escape-stream lengths, computes the header CRC32C and writes the frame's length.
 template <int TOTAL>
-__global__ void __launch_bounds__(THREADS)
-encode_tail(const i64* counts, const i64* inclusive, u64 nchunks, u32 chunk, const u16* spill_pos,
+__global__ void __launch_bounds__(SCAN_THREADS)
+encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u32 chunk, const u16* spill_pos,
             const u8* spill_val, u8* x, const i64* block_ids, u64 block_elems, u64 n, u8* frame,
             u64 counts_end, u64 pos_off, u64 stored_total, u64 gap0, u64 gap1, const u8* templates,
-            const u32* bad_ids, i64* length_out) {
+            i64* length_out) {
     __shared__ u32 crc_table[256];
     __shared__ u8 head[160];
-    if (*bad_ids) {  // encode_dense found a block id outside the cache
-        if (blockIdx.x == 0 && threadIdx.x == 0) *length_out = -1;
+    __shared__ i64 sums[2];  // escapes before this tile, and in all tiles
+    const u32 t = threadIdx.x;
+    const u64 tile = blockIdx.x;
+    if (t < 32) {
+        i64 before = 0, all = 0;
+        for (u64 j = t; j < ntiles; j += 32) {
+            const i64 v = tile_sums[j];
+            all += v;
+            if (j < tile) before += v;
+        }
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) {
+            before += __shfl_xor_sync(0xffffffffu, before, d);
+            all += __shfl_xor_sync(0xffffffffu, all, d);
+        }
+        if (t == 0) {
+            sums[0] = before;
+            sums[1] = all;
+        }
+    }
+    __syncthreads();
+    if (sums[1] < 0) {  // encode_dense found a block id outside the cache
+        if (blockIdx.x == 0 && t == 0) *length_out = -1;
         return;
     }
-    const u64 escapes = nchunks ? (u64)inclusive[nchunks - 1] : 0;
+    const u64 escapes = (u64)sums[1];
+    const u64 c = tile * SCAN_THREADS + t;
+    const u32 count = c < nchunks ? (u32)counts[c] : 0;
+    u64 tile_total;
+    const u64 off = (u64)sums[0] + block_exclusive_sum(count, tile_total);
     const u64 pos_end = pos_off + 2 * escapes;
     const u64 val_off = (pos_end + 15) & ~15ull;
     const u64 coded_total = escapes ? val_off + escapes : counts_end;
     const bool coded = coded_total < stored_total;
-    const u32 t = threadIdx.x;
 
     if (blockIdx.x == 0) {
-        for (u32 e = t; e < 256; e += THREADS) {
+        for (u32 e = t; e < 256; e += SCAN_THREADS) {
             u32 v = e;
             for (int k = 0; k < 8; k++) v = (v >> 1) ^ (0x82F63B78u & (0u - (v & 1u)));  // reflected CRC32C
             crc_table[e] = v;
         }
-        for (u32 b = t; b < 160; b += THREADS) head[b] = templates[(coded ? 0 : 160) + b];
+        for (u32 b = t; b < 160; b += SCAN_THREADS) head[b] = templates[(coded ? 0 : 160) + b];
         if (coded && t < 64) {
             u32 lane = t & 15, which = t >> 4;
             u64 s = which == 0 ? gap0 : which == 1 ? gap1 : escapes == 0 ? 0 : which == 2 ? counts_end : pos_end;
@@ -747,25 +756,20 @@ encode_tail(const i64* counts, const i64* inclusive, u64 nchunks, u32 chunk, con
             *length_out = (i64)(coded ? coded_total : stored_total);
         }
         __syncthreads();
-        for (u32 b = t; b < 160; b += THREADS) frame[b] = head[b];
+        for (u32 b = t; b < 160; b += SCAN_THREADS) frame[b] = head[b];
     }
 
     if (coded) {
         u16* pos_out = reinterpret_cast<u16*>(frame + pos_off);
         u8* val_out = frame + val_off;
-        // A thread per chunk, as in validate_escapes: most chunks have nothing to copy.
-        for (u64 c = (u64)blockIdx.x * THREADS + t; c < nchunks; c += (u64)gridDim.x * THREADS) {
-            u32 count = (u32)counts[c];
-            if (count == 0) continue;
-            u64 off = (u64)inclusive[c] - count;
-            u64 src = c * chunk;
-            for (u32 k = 0; k < count; k++) {
-                pos_out[off + k] = spill_pos[src + k];
-                val_out[off + k] = spill_val[src + k];
-            }
+        const u64 src = c * chunk;
+        for (u32 k = 0; k < count; k++) {
+            pos_out[off + k] = spill_pos[src + k];
+            val_out[off + k] = spill_val[src + k];
         }
     } else {
-        for (u64 g = (u64)blockIdx.x * THREADS + t; g * GROUP < n; g += (u64)gridDim.x * THREADS) {
+        const u64 stride = (u64)gridDim.x * SCAN_THREADS;
+        for (u64 g = tile * SCAN_THREADS + t; g * GROUP < n; g += stride) {
             u64 i = g * GROUP;
             int valid = (int)min((u64)GROUP, n - i);
             u32 w[Elem<TOTAL>::WORDS];

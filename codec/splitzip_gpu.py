@@ -1,16 +1,18 @@
 """SplitZip on CUDA: launchers for the kernels in ``splitzip_cuda.cu`` (CuPy/NVRTC, compiled on
 first use and cached). Produces frames byte-identical to the torch reference in ``splitzip.py``.
 
-Encode: a dense pass (residual and code streams, per-chunk escape counts, escapes spilled per
-chunk), a one-pass scan over the counts (decoupled look-back), and a tail pass that compacts
-escapes, falls back to a stored frame if coding did not pay, and writes the header. The frame's
-size stays on the device (``encode_into``); ``encode`` reads it once at the end. Decode: a
-validation pass that also scans the escape counts, and a dense pass that skips every write if
-validation failed; one synchronization at the end reads the verdict. Everything runs on torch's
-current stream. The host's share of a call is kept small because it bounds small-chunk
-throughput and sits between the GPU's bursts: per-shape plans, one scratch allocation and one
-memset per call, launches through ``cuLaunchKernel`` with a reused parameter block, and device
-reads through pinned memory.
+Encode: a dense pass (residual and code streams, escape counts per chunk and per tile of
+chunks, escapes spilled per chunk) and a tail pass that finds each chunk's escape offset from
+those counts, compacts escapes, falls back to a stored frame if coding did not pay, and writes
+the header. The frame's size stays on the device (``encode_into``); ``encode`` reads it once at
+the end. Decode: a validation pass that also scans the escape counts (one pass, decoupled
+look-back), and a dense pass that skips every write if validation failed; one synchronization
+at the end reads the verdict. Everything runs on torch's current stream.
+
+The host's share of a call is kept small, since it bounds small-chunk throughput and the GPU
+waits on it between calls: plans per shape, one scratch allocation and one memset per call,
+launches through ``cuLaunchKernel`` with a reused parameter block, device reads through pinned
+memory.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ THREADS = 128
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
 # whether bfloat16 lanes take two adjacent groups per encode step.
 TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1}
-SCAN_THREADS, SCAN_TILE = 1024, 4096  # threads and chunks per block in the scans (as in the kernels)
+# Threads per block of the scanning kernels, and chunks per block in decode's validation scan
+# (SCAN_THREADS, SCAN_TILE in the kernels). Encode's tail takes a chunk per thread.
+SCAN_THREADS, SCAN_TILE = 1024, 4096
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -80,7 +84,6 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
     for layout in LAYOUTS:
         names |= {f"encode_dense{_template(layout)}", f"decode_chunks{_template(layout)}",
                   f"validate_escapes<{layout.exp_bits}>", f"encode_tail<{layout.total_bits}>"}
-    names.add("scan_counts")
     options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=sorted(names))
@@ -187,10 +190,8 @@ class _EncodePlan:
     capacity: int
     dense: _Kernel
     dense_grid: int
-    scan: _Kernel
-    tiles: int
+    tiles: int  # of SCAN_THREADS chunks: the tail's blocks
     tail: _Kernel
-    tail_grid: int
     residual_off: int
     codes_off: int
     counts_off: int
@@ -218,13 +219,12 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
     marked = bytearray([layout.codebook_size] * (1 << layout.exp_bits))
     for code, exponent in enumerate(codebook):
         marked[exponent] = code
-    tail_work = max(-(-nchunks // THREADS), -(-numel // (8 * THREADS)))
     return _EncodePlan(
         numel=numel, nchunks=nchunks, capacity=max(stored.total, dense.total),
         dense=_kernel(device.index, f"encode_dense{_template(layout)}", tuning),
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
-        scan=_kernel(device.index, "scan_counts", tuning, SCAN_THREADS), tiles=-(-nchunks // SCAN_TILE),
-        tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning), tail_grid=tail_work,
+        tiles=-(-nchunks // SCAN_THREADS),
+        tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning, SCAN_THREADS),
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
         marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack(), device),
         dense_scalars=(numel, chunk, nchunks),
@@ -258,31 +258,30 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
 
 def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int,
                    chunk: int, base: int, length_at: int, stream: int) -> None:
-    """``encode_into``'s work, the frame written at ``base`` and its length at ``length_at``. The
-    dense pass is launched first, so the GPU starts while the host still prepares the rest."""
+    """``encode_into``'s work, the frame written at ``base`` and its length at ``length_at``: a
+    memset, the dense pass and the tail pass."""
     device = source.device
-    # One int64 scratch: the scan's ticket and bad-id word and a status word per tile (zeroed),
-    # the counts, their running sum, then the escapes spilled per chunk before compaction
-    # (3 bytes an element). Allocated per call, which the caching allocator makes cheap, so
-    # that encodes on different streams never share scratch.
+    # One int64 scratch: the escape count of each tile of SCAN_THREADS chunks (zeroed), of each
+    # chunk, then the escapes spilled per chunk before compaction (3 bytes an element).
+    # Allocated per call, which the caching allocator makes cheap, so that encodes on different
+    # streams never share scratch.
     tiles, nchunks = plan.tiles, plan.nchunks
-    scratch = torch.empty(1 + tiles + 2 * nchunks + -(-3 * nchunks * chunk // 8), dtype=torch.int64, device=device)
-    words = scratch.data_ptr()
-    counts, inclusive = words + 8 * (1 + tiles), words + 8 * (1 + tiles + nchunks)
-    spill_pos = words + 8 * (1 + tiles + 2 * nchunks)
+    scratch = torch.empty(tiles + nchunks + -(-3 * nchunks * chunk // 8), dtype=torch.int64, device=device)
+    tile_sums = scratch.data_ptr()
+    counts, spill_pos = tile_sums + 8 * tiles, tile_sums + 8 * (tiles + nchunks)
     spill_val = spill_pos + nchunks * chunk * 2
     ids = 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
+    _zero(device.index, tile_sums, 8 * tiles, stream)
     plan.dense(stream, plan.dense_grid, (
         source.data_ptr(), ids, block_elems, nblocks, *plan.dense_scalars, plan.marked_table.data_ptr(),
-        base + plan.residual_off, base + plan.codes_off, base + plan.counts_off, counts, spill_pos, spill_val,
+        base + plan.residual_off, base + plan.codes_off, base + plan.counts_off, counts, tile_sums, spill_pos,
+        spill_val,
     ))
-    _zero(device.index, words, 8 * (1 + tiles), stream)
-    plan.scan(stream, tiles, (counts, inclusive, nchunks, words + 8, words, words + 4), every_block=True)
-    plan.tail(stream, plan.tail_grid, (
-        counts, inclusive, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems, plan.numel,
-        base, *plan.tail_scalars, plan.templates.data_ptr(), words + 4, length_at,
-    ))
+    plan.tail(stream, tiles, (
+        counts, tile_sums, tiles, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems,
+        plan.numel, base, *plan.tail_scalars, plan.templates.data_ptr(), length_at,
+    ), every_block=True)
 
 
 def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
