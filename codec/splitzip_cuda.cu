@@ -684,14 +684,13 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
 //    escapes to their place and block 0 zeroes the (< 16-byte) padding gaps before streams;
 //  - otherwise the raw elements are copied after the header (over the dense streams);
 //  - block 0 picks the coded or stored header template (built by the host with X = 0), patches
-//    X and the escape-stream lengths, computes the header CRC32C and writes the frame's length.
+//    X, the escape-stream lengths and the header CRC32C, and writes the frame's length.
 template <int TOTAL>
 __global__ void __launch_bounds__(SCAN_THREADS)
 encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u32 chunk, const u16* spill_pos,
             const u8* spill_val, u8* x, const i64* block_ids, u64 block_elems, u64 n, u8* frame,
             u64 counts_end, u64 pos_off, u64 stored_total, u64 gap0, u64 gap1, const u8* templates,
             i64* length_out) {
-    __shared__ u32 crc_table[256];
     __shared__ u8 head[160];
     __shared__ i64 sums[2];  // escapes before this tile, and in all tiles
     const u32 t = threadIdx.x;
@@ -729,16 +728,23 @@ encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u3
     const bool coded = coded_total < stored_total;
 
     if (blockIdx.x == 0) {
-        for (u32 e = t; e < 256; e += SCAN_THREADS) {
-            u32 v = e;
-            for (int k = 0; k < 8; k++) v = (v >> 1) ^ (0x82F63B78u & (0u - (v & 1u)));  // reflected CRC32C
-            crc_table[e] = v;
-        }
+        __shared__ u32 crc_change;
         for (u32 b = t; b < 160; b += SCAN_THREADS) head[b] = templates[(coded ? 0 : 160) + b];
         if (coded && t < 64) {
             u32 lane = t & 15, which = t >> 4;
             u64 s = which == 0 ? gap0 : which == 1 ? gap1 : escapes == 0 ? 0 : which == 2 ? counts_end : pos_end;
             if (s && s + lane < ((s + 15) & ~15ull)) frame[s + lane] = 0;
+        }
+        if (t < 32) {
+            // CRC32C is affine: patching X into the coded template (whose CRC is for X = 0)
+            // changes the CRC by the XOR of a precomputed word per set bit of X.
+            const u32* crc_deltas = reinterpret_cast<const u32*>(templates + 320);
+            u32 change = 0;
+            if (coded && ((escapes >> t) & 1)) change ^= crc_deltas[t];
+            if (coded && ((escapes >> (t + 32)) & 1)) change ^= crc_deltas[t + 32];
+#pragma unroll
+            for (int d = 16; d > 0; d >>= 1) change ^= __shfl_xor_sync(0xffffffffu, change, d);
+            if (t == 0) crc_change = change;
         }
         __syncthreads();
         if (t == 0) {
@@ -748,11 +754,8 @@ encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u3
                     head[136 + b] = (u8)((2 * escapes) >> (8 * b));
                     head[144 + b] = (u8)(escapes >> (8 * b));
                 }
+                for (int b = 0; b < 4; b++) head[156 + b] ^= (u8)(crc_change >> (8 * b));
             }
-            u32 crc = 0xFFFFFFFFu;
-            for (int b = 0; b < 156; b++) crc = crc_table[(crc ^ head[b]) & 0xFF] ^ (crc >> 8);
-            crc ^= 0xFFFFFFFFu;
-            for (int b = 0; b < 4; b++) head[156 + b] = (u8)(crc >> (8 * b));
             *length_out = (i64)(coded ? coded_total : stored_total);
         }
         __syncthreads();

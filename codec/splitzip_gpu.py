@@ -226,10 +226,25 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         tiles=-(-nchunks // SCAN_THREADS),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning, SCAN_THREADS),
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
-        marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack(), device),
+        marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack() + _crc_deltas(), device),
         dense_scalars=(numel, chunk, nchunks),
         tail_scalars=(counts_end, off[Stream.ESC_POSITIONS], stored.total, gaps[0], gaps[1]),
     )
+
+
+@functools.cache
+def _crc_deltas() -> bytes:
+    """For each bit i of the escape total X, how the header CRC32C changes when that bit is set
+    in the three fields that hold X (104: X, 136: 2X, 144: X), 64 little-endian words: CRC32C is
+    affine, so the tail kernel patches the template's CRC with their XOR instead of hashing."""
+    zero = crc32c(bytes(156))
+    deltas = []
+    for i in range(64):
+        body = bytearray(156)
+        body[104:112] = body[144:152] = (1 << i).to_bytes(8, "little")
+        body[136:144] = ((2 << i) & (1 << 64) - 1).to_bytes(8, "little")
+        deltas.append(crc32c(bytes(body)) ^ zero)
+    return b"".join(d.to_bytes(4, "little") for d in deltas)
 
 
 def capacity(layout: FloatLayout, shape: tuple[int, ...], chunk: int) -> int:
