@@ -685,8 +685,9 @@ decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, con
 //  - otherwise the raw elements are copied after the header (over the dense streams);
 //  - block 0 picks the coded or stored header template (built by the host with X = 0), patches
 //    X, the escape-stream lengths and the header CRC32C, and writes the frame's length.
+// Two blocks per SM (32 registers): a tile per block, all in one wave for 256M elements.
 template <int TOTAL>
-__global__ void __launch_bounds__(SCAN_THREADS)
+__global__ void __launch_bounds__(SCAN_THREADS, 2)
 encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u32 chunk, const u16* spill_pos,
             const u8* spill_val, u8* x, const i64* block_ids, u64 block_elems, u64 n, u8* frame,
             u64 counts_end, u64 pos_off, u64 stored_total, u64 gap0, u64 gap1, const u8* templates,
