@@ -34,10 +34,15 @@ def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
     """Median seconds of ``fn`` measured with CUDA events on the current stream."""
     for _ in range(warmup):
         fn()
+    # torch creates a CUDA event at its first record: record every pair once here, so that the
+    # end event's creation does not land inside the timed interval.
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        end.record()
     torch.cuda.synchronize()
     times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for start, end in events:
         start.record()
         fn()
         end.record()
