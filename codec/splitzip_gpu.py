@@ -336,19 +336,21 @@ class _DecodePlan:
     validate: _Kernel
     dense: _Kernel
     dense_grid: int
-    codebook_table: torch.Tensor
+    codebook_table: torch.Tensor  # held for codebook_pointer
+    codebook_pointer: int
 
 
 @functools.lru_cache(maxsize=64)
 def _decode_plan(layout: FloatLayout, numel: int, chunk: int, codebook: tuple[int, ...], device: torch.device,
                  tuning: tuple[tuple[str, int], ...]) -> _DecodePlan:
     nchunks = (numel + chunk - 1) // chunk
+    table = _on_device(bytes(codebook), device)
     return _DecodePlan(
         nchunks=nchunks, tiles=-(-nchunks // SCAN_TILE),
         validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, SCAN_THREADS),
         dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
-        codebook_table=_on_device(bytes(codebook), device),
+        codebook_table=table, codebook_pointer=table.data_ptr(),
     )
 
 
@@ -368,7 +370,8 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     numel, chunk = header.numel, header.chunk
     plan = _decode_plan(header.layout, numel, chunk, header.codebook, device, _tuning())
     nchunks, tiles = plan.nchunks, plan.tiles
-    off = [frame.data_ptr() + o for o in header.offsets]
+    base = frame.data_ptr()
+    off = [base + o for o in header.offsets]
     stream = current_stream(device)
     nids = 0 if block_ids is None else block_ids.numel()
     ids = block_ids.data_ptr() if nids else 0
@@ -386,8 +389,8 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     ), every_block=True)
     plan.dense(stream, plan.dense_grid, (
         off[Stream.RESIDUAL], off[Stream.CODES], off[Stream.CHUNK_COUNTS], inclusive, off[Stream.ESC_POSITIONS],
-        off[Stream.ESC_VALUES], plan.codebook_table.data_ptr(), numel, chunk, nchunks, out.data_ptr(), ids,
-        block_elems, flags,
+        off[Stream.ESC_VALUES], plan.codebook_pointer, numel, chunk, nchunks, out.data_ptr(), ids, block_elems,
+        flags,
     ))
     # The decode kernel skipped every write if validation failed; one sync, after all the work.
     verdict = int(read_to_host(scratch, 4, stream).view(np.int32)[0])
