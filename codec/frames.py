@@ -10,7 +10,7 @@ import torch
 from . import bitpack, splitzip, splitzip_gpu
 from .checksum import crc32c
 from .codebook import Codebook, calibrate
-from .dtypes import FloatLayout, layout_for
+from .dtypes import LAYOUTS, FloatLayout, layout_for
 from .errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from .fields import as_bits, split
 from .format import (DEFAULT_CHUNK, HEADER_SIZE, MAX_CHUNK, MAX_NDIM, Codec, Header, Stream,
@@ -131,6 +131,12 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or block ids repeat.
         IndexError: a block id outside the cache.
     """
+    if _unparsed_on_gpu(frame, cache) and _blocks_on_gpu(cache, 8) and cache.dim() <= MAX_NDIM:
+        ids = _block_ids(block_ids, cache, check=False)  # checked on the device
+        if ids.numel() and splitzip_gpu.decode_unparsed(
+                splitzip_gpu.check_alignment(frame), cache, layout_for(cache.dtype), shape=(ids.numel(), *cache.shape[1:]),
+                block_ids=ids, block_elems=_block_elems(cache)):
+            return
     header = read_header(frame)
     # Coded frames on the GPU: the validation kernel checks the ids along with the streams.
     on_gpu = (header.codec == Codec.SPLITZIP and _blocks_on_gpu(cache, header.chunk)
@@ -192,6 +198,10 @@ def decode(frame: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         CorruptFrame: the frame is malformed, truncated, extended or fails a checksum.
         OutputMismatch: ``out`` has the wrong dtype or element count.
     """
+    if out is not None and _unparsed_on_gpu(frame, out) and out.numel():
+        # The GPU checks the header itself; the host parses it only if the GPU declines.
+        if splitzip_gpu.decode_unparsed(splitzip_gpu.check_alignment(frame), out, layout_for(out.dtype)):
+            return out
     header = read_header(frame)
     if out is not None and (out.dtype != header.layout.dtype or out.numel() != header.numel):
         raise OutputMismatch(f"out is {out.dtype}[{out.numel()}], frame holds "
@@ -241,6 +251,17 @@ def _decode_validated(frame: torch.Tensor, header: Header) -> torch.Tensor:
     flat = splitzip.decode_elements(streams[Stream.RESIDUAL], streams[Stream.CODES], escapes,
                                     header.codebook, header.numel, layout)
     return flat.view(header.shape)
+
+
+def _unparsed_on_gpu(frame: torch.Tensor, out: torch.Tensor) -> bool:
+    """A frame the GPU can decode into ``out`` without the host reading its header first (the
+    GPU checks it, and hands back whatever it does not take)."""
+    return (isinstance(frame, torch.Tensor) and frame.dtype == torch.uint8 and frame.dim() == 1
+            and frame.numel() >= HEADER_SIZE and frame.is_cuda and out.is_cuda and out.device == frame.device
+            and out.is_contiguous() and out.dtype in _GPU_DTYPES and splitzip_gpu.available())
+
+
+_GPU_DTYPES = {layout.dtype for layout in LAYOUTS}
 
 
 def _on_gpu(t: torch.Tensor, chunk: int) -> bool:

@@ -487,16 +487,123 @@ __device__ __forceinline__ u64 scan_exclusive(u64 local, u64* status, u64 tile) 
     return tile_exclusive_prefix(status, tile, tile_total) + before;
 }
 
+// What decode_header found in a frame's header, for the kernels after it: chunk, chunk count,
+// escape total, the five stream offsets, and the codebook's 16 bytes (u64 words).
+#define P_CHUNK 0
+#define P_NCHUNKS 1
+#define P_ESCAPES 2
+#define P_OFFSETS 3
+#define P_CODEBOOK 8
+#define PARAM_WORDS 10
+#define FLAG_HOST 512u  // decode_header: the host must parse this frame; nothing else runs
+
+__device__ __forceinline__ u64 le_bytes(const u8* p, int n) {
+    u64 v = 0;
+    for (int b = 0; b < n; b++) v |= (u64)p[b] << (8 * b);
+    return v;
+}
+
+// Decode's header check, on the device, so that a decode need not wait for the host to read and
+// parse the header before the GPU starts. It accepts exactly the frames that parse_header
+// (format.py) accepts and that this path decodes as the caller expects: SplitZip-coded, of the
+// expected dtype and element count (and shape, when expected_ndim < 255), a chunk size the
+// kernels take, escape counts within the scratch, no stream checksum unless the host already
+// verified it. Anything else sets FLAG_HOST: the kernels after it write nothing, and the host
+// parses the frame itself, to raise its precise error or to decode it another way.
+__global__ void __launch_bounds__(32)
+decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R, u64 n, u32 expected_ndim,
+              u64 s0, u64 s1, u64 s2, u64 s3, u64 s4, u64 s5, u64 s6, u64 s7, u64 max_nchunks,
+              u32 stream_crc_verified, u64* params, u32* flags) {
+    __shared__ u32 crc_table[256];
+    for (u32 e = threadIdx.x; e < 256; e += 32) {
+        u32 v = e;
+        for (int k = 0; k < 8; k++) v = (v >> 1) ^ (0x82F63B78u & (0u - (v & 1u)));  // reflected CRC32C
+        crc_table[e] = v;
+    }
+    __syncwarp();
+    if (threadIdx.x != 0) return;
+    bool ok = frame_size >= 160 && n > 0;
+    if (ok) {
+        u32 crc = 0xFFFFFFFFu;
+        for (int b = 0; b < 156; b++) crc = crc_table[(crc ^ frame[b]) & 0xFF] ^ (crc >> 8);
+        ok = (crc ^ 0xFFFFFFFFu) == (u32)le_bytes(frame + 156, 4);
+    }
+    const u32 header_flags = ok ? frame[10] : 0;
+    const u64 chunk = ok ? le_bytes(frame + 12, 4) : 0;
+    ok = ok && frame[0] == 'K' && frame[1] == 'V' && frame[2] == 'F' && frame[3] == 'Z'
+         && le_bytes(frame + 4, 2) == 1 && frame[6] == 1 && frame[7] == dtype_id && frame[8] <= 8
+         && frame[9] == C && (header_flags == 0 || (header_flags == 1 && stream_crc_verified)) && frame[11] == 0
+         && chunk >= GROUP && chunk % GROUP == 0 && chunk < (1u << 15) && le_bytes(frame + 16, 8) == n;
+    if (ok) {  // the shape: its product is n, unused dimensions are 0, and it is the expected one
+        const u64 expected[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+        const u32 ndim = frame[8];
+        u64 product = 1;
+        for (u32 i = 0; i < 8; i++) {
+            const u64 d = le_bytes(frame + 24 + 8 * i, 8);
+            if (i >= ndim) {
+                ok = ok && d == 0;
+                continue;
+            }
+            if (d == 0 || product > n / d) ok = false;  // n > 0: a zero or overflowing dim is wrong
+            else product *= d;
+            if (expected_ndim < 255) ok = ok && d == expected[i];
+        }
+        ok = ok && product == n && (expected_ndim == 255 || ndim == expected_ndim);
+    }
+    if (ok) {  // the codebook: 2^C distinct exponents below 2^E, the rest zero
+        u32 seen[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (u32 i = 0; i < 16; i++) {
+            const u32 e = frame[88 + i];
+            if (i >= (1u << C)) {
+                ok = ok && e == 0;
+            } else {
+                ok = ok && e < (1u << E) && !(seen[e >> 5] & (1u << (e & 31)));
+                seen[e >> 5] |= 1u << (e & 31);
+            }
+        }
+    }
+    const u64 escapes = ok ? le_bytes(frame + 104, 8) : 0;
+    const u64 nchunks = ok ? (n + chunk - 1) / chunk : 0;
+    u64 offsets[5];
+    if (ok) {  // stream lengths as the format defines them, offsets, and the frame's size
+        const u64 lengths[5] = {(n * R + 7) / 8, (n * C + 7) / 8, 2 * nchunks, 2 * escapes, escapes};
+        u64 end = 160, total = 160;
+        for (int i = 0; i < 5; i++) {
+            ok = ok && le_bytes(frame + 112 + 8 * i, 8) == lengths[i];
+            offsets[i] = (end + 15) & ~15ull;
+            end = offsets[i] + lengths[i];
+            if (lengths[i]) total = end;
+        }
+        ok = ok && escapes <= n && nchunks <= max_nchunks && total == frame_size
+             && (header_flags || le_bytes(frame + 152, 4) == 0);
+    }
+    if (!ok) {
+        *flags |= FLAG_HOST;
+        return;
+    }
+    params[P_CHUNK] = chunk;
+    params[P_NCHUNKS] = nchunks;
+    params[P_ESCAPES] = escapes;
+    for (int i = 0; i < 5; i++) params[P_OFFSETS + i] = offsets[i];
+    params[P_CODEBOOK] = le_bytes(frame + 88, 8);
+    params[P_CODEBOOK + 1] = le_bytes(frame + 96, 8);
+}
+
 // Decode validation, with the escape offsets: writes inclusive[c] (escapes through chunk c) and
 // checks everything the decode kernel indexes by. Sets bits of *flags:
 // 1 count > chunk length, 2 counts overrun the escape total, 4 position outside chunk,
 // 8 positions not increasing, 16 escape value too wide, 32 counts do not sum to the total,
 // 64 a block id outside the cache, 128 a block id repeated (seen: a zeroed bitmap of nblocks bits).
+// Blocks take tiles by ticket until none is left, so any grid covers any chunk count.
 template <int E>
 __global__ void __launch_bounds__(SCAN_THREADS)
-validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chunk, u64 total,
-                 const u8* pos_bytes, const u8* val, const i64* block_ids, u64 nids, u64 nblocks,
-                 u32* seen, u32* flags, u64* status, u32* ticket) {
+validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, const i64* block_ids, u64 nids,
+                 u64 nblocks, u32* seen, u32* flags, u64* status, u32* ticket) {
+    if (*flags & FLAG_HOST) return;  // decode_header ran just before, on the same stream
+    const u64 chunk = params[P_CHUNK], nchunks = params[P_NCHUNKS], total = params[P_ESCAPES];
+    const u8* counts16 = frame + params[P_OFFSETS + 2];
+    const u8* pos_bytes = frame + params[P_OFFSETS + 3];
+    const u8* val = frame + params[P_OFFSETS + 4];
     const u64 stride = (u64)gridDim.x * SCAN_THREADS;
     for (u64 k = (u64)blockIdx.x * SCAN_THREADS + threadIdx.x; k < nids; k += stride) {
         u64 id = (u64)block_ids[k];
@@ -506,45 +613,46 @@ validate_escapes(const u8* counts16, i64* inclusive, u64 nchunks, u64 n, u32 chu
             atomicOr(flags, 128u);
         }
     }
-    const u64 tile = scan_ticket(ticket);
-    if (tile * SCAN_TILE >= nchunks) return;  // a block only there for the ids
-    const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
-    u32 count[SCAN_ITEMS];
-    u64 local = 0;
+    for (u64 tile = scan_ticket(ticket); tile * SCAN_TILE < nchunks; tile = scan_ticket(ticket)) {
+        const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
+        u32 count[SCAN_ITEMS];
+        u64 local = 0;
 #pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) {
-        const u64 c = first + k;
-        count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
-        local += count[k];
-    }
-    u64 end_off = scan_exclusive(local, status, tile);
-    u32 bad = 0;
-#pragma unroll
-    for (int k = 0; k < SCAN_ITEMS; k++) {
-        const u64 c = first + k;
-        if (c >= nchunks) break;
-        end_off += count[k];
-        inclusive[c] = (i64)end_off;
-        const u64 start = c * chunk;
-        const u32 len = (u32)min((u64)chunk, n - start);
-        u32 chunk_bad = 0;
-        if (count[k] > len) chunk_bad |= 1u;
-        if (end_off > total) chunk_bad |= 2u;
-        if (c == nchunks - 1 && end_off != total) chunk_bad |= 32u;
-        if (count[k] && !(chunk_bad & 3u)) {
-            const u64 off = end_off - count[k];
-            u32 previous = 0;
-            for (u32 t = 0; t < count[k]; t++) {
-                u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
-                if (p >= len) chunk_bad |= 4u;
-                if (t > 0 && p <= previous) chunk_bad |= 8u;
-                if (val[off + t] >> E) chunk_bad |= 16u;
-                previous = p;
-            }
+        for (int k = 0; k < SCAN_ITEMS; k++) {
+            const u64 c = first + k;
+            count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
+            local += count[k];
         }
-        bad |= chunk_bad;
+        u64 end_off = scan_exclusive(local, status, tile);
+        u32 bad = 0;
+#pragma unroll
+        for (int k = 0; k < SCAN_ITEMS; k++) {
+            const u64 c = first + k;
+            if (c >= nchunks) break;
+            end_off += count[k];
+            inclusive[c] = (i64)end_off;
+            const u64 start = c * chunk;
+            const u32 len = (u32)min(chunk, n - start);
+            u32 chunk_bad = 0;
+            if (count[k] > len) chunk_bad |= 1u;
+            if (end_off > total) chunk_bad |= 2u;
+            if (c == nchunks - 1 && end_off != total) chunk_bad |= 32u;
+            if (count[k] && !(chunk_bad & 3u)) {
+                const u64 off = end_off - count[k];
+                u32 previous = 0;
+                for (u32 t = 0; t < count[k]; t++) {
+                    u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
+                    if (p >= len) chunk_bad |= 4u;
+                    if (t > 0 && p <= previous) chunk_bad |= 8u;
+                    if (val[off + t] >> E) chunk_bad |= 16u;
+                    previous = p;
+                }
+            }
+            bad |= chunk_bad;
+        }
+        if (bad) atomicOr(flags, bad);
+        __syncthreads();  // every thread has read this tile's ticket before the next is drawn
     }
-    if (bad) atomicOr(flags, bad);
 }
 
 // One group back from its residual bits and codes.
@@ -658,11 +766,19 @@ __device__ __forceinline__ void load_codebook(const u8* codebook, u32* table, u3
 // sets *flags and nothing is written), so every write is in bounds.
 template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, MINB)
-decode_chunks(const u8* residual_in, const u8* codes_in, const u8* counts16, const i64* inclusive,
-              const u16* pos_in, const u8* val_in, const u8* codebook, u64 n, u32 chunk, u64 nchunks,
-              u8* out, const i64* block_ids, u64 block_elems, const u32* flags) {
-    // validate_escapes ran just before on the same stream: a bad frame writes nothing.
+decode_chunks(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8* out, const i64* block_ids,
+              u64 block_elems, const u32* flags) {
+    // decode_header and validate_escapes ran just before on the same stream: a bad frame
+    // writes nothing.
     if (*flags) return;
+    const u32 chunk = (u32)params[P_CHUNK];
+    const u64 nchunks = params[P_NCHUNKS];
+    const u8* residual_in = frame + params[P_OFFSETS];
+    const u8* codes_in = frame + params[P_OFFSETS + 1];
+    const u8* counts16 = frame + params[P_OFFSETS + 2];
+    const u16* pos_in = reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3]);
+    const u8* val_in = frame + params[P_OFFSETS + 4];
+    const u8* codebook = reinterpret_cast<const u8*>(params + P_CODEBOOK);
     __shared__ u32 table[1u << C];
     u32 book[4];
     load_codebook<C>(codebook, table, book);

@@ -29,7 +29,7 @@ import torch
 from .checksum import crc32c
 from .dtypes import LAYOUTS, FloatLayout
 from .errors import CorruptFrame, OutputMismatch
-from .format import HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
+from .format import DEFAULT_CHUNK, HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
 from .staging import current_stream, read_to_host
 
 THREADS = 128
@@ -84,6 +84,7 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
     for layout in LAYOUTS:
         names |= {f"encode_dense{_template(layout)}", f"decode_chunks{_template(layout)}",
                   f"validate_escapes<{layout.exp_bits}>", f"encode_tail<{layout.total_bits}>"}
+    names.add("decode_header")
     options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=sorted(names))
@@ -325,81 +326,109 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     return frame
 
 
+# Decode's scratch holds escape offsets for this many chunks of the element count: frames with
+# shorter chunks take the host-parsed path, which sizes the scratch from their header.
+MIN_UNPARSED_CHUNK = 256
+_PARAM_WORDS = 10  # decode_header's findings (PARAM_WORDS in the kernels)
+_FLAG_HOST = 512
+
+
 @dataclass(frozen=True)
 class _DecodePlan:
-    """What decoding a (layout, element count, chunk, codebook) needs that no frame changes:
-    kernels, grids and the codebook on the device. Escape counts differ from frame to frame,
-    so the stream offsets come from each header."""
+    """Kernels and grids for decoding frames of one (layout, element count, scratch size)."""
 
-    nchunks: int
-    tiles: int
+    header: _Kernel
     validate: _Kernel
     dense: _Kernel
+    validate_grid: int  # sized for the default chunk; blocks draw more tiles if a frame has more
     dense_grid: int
-    codebook_table: torch.Tensor  # held for codebook_pointer
-    codebook_pointer: int
+    tiles: int  # look-back status words for max_nchunks
 
 
 @functools.lru_cache(maxsize=64)
-def _decode_plan(layout: FloatLayout, numel: int, chunk: int, codebook: tuple[int, ...], device: torch.device,
+def _decode_plan(layout: FloatLayout, numel: int, max_nchunks: int, device: torch.device,
                  tuning: tuple[tuple[str, int], ...]) -> _DecodePlan:
-    nchunks = (numel + chunk - 1) // chunk
-    table = _on_device(bytes(codebook), device)
+    usual = -(-numel // DEFAULT_CHUNK)
     return _DecodePlan(
-        nchunks=nchunks, tiles=-(-nchunks // SCAN_TILE),
+        header=_kernel(device.index, "decode_header", tuning, 32),
         validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, SCAN_THREADS),
         dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
-        dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
-        codebook_table=table, codebook_pointer=table.data_ptr(),
+        validate_grid=max(1, -(-usual // SCAN_TILE)), dense_grid=_blocks_for_chunks(usual, dict(tuning)["LANES"]),
+        tiles=-(-max_nchunks // SCAN_TILE),
     )
 
 
-def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
-                block_ids: torch.Tensor | None = None, block_elems: int = 0) -> None:
-    """Decode a validated-header frame into ``out`` (contiguous, any shape; for a coded frame
-    also a cache with ``block_ids``, which are checked on the device with the escape streams).
+def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout, *,
+                    shape: tuple[int, ...] | None = None, block_ids: torch.Tensor | None = None,
+                    block_elems: int = 0, max_nchunks: int | None = None, stream_crc_verified: bool = False) -> bool:
+    """Decode ``frame`` (16-byte aligned) into ``out`` (contiguous), or into the blocks
+    ``block_ids`` of the cache ``out``, with the header checked on the device: the GPU starts
+    without waiting for the host to read it. ``shape``, when given, is the shape the frame must
+    declare. Returns False, with nothing written, for a frame this path does not take (a bad or
+    mismatched header, a stored frame, a stream checksum not yet verified, short chunks): the
+    caller then parses the header on the host, which raises the precise error or decodes the
+    frame another way.
 
     Raises:
         CorruptFrame: the escape streams fail validation. IndexError: a block id outside the
             cache. OutputMismatch: a block id repeats. In every case nothing was written.
     """
     device = frame.device
-    if header.codec == Codec.STORED:
-        out.view(-1).copy_(frame[HEADER_SIZE:header.total].view(header.layout.dtype))
-        return
-    numel, chunk = header.numel, header.chunk
-    plan = _decode_plan(header.layout, numel, chunk, header.codebook, device, _tuning())
-    nchunks, tiles = plan.nchunks, plan.tiles
-    base = frame.data_ptr()
-    off = [base + o for o in header.offsets]
-    stream = current_stream(device)
     nids = 0 if block_ids is None else block_ids.numel()
+    numel = nids * block_elems if block_ids is not None else out.numel()
+    if max_nchunks is None:
+        max_nchunks = -(-numel // MIN_UNPARSED_CHUNK)
+    plan = _decode_plan(layout, numel, max_nchunks, device, _tuning())
+    stream = current_stream(device)
     ids = block_ids.data_ptr() if nids else 0
     nblocks = out.numel() // block_elems if nids else 0
-    # One scratch: the verdict word, the scan's ticket and a status word per tile, a bitmap of
-    # the cache's blocks for spotting repeated ids (all zeroed), then the escape offsets.
-    zeroed = 8 * (1 + tiles) + 8 * ((nblocks + 63) // 64)
-    scratch = torch.empty(zeroed + 8 * nchunks, dtype=torch.uint8, device=device)
+    # One scratch: the verdict word and the scan's ticket, a look-back status word per tile, a
+    # bitmap of the cache's blocks for spotting repeated ids (all zeroed), then decode_header's
+    # findings and the escape offsets.
+    zeroed = 8 * (1 + plan.tiles) + 8 * ((nblocks + 63) // 64)
+    scratch = torch.empty(zeroed + 8 * (_PARAM_WORDS + max_nchunks), dtype=torch.uint8, device=device)
     words = scratch.data_ptr()
     _zero(device.index, words, zeroed, stream)
-    flags, inclusive = words, words + zeroed
-    plan.validate(stream, max(tiles, -(-nids // SCAN_THREADS)), (
-        off[Stream.CHUNK_COUNTS], inclusive, nchunks, numel, chunk, header.escapes, off[Stream.ESC_POSITIONS],
-        off[Stream.ESC_VALUES], ids, nids, nblocks, words + 8 * (1 + tiles), flags, words + 8, words + 4,
-    ), every_block=True)
-    plan.dense(stream, plan.dense_grid, (
-        off[Stream.RESIDUAL], off[Stream.CODES], off[Stream.CHUNK_COUNTS], inclusive, off[Stream.ESC_POSITIONS],
-        off[Stream.ESC_VALUES], plan.codebook_pointer, numel, chunk, nchunks, out.data_ptr(), ids, block_elems,
-        flags,
+    flags, params, base = words, words + zeroed, frame.data_ptr()
+    inclusive = params + 8 * _PARAM_WORDS
+    expected = (255,) + (0,) * 8 if shape is None else (len(shape), *shape, *(0,) * (8 - len(shape)))
+    plan.header(stream, 1, (
+        base, frame.numel(), layout.wire_id, layout.exp_bits, layout.code_bits, layout.residual_bits, numel,
+        *expected, max_nchunks, int(stream_crc_verified), params, flags,
     ))
-    # The decode kernel skipped every write if validation failed; one sync, after all the work.
+    plan.validate(stream, max(plan.validate_grid, -(-nids // SCAN_THREADS)), (
+        base, params, inclusive, numel, ids, nids, nblocks, words + 8 * (1 + plan.tiles), flags, words + 8, words + 4,
+    ), every_block=True)
+    plan.dense(stream, plan.dense_grid, (base, params, inclusive, numel, out.data_ptr(), ids, block_elems, flags))
+    # The kernels after decode_header wrote nothing if anything failed; one sync, at the end.
     verdict = int(read_to_host(scratch, 4, stream).view(np.int32)[0])
+    if verdict & _FLAG_HOST:
+        return False
     if verdict & _BAD_ID:
         raise IndexError(f"block ids must be in 0..{nblocks - 1}")
     if verdict & _REPEATED_ID:
         raise OutputMismatch("block ids repeat")
     if verdict:
         raise CorruptFrame("; ".join(text for bit, text in _FLAG_REASONS.items() if verdict & bit))
+    return True
+
+
+def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
+                block_ids: torch.Tensor | None = None, block_elems: int = 0) -> None:
+    """Decode a frame whose header the host has parsed (and whose stream checksum, if any, it
+    has verified) into ``out`` (contiguous, any shape; for a coded frame also a cache with
+    ``block_ids``, which are checked on the device with the escape streams).
+
+    Raises:
+        CorruptFrame, IndexError, OutputMismatch: as ``decode_unparsed``; nothing was written.
+    """
+    if header.codec == Codec.STORED:
+        out.view(-1).copy_(frame[HEADER_SIZE:header.total].view(header.layout.dtype))
+        return
+    nchunks = -(-header.numel // header.chunk)
+    if not decode_unparsed(frame, out, header.layout, block_ids=block_ids, block_elems=block_elems,
+                           max_nchunks=nchunks, stream_crc_verified=header.stream_crc is not None):
+        raise CorruptFrame("the device's header check rejected a header the host accepted")
 
 
 def check_alignment(frame: torch.Tensor) -> torch.Tensor:

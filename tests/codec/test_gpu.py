@@ -10,6 +10,7 @@ import torch
 import codec
 from codec import splitzip_gpu
 from codec.format import Codec
+from codec.checksum import crc32c
 from codec.frames import _encode
 from tests.conftest import DTYPES, bits_equal
 
@@ -251,3 +252,80 @@ def test_strided_block_id_tensors():
     codec.decode_blocks(frame, dst, torch.tensor([7, 0, 1, 0, 3, 0, 4, 0], device="cuda")[::2])
     assert bits_equal(dst[[7, 1, 3, 4]].cpu(), cache[[5, 9, 2, 30]])
     assert int(torch.count_nonzero(dst[[0, 2, 5, 6]].view(torch.int16))) == 0
+
+
+def _with_header_crc(data: bytearray) -> bytearray:
+    data[156:160] = crc32c(bytes(data[:156])).to_bytes(4, "little")
+    return data
+
+
+def _header_cases() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    kv = torch.randn(3, 1100, generator=gen)
+    kv[0, ::50] = 1e30  # escapes
+    return [
+        codec.encode(kv.to(torch.bfloat16)),
+        codec.encode(kv.to(torch.bfloat16), checksum=True),
+        codec.encode(kv.to(torch.float16)),
+        codec.encode(kv.to(torch.float8_e5m2), chunk=512),
+        _encode(kv.to(torch.float8_e4m3fn), None, checksum=False, chunk=64, force=Codec.SPLITZIP),
+        codec.encode(torch.randint(0, 256, (700,), dtype=torch.uint8).view(torch.float8_e4m3fn)),  # stored
+    ]
+
+
+def test_header_checked_on_the_device_agrees_with_the_host():
+    """Single-bit changes (bits 0, 1, 4, 7) of every header byte, the header CRC made valid again so
+    that the field checks themselves are reached: the GPU (which checks the header on the
+    device) raises exactly when the CPU reference raises, the same error, and writes nothing
+    then; otherwise both give the same bits."""
+    checked = raised = 0
+    for frame in _header_cases():
+        header = codec.read_header(frame)
+        original = bytearray(frame.numpy().tobytes())
+        for byte in range(156):
+            for bit in (0, 1, 4, 7):
+                data = bytearray(original)
+                data[byte] ^= 1 << bit
+                data = _with_header_crc(data)
+                cpu_frame = torch.frombuffer(data, dtype=torch.uint8)
+                out = torch.full((header.numel,), 3.0).to(header.layout.dtype).cuda()
+                try:
+                    expected = codec.decode(cpu_frame, out=torch.empty(header.numel, dtype=header.layout.dtype))
+                except (codec.CorruptFrame, codec.OutputMismatch) as error:
+                    with pytest.raises(type(error)):
+                        codec.decode(cpu_frame.cuda(), out=out)
+                    assert bool((out.float() == 3.0).all()), f"byte {byte} bit {bit}: GPU wrote before failing"
+                    raised += 1
+                else:
+                    assert bits_equal(codec.decode(cpu_frame.cuda(), out=out).cpu(), expected), f"byte {byte} bit {bit}"
+                checked += 1
+    assert raised > checked // 2
+
+
+def test_decode_into_out_reads_no_header_on_the_host(monkeypatch):
+    """decode(frame, out=...) and decode_blocks leave the header to the GPU for coded frames."""
+    x = _random_bits(50_000, torch.bfloat16, seed=4, escape_rate=0.01).cuda()
+    frame = codec.encode(x)
+    cache = torch.randn(16, 2, 16, 256).to(torch.bfloat16).cuda()
+    blocks = codec.encode_blocks(cache, [3, 7, 1])
+
+    def no_host_parse(_frame):
+        raise AssertionError("the host read the header")
+
+    monkeypatch.setattr(codec.frames, "read_header", no_host_parse)
+    out = torch.empty_like(x)
+    assert bits_equal(codec.decode(frame, out=out), x)
+    dst = torch.zeros_like(cache)
+    codec.decode_blocks(blocks, dst, [0, 5, 9])
+    assert bits_equal(dst[[0, 5, 9]].cpu(), cache[[3, 7, 1]].cpu())
+
+
+def test_blocks_of_another_shape_are_refused():
+    """A frame of the same element count but another block shape is an OutputMismatch (the GPU
+    declines it, the host says why), and nothing is written."""
+    cache = torch.randn(8, 2, 16, 256).to(torch.bfloat16).cuda()
+    frame = codec.encode_blocks(cache, [1, 2])
+    other = torch.zeros(8, 16, 2, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(codec.OutputMismatch):
+        codec.decode_blocks(frame, other, [0, 1])
+    assert int(torch.count_nonzero(other.view(torch.int16))) == 0
