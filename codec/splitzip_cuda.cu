@@ -515,14 +515,19 @@ decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R
               u64 s0, u64 s1, u64 s2, u64 s3, u64 s4, u64 s5, u64 s6, u64 s7, u64 max_nchunks,
               u32 stream_crc_verified, u64* params, u32* flags) {
     __shared__ u32 crc_table[256];
+    __shared__ u32 words[40];  // the header, read once by the warp: the checks below are serial
     for (u32 e = threadIdx.x; e < 256; e += 32) {
         u32 v = e;
         for (int k = 0; k < 8; k++) v = (v >> 1) ^ (0x82F63B78u & (0u - (v & 1u)));  // reflected CRC32C
         crc_table[e] = v;
     }
+    if (frame_size >= 160) {  // the frame is 16-byte aligned
+        for (u32 w = threadIdx.x; w < 40; w += 32) words[w] = reinterpret_cast<const u32*>(frame)[w];
+    }
     __syncwarp();
     if (threadIdx.x != 0) return;
     bool ok = frame_size >= 160 && n > 0;
+    frame = reinterpret_cast<const u8*>(words);
     if (ok) {
         u32 crc = 0xFFFFFFFFu;
         for (int b = 0; b < 156; b++) crc = crc_table[(crc ^ frame[b]) & 0xFF] ^ (crc >> 8);
