@@ -5,9 +5,10 @@ Encode: a dense pass (residual and code streams, escape counts per chunk and per
 chunks, escapes spilled per chunk) and a tail pass that finds each chunk's escape offset from
 those counts, compacts escapes, falls back to a stored frame if coding did not pay, and writes
 the header. The frame's size stays on the device (``encode_into``); ``encode`` reads it once at
-the end. Decode: a validation pass that also scans the escape counts (one pass, decoupled
-look-back), and a dense pass that skips every write if validation failed; one synchronization
-at the end reads the verdict. Everything runs on torch's current stream.
+the end. Decode: a header check on the device (so that the host need not read the header
+first), a validation pass that also scans the escape counts (one pass, decoupled look-back),
+and a dense pass that skips every write if anything failed; one synchronization at the end
+reads the verdict. Everything runs on torch's current stream.
 
 The host's share of a call is kept small, since it bounds small-chunk throughput and the GPU
 waits on it between calls: plans per shape, one scratch allocation and one memset per call,
