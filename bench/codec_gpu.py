@@ -119,7 +119,8 @@ def host_timeline(x: torch.Tensor, book: codec.Codebook, calls: int = 20) -> Non
                 fn()
                 ended = time.perf_counter()
                 rows.append([(name, (t - started) * 1e6) for name, t in marks] + [("return", (ended - started) * 1e6)])
-            steps = ", ".join(f"{name} {statistics.median(r[i][1] for r in rows):.0f}" for i, (name, _) in enumerate(rows[0]))
+            steps = ", ".join(f"{name} {statistics.median(r[i][1] for r in rows):.0f}"
+                              for i, (name, _) in enumerate(rows[0]))
             print(f"host timeline, {label} of {x.numel() >> 20}M elements, µs from the call's start: {steps}")
     finally:
         splitzip_gpu._Kernel.__call__ = launch

@@ -133,9 +133,10 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     """
     if _unparsed_on_gpu(frame, cache) and _blocks_on_gpu(cache, 8) and cache.dim() <= MAX_NDIM:
         ids = _block_ids(block_ids, cache, check=False)  # checked on the device
+        shape = (ids.numel(), *cache.shape[1:])
         if ids.numel() and splitzip_gpu.decode_unparsed(
-                splitzip_gpu.check_alignment(frame), cache, layout_for(cache.dtype), shape=(ids.numel(), *cache.shape[1:]),
-                block_ids=ids, block_elems=_block_elems(cache)):
+                splitzip_gpu.check_alignment(frame), cache, layout_for(cache.dtype), shape=shape, block_ids=ids,
+                block_elems=_block_elems(cache)):
             return
     header = read_header(frame)
     # Coded frames on the GPU: the validation kernel checks the ids along with the streams.

@@ -228,7 +228,8 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         tiles=-(-nchunks // SCAN_THREADS),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning, SCAN_THREADS),
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
-        marked_table=_on_device(bytes(marked), device), templates=_on_device(dense.pack() + stored.pack() + _crc_deltas(), device),
+        marked_table=_on_device(bytes(marked), device),
+        templates=_on_device(dense.pack() + stored.pack() + _crc_deltas(), device),
         dense_scalars=(numel, chunk, nchunks),
         tail_scalars=(counts_end, off[Stream.ESC_POSITIONS], stored.total, gaps[0], gaps[1]),
     )
