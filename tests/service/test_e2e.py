@@ -50,7 +50,8 @@ def test_owned_to_owned_real_kv_bit_exact(pair, kv, codec_name):
         assert result["chosen_codec"] in ("raw", "splitzip") and reason.startswith(("predicted", "measured"))
         if reason.startswith("measured"):
             raw_gbps, coded_gbps = (float(word) for word in reason.split() if word.replace(".", "").isdigit())
-            assert result["chosen_codec"] == ("splitzip" if coded_gbps > raw_gbps else "raw")
+            if raw_gbps != coded_gbps:  # the reason shows two decimals: a tie there decides nothing
+                assert result["chosen_codec"] == ("splitzip" if coded_gbps > raw_gbps else "raw")
 
 
 def test_shm_to_shm(pair, kv):
