@@ -254,15 +254,15 @@ def _decode_validated(frame: torch.Tensor, header: Header) -> torch.Tensor:
     return flat.view(header.shape)
 
 
+_GPU_DTYPES = {layout.dtype for layout in LAYOUTS}
+
+
 def _unparsed_on_gpu(frame: torch.Tensor, out: torch.Tensor) -> bool:
     """A frame the GPU can decode into ``out`` without the host reading its header first (the
     GPU checks it, and hands back whatever it does not take)."""
     return (isinstance(frame, torch.Tensor) and frame.dtype == torch.uint8 and frame.dim() == 1
             and frame.numel() >= HEADER_SIZE and frame.is_cuda and out.is_cuda and out.device == frame.device
             and out.is_contiguous() and out.dtype in _GPU_DTYPES and splitzip_gpu.available())
-
-
-_GPU_DTYPES = {layout.dtype for layout in LAYOUTS}
 
 
 def _on_gpu(t: torch.Tensor, chunk: int) -> bool:

@@ -31,7 +31,7 @@ from .checksum import crc32c
 from .dtypes import LAYOUTS, FloatLayout
 from .errors import CorruptFrame, OutputMismatch
 from .format import DEFAULT_CHUNK, HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
-from .staging import current_stream, read_to_host
+from .staging import current_stream, optional_cupy, read_to_host
 
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
@@ -56,7 +56,7 @@ _BAD_ID, _REPEATED_ID = 64, 128  # block ids, checked by the same kernel
 @functools.cache
 def available() -> bool:
     """True when CUDA and CuPy are both usable (asked once: neither changes in a process)."""
-    return _cupy() is not None and torch.cuda.is_available()
+    return optional_cupy() is not None and torch.cuda.is_available()
 
 
 def supports(chunk: int) -> bool:
@@ -65,22 +65,13 @@ def supports(chunk: int) -> bool:
     return chunk % 8 == 0 and chunk < 1 << 15
 
 
-@functools.cache
-def _cupy():
-    try:
-        import cupy
-    except Exception:  # ImportError, or a CuPy that finds no CUDA runtime
-        return None
-    return cupy
-
-
 def _template(layout: FloatLayout) -> str:
     return f"<{layout.total_bits},{layout.exp_bits},{layout.code_bits}>"
 
 
 @functools.cache
 def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
-    cupy = _cupy()
+    cupy = optional_cupy()
     names = set()
     for layout in LAYOUTS:
         names |= {f"encode_dense{_template(layout)}", f"decode_chunks{_template(layout)}",
@@ -114,7 +105,7 @@ class _Kernel:
         """Launch ``grid`` blocks, capped at what fits on the GPU unless ``every_block`` (the
         scans: each block takes a tile by ticket and none loops)."""
         blocks = max(1, grid if every_block else min(grid, self.resident_blocks))
-        _in_context(self.device_index, _cupy().cuda.driver.launchKernel,
+        _in_context(self.device_index, optional_cupy().cuda.driver.launchKernel,
                     self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, _parameters(args), 0)
 
 
@@ -140,7 +131,7 @@ def _parameters(args: tuple[int, ...]) -> int:
 
 def _in_context(device_index: int, call, *args) -> None:
     """``call(*args)`` with ``device_index``'s primary context current on this thread."""
-    cupy = _cupy()
+    cupy = optional_cupy()
     if cupy.cuda.runtime.getDevice() != device_index:
         with cupy.cuda.Device(device_index):
             call(*args)
@@ -153,13 +144,13 @@ def _in_context(device_index: int, call, *args) -> None:
 
 
 def _zero(device_index: int, pointer: int, nbytes: int, stream: int) -> None:
-    _in_context(device_index, _cupy().cuda.runtime.memsetAsync, pointer, 0, nbytes, stream)
+    _in_context(device_index, optional_cupy().cuda.runtime.memsetAsync, pointer, 0, nbytes, stream)
 
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...], threads: int = THREADS) -> _Kernel:
-    cupy = _cupy()
+    cupy = optional_cupy()
     function = _module(device_index, tuning).get_function(name)
     with cupy.cuda.Device(device_index):
         handle = function.kernel.ptr  # the CUfunction under CuPy's RawKernel

@@ -22,14 +22,14 @@ def _pinned(nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
 
 
 @functools.cache
-def _cuda_runtime():
-    """CuPy's binding of the CUDA runtime, when CuPy is there: two calls instead of torch's
-    dispatch for each step."""
+def optional_cupy():
+    """CuPy, or None where it is missing or finds no CUDA runtime. The GPU codec launches through
+    it, and these reads use its runtime binding: two calls instead of torch's dispatch per step."""
     try:
-        from cupy.cuda import runtime
-    except Exception:  # no CuPy, or one without a CUDA runtime
+        import cupy
+    except Exception:  # ImportError, or a CuPy that finds no CUDA runtime
         return None
-    return runtime
+    return cupy
 
 
 def current_stream(device: torch.device) -> int:
@@ -45,8 +45,9 @@ def read_to_host(t: torch.Tensor, nbytes: int, stream: int, offset: int = 0) -> 
     The array is a copy: the pinned buffer is reused by this thread's next read.
     """
     buf, array = _pinned(nbytes)
-    runtime = _cuda_runtime()
-    if runtime is not None:
+    cupy = optional_cupy()
+    if cupy is not None:
+        runtime = cupy.cuda.runtime
         device = t.device.index
         if runtime.getDevice() != device:
             with torch.cuda.device(device):
