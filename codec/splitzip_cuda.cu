@@ -505,13 +505,14 @@ __device__ __forceinline__ u64 le_bytes(const u8* p, int n) {
 
 // Decode's header check, on the device, so that a decode need not wait for the host to read and
 // parse the header before the GPU starts. It accepts exactly the frames that parse_header
-// (format.py) accepts and that this path decodes as the caller expects: SplitZip-coded, of the
-// expected dtype and element count (and shape, when expected_ndim < 255), a chunk size the
-// kernels take, escape counts within the scratch, no stream checksum unless the host already
-// verified it. Anything else sets FLAG_HOST: the kernels after it write nothing, and the host
+// (format.py) accepts and that this path decodes as the caller expects: of the expected dtype
+// and element count (and shape, when expected_ndim < 255), stored or coded with a chunk size the
+// kernels take and escape counts within the scratch, no stream checksum unless the host already
+// verified it. A stored frame gets chunk 0 in params. Anything else sets FLAG_HOST: the kernels after it write nothing, and the host
 // parses the frame itself, to raise its precise error or to decode it another way.
 __global__ void __launch_bounds__(32)
-decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R, u64 n, u32 expected_ndim,
+decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R, u32 itemsize, u64 n,
+              u32 expected_ndim,
               u64 s0, u64 s1, u64 s2, u64 s3, u64 s4, u64 s5, u64 s6, u64 s7, u64 max_nchunks,
               u32 stream_crc_verified, u64* params, u32* flags) {
     // CRC32C tables for slicing by 4 (crc_table[k][e]: byte e followed by k zero bytes): the
@@ -550,11 +551,13 @@ decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R
         ok = (crc ^ 0xFFFFFFFFu) == words[39];
     }
     const u32 header_flags = ok ? frame[10] : 0;
+    const bool coded = ok && frame[6] == 1;  // else stored (codec 0): the raw elements follow the header
     const u64 chunk = ok ? u32_at(12) : 0;
     ok = ok && frame[0] == 'K' && frame[1] == 'V' && frame[2] == 'F' && frame[3] == 'Z'
-         && le_bytes(frame + 4, 2) == 1 && frame[6] == 1 && frame[7] == dtype_id && frame[8] <= 8
-         && frame[9] == C && (header_flags == 0 || (header_flags == 1 && stream_crc_verified)) && frame[11] == 0
-         && chunk >= GROUP && chunk % GROUP == 0 && chunk < (1u << 15) && u64_at(16) == n;
+         && le_bytes(frame + 4, 2) == 1 && frame[6] <= 1 && frame[7] == dtype_id && frame[8] <= 8
+         && frame[9] == (coded ? C : 0) && (header_flags == 0 || (header_flags == 1 && stream_crc_verified))
+         && frame[11] == 0 && u64_at(16) == n
+         && (coded ? chunk >= GROUP && chunk % GROUP == 0 && chunk < (1u << 15) : chunk == 0);
     if (ok) {  // the shape: its product is n, unused dimensions are 0, and it is the expected one
         const u64 expected[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
         const u32 ndim = frame[8];
@@ -571,11 +574,11 @@ decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R
         }
         ok = ok && product == n && (expected_ndim == 255 || ndim == expected_ndim);
     }
-    if (ok) {  // the codebook: 2^C distinct exponents below 2^E, the rest zero
+    if (ok) {  // the codebook: 2^C distinct exponents below 2^E, the rest zero (all zero if stored)
         u32 seen[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (u32 i = 0; i < 16; i++) {
             const u32 e = frame[88 + i];
-            if (i >= (1u << C)) {
+            if (!coded || i >= (1u << C)) {
                 ok = ok && e == 0;
             } else {
                 ok = ok && e < (1u << E) && !(seen[e >> 5] & (1u << (e & 31)));
@@ -584,10 +587,15 @@ decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R
         }
     }
     const u64 escapes = ok ? u64_at(104) : 0;
-    const u64 nchunks = ok ? (n + chunk - 1) / chunk : 0;
+    const u64 nchunks = ok && coded ? (n + chunk - 1) / chunk : 0;
     u64 offsets[5];
     if (ok) {  // stream lengths as the format defines them, offsets, and the frame's size
-        const u64 lengths[5] = {(n * R + 7) / 8, (n * C + 7) / 8, 2 * nchunks, 2 * escapes, escapes};
+        u64 lengths[5] = {(n * R + 7) / 8, (n * C + 7) / 8, 2 * nchunks, 2 * escapes, escapes};
+        if (!coded) {
+            ok = escapes == 0;
+            lengths[0] = n * itemsize;
+            lengths[1] = 0;
+        }
         u64 end = 160, total = 160;
         for (int i = 0; i < 5; i++) {
             ok = ok && u64_at(112 + 8 * i) == lengths[i];
@@ -793,6 +801,17 @@ decode_chunks(const u8* frame, const u64* params, const i64* inclusive, u64 n, u
     // writes nothing.
     if (*flags) return;
     const u32 chunk = (u32)params[P_CHUNK];
+    if (chunk == 0) {  // a stored frame: the raw elements follow the header
+        const u64 stride = (u64)gridDim.x * THREADS;
+        for (u64 g = (u64)blockIdx.x * THREADS + threadIdx.x; g * GROUP < n; g += stride) {
+            const u64 i = g * GROUP;
+            const int valid = (int)min((u64)GROUP, n - i);
+            u32 w[Elem<TOTAL>::WORDS];
+            load_group<TOTAL>(reinterpret_cast<const typename Elem<TOTAL>::T*>(frame + 160) + i, valid, w);
+            store_group<TOTAL>(elem_ptr<TOTAL>(out, block_ids, block_elems, i), valid, w);
+        }
+        return;
+    }
     const u64 nchunks = params[P_NCHUNKS];
     const u8* residual_in = frame + params[P_OFFSETS];
     const u8* codes_in = frame + params[P_OFFSETS + 1];

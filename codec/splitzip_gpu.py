@@ -358,7 +358,7 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     ``block_ids`` of the cache ``out``, with the header checked on the device: the GPU starts
     without waiting for the host to read it. ``shape``, when given, is the shape the frame must
     declare. Returns False, with nothing written, for a frame this path does not take (a bad or
-    mismatched header, a stored frame, a stream checksum not yet verified, short chunks): the
+    mismatched header, a stream checksum not yet verified, short chunks): the
     caller then parses the header on the host, which raises the precise error or decodes the
     frame another way.
 
@@ -386,7 +386,8 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     inclusive = params + 8 * _PARAM_WORDS
     expected = (255,) + (0,) * 8 if shape is None else (len(shape), *shape, *(0,) * (8 - len(shape)))
     plan.header(stream, 1, (
-        base, frame.numel(), layout.wire_id, layout.exp_bits, layout.code_bits, layout.residual_bits, numel,
+        base, frame.numel(), layout.wire_id, layout.exp_bits, layout.code_bits, layout.residual_bits, layout.itemsize,
+        numel,
         *expected, max_nchunks, int(stream_crc_verified), params, flags,
     ))
     plan.validate(stream, max(plan.validate_grid, -(-nids // SCAN_THREADS)), (

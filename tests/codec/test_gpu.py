@@ -329,3 +329,22 @@ def test_blocks_of_another_shape_are_refused():
     with pytest.raises(codec.OutputMismatch):
         codec.decode_blocks(frame, other, [0, 1])
     assert int(torch.count_nonzero(other.view(torch.int16))) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stored_frames_decode_on_the_device(dtype):
+    """Frames that coding did not pay for (random bits) are stored; the GPU copies them into
+    ``out`` and into cache blocks itself, and they match the CPU bit for bit."""
+    bits = codec.layout_for(dtype).int_dtype
+    noise = torch.randint(-(1 << 7), 1 << 7, (64, 512), dtype=torch.int32).to(bits).view(dtype)
+    frame = codec.encode(noise)
+    assert codec.read_header(frame).codec == Codec.STORED
+    out = torch.empty(noise.shape, dtype=dtype, device="cuda")
+    assert bits_equal(codec.decode(frame.cuda(), out=out).cpu(), noise)
+    cache = noise.cuda()
+    blocks = codec.encode_blocks(cache, [5, 60, 2], codec.calibrate(torch.randn(1000).to(dtype)))
+    assert codec.read_header(blocks).codec == Codec.STORED
+    dst = torch.zeros_like(cache)
+    codec.decode_blocks(blocks, dst, [1, 2, 3])
+    assert bits_equal(dst[[1, 2, 3]].cpu(), noise[[5, 60, 2]])
+    assert int(torch.count_nonzero(dst[4:].view(torch.uint8))) == 0
