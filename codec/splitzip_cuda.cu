@@ -292,14 +292,15 @@ __device__ __forceinline__ void add_to_tile(i64* tile_sums, u64 c, i64 count) {
     atomicAdd(reinterpret_cast<unsigned long long*>(tile_sums + c / SCAN_THREADS), (unsigned long long)count);
 }
 
-// Dense pass: residual and code streams, per-chunk escape counts (also summed per tile), and
+// Dense pass (any chunk from first_chunk on, any alignment, chunks across blocks; encode_lean
+// takes the common case): residual and code streams, per-chunk escape counts (also summed per tile), and
 // each chunk's escapes spilled in order to spill_pos/spill_val at the chunk's first element
 // index. A chunk whose blocks do not exist counts -(n + 1), which makes the escape total
 // negative: the tail pass then writes nothing and reports a length of -1.
 template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, MINB)
 encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
-             const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out,
+             u64 first_chunk, const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out,
              i64* counts_out, i64* tile_sums, u16* spill_pos, u8* spill_val) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
@@ -311,7 +312,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
     const u32 mask = subgroup_mask();
     const u64 nsub = (u64)gridDim.x * SUBGROUPS;
 
-    for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
+    for (u64 c = first_chunk + (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
         if (block_ids != nullptr && chunk_ids_bad(block_ids, block_elems, nblocks, start, end, sublane, mask)) {
@@ -507,14 +508,16 @@ __device__ __forceinline__ u64 le_bytes(const u8* p, int n) {
 // parse the header before the GPU starts. It accepts exactly the frames that parse_header
 // (format.py) accepts and that this path decodes as the caller expects: of the expected dtype
 // and element count (and shape, when expected_ndim < 255), stored or coded with a chunk size the
-// kernels take and escape counts within the scratch, no stream checksum unless the host already
-// verified it. A stored frame gets chunk 0 in params. Anything else sets FLAG_HOST: the kernels after it write nothing, and the host
-// parses the frame itself, to raise its precise error or to decode it another way.
+// kernels take (one that divides whole_chunk_blocks, unless 0: decode_lean's blocks hold whole
+// chunks) and escape counts within the scratch, no stream checksum unless the host already
+// verified it. A stored frame gets chunk 0 in params. Anything else sets FLAG_HOST: the kernels
+// after it write nothing, and the host parses the frame itself, to raise its precise error or
+// to decode it another way.
 __global__ void __launch_bounds__(32)
 decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R, u32 itemsize, u64 n,
               u32 expected_ndim,
               u64 s0, u64 s1, u64 s2, u64 s3, u64 s4, u64 s5, u64 s6, u64 s7, u64 max_nchunks,
-              u32 stream_crc_verified, u64* params, u32* flags) {
+              u64 whole_chunk_blocks, u32 stream_crc_verified, u64* params, u32* flags) {
     // CRC32C tables for slicing by 4 (crc_table[k][e]: byte e followed by k zero bytes): the
     // header's 39 words take 39 dependent steps instead of 156.
     __shared__ u32 crc_table[4][256];
@@ -604,7 +607,7 @@ decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R
             if (lengths[i]) total = end;
         }
         ok = ok && escapes <= n && nchunks <= max_nchunks && total == frame_size
-             && (header_flags || u32_at(152) == 0);
+             && (header_flags || u32_at(152) == 0) && (!coded || whole_chunk_blocks % chunk == 0);
     }
     if (!ok) {
         *flags |= FLAG_HOST;
@@ -725,8 +728,8 @@ __device__ __forceinline__ void decode_group(u64 rlo, u64 rhi, u32 codes, const 
 }
 
 // The chunk's escapes overwrite the exponents its dense pass wrote (escape streams validated).
-template <int TOTAL, int E>
-__device__ __forceinline__ void patch_escapes(const ChunkAddr<TOTAL>& at, u64 start, u32 count, u64 end_off,
+template <int TOTAL, int E, typename Addr>
+__device__ __forceinline__ void patch_escapes(const Addr& at, u64 start, u32 count, u64 end_off,
                                               const u16* pos_in, const u8* val_in, int sublane, u32 mask) {
     constexpr int M = TOTAL - 1 - E;
     constexpr u32 EMASK = ((1u << E) - 1) << M;
@@ -791,6 +794,19 @@ __device__ __forceinline__ void load_codebook(const u8* codebook, u32* table, u3
     }
 }
 
+// A stored frame (decode_header put chunk 0 in params): the raw elements follow the header.
+template <int TOTAL>
+__device__ __forceinline__ void copy_stored(const u8* frame, u64 n, u8* out, const i64* block_ids, u64 block_elems) {
+    const u64 stride = (u64)gridDim.x * THREADS;
+    for (u64 g = (u64)blockIdx.x * THREADS + threadIdx.x; g * GROUP < n; g += stride) {
+        const u64 i = g * GROUP;
+        const int valid = (int)min((u64)GROUP, n - i);
+        u32 w[Elem<TOTAL>::WORDS];
+        load_group<TOTAL>(reinterpret_cast<const typename Elem<TOTAL>::T*>(frame + 160) + i, valid, w);
+        store_group<TOTAL>(elem_ptr<TOTAL>(out, block_ids, block_elems, i), valid, w);
+    }
+}
+
 // Decode: every chunk through decode_chunk. Escape streams were validated first (a bad frame
 // sets *flags and nothing is written), so every write is in bounds.
 template <int TOTAL, int E, int C>
@@ -801,15 +817,8 @@ decode_chunks(const u8* frame, const u64* params, const i64* inclusive, u64 n, u
     // writes nothing.
     if (*flags) return;
     const u32 chunk = (u32)params[P_CHUNK];
-    if (chunk == 0) {  // a stored frame: the raw elements follow the header
-        const u64 stride = (u64)gridDim.x * THREADS;
-        for (u64 g = (u64)blockIdx.x * THREADS + threadIdx.x; g * GROUP < n; g += stride) {
-            const u64 i = g * GROUP;
-            const int valid = (int)min((u64)GROUP, n - i);
-            u32 w[Elem<TOTAL>::WORDS];
-            load_group<TOTAL>(reinterpret_cast<const typename Elem<TOTAL>::T*>(frame + 160) + i, valid, w);
-            store_group<TOTAL>(elem_ptr<TOTAL>(out, block_ids, block_elems, i), valid, w);
-        }
+    if (chunk == 0) {
+        copy_stored<TOTAL>(frame, n, out, block_ids, block_elems);
         return;
     }
     const u64 nchunks = params[P_NCHUNKS];
@@ -828,6 +837,226 @@ decode_chunks(const u8* frame, const u64* params, const i64* inclusive, u64 n, u
     for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub)
         decode_chunk<TOTAL, E, C>(c, residual_in, codes_in, counts16, inclusive, pos_in, val_in, n, chunk, out,
                                   block_ids, block_elems, table, book, sublane, mask);
+}
+
+// ---- The common case, lean ----
+// Most calls encode whole chunks of whole passes (chunk % SPAN == 0) from vector-aligned
+// elements and decode into vector-aligned memory, every chunk inside one cache block. For
+// those, encode_lean and decode_lean address a chunk through one pointer and 32-bit offsets,
+// without the per-group checks of encode_dense and decode_chunks: about a third of their
+// instructions and fewer registers, so that more warps per SM keep more loads in flight (the
+// general kernels ran at ~70% of DRAM bandwidth, issue- and latency-bound, by Nsight Compute).
+// The host picks the kernel; both write the same bytes.
+#ifndef ENC_LEAN_MINB
+#define ENC_LEAN_MINB 8
+#endif
+#ifndef DEC_LEAN_MINB
+#define DEC_LEAN_MINB 8
+#endif
+
+// First element of lane `sublane`'s k-th group of the pass at element `seg` of a chunk.
+template <int W>
+__device__ __forceinline__ u32 lane_element(u32 seg, int k, int sublane) {
+    return seg + (((u32)(k / W) * LANES + sublane) * W + (k % W)) * GROUP;
+}
+
+// The chunk's first element, flat or inside its block (the chunk lies in one block); nullptr
+// when the block id lies outside the cache.
+template <typename T>
+__device__ __forceinline__ T* chunk_start(T* base, const i64* block_ids, u64 block_elems, u64 nblocks, u64 start) {
+    if (block_ids == nullptr) return base + start;
+    const u64 b = ((start | block_elems) >> 32) ? start / block_elems : (u64)((u32)start / (u32)block_elems);
+    const u64 id = (u64)block_ids[b];
+    return id < nblocks ? base + id * block_elems + (start - b * block_elems) : nullptr;
+}
+
+// Element index -> address inside one chunk that starts at `first`.
+template <typename T>
+struct InChunk {
+    T* first;
+    u64 start;
+    __device__ __forceinline__ T* operator()(u64 i) const { return first + (i - start); }
+};
+
+// encode_dense for whole chunks (chunk % SPAN == 0) of 16-byte aligned elements, each inside
+// one block; same outputs.
+template <int TOTAL, int E, int C>
+__global__ void __launch_bounds__(THREADS, ENC_LEAN_MINB)
+encode_lean(const u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
+            const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out, i64* counts_out,
+            i64* tile_sums, u16* spill_pos, u8* spill_val) {
+    constexpr int R = TOTAL - E;
+    constexpr int WORDS = Elem<TOTAL>::WORDS;
+    constexpr int W = Width<TOTAL, E, C>::W;
+    typedef typename Elem<TOTAL>::T T;
+    typedef typename Elem<TOTAL>::Vec V;
+    __shared__ u8 table[1 << E];
+    for (int t = threadIdx.x; t < (1 << E); t += THREADS) table[t] = marked_table[t];
+    __syncthreads();
+    const int sublane = threadIdx.x % LANES;
+    const u32 mask = subgroup_mask();
+    const u64 nsub = (u64)gridDim.x * SUBGROUPS;
+    for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
+        const u64 start = c * chunk;
+        const T* src = chunk_start(reinterpret_cast<const T*>(x), block_ids, block_elems, nblocks, start);
+        if (src == nullptr) {  // as encode_dense: the escape total turns negative
+            if (sublane == 0) {
+                counts_out[c] = -(i64)(n + 1);
+                add_to_tile(tile_sums, c, -(i64)(n + 1));
+            }
+            continue;
+        }
+        u8* residual = residual_out + start / GROUP * R;
+        u8* codes_at = codes_out + start / GROUP * C;
+        u32 running = 0;
+        for (u32 seg = 0; seg < chunk; seg += SPAN) {
+            u32 w[UNROLL][WORDS];
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) {
+                const V v = load_streamed(reinterpret_cast<const V*>(src + lane_element<W>(seg, k, sublane)));
+                const u32* vw = reinterpret_cast<const u32*>(&v);
+#pragma unroll
+                for (int j = 0; j < WORDS; j++) w[k][j] = vw[j];
+            }
+#pragma unroll
+            for (int k = 0; k < UNROLL; k += W) {
+                u64 rlo[W], rhi[W];
+                u32 codes[W], escmask[W], exps[W][2];
+                u32 mine = 0;
+#pragma unroll
+                for (int v = 0; v < W; v++) {
+                    encode_group<TOTAL, E, C>(w[k + v], GROUP, table, rlo[v], rhi[v], codes[v], escmask[v], exps[v]);
+                    mine += __popc(escmask[v]);
+                }
+                const u32 g0 = lane_element<W>(seg, k, sublane) / GROUP;  // group within the chunk
+                if constexpr (W == 2) {
+                    store_streamed(reinterpret_cast<uint4*>(residual + g0 * R),
+                                   make_uint4((u32)rlo[0], (u32)(rlo[0] >> 32), (u32)rlo[1], (u32)(rlo[1] >> 32)));
+                    store_streamed(reinterpret_cast<uint2*>(codes_at + g0 * C), make_uint2(codes[0], codes[1]));
+                } else {
+#pragma unroll
+                    for (int v = 0; v < W; v++) {
+                        store_bits<R>(residual + (g0 + v) * R, rlo[v], rhi[v], R);
+                        store_bits<C>(codes_at + (g0 + v) * C, codes[v], 0, C);
+                    }
+                }
+                const u32 total = __reduce_add_sync(mask, mine);
+                if (total) {  // rare: order this step's escapes across the subgroup
+                    const u32 incl = subgroup_inclusive_scan(mine, sublane, mask);
+                    u64 slot = start + running + incl - mine;
+#pragma unroll
+                    for (int v = 0; v < W; v++) {
+#pragma unroll
+                        for (int j = 0; j < GROUP; j++) {
+                            if (escmask[v] & (1u << j)) {
+                                spill_pos[slot] = (u16)((g0 + v) * GROUP + j);
+                                spill_val[slot] = (u8)(exps[v][j >> 2] >> (8 * (j & 3)));
+                                slot++;
+                            }
+                        }
+                    }
+                }
+                running += total;
+            }
+        }
+        if (sublane == 0) {
+            counts16_out[2 * c] = (u8)running;
+            counts16_out[2 * c + 1] = (u8)(running >> 8);
+            counts_out[c] = running;
+            if (running) add_to_tile(tile_sums, c, running);
+        }
+    }
+}
+
+// The rare steps of decode_lean, out of line: inlined, they raised the whole kernel's register
+// count (and so lowered its occupancy) by a third.
+template <int TOTAL, int E, int C>
+__device__ __noinline__ void decode_partial_group(const u8* residual, const u8* codes_at, int valid, const u32* table,
+                                                  const u32 (&book)[4], typename Elem<TOTAL>::T* dst) {
+    constexpr int R = TOTAL - E;
+    u64 lo, hi, codes, unused;
+    load_bits<R>(residual, (valid * R + 7) / 8, lo, hi);
+    load_bits<C>(codes_at, (valid * C + 7) / 8, codes, unused);
+    u32 w[Elem<TOTAL>::WORDS];
+    decode_group<TOTAL, E, C>(lo, hi, (u32)codes, table, book, w);
+    store_group<TOTAL>(dst, valid, w);
+}
+
+template <int TOTAL, int E>
+__device__ __noinline__ void lean_patch_escapes(typename Elem<TOTAL>::T* dst, u32 count, u64 end_off,
+                                                const u16* pos_in, const u8* val_in, int sublane, u32 mask) {
+    patch_escapes<TOTAL, E>(InChunk<typename Elem<TOTAL>::T>{dst, 0}, 0, count, end_off, pos_in, val_in, sublane, mask);
+}
+
+// decode_chunks into vector-aligned memory, every chunk inside one block (decode_header
+// declines other frames for this kernel); any chunk size, a partial last group included.
+template <int TOTAL, int E, int C>
+__global__ void __launch_bounds__(THREADS, DEC_LEAN_MINB)
+decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8* out, const i64* block_ids,
+            u64 block_elems, const u32* flags) {
+    constexpr int R = TOTAL - E;
+    constexpr int WORDS = Elem<TOTAL>::WORDS;
+    constexpr int STEP = LANES * UNROLL;  // groups per pass
+    typedef typename Elem<TOTAL>::T T;
+    typedef typename Elem<TOTAL>::Vec V;
+    if (*flags) return;  // decode_header and validate_escapes ran just before: a bad frame writes nothing
+    const u32 chunk = (u32)params[P_CHUNK];
+    if (chunk == 0) {
+        copy_stored<TOTAL>(frame, n, out, block_ids, block_elems);
+        return;
+    }
+    const u64 nchunks = params[P_NCHUNKS];
+    const u8* residual_in = frame + params[P_OFFSETS];
+    const u8* codes_in = frame + params[P_OFFSETS + 1];
+    const u8* counts16 = frame + params[P_OFFSETS + 2];
+    const u16* pos_in = reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3]);
+    const u8* val_in = frame + params[P_OFFSETS + 4];
+    __shared__ u32 table[1u << C];
+    u32 book[4];
+    load_codebook<C>(reinterpret_cast<const u8*>(params + P_CODEBOOK), table, book);
+    const int sublane = threadIdx.x % LANES;
+    const u32 mask = subgroup_mask();
+    const u64 nsub = (u64)gridDim.x * SUBGROUPS;
+    for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
+        const u64 start = c * chunk;
+        const u32 len = (u32)min((u64)chunk, n - start);
+        T* dst = chunk_start(reinterpret_cast<T*>(out), block_ids, block_elems, ~0ull, start);  // ids validated
+        const u8* residual = residual_in + start / GROUP * R;
+        const u8* codes_at = codes_in + start / GROUP * C;
+        const u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
+        const u32 groups = len / GROUP;
+        for (u32 seg = 0; seg < groups; seg += STEP) {
+            u64 rlo[UNROLL], rhi[UNROLL];
+            u32 clo[UNROLL];
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) {
+                const u32 g = seg + k * LANES + sublane;
+                u64 lo = 0, hi = 0, unused;
+                if (g < groups) {
+                    load_bits<R>(residual + g * R, R, rlo[k], rhi[k]);
+                    load_bits<C>(codes_at + g * C, C, lo, unused);
+                }
+                clo[k] = (u32)lo;
+            }
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) {
+                const u32 g = seg + k * LANES + sublane;
+                if (g < groups) {
+                    u32 w[WORDS];
+                    decode_group<TOTAL, E, C>(rlo[k], rhi[k], clo[k], table, book, w);
+                    V v;
+                    u32* vw = reinterpret_cast<u32*>(&v);
+#pragma unroll
+                    for (int j = 0; j < WORDS; j++) vw[j] = w[j];
+                    store_streamed(reinterpret_cast<V*>(dst + g * GROUP), v);
+                }
+            }
+        }
+        if (len % GROUP && sublane == 0)  // the frame's last elements, fewer than a group
+            decode_partial_group<TOTAL, E, C>(residual + groups * R, codes_at + groups * C, len % GROUP, table, book,
+                                              dst + groups * GROUP);
+        if (count) lean_patch_escapes<TOTAL, E>(dst, count, (u64)inclusive[c], pos_in, val_in, sublane, mask);
+    }
 }
 
 // The end of encode, on the device, so the host need not learn the escape total X before the

@@ -36,11 +36,16 @@ from .staging import current_stream, optional_cupy, read_to_host
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
-# whether bfloat16 lanes take two adjacent groups per encode step.
-TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1}
+# whether bfloat16 lanes take two adjacent groups per encode step, and whether the dense passes
+# run as many blocks as fit at once, each looping over chunks (PERSIST 1), or a block per
+# SUBGROUPS chunks (PERSIST 0), and the register caps of the lean kernels.
+TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1, "PERSIST": 1,
+          "ENC_LEAN_MINB": 8, "DEC_LEAN_MINB": 8}
 # Threads per block of the scanning kernels, and chunks per block in decode's validation scan
 # (SCAN_THREADS, SCAN_TILE in the kernels). Encode's tail takes a chunk per thread.
 SCAN_THREADS, SCAN_TILE = 1024, 4096
+# Elements per pass of a subgroup (SPAN): encode_lean takes chunks of whole passes.
+LEAN_SPAN = 1024
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -75,6 +80,7 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
     names = set()
     for layout in LAYOUTS:
         names |= {f"encode_dense{_template(layout)}", f"decode_chunks{_template(layout)}",
+                  f"encode_lean{_template(layout)}", f"decode_lean{_template(layout)}",
                   f"validate_escapes<{layout.exp_bits}>", f"encode_tail<{layout.total_bits}>"}
     names.add("decode_header")
     options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
@@ -95,6 +101,7 @@ class _Kernel:
     per-argument conversion cost tens, on every call.
     """
 
+    name: str
     function: int  # CUfunction
     threads: int  # per block
     resident_blocks: int
@@ -157,7 +164,7 @@ def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...], t
     regs = (max(1, function.num_regs) + 7) // 8 * 8
     per_sm = max(1, min(2048 // threads, 65536 // (regs * threads)))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return _Kernel(handle, threads, per_sm * sms, device_index, function)
+    return _Kernel(name, handle, threads, per_sm * sms, device_index, function)
 
 
 def _blocks_for_chunks(chunks: int, lanes: int) -> int:
@@ -182,7 +189,10 @@ class _EncodePlan:
     nchunks: int
     capacity: int
     dense: _Kernel
+    lean: _Kernel  # the dense pass for whole chunks inside blocks, aligned (the common case)
     dense_grid: int
+    lean_grid: int  # for the whole chunks
+    dense_uncapped: bool  # PERSIST 0: launch every block of the grid
     tiles: int  # of SCAN_THREADS chunks: the tail's blocks
     tail: _Kernel
     residual_off: int
@@ -215,7 +225,10 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
     return _EncodePlan(
         numel=numel, nchunks=nchunks, capacity=max(stored.total, dense.total),
         dense=_kernel(device.index, f"encode_dense{_template(layout)}", tuning),
+        lean=_kernel(device.index, f"encode_lean{_template(layout)}", tuning),
         dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
+        lean_grid=_blocks_for_chunks(numel // chunk, dict(tuning)["LANES"]),
+        dense_uncapped=not dict(tuning)["PERSIST"],
         tiles=-(-nchunks // SCAN_THREADS),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning, SCAN_THREADS),
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
@@ -282,11 +295,18 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
     ids = 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
     _zero(device.index, tile_sums, 8 * tiles, stream)
-    plan.dense(stream, plan.dense_grid, (
-        source.data_ptr(), ids, block_elems, nblocks, *plan.dense_scalars, plan.marked_table.data_ptr(),
-        base + plan.residual_off, base + plan.codes_off, base + plan.counts_off, counts, tile_sums, spill_pos,
-        spill_val,
-    ))
+    source_at, whole = source.data_ptr(), plan.numel // chunk
+    streams = (plan.marked_table.data_ptr(), base + plan.residual_off, base + plan.codes_off, base + plan.counts_off,
+               counts, tile_sums, spill_pos, spill_val)
+    first = 0  # the general kernel's first chunk
+    if chunk % LEAN_SPAN == 0 and source_at % 16 == 0 and (block_ids is None or block_elems % chunk == 0) and whole:
+        plan.lean(stream, plan.lean_grid, (source_at, ids, block_elems, nblocks, plan.numel, chunk, whole, *streams),
+                  every_block=plan.dense_uncapped)
+        first = whole
+    if first < nchunks:  # every chunk, or the partial last one
+        plan.dense(stream, plan.dense_grid if first == 0 else 1,
+                   (source_at, ids, block_elems, nblocks, *plan.dense_scalars, first, *streams),
+                   every_block=plan.dense_uncapped)
     plan.tail(stream, tiles, (
         counts, tile_sums, tiles, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems,
         plan.numel, base, *plan.tail_scalars, plan.templates.data_ptr(), length_at,
@@ -333,8 +353,10 @@ class _DecodePlan:
     header: _Kernel
     validate: _Kernel
     dense: _Kernel
+    lean: _Kernel  # the dense pass into aligned memory, chunks inside blocks (the common case)
     validate_grid: int  # sized for the default chunk; blocks draw more tiles if a frame has more
     dense_grid: int
+    dense_uncapped: bool  # PERSIST 0: launch every block of dense_grid
     tiles: int  # look-back status words for max_nchunks
 
 
@@ -346,19 +368,23 @@ def _decode_plan(layout: FloatLayout, numel: int, max_nchunks: int, device: torc
         header=_kernel(device.index, "decode_header", tuning, 32),
         validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, SCAN_THREADS),
         dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
+        lean=_kernel(device.index, f"decode_lean{_template(layout)}", tuning),
         validate_grid=max(1, -(-usual // SCAN_TILE)), dense_grid=_blocks_for_chunks(usual, dict(tuning)["LANES"]),
-        tiles=-(-max_nchunks // SCAN_TILE),
+        dense_uncapped=not dict(tuning)["PERSIST"], tiles=-(-max_nchunks // SCAN_TILE),
     )
 
 
 def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout, *,
                     shape: tuple[int, ...] | None = None, block_ids: torch.Tensor | None = None,
-                    block_elems: int = 0, max_nchunks: int | None = None, stream_crc_verified: bool = False) -> bool:
+                    block_elems: int = 0, max_nchunks: int | None = None, stream_crc_verified: bool = False,
+                    chunks_in_blocks: bool = True) -> bool:
     """Decode ``frame`` (16-byte aligned) into ``out`` (contiguous), or into the blocks
     ``block_ids`` of the cache ``out``, with the header checked on the device: the GPU starts
     without waiting for the host to read it. ``shape``, when given, is the shape the frame must
-    declare. Returns False, with nothing written, for a frame this path does not take (a bad or
-    mismatched header, a stream checksum not yet verified, short chunks): the
+    declare. ``chunks_in_blocks`` (the default) declines frames whose chunks cross the blocks of
+    ``out``, for the lean kernel; the host-parsed path passes False for them. Returns False, with
+    nothing written, for a frame this path does not take (a bad or mismatched header, a stream
+    checksum not yet verified, short chunks, chunks across blocks): the
     caller then parses the header on the host, which raises the precise error or decodes the
     frame another way.
 
@@ -373,6 +399,7 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
         max_nchunks = -(-numel // MIN_UNPARSED_CHUNK)
     plan = _decode_plan(layout, numel, max_nchunks, device, _tuning())
     stream = current_stream(device)
+    lean = chunks_in_blocks and out.data_ptr() % 16 == 0
     ids = block_ids.data_ptr() if nids else 0
     nblocks = out.numel() // block_elems if nids else 0
     # One scratch: the verdict word and the scan's ticket, a look-back status word per tile, a
@@ -388,12 +415,14 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     plan.header(stream, 1, (
         base, frame.numel(), layout.wire_id, layout.exp_bits, layout.code_bits, layout.residual_bits, layout.itemsize,
         numel,
-        *expected, max_nchunks, int(stream_crc_verified), params, flags,
+        *expected, max_nchunks, block_elems if lean and nids else 0, int(stream_crc_verified), params, flags,
     ))
     plan.validate(stream, max(plan.validate_grid, -(-nids // SCAN_THREADS)), (
         base, params, inclusive, numel, ids, nids, nblocks, words + 8 * (1 + plan.tiles), flags, words + 8, words + 4,
     ), every_block=True)
-    plan.dense(stream, plan.dense_grid, (base, params, inclusive, numel, out.data_ptr(), ids, block_elems, flags))
+    (plan.lean if lean else plan.dense)(stream, plan.dense_grid, (
+        base, params, inclusive, numel, out.data_ptr(), ids, block_elems, flags,
+    ), every_block=plan.dense_uncapped)
     # The kernels after decode_header wrote nothing if anything failed; one sync, at the end.
     verdict = int(read_to_host(scratch, 4, stream).view(np.int32)[0])
     if verdict & _FLAG_HOST:
@@ -421,7 +450,8 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
         return
     nchunks = -(-header.numel // header.chunk)
     if not decode_unparsed(frame, out, header.layout, block_ids=block_ids, block_elems=block_elems,
-                           max_nchunks=nchunks, stream_crc_verified=header.stream_crc is not None):
+                           max_nchunks=nchunks, stream_crc_verified=header.stream_crc is not None,
+                           chunks_in_blocks=block_ids is None or block_elems % header.chunk == 0):
         raise CorruptFrame("the device's header check rejected a header the host accepted")
 
 

@@ -348,3 +348,67 @@ def test_stored_frames_decode_on_the_device(dtype):
     codec.decode_blocks(blocks, dst, [1, 2, 3])
     assert bits_equal(dst[[1, 2, 3]].cpu(), noise[[5, 60, 2]])
     assert int(torch.count_nonzero(dst[4:].view(torch.uint8))) == 0
+
+
+def _record_launches(monkeypatch) -> list[str]:
+    names: list[str] = []
+    launch = splitzip_gpu._Kernel.__call__
+
+    def recorded(self, *args, **kwargs):
+        names.append(self.name.split("<")[0])
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(splitzip_gpu._Kernel, "__call__", recorded)
+    return names
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lean_and_general_kernels_agree(dtype, monkeypatch):
+    """Aligned memory takes the lean kernels (the general ones only for a partial last chunk);
+    memory that is not 16-byte aligned takes the general ones. Both give the CPU's frame and
+    output bit for bit, escapes, a partial last chunk and a partial last group included."""
+    n = 5 * 1024 + 13
+    bits = codec.layout_for(dtype).int_dtype
+    x = _random_bits(n, dtype, seed=11, escape_rate=0.03)
+    book = codec.calibrate(torch.randn(5000).to(dtype))
+    cpu = codec.encode(x, book)
+    assert codec.read_header(cpu).codec == Codec.SPLITZIP
+    aligned = x.cuda()
+    shifted = torch.zeros(n + 1, dtype=bits, device="cuda")
+    shifted[1:].copy_(aligned.view(bits))
+    unaligned = shifted[1:].view(dtype)
+    launched = _record_launches(monkeypatch)
+    assert torch.equal(codec.encode(aligned, book).cpu(), cpu)
+    assert launched.count("encode_lean") == 1 and launched.count("encode_dense") == 1  # the last chunk
+    launched.clear()
+    assert torch.equal(codec.encode(unaligned, book).cpu(), cpu)
+    assert "encode_lean" not in launched and "encode_dense" in launched
+    launched.clear()
+    out = torch.empty(n, dtype=dtype, device="cuda")
+    assert bits_equal(codec.decode(cpu.cuda(), out=out).cpu(), x)
+    assert "decode_lean" in launched and "decode_chunks" not in launched
+    launched.clear()
+    shifted.zero_()
+    codec.decode(cpu.cuda(), out=unaligned)
+    assert bits_equal(unaligned.cpu(), x) and int(shifted[0]) == 0
+    assert "decode_chunks" in launched and "decode_lean" not in launched
+
+
+def test_chunks_across_blocks_take_the_general_kernels(monkeypatch):
+    """Blocks of 1536 elements hold no whole number of 1024-element chunks: encode_blocks runs
+    the general kernel, and decode_blocks' device check declines the frame for the lean one
+    (which then writes nothing), so the host path decodes it with the general kernel. Same bytes as the CPU either way."""
+    gen = torch.Generator().manual_seed(8)
+    cache = torch.randn(12, 1536, generator=gen).to(torch.bfloat16)
+    ids, slots = [7, 0, 11, 3], [2, 9, 4, 10]
+    book = codec.calibrate(cache)
+    launched = _record_launches(monkeypatch)
+    frame = codec.encode_blocks(cache.cuda(), ids, book)
+    assert torch.equal(frame.cpu(), codec.encode(cache[ids], book))
+    assert "encode_lean" not in launched
+    launched.clear()
+    dst = torch.zeros_like(cache).cuda()
+    codec.decode_blocks(frame, dst, slots)
+    assert bits_equal(dst[slots].cpu(), cache[ids])
+    assert int(torch.count_nonzero(dst[[i for i in range(12) if i not in slots]].view(torch.int16))) == 0
+    assert launched.count("decode_header") == 2 and launched[-1] == "decode_chunks"
