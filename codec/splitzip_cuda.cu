@@ -229,7 +229,7 @@ __device__ __forceinline__ void encode_group(const u32 (&w)[Elem<TOTAL>::WORDS],
         exps[1] = ((hi1 << 1) & 0xFEFEFEFEu) | ((lo1 >> 7) & 0x01010101u);
         u32 m[GROUP];
 #pragma unroll
-        for (int j = 0; j < GROUP; j++) m[j] = table[(exps[j >> 2] >> (8 * (j & 3))) & 0xFF];
+        for (int j = 0; j < GROUP; j++) m[j] = table[__byte_perm(exps[j >> 2], 0, 0x4440 | (j & 3))];
         u32 any = 0, packed = 0;
 #pragma unroll
         for (int j = 0; j < GROUP; j++) {
@@ -571,7 +571,8 @@ decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R
                 ok = ok && d == 0;
                 continue;
             }
-            if (d == 0 || product > n / d) ok = false;  // n > 0: a zero or overflowing dim is wrong
+            // n > 0: a zero or overflowing dim is wrong (product * d > n, without a division)
+            if (d == 0 || __umul64hi(product, d) != 0 || product * d > n) ok = false;
             else product *= d;
             if (expected_ndim < 255) ok = ok && d == expected[i];
         }
@@ -621,6 +622,52 @@ decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R
     params[P_CODEBOOK + 1] = u64_at(96);
 }
 
+// The escapes of a thread's SCAN_ITEMS consecutive chunks, which lie together from `first`:
+// each position inside its chunk (of lens[k] elements) and above the one before it in that
+// chunk, each value within E bits. Read in batches whose loads are in flight together: one at a
+// time, each a trip to memory, they were the validation kernel's long pole.
+#define ESCAPE_BATCH 8
+static_assert(SCAN_ITEMS == 4, "validate_escapes reads a thread's four 16-bit counts as one word");
+template <int E>
+__device__ __forceinline__ u32 check_escapes(const u16* pos_in, const u8* val_in, u64 first,
+                                             const u32 (&count)[SCAN_ITEMS], const u32 (&lens)[SCAN_ITEMS]) {
+    u32 ends[SCAN_ITEMS], sum = 0;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; k++) ends[k] = sum += count[k];
+    u32 bad = 0, previous = 0;
+    for (u32 t0 = 0; t0 < sum; t0 += ESCAPE_BATCH) {
+        u32 p[ESCAPE_BATCH], v[ESCAPE_BATCH];
+#pragma unroll
+        for (int j = 0; j < ESCAPE_BATCH; j++) {
+            p[j] = v[j] = 0;
+            if (t0 + j < sum) {
+                p[j] = pos_in[first + t0 + j];
+                v[j] = val_in[first + t0 + j];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < ESCAPE_BATCH; j++) {
+            const u32 t = t0 + j;
+            if (t >= sum) break;
+            u32 len = 0;
+            bool opens = false;  // the first escape of its chunk
+#pragma unroll
+            for (int k = 0; k < SCAN_ITEMS; k++) {
+                const u32 begin = k ? ends[k - 1] : 0;
+                if (t >= begin && t < ends[k]) {
+                    len = lens[k];
+                    opens = t == begin;
+                }
+            }
+            if (p[j] >= len) bad |= 4u;
+            if (!opens && p[j] <= previous) bad |= 8u;
+            if (v[j] >> E) bad |= 16u;
+            previous = p[j];
+        }
+    }
+    return bad;
+}
+
 // Decode validation, with the escape offsets: writes inclusive[c] (escapes through chunk c) and
 // checks everything the decode kernel indexes by. Sets bits of *flags:
 // 1 count > chunk length, 2 counts overrun the escape total, 4 position outside chunk,
@@ -634,7 +681,7 @@ validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, cons
     if (*flags & FLAG_HOST) return;  // decode_header ran just before, on the same stream
     const u64 chunk = params[P_CHUNK], nchunks = params[P_NCHUNKS], total = params[P_ESCAPES];
     const u8* counts16 = frame + params[P_OFFSETS + 2];
-    const u8* pos_bytes = frame + params[P_OFFSETS + 3];
+    const u16* pos_in = reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3]);
     const u8* val = frame + params[P_OFFSETS + 4];
     const u64 stride = (u64)gridDim.x * SCAN_THREADS;
     for (u64 k = (u64)blockIdx.x * SCAN_THREADS + threadIdx.x; k < nids; k += stride) {
@@ -647,41 +694,37 @@ validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, cons
     }
     for (u64 tile = scan_ticket(ticket); tile * SCAN_TILE < nchunks; tile = scan_ticket(ticket)) {
         const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
-        u32 count[SCAN_ITEMS];
+        u32 count[SCAN_ITEMS], lens[SCAN_ITEMS];
         u64 local = 0;
+        if (first + SCAN_ITEMS <= nchunks) {  // the thread's counts in one load (the stream is 16-byte aligned)
+            const u64 packed = *reinterpret_cast<const u64*>(counts16 + 2 * first);
 #pragma unroll
-        for (int k = 0; k < SCAN_ITEMS; k++) {
-            const u64 c = first + k;
-            count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
-            local += count[k];
+            for (int k = 0; k < SCAN_ITEMS; k++) count[k] = (u32)(packed >> (16 * k)) & 0xFFFFu;
+        } else {
+#pragma unroll
+            for (int k = 0; k < SCAN_ITEMS; k++) {
+                const u64 c = first + k;
+                count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
+            }
         }
-        u64 end_off = scan_exclusive(local, status, tile);
+#pragma unroll
+        for (int k = 0; k < SCAN_ITEMS; k++) local += count[k];
+        const u64 before = scan_exclusive(local, status, tile);
+        u64 end_off = before;
         u32 bad = 0;
 #pragma unroll
         for (int k = 0; k < SCAN_ITEMS; k++) {
             const u64 c = first + k;
-            if (c >= nchunks) break;
+            lens[k] = 0;
+            if (c >= nchunks) continue;
             end_off += count[k];
             inclusive[c] = (i64)end_off;
-            const u64 start = c * chunk;
-            const u32 len = (u32)min(chunk, n - start);
-            u32 chunk_bad = 0;
-            if (count[k] > len) chunk_bad |= 1u;
-            if (end_off > total) chunk_bad |= 2u;
-            if (c == nchunks - 1 && end_off != total) chunk_bad |= 32u;
-            if (count[k] && !(chunk_bad & 3u)) {
-                const u64 off = end_off - count[k];
-                u32 previous = 0;
-                for (u32 t = 0; t < count[k]; t++) {
-                    u32 p = pos_bytes[2 * (off + t)] | ((u32)pos_bytes[2 * (off + t) + 1] << 8);
-                    if (p >= len) chunk_bad |= 4u;
-                    if (t > 0 && p <= previous) chunk_bad |= 8u;
-                    if (val[off + t] >> E) chunk_bad |= 16u;
-                    previous = p;
-                }
-            }
-            bad |= chunk_bad;
+            lens[k] = (u32)min(chunk, n - c * chunk);
+            if (count[k] > lens[k]) bad |= 1u;
+            if (end_off > total) bad |= 2u;
+            if (c == nchunks - 1 && end_off != total) bad |= 32u;
         }
+        if (!(bad & 3u)) bad |= check_escapes<E>(pos_in, val, before, count, lens);  // in bounds: no 2
         if (bad) atomicOr(flags, bad);
         __syncthreads();  // every thread has read this tile's ticket before the next is drawn
     }
@@ -1031,7 +1074,7 @@ decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8*
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
                 const u32 g = seg + k * LANES + sublane;
-                u64 lo = 0, hi = 0, unused;
+                u64 lo = 0, unused;
                 if (g < groups) {
                     load_bits<R>(residual + g * R, R, rlo[k], rhi[k]);
                     load_bits<C>(codes_at + g * C, C, lo, unused);
@@ -1071,6 +1114,7 @@ decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8*
 //  - block 0 picks the coded or stored header template (built by the host with X = 0), patches
 //    X, the escape-stream lengths and the header CRC32C, and writes the frame's length.
 // Two blocks per SM (32 registers): a tile per block, all in one wave for 256M elements.
+#define TAIL_BATCH 4  // fewer than ESCAPE_BATCH: 32 registers
 template <int TOTAL>
 __global__ void __launch_bounds__(SCAN_THREADS, 2)
 encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u32 chunk, const u16* spill_pos,
@@ -1152,9 +1196,23 @@ encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u3
         u16* pos_out = reinterpret_cast<u16*>(frame + pos_off);
         u8* val_out = frame + val_off;
         const u64 src = c * chunk;
-        for (u32 k = 0; k < count; k++) {
-            pos_out[off + k] = spill_pos[src + k];
-            val_out[off + k] = spill_val[src + k];
+        for (u32 k0 = 0; k0 < count; k0 += TAIL_BATCH) {  // loads in flight together (as check_escapes)
+            u16 p[TAIL_BATCH];
+            u8 v[TAIL_BATCH];
+#pragma unroll
+            for (int j = 0; j < TAIL_BATCH; j++) {
+                if (k0 + j < count) {
+                    p[j] = spill_pos[src + k0 + j];
+                    v[j] = spill_val[src + k0 + j];
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < TAIL_BATCH; j++) {
+                if (k0 + j < count) {
+                    pos_out[off + k0 + j] = p[j];
+                    val_out[off + k0 + j] = v[j];
+                }
+            }
         }
     } else {
         const u64 stride = (u64)gridDim.x * SCAN_THREADS;

@@ -300,8 +300,9 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
                counts, tile_sums, spill_pos, spill_val)
     first = 0  # the general kernel's first chunk
     if chunk % LEAN_SPAN == 0 and source_at % 16 == 0 and (block_ids is None or block_elems % chunk == 0) and whole:
-        plan.lean(stream, plan.lean_grid, (source_at, ids, block_elems, nblocks, plan.numel, chunk, whole, *streams),
-                  every_block=plan.dense_uncapped)
+        plan.lean(stream, plan.lean_grid, (
+            source_at, ids, block_elems, nblocks, plan.numel, chunk, whole, *streams,
+        ), every_block=plan.dense_uncapped)
         first = whole
     if first < nchunks:  # every chunk, or the partial last one
         plan.dense(stream, plan.dense_grid if first == 0 else 1,
@@ -405,7 +406,8 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     # One scratch: the verdict word and the scan's ticket, a look-back status word per tile, a
     # bitmap of the cache's blocks for spotting repeated ids (all zeroed), then decode_header's
     # findings and the escape offsets.
-    zeroed = 8 * (1 + plan.tiles) + 8 * ((nblocks + 63) // 64)
+    bitmap = 8 * (1 + plan.tiles)
+    zeroed = bitmap + 8 * ((nblocks + 63) // 64)
     scratch = torch.empty(zeroed + 8 * (_PARAM_WORDS + max_nchunks), dtype=torch.uint8, device=device)
     words = scratch.data_ptr()
     _zero(device.index, words, zeroed, stream)
@@ -418,7 +420,7 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
         *expected, max_nchunks, block_elems if lean and nids else 0, int(stream_crc_verified), params, flags,
     ))
     plan.validate(stream, max(plan.validate_grid, -(-nids // SCAN_THREADS)), (
-        base, params, inclusive, numel, ids, nids, nblocks, words + 8 * (1 + plan.tiles), flags, words + 8, words + 4,
+        base, params, inclusive, numel, ids, nids, nblocks, words + bitmap, flags, words + 8, words + 4,
     ), every_block=True)
     (plan.lean if lean else plan.dense)(stream, plan.dense_grid, (
         base, params, inclusive, numel, out.data_ptr(), ids, block_elems, flags,
