@@ -1,7 +1,7 @@
 """Kernel-level view of the GPU codec's dense passes, against copy kernels that move the same
 bytes: where the whole-call numbers of codec_gpu.py lose time to the kernels themselves.
 
-    python bench/kernel_probe.py [--elements 256M] [--variants '{"PERSIST": 0}' ...]
+    python bench/kernel_probe.py [--elements 256M] [--variants '{"CHUNKS_PER_WARP": 4}' ...]
     python bench/kernel_probe.py --once        # each kernel once, for ncu
 
 Rows: torch's clone; `copy16`, a copy with 16-byte accesses; `like_decode` and `like_encode`,

@@ -37,9 +37,10 @@ THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
 # whether bfloat16 lanes take two adjacent groups per encode step, and whether the dense passes
-# run as many blocks as fit at once, each looping over chunks (PERSIST 1), or a block per
-# SUBGROUPS chunks (PERSIST 0), and the register caps of the lean kernels.
-TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1, "PERSIST": 1,
+# run as many blocks as fit at once, each looping over chunks (CHUNKS_PER_WARP 0), or enough
+# blocks for that many chunks per warp, queued as the GPU frees room; and the register caps of
+# the lean kernels.
+TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1, "CHUNKS_PER_WARP": 2,
           "ENC_LEAN_MINB": 8, "DEC_LEAN_MINB": 8}
 # Threads per block of the scanning kernels, and chunks per block in decode's validation scan
 # (SCAN_THREADS, SCAN_TILE in the kernels). Encode's tail takes a chunk per thread.
@@ -167,8 +168,12 @@ def _kernel(device_index: int, name: str, tuning: tuple[tuple[str, int], ...], t
     return _Kernel(name, handle, threads, per_sm * sms, device_index, function)
 
 
-def _blocks_for_chunks(chunks: int, lanes: int) -> int:
-    return -(-chunks * lanes // THREADS)
+def _blocks_for_chunks(chunks: int, tuning: tuple[tuple[str, int], ...]) -> int:
+    """Blocks for a dense pass over ``chunks``: one chunk per subgroup, capped at what fits on the
+    GPU when the kernels persist (``_Kernel``), else CHUNKS_PER_WARP chunks per subgroup."""
+    knobs = dict(tuning)
+    per_subgroup = knobs["CHUNKS_PER_WARP"] or 1
+    return max(1, -(-chunks * knobs["LANES"] // (THREADS * per_subgroup)))
 
 
 def _on_device(data: bytes, device: torch.device) -> torch.Tensor:
@@ -192,7 +197,7 @@ class _EncodePlan:
     lean: _Kernel  # the dense pass for whole chunks inside blocks, aligned (the common case)
     dense_grid: int
     lean_grid: int  # for the whole chunks
-    dense_uncapped: bool  # PERSIST 0: launch every block of the grid
+    dense_uncapped: bool  # CHUNKS_PER_WARP > 0: launch every block of the grid
     tiles: int  # of SCAN_THREADS chunks: the tail's blocks
     tail: _Kernel
     residual_off: int
@@ -226,9 +231,9 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         numel=numel, nchunks=nchunks, capacity=max(stored.total, dense.total),
         dense=_kernel(device.index, f"encode_dense{_template(layout)}", tuning),
         lean=_kernel(device.index, f"encode_lean{_template(layout)}", tuning),
-        dense_grid=_blocks_for_chunks(nchunks, dict(tuning)["LANES"]),
-        lean_grid=_blocks_for_chunks(numel // chunk, dict(tuning)["LANES"]),
-        dense_uncapped=not dict(tuning)["PERSIST"],
+        dense_grid=_blocks_for_chunks(nchunks, tuning),
+        lean_grid=_blocks_for_chunks(numel // chunk, tuning),
+        dense_uncapped=dict(tuning)["CHUNKS_PER_WARP"] > 0,
         tiles=-(-nchunks // SCAN_THREADS),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning, SCAN_THREADS),
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
@@ -357,7 +362,7 @@ class _DecodePlan:
     lean: _Kernel  # the dense pass into aligned memory, chunks inside blocks (the common case)
     validate_grid: int  # sized for the default chunk; blocks draw more tiles if a frame has more
     dense_grid: int
-    dense_uncapped: bool  # PERSIST 0: launch every block of dense_grid
+    dense_uncapped: bool  # CHUNKS_PER_WARP > 0: launch every block of dense_grid
     tiles: int  # look-back status words for max_nchunks
 
 
@@ -370,8 +375,8 @@ def _decode_plan(layout: FloatLayout, numel: int, max_nchunks: int, device: torc
         validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, SCAN_THREADS),
         dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
         lean=_kernel(device.index, f"decode_lean{_template(layout)}", tuning),
-        validate_grid=max(1, -(-usual // SCAN_TILE)), dense_grid=_blocks_for_chunks(usual, dict(tuning)["LANES"]),
-        dense_uncapped=not dict(tuning)["PERSIST"], tiles=-(-max_nchunks // SCAN_TILE),
+        validate_grid=max(1, -(-usual // SCAN_TILE)), dense_grid=_blocks_for_chunks(usual, tuning),
+        dense_uncapped=dict(tuning)["CHUNKS_PER_WARP"] > 0, tiles=-(-max_nchunks // SCAN_TILE),
     )
 
 
