@@ -401,14 +401,6 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
 #define TILE_PREFIX (1ull << 63)     // status word: the sum through the end of the tile is known
 #define TILE_VALUE (TILE_AGGREGATE - 1)
 
-// The tile this block scans (same in every thread).
-__device__ __forceinline__ u64 scan_ticket(u32* ticket) {
-    __shared__ u32 tile;
-    if (threadIdx.x == 0) tile = atomicAdd(ticket, 1u);
-    __syncthreads();
-    return tile;
-}
-
 // Sum of `value` over the threads of the block before this one, and over all of them.
 __device__ __forceinline__ u64 block_exclusive_sum(u64 value, u64& block_total) {
     __shared__ u64 warp_totals[SCAN_THREADS / 32];
@@ -517,7 +509,10 @@ __global__ void __launch_bounds__(32)
 decode_header(const u8* frame, u64 frame_size, u32 dtype_id, u32 E, u32 C, u32 R, u32 itemsize, u64 n,
               u32 expected_ndim,
               u64 s0, u64 s1, u64 s2, u64 s3, u64 s4, u64 s5, u64 s6, u64 s7, u64 max_nchunks,
-              u64 whole_chunk_blocks, u32 stream_crc_verified, u64* params, u32* flags) {
+              u64 whole_chunk_blocks, u32 stream_crc_verified, u64* params, u32* flags, u64* zeroed, u64 nzeroed) {
+    // The scratch words that start zeroed (the verdict among them), when the host left them to
+    // this kernel: one call fewer on the host before the GPU starts.
+    for (u64 i = threadIdx.x; i < nzeroed; i += 32) zeroed[i] = 0;
     // CRC32C tables for slicing by 4 (crc_table[k][e]: byte e followed by k zero bytes): the
     // header's 39 words take 39 dependent steps instead of 156.
     __shared__ u32 crc_table[4][256];
@@ -692,7 +687,16 @@ validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, cons
             atomicOr(flags, 128u);
         }
     }
-    for (u64 tile = scan_ticket(ticket); tile * SCAN_TILE < nchunks; tile = scan_ticket(ticket)) {
+    // Tiles by ticket. A block draws its next ticket as it starts a tile, so that the draw's round
+    // trip overlaps the tile's work; a tile drawn ahead still waits only on earlier tiles, each
+    // held by a running block.
+    __shared__ u32 drawn[2];
+    if (threadIdx.x == 0) drawn[0] = atomicAdd(ticket, 1u);
+    __syncthreads();
+    for (int turn = 0;; turn ^= 1) {
+        const u64 tile = drawn[turn];
+        if (tile * SCAN_TILE >= nchunks) break;
+        if (threadIdx.x == 0) drawn[turn ^ 1] = atomicAdd(ticket, 1u);  // every thread read it last turn
         const u64 first = tile * SCAN_TILE + (u64)threadIdx.x * SCAN_ITEMS;
         u32 count[SCAN_ITEMS], lens[SCAN_ITEMS];
         u64 local = 0;
@@ -726,7 +730,7 @@ validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, cons
         }
         if (!(bad & 3u)) bad |= check_escapes<E>(pos_in, val, before, count, lens);  // in bounds: no 2
         if (bad) atomicOr(flags, bad);
-        __syncthreads();  // every thread has read this tile's ticket before the next is drawn
+        __syncthreads();  // the next ticket is visible to every thread
     }
 }
 

@@ -350,6 +350,7 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
 MIN_UNPARSED_CHUNK = 256
 _PARAM_WORDS = 10  # decode_header's findings (PARAM_WORDS in the kernels)
 _FLAG_HOST = 512
+_ZEROED_BY_HEADER = 16 << 10  # bytes of decode scratch that decode_header zeroes itself
 
 
 @dataclass(frozen=True)
@@ -415,7 +416,9 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     zeroed = bitmap + 8 * ((nblocks + 63) // 64)
     scratch = torch.empty(zeroed + 8 * (_PARAM_WORDS + max_nchunks), dtype=torch.uint8, device=device)
     words = scratch.data_ptr()
-    _zero(device.index, words, zeroed, stream)
+    in_kernel = zeroed <= _ZEROED_BY_HEADER  # else a memset: one warp would take long
+    if not in_kernel:
+        _zero(device.index, words, zeroed, stream)
     flags, params, base = words, words + zeroed, frame.data_ptr()
     inclusive = params + 8 * _PARAM_WORDS
     expected = (255,) + (0,) * 8 if shape is None else (len(shape), *shape, *(0,) * (8 - len(shape)))
@@ -423,6 +426,7 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
         base, frame.numel(), layout.wire_id, layout.exp_bits, layout.code_bits, layout.residual_bits, layout.itemsize,
         numel,
         *expected, max_nchunks, block_elems if lean and nids else 0, int(stream_crc_verified), params, flags,
+        words, zeroed // 8 if in_kernel else 0,
     ))
     plan.validate(stream, max(plan.validate_grid, -(-nids // SCAN_THREADS)), (
         base, params, inclusive, numel, ids, nids, nblocks, words + bitmap, flags, words + 8, words + 4,
