@@ -286,22 +286,16 @@ __device__ __forceinline__ bool chunk_ids_bad(const i64* block_ids, u64 block_el
     return __any_sync(mask, bad);
 }
 
-// Encode's escape counts are also summed per tile of SCAN_THREADS chunks (tile_sums, zeroed
-// before the dense pass), so that the tail pass finds every chunk's offset without a scan.
-__device__ __forceinline__ void add_to_tile(i64* tile_sums, u64 c, i64 count) {
-    atomicAdd(reinterpret_cast<unsigned long long*>(tile_sums + c / SCAN_THREADS), (unsigned long long)count);
-}
-
 // Dense pass (any chunk from first_chunk on, any alignment, chunks across blocks; encode_lean
-// takes the common case): residual and code streams, per-chunk escape counts (also summed per tile), and
-// each chunk's escapes spilled in order to spill_pos/spill_val at the chunk's first element
+// takes the common case): residual and code streams, per-chunk escape counts, and each
+// chunk's escapes spilled in order to spill_pos/spill_val at the chunk's first element
 // index. A chunk whose blocks do not exist counts -(n + 1), which makes the escape total
 // negative: the tail pass then writes nothing and reports a length of -1.
 template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, MINB)
 encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
              u64 first_chunk, const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out,
-             i64* counts_out, i64* tile_sums, u16* spill_pos, u8* spill_val) {
+             i64* counts_out, u16* spill_pos, u8* spill_val) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
     constexpr int W = Width<TOTAL, E, C>::W;
@@ -316,10 +310,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
         u64 start = c * chunk;
         u64 end = min(start + chunk, n);
         if (block_ids != nullptr && chunk_ids_bad(block_ids, block_elems, nblocks, start, end, sublane, mask)) {
-            if (sublane == 0) {
-                counts_out[c] = -(i64)(n + 1);
-                add_to_tile(tile_sums, c, -(i64)(n + 1));
-            }
+            if (sublane == 0) counts_out[c] = -(i64)(n + 1);
             continue;
         }
         const ChunkAddr<TOTAL> at(x, block_ids, block_elems, start, chunk);
@@ -383,7 +374,6 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
             counts16_out[2 * c] = (u8)running;
             counts16_out[2 * c + 1] = (u8)(running >> 8);
             counts_out[c] = running;
-            if (running) add_to_tile(tile_sums, c, running);
         }
     }
 }
@@ -931,7 +921,7 @@ template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, ENC_LEAN_MINB)
 encode_lean(const u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
             const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out, i64* counts_out,
-            i64* tile_sums, u16* spill_pos, u8* spill_val) {
+            u16* spill_pos, u8* spill_val) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
     constexpr int W = Width<TOTAL, E, C>::W;
@@ -947,10 +937,7 @@ encode_lean(const u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64
         const u64 start = c * chunk;
         const T* src = chunk_start(reinterpret_cast<const T*>(x), block_ids, block_elems, nblocks, start);
         if (src == nullptr) {  // as encode_dense: the escape total turns negative
-            if (sublane == 0) {
-                counts_out[c] = -(i64)(n + 1);
-                add_to_tile(tile_sums, c, -(i64)(n + 1));
-            }
+            if (sublane == 0) counts_out[c] = -(i64)(n + 1);
             continue;
         }
         u8* residual = residual_out + start / GROUP * R;
@@ -1010,7 +997,6 @@ encode_lean(const u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64
             counts16_out[2 * c] = (u8)running;
             counts16_out[2 * c + 1] = (u8)(running >> 8);
             counts_out[c] = running;
-            if (running) add_to_tile(tile_sums, c, running);
         }
     }
 }
@@ -1106,9 +1092,28 @@ decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8*
     }
 }
 
+// Encode's escape counts summed per tile of SCAN_THREADS chunks, a block per tile, so that the
+// tail pass finds every chunk's offset without a scan. A pass of its own: atomics in the dense
+// pass needed the sums zeroed first, a call the host made before the dense pass could start.
+__global__ void __launch_bounds__(SCAN_THREADS)
+sum_tiles(const i64* counts, u64 nchunks, i64* tile_sums) {
+    __shared__ i64 warp_sums[SCAN_THREADS / 32];
+    const u64 c = (u64)blockIdx.x * SCAN_THREADS + threadIdx.x;
+    i64 sum = c < nchunks ? counts[c] : 0;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum;
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    sum = warp_sums[threadIdx.x];
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+    if (threadIdx.x == 0) tile_sums[blockIdx.x] = sum;
+}
+
 // The end of encode, on the device, so the host need not learn the escape total X before the
 // frame is complete. A block per tile of SCAN_THREADS chunks, a thread per chunk:
-//  - warp 0 adds up the dense pass's tile sums: X, and the escapes before this tile (a negative
+//  - warp 0 adds up sum_tiles' tile sums: X, and the escapes before this tile (a negative
 //    X means bad block ids: nothing is written and the length is -1); a block scan adds the
 //    escapes before each chunk within the tile;
 //  - the value stream's offset, align16(pos_off + 2X), follows from X;

@@ -1,19 +1,23 @@
 """SplitZip on CUDA: launchers for the kernels in ``splitzip_cuda.cu`` (CuPy/NVRTC, compiled on
 first use and cached). Produces frames byte-identical to the torch reference in ``splitzip.py``.
 
-Encode: a dense pass (residual and code streams, escape counts per chunk and per tile of
-chunks, escapes spilled per chunk) and a tail pass that finds each chunk's escape offset from
-those counts, compacts escapes, falls back to a stored frame if coding did not pay, and writes
+Encode: a dense pass (residual and code streams, escape counts per chunk, escapes spilled per
+chunk), per-tile sums of those counts, and a tail pass that finds each chunk's escape offset
+from them, compacts escapes, falls back to a stored frame if coding did not pay, and writes
 the header. The frame's size stays on the device (``encode_into``); ``encode`` reads it once at
 the end. Decode: a header check on the device (so that the host need not read the header
 first), a validation pass that also scans the escape counts (one pass, decoupled look-back),
 and a dense pass that skips every write if anything failed; one synchronization at the end
 reads the verdict. Everything runs on torch's current stream.
 
+The dense passes come in two builds: lean kernels for the common case (whole chunks inside
+cache blocks, 16-byte aligned memory), which run at the copy-traffic ceiling, and general ones
+for everything else; both write the same bytes.
+
 The host's share of a call is kept small, since it bounds small-chunk throughput and the GPU
-waits on it between calls: plans per shape, one scratch allocation and one memset per call,
-launches through ``cuLaunchKernel`` with a reused parameter block, device reads through pinned
-memory.
+waits on it between calls: plans per shape, one scratch allocation per call and no memset
+before the first kernel, launches through ``cuLaunchKernel`` with a reused parameter block,
+device reads through pinned memory.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
         names |= {f"encode_dense{_template(layout)}", f"decode_chunks{_template(layout)}",
                   f"encode_lean{_template(layout)}", f"decode_lean{_template(layout)}",
                   f"validate_escapes<{layout.exp_bits}>", f"encode_tail<{layout.total_bits}>"}
-    names.add("decode_header")
+    names |= {"decode_header", "sum_tiles"}
     options = ("-std=c++17", *(f"-D{key}={value}" for key, value in tuning))
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=options, name_expressions=sorted(names))
@@ -93,8 +97,10 @@ def _module(device_index: int, tuning: tuple[tuple[str, int], ...]):
 
 @dataclass(frozen=True)
 class _Kernel:
-    """A compiled kernel and the largest grid worth launching: every kernel loops over its work,
-    so more blocks than fit on the GPU at once would only queue.
+    """A compiled kernel and the most blocks that fit on the GPU at once (``resident_blocks``).
+    Every kernel loops over its work, so any grid covers it: a launch is capped there unless it
+    asks for every block (the dense passes, whose queued blocks balance the SMs' finish times,
+    and the scans, which take tiles by ticket).
 
     Launches go straight to ``cuLaunchKernel`` with the arguments written into a parameter block
     kept per thread (``_parameters``): every argument is passed as 8 little-endian bytes (a
@@ -110,8 +116,7 @@ class _Kernel:
     owner: object  # CuPy's RawKernel, which keeps the module (and so the function) loaded
 
     def __call__(self, stream: int, grid: int, args: tuple[int, ...], *, every_block: bool = False) -> None:
-        """Launch ``grid`` blocks, capped at what fits on the GPU unless ``every_block`` (the
-        scans: each block takes a tile by ticket and none loops)."""
+        """Launch ``grid`` blocks, capped at ``resident_blocks`` unless ``every_block``."""
         blocks = max(1, grid if every_block else min(grid, self.resident_blocks))
         _in_context(self.device_index, optional_cupy().cuda.driver.launchKernel,
                     self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, _parameters(args), 0)
@@ -199,6 +204,7 @@ class _EncodePlan:
     lean_grid: int  # for the whole chunks
     dense_uncapped: bool  # CHUNKS_PER_WARP > 0: launch every block of the grid
     tiles: int  # of SCAN_THREADS chunks: the tail's blocks
+    sums: _Kernel
     tail: _Kernel
     residual_off: int
     codes_off: int
@@ -235,6 +241,7 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         lean_grid=_blocks_for_chunks(numel // chunk, tuning),
         dense_uncapped=dict(tuning)["CHUNKS_PER_WARP"] > 0,
         tiles=-(-nchunks // SCAN_THREADS),
+        sums=_kernel(device.index, "sum_tiles", tuning, SCAN_THREADS),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning, SCAN_THREADS),
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
         marked_table=_on_device(bytes(marked), device),
@@ -285,11 +292,13 @@ def encode_into(source: torch.Tensor, block_ids: torch.Tensor | None, block_elem
 
 def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int,
                    chunk: int, base: int, length_at: int, stream: int) -> None:
-    """``encode_into``'s work, the frame written at ``base`` and its length at ``length_at``: a
-    memset, the dense pass and the tail pass."""
+    """``encode_into``'s work, the frame written at ``base`` and its length at ``length_at``: the
+    dense pass (the lean kernel, the general one, or the lean one then the general one for a
+    partial last chunk), the per-tile sums and the tail pass. Nothing before the dense pass:
+    the GPU starts as early as the host can launch it."""
     device = source.device
-    # One int64 scratch: the escape count of each tile of SCAN_THREADS chunks (zeroed), of each
-    # chunk, then the escapes spilled per chunk before compaction (3 bytes an element).
+    # One int64 scratch: the escape count of each tile of SCAN_THREADS chunks, of each chunk, then
+    # the escapes spilled per chunk before compaction (3 bytes an element).
     # Allocated per call, which the caching allocator makes cheap, so that encodes on different
     # streams never share scratch.
     tiles, nchunks = plan.tiles, plan.nchunks
@@ -299,10 +308,9 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
     spill_val = spill_pos + nchunks * chunk * 2
     ids = 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
-    _zero(device.index, tile_sums, 8 * tiles, stream)
     source_at, whole = source.data_ptr(), plan.numel // chunk
     streams = (plan.marked_table.data_ptr(), base + plan.residual_off, base + plan.codes_off, base + plan.counts_off,
-               counts, tile_sums, spill_pos, spill_val)
+               counts, spill_pos, spill_val)
     first = 0  # the general kernel's first chunk
     if chunk % LEAN_SPAN == 0 and source_at % 16 == 0 and (block_ids is None or block_elems % chunk == 0) and whole:
         plan.lean(stream, plan.lean_grid, (
@@ -313,6 +321,7 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
         plan.dense(stream, plan.dense_grid if first == 0 else 1,
                    (source_at, ids, block_elems, nblocks, *plan.dense_scalars, first, *streams),
                    every_block=plan.dense_uncapped)
+    plan.sums(stream, tiles, (counts, nchunks, tile_sums), every_block=True)
     plan.tail(stream, tiles, (
         counts, tile_sums, tiles, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems,
         plan.numel, base, *plan.tail_scalars, plan.templates.data_ptr(), length_at,
