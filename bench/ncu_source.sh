@@ -1,3 +1,7 @@
+#!/usr/bin/env bash
+# One device call: Nsight Compute's source page (SASS with sampled warp stalls) and summary of the
+# small decode kernels (decode_header, validate_escapes) on one 256M-element decode. Carry .whl.
+# Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
