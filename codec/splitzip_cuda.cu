@@ -915,10 +915,11 @@ struct InChunk {
     __device__ __forceinline__ T* operator()(u64 i) const { return first + (i - start); }
 };
 
-// Streams whose groups are not whole words (float16 residuals: 11 bytes a group; float8: 3)
-// pass through shared memory in the lean kernels. Written to global memory a byte at a time,
-// each byte was a partial store (float16 encode ran at 530 GB/s); staged, a subgroup moves its
-// pass's bytes (LANES * UNROLL groups) with 16-byte accesses.
+// Encode streams whose groups are not whole words (float16 residuals: 11 bytes a group; float8:
+// 3) pass through shared memory in encode_lean. Written to global memory a byte at a time, each
+// byte was a partial store (float16 encode ran at 530 GB/s, 1520 staged); a subgroup now moves
+// its pass's bytes (LANES * UNROLL groups) with 16-byte stores. Decode reads such streams a
+// byte at a time still: L1 merges the loads, and staging them measured slower.
 template <int K>
 struct Staged { enum { value = K % 4 != 0, BYTES = K % 4 != 0 ? LANES * UNROLL * K : 0 }; };
 
@@ -929,36 +930,12 @@ __device__ __forceinline__ void stage_bits(u8* p, u64 lo, u64 hi) {
     for (int j = 0; j < K; j++) p[j] = (u8)(j < 8 ? lo >> (8 * j) : hi >> (8 * (j - 8)));
 }
 
-// A group's K bytes out of the stage.
-template <int K>
-__device__ __forceinline__ void unstage_bits(const u8* p, u64& lo, u64& hi) {
-    lo = hi = 0;
-#pragma unroll
-    for (int j = 0; j < K; j++) {
-        const u64 b = p[j];
-        if (j < 8) lo |= b << (8 * j); else hi |= b << (8 * (j - 8));
-    }
-}
-
 // A full pass's staged bytes to `out` (16-byte aligned: a pass is 128 * K bytes).
 template <int K>
 __device__ __forceinline__ void flush_stage(const u8* stage, u8* out, int sublane, u32 mask) {
     __syncwarp(mask);
     for (int i = sublane; i < Staged<K>::BYTES / 16; i += LANES)
         store_streamed(reinterpret_cast<uint4*>(out) + i, reinterpret_cast<const uint4*>(stage)[i]);
-    __syncwarp(mask);
-}
-
-// `nbytes` bytes from `in` into the stage (16-byte loads when `in` allows them).
-__device__ __forceinline__ void fill_stage(u8* stage, const u8* in, u32 nbytes, int sublane, u32 mask) {
-    __syncwarp(mask);  // the subgroup is done with the previous pass's bytes
-    u32 done = 0;
-    if (reinterpret_cast<u64>(in) % 16 == 0) {
-        done = nbytes / 16 * 16;
-        for (u32 i = sublane; i < nbytes / 16; i += LANES)
-            reinterpret_cast<uint4*>(stage)[i] = load_streamed(reinterpret_cast<const uint4*>(in) + i);
-    }
-    for (u32 i = done + sublane; i < nbytes; i += LANES) stage[i] = in[i];
     __syncwarp(mask);
 }
 
@@ -1100,13 +1077,10 @@ decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8*
     const u16* pos_in = reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3]);
     const u8* val_in = frame + params[P_OFFSETS + 4];
     __shared__ u32 table[1u << C];
-    __shared__ __align__(16) u8 stages[SUBGROUPS][Staged<R>::BYTES + Staged<C>::BYTES + 16];
     u32 book[4];
     load_codebook<C>(reinterpret_cast<const u8*>(params + P_CODEBOOK), table, book);
     const int sublane = threadIdx.x % LANES;
     const u32 mask = subgroup_mask();
-    u8* stage_r = stages[threadIdx.x / LANES];
-    u8* stage_c = stage_r + Staged<R>::BYTES;
     const u64 nsub = (u64)gridDim.x * SUBGROUPS;
     for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub) {
         const u64 start = c * chunk;
@@ -1117,20 +1091,15 @@ decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8*
         const u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
         const u32 groups = len / GROUP;
         for (u32 seg = 0; seg < groups; seg += STEP) {
-            const u32 in_pass = min((u32)STEP, groups - seg);
-            if constexpr (Staged<R>::value) fill_stage(stage_r, residual + seg * R, in_pass * R, sublane, mask);
-            if constexpr (Staged<C>::value) fill_stage(stage_c, codes_at + seg * C, in_pass * C, sublane, mask);
             u64 rlo[UNROLL], rhi[UNROLL];
             u32 clo[UNROLL];
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
                 const u32 g = seg + k * LANES + sublane;
                 u64 lo = 0, unused;
-                if (g < groups) {
-                    if constexpr (Staged<R>::value) unstage_bits<R>(stage_r + (g - seg) * R, rlo[k], rhi[k]);
-                    else load_bits<R>(residual + g * R, R, rlo[k], rhi[k]);
-                    if constexpr (Staged<C>::value) unstage_bits<C>(stage_c + (g - seg) * C, lo, unused);
-                    else load_bits<C>(codes_at + g * C, C, lo, unused);
+                if (g < groups) {  // byte loads where groups are not whole words: L1 merges them
+                    load_bits<R>(residual + g * R, R, rlo[k], rhi[k]);
+                    load_bits<C>(codes_at + g * C, C, lo, unused);
                 }
                 clo[k] = (u32)lo;
             }
