@@ -40,10 +40,9 @@ from .staging import current_stream, optional_cupy, read_to_host
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
-# whether bfloat16 lanes take two adjacent groups per encode step, and whether the dense passes
-# run as many blocks as fit at once, each looping over chunks (CHUNKS_PER_WARP 0), or enough
-# blocks for that many chunks per warp, queued as the GPU frees room; and the register caps of
-# the lean kernels.
+# whether bfloat16 lanes take two adjacent groups per encode step; whether the dense passes run
+# as many blocks as fit at once, each looping over chunks (CHUNKS_PER_WARP 0), or enough blocks
+# for that many chunks per warp, queued as the GPU frees room; the lean kernels' register caps.
 TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1, "CHUNKS_PER_WARP": 2,
           "ENC_LEAN_MINB": 8, "DEC_LEAN_MINB": 8}
 # Threads per block of the scanning kernels, and chunks per block in decode's validation scan
@@ -397,12 +396,13 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     """Decode ``frame`` (16-byte aligned) into ``out`` (contiguous), or into the blocks
     ``block_ids`` of the cache ``out``, with the header checked on the device: the GPU starts
     without waiting for the host to read it. ``shape``, when given, is the shape the frame must
-    declare. ``chunks_in_blocks`` (the default) declines frames whose chunks cross the blocks of
-    ``out``, for the lean kernel; the host-parsed path passes False for them. Returns False, with
-    nothing written, for a frame this path does not take (a bad or mismatched header, a stream
-    checksum not yet verified, short chunks, chunks across blocks): the
-    caller then parses the header on the host, which raises the precise error or decodes the
-    frame another way.
+    declare. With ``chunks_in_blocks`` (the default: the lean kernel's condition) frames whose
+    chunks cross the cache's blocks are declined; the host-parsed path passes False for them.
+
+    Returns False, with nothing written, for a frame this path does not take (a bad or mismatched
+    header, a stream checksum not yet verified, short chunks, chunks across blocks): the caller
+    then parses the header on the host, which raises the precise error or decodes the frame
+    another way.
 
     Raises:
         CorruptFrame: the escape streams fail validation. IndexError: a block id outside the
