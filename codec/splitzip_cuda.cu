@@ -880,10 +880,11 @@ decode_chunks(const u8* frame, const u64* params, const i64* inclusive, u64 n, u
 // Most calls encode whole chunks of whole passes (chunk % SPAN == 0) from vector-aligned
 // elements and decode into vector-aligned memory, every chunk inside one cache block. For
 // those, encode_lean and decode_lean address a chunk through one pointer and 32-bit offsets,
-// without the per-group checks of encode_dense and decode_chunks: about a third of their
-// instructions and fewer registers, so that more warps per SM keep more loads in flight (the
-// general kernels ran at ~70% of DRAM bandwidth, issue- and latency-bound, by Nsight Compute).
-// The host picks the kernel; both write the same bytes.
+// without the per-group checks of encode_dense and decode_chunks: 60% of their instructions
+// (the general kernels ran at ~70% of DRAM bandwidth, issue- and latency-bound, by Nsight
+// Compute). With a queued grid (CHUNKS_PER_WARP) they run at the speed of a kernel that only
+// moves the same bytes. The host picks the kernel; both write the same bytes. Capped at 64
+// registers: lower caps spill.
 #ifndef ENC_LEAN_MINB
 #define ENC_LEAN_MINB 8
 #endif
