@@ -378,7 +378,7 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
     }
 }
 
-// Prefix sums of per-chunk escape counts in one pass: each block of SCAN_THREADS threads takes
+// Prefix sums of per-chunk escape counts in one pass: each block of VALIDATE_THREADS threads takes
 // a tile of SCAN_ITEMS consecutive chunks per thread, in the order blocks start (a ticket, so
 // every earlier tile belongs to a block already running), scans it, and finds the sum of all
 // earlier tiles by a decoupled look-back over the sums they publish. `status` (a word per tile)
@@ -386,14 +386,18 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
 #ifndef SCAN_ITEMS
 #define SCAN_ITEMS 4
 #endif
-#define SCAN_TILE (SCAN_THREADS * SCAN_ITEMS)
+#ifndef VALIDATE_THREADS
+#define VALIDATE_THREADS 1024
+#endif
+#define SCAN_TILE (VALIDATE_THREADS * SCAN_ITEMS)
 #define TILE_AGGREGATE (1ull << 62)  // status word: the tile's own sum is known
 #define TILE_PREFIX (1ull << 63)     // status word: the sum through the end of the tile is known
 #define TILE_VALUE (TILE_AGGREGATE - 1)
 
-// Sum of `value` over the threads of the block before this one, and over all of them.
+// Sum of `value` over the threads of the block (of BLOCK threads) before this one, and over all.
+template <int BLOCK>
 __device__ __forceinline__ u64 block_exclusive_sum(u64 value, u64& block_total) {
-    __shared__ u64 warp_totals[SCAN_THREADS / 32];
+    __shared__ u64 warp_totals[BLOCK / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u64 inclusive = value;
 #pragma unroll
@@ -403,8 +407,8 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 value, u64& block_total) 
     }
     if (lane == 31) warp_totals[warp] = inclusive;
     __syncthreads();
-    // Every warp scans the 32 warp totals itself: lane w holds warp w's.
-    u64 totals = warp_totals[lane];
+    // Every warp scans the warp totals itself: lane w holds warp w's.
+    u64 totals = lane < BLOCK / 32 ? warp_totals[lane] : 0;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
         u64 y = __shfl_up_sync(0xffffffffu, totals, d);
@@ -466,7 +470,7 @@ __device__ __forceinline__ u64 tile_exclusive_prefix(u64* status, u64 tile, u64 
 // tile is scanned together).
 __device__ __forceinline__ u64 scan_exclusive(u64 local, u64* status, u64 tile) {
     u64 tile_total;
-    const u64 before = block_exclusive_sum(local, tile_total);
+    const u64 before = block_exclusive_sum<VALIDATE_THREADS>(local, tile_total);
     return tile_exclusive_prefix(status, tile, tile_total) + before;
 }
 
@@ -660,7 +664,7 @@ __device__ __forceinline__ u32 check_escapes(const u16* pos_in, const u8* val_in
 // 64 a block id outside the cache, 128 a block id repeated (seen: a zeroed bitmap of nblocks bits).
 // Blocks take tiles by ticket until none is left, so any grid covers any chunk count.
 template <int E>
-__global__ void __launch_bounds__(SCAN_THREADS)
+__global__ void __launch_bounds__(VALIDATE_THREADS)
 validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, const i64* block_ids, u64 nids,
                  u64 nblocks, u32* seen, u32* flags, u64* status, u32* ticket) {
     if (*flags & FLAG_HOST) return;  // decode_header ran just before, on the same stream
@@ -668,8 +672,8 @@ validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, cons
     const u8* counts16 = frame + params[P_OFFSETS + 2];
     const u16* pos_in = reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3]);
     const u8* val = frame + params[P_OFFSETS + 4];
-    const u64 stride = (u64)gridDim.x * SCAN_THREADS;
-    for (u64 k = (u64)blockIdx.x * SCAN_THREADS + threadIdx.x; k < nids; k += stride) {
+    const u64 stride = (u64)gridDim.x * VALIDATE_THREADS;
+    for (u64 k = (u64)blockIdx.x * VALIDATE_THREADS + threadIdx.x; k < nids; k += stride) {
         u64 id = (u64)block_ids[k];
         if (id >= nblocks) {
             atomicOr(flags, 64u);
@@ -1193,7 +1197,7 @@ encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u3
     const u64 c = tile * SCAN_THREADS + t;
     const u32 count = c < nchunks ? (u32)counts[c] : 0;
     u64 tile_total;
-    const u64 off = (u64)sums[0] + block_exclusive_sum(count, tile_total);
+    const u64 off = (u64)sums[0] + block_exclusive_sum<SCAN_THREADS>(count, tile_total);
     const u64 pos_end = pos_off + 2 * escapes;
     const u64 val_off = (pos_end + 15) & ~15ull;
     const u64 coded_total = escapes ? val_off + escapes : counts_end;

@@ -44,10 +44,11 @@ THREADS = 128
 # as many blocks as fit at once, each looping over chunks (CHUNKS_PER_WARP 0), or enough blocks
 # for that many chunks per warp, queued as the GPU frees room; the lean kernels' register caps.
 TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1, "CHUNKS_PER_WARP": 2,
-          "ENC_LEAN_MINB": 8, "DEC_LEAN_MINB": 8}
-# Threads per block of the scanning kernels, and chunks per block in decode's validation scan
-# (SCAN_THREADS, SCAN_TILE in the kernels). Encode's tail takes a chunk per thread.
-SCAN_THREADS, SCAN_TILE = 1024, 4096
+          "ENC_LEAN_MINB": 8, "DEC_LEAN_MINB": 8, "VALIDATE_THREADS": 1024}
+# Threads per block of encode's tile kernels (SCAN_THREADS in the kernels: a chunk per thread),
+# and chunks per thread of decode's validation scan (SCAN_ITEMS: a tile is VALIDATE_THREADS
+# times that).
+SCAN_THREADS, SCAN_ITEMS = 1024, 4
 # Elements per pass of a subgroup (SPAN): encode_lean takes chunks of whole passes.
 LEAN_SPAN = 1024
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
@@ -379,13 +380,15 @@ class _DecodePlan:
 def _decode_plan(layout: FloatLayout, numel: int, max_nchunks: int, device: torch.device,
                  tuning: tuple[tuple[str, int], ...]) -> _DecodePlan:
     usual = -(-numel // DEFAULT_CHUNK)
+    validate_threads = dict(tuning)["VALIDATE_THREADS"]
+    tile = validate_threads * SCAN_ITEMS
     return _DecodePlan(
         header=_kernel(device.index, "decode_header", tuning, 32),
-        validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, SCAN_THREADS),
+        validate=_kernel(device.index, f"validate_escapes<{layout.exp_bits}>", tuning, validate_threads),
         dense=_kernel(device.index, f"decode_chunks{_template(layout)}", tuning),
         lean=_kernel(device.index, f"decode_lean{_template(layout)}", tuning),
-        validate_grid=max(1, -(-usual // SCAN_TILE)), dense_grid=_blocks_for_chunks(usual, tuning),
-        dense_uncapped=dict(tuning)["CHUNKS_PER_WARP"] > 0, tiles=-(-max_nchunks // SCAN_TILE),
+        validate_grid=max(1, -(-usual // tile)), dense_grid=_blocks_for_chunks(usual, tuning),
+        dense_uncapped=dict(tuning)["CHUNKS_PER_WARP"] > 0, tiles=-(-max_nchunks // tile),
     )
 
 
@@ -437,7 +440,7 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
         *expected, max_nchunks, block_elems if lean and nids else 0, int(stream_crc_verified), params, flags,
         words, zeroed // 8 if in_kernel else 0,
     ))
-    plan.validate(stream, max(plan.validate_grid, -(-nids // SCAN_THREADS)), (
+    plan.validate(stream, max(plan.validate_grid, -(-nids // plan.validate.threads)), (
         base, params, inclusive, numel, ids, nids, nblocks, words + bitmap, flags, words + 8, words + 4,
     ), every_block=True)
     (plan.lean if lean else plan.dense)(stream, plan.dense_grid, (
