@@ -288,14 +288,16 @@ __device__ __forceinline__ bool chunk_ids_bad(const i64* block_ids, u64 block_el
 
 // Dense pass (any chunk from first_chunk on, any alignment, chunks across blocks; encode_lean
 // takes the common case): residual and code streams, per-chunk escape counts, and each
-// chunk's escapes spilled in order to spill_pos/spill_val at the chunk's first element
-// index. A chunk whose blocks do not exist counts -(n + 1), which makes the escape total
-// negative: the tail pass then writes nothing and reports a length of -1.
+// chunk's first spill_cap escapes spilled in order to spill_pos/spill_val from c * spill_cap
+// (the tail finds the escapes of a chunk with more in the source again: scratch stays at 3/8
+// of a byte an element, where room for every element cost 3 bytes). A chunk whose blocks do
+// not exist counts -(n + 1), which makes the escape total negative: the tail pass then writes
+// nothing and reports a length of -1.
 template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, MINB)
 encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
              u64 first_chunk, const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out,
-             i64* counts_out, u16* spill_pos, u8* spill_val) {
+             i64* counts_out, u16* spill_pos, u8* spill_val, u32 spill_cap) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
     constexpr int W = Width<TOTAL, E, C>::W;
@@ -353,15 +355,18 @@ encode_dense(u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u
                 u32 total = __reduce_add_sync(mask, mine);
                 if (total) {  // rare: order this step's escapes across the subgroup
                     u32 incl = subgroup_inclusive_scan(mine, sublane, mask);
-                    u64 slot = start + running + incl - mine;
+                    u64 slot = c * spill_cap + running + incl - mine;
+                    const u64 spill_end = (c + 1) * spill_cap;
 #pragma unroll
                     for (int v = 0; v < W; v++) {
                         const u64 i = (g0 + v) * GROUP;
 #pragma unroll
                         for (int j = 0; j < GROUP; j++) {
                             if (escmask[v] & (1u << j)) {
-                                spill_pos[slot] = (u16)(i + j - start);
-                                spill_val[slot] = (u8)(exps[v][j >> 2] >> (8 * (j & 3)));
+                                if (slot < spill_end) {
+                                    spill_pos[slot] = (u16)(i + j - start);
+                                    spill_val[slot] = (u8)(exps[v][j >> 2] >> (8 * (j & 3)));
+                                }
                                 slot++;
                             }
                         }
@@ -950,7 +955,7 @@ template <int TOTAL, int E, int C>
 __global__ void __launch_bounds__(THREADS, ENC_LEAN_MINB)
 encode_lean(const u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64 n, u32 chunk, u64 nchunks,
             const u8* marked_table, u8* residual_out, u8* codes_out, u8* counts16_out, i64* counts_out,
-            u16* spill_pos, u8* spill_val) {
+            u16* spill_pos, u8* spill_val, u32 spill_cap) {
     constexpr int R = TOTAL - E;
     constexpr int WORDS = Elem<TOTAL>::WORDS;
     constexpr int W = Width<TOTAL, E, C>::W;
@@ -1012,14 +1017,17 @@ encode_lean(const u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64
                 const u32 total = __reduce_add_sync(mask, mine);
                 if (total) {  // rare: order this step's escapes across the subgroup
                     const u32 incl = subgroup_inclusive_scan(mine, sublane, mask);
-                    u64 slot = start + running + incl - mine;
+                    u64 slot = c * spill_cap + running + incl - mine;
+                    const u64 spill_end = (c + 1) * spill_cap;
 #pragma unroll
                     for (int v = 0; v < W; v++) {
 #pragma unroll
                         for (int j = 0; j < GROUP; j++) {
                             if (escmask[v] & (1u << j)) {
-                                spill_pos[slot] = (u16)((g0 + v) * GROUP + j);
-                                spill_val[slot] = (u8)(exps[v][j >> 2] >> (8 * (j & 3)));
+                                if (slot < spill_end) {
+                                    spill_pos[slot] = (u16)((g0 + v) * GROUP + j);
+                                    spill_val[slot] = (u8)(exps[v][j >> 2] >> (8 * (j & 3)));
+                                }
                                 slot++;
                             }
                         }
@@ -1155,18 +1163,39 @@ sum_tiles(const i64* counts, u64 nchunks, i64* tile_sums) {
 //    escapes before each chunk within the tile;
 //  - the value stream's offset, align16(pos_off + 2X), follows from X;
 //  - if the coded frame is smaller than a stored one, each thread copies its chunk's spilled
-//    escapes to their place and block 0 zeroes the (< 16-byte) padding gaps before streams;
+//    escapes to their place (or, for a chunk with more than spill_cap, finds them again in the
+//    source: marked_table marks an escaping exponent with `mark`) and block 0 zeroes the
+//    (< 16-byte) padding gaps before streams;
 //  - otherwise the raw elements are copied after the header (over the dense streams);
 //  - block 0 picks the coded or stored header template (built by the host with X = 0), patches
 //    X, the escape-stream lengths and the header CRC32C, and writes the frame's length.
 // Two blocks per SM (32 registers): a tile per block, all in one wave for 256M elements.
 #define TAIL_BATCH 4  // fewer than ESCAPE_BATCH: 32 registers
+
+// The escapes of the `len` elements from `start`, found in the source (out of line: the tail's
+// common path keeps its registers).
+template <int TOTAL>
+__device__ __noinline__ void find_escapes_again(const u8* x, const i64* block_ids, u64 block_elems, u64 start, u32 len,
+                                                const u8* marked_table, u32 exp_bits, u32 mark, u16* pos_out,
+                                                u8* val_out) {
+    const u32 shift = TOTAL - 1 - exp_bits;
+    u32 k = 0;
+    for (u32 i = 0; i < len; i++) {
+        const u32 bits = *elem_ptr<TOTAL>(const_cast<u8*>(x), block_ids, block_elems, start + i);
+        const u32 e = (bits >> shift) & ((1u << exp_bits) - 1);
+        if (marked_table[e] == mark) {
+            pos_out[k] = (u16)i;
+            val_out[k] = (u8)e;
+            k++;
+        }
+    }
+}
 template <int TOTAL>
 __global__ void __launch_bounds__(SCAN_THREADS, 2)
 encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u32 chunk, const u16* spill_pos,
-            const u8* spill_val, u8* x, const i64* block_ids, u64 block_elems, u64 n, u8* frame,
-            u64 counts_end, u64 pos_off, u64 stored_total, u64 gap0, u64 gap1, const u8* templates,
-            i64* length_out) {
+            const u8* spill_val, u32 spill_cap, const u8* marked_table, u32 exp_bits, u32 mark, u8* x,
+            const i64* block_ids, u64 block_elems, u64 n, u8* frame, u64 counts_end, u64 pos_off, u64 stored_total,
+            u64 gap0, u64 gap1, const u8* templates, i64* length_out) {
     __shared__ u8 head[160];
     __shared__ i64 sums[2];  // escapes before this tile, and in all tiles
     const u32 t = threadIdx.x;
@@ -1241,8 +1270,11 @@ encode_tail(const i64* counts, const i64* tile_sums, u64 ntiles, u64 nchunks, u3
     if (coded) {
         u16* pos_out = reinterpret_cast<u16*>(frame + pos_off);
         u8* val_out = frame + val_off;
-        const u64 src = c * chunk;
-        for (u32 k0 = 0; k0 < count; k0 += TAIL_BATCH) {  // loads in flight together (as check_escapes)
+        const u64 src = c * spill_cap;
+        if (count > spill_cap)  // rare: more than the spill holds
+            find_escapes_again<TOTAL>(x, block_ids, block_elems, c * chunk, (u32)min((u64)chunk, n - c * chunk),
+                                      marked_table, exp_bits, mark, pos_out + off, val_out + off);
+        for (u32 k0 = 0; k0 < (count > spill_cap ? 0 : count); k0 += TAIL_BATCH) {  // loads in flight together
             u16 p[TAIL_BATCH];
             u8 v[TAIL_BATCH];
 #pragma unroll

@@ -51,6 +51,9 @@ TUNING = {"LANES": 32, "MINB": 8, "LOAD_HINT": 0, "STORE_HINT": 0, "ENC_WIDE": 1
 SCAN_THREADS, SCAN_ITEMS = 1024, 4
 # Elements per pass of a subgroup (SPAN): encode_lean takes chunks of whole passes.
 LEAN_SPAN = 1024
+# Encode's scratch holds 1/SPILL_FRACTION of a chunk's elements as escapes; the tail finds the
+# escapes of a chunk with more in the source again (rare: such data is mostly stored).
+SPILL_FRACTION = 8
 _SOURCE = Path(__file__).with_name("splitzip_cuda.cu")
 _FLAG_REASONS = {
     1: "a chunk's escape count exceeds the chunk's size",
@@ -210,6 +213,8 @@ class _EncodePlan:
     codes_off: int
     counts_off: int
     marked_table: torch.Tensor
+    exp_bits: int
+    escape_mark: int  # marked_table's value for an exponent outside the codebook
     templates: torch.Tensor
     dense_scalars: tuple
     tail_scalars: tuple
@@ -244,7 +249,7 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
         sums=_kernel(device.index, "sum_tiles", tuning, SCAN_THREADS),
         tail=_kernel(device.index, f"encode_tail<{layout.total_bits}>", tuning, SCAN_THREADS),
         residual_off=off[Stream.RESIDUAL], codes_off=off[Stream.CODES], counts_off=off[Stream.CHUNK_COUNTS],
-        marked_table=_on_device(bytes(marked), device),
+        marked_table=_on_device(bytes(marked), device), exp_bits=layout.exp_bits, escape_mark=layout.codebook_size,
         templates=_on_device(dense.pack() + stored.pack() + _crc_deltas(), device),
         dense_scalars=(numel, chunk, nchunks),
         tail_scalars=(counts_end, off[Stream.ESC_POSITIONS], stored.total, gaps[0], gaps[1]),
@@ -298,19 +303,20 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
     the GPU starts as early as the host can launch it."""
     device = source.device
     # One int64 scratch: the escape count of each tile of SCAN_THREADS chunks, of each chunk, then
-    # the escapes spilled per chunk before compaction (3 bytes an element).
+    # up to SPILL_FRACTION of each chunk's escapes spilled before compaction (3 bytes each).
     # Allocated per call, which the caching allocator makes cheap, so that encodes on different
     # streams never share scratch.
     tiles, nchunks = plan.tiles, plan.nchunks
-    scratch = torch.empty(tiles + nchunks + -(-3 * nchunks * chunk // 8), dtype=torch.int64, device=device)
+    cap = chunk // SPILL_FRACTION
+    scratch = torch.empty(tiles + nchunks + -(-3 * nchunks * cap // 8), dtype=torch.int64, device=device)
     tile_sums = scratch.data_ptr()
     counts, spill_pos = tile_sums + 8 * tiles, tile_sums + 8 * (tiles + nchunks)
-    spill_val = spill_pos + nchunks * chunk * 2
+    spill_val = spill_pos + nchunks * cap * 2
     ids = 0 if block_ids is None else block_ids.data_ptr()
     nblocks = source.numel() // block_elems if block_elems else 0
     source_at, whole = source.data_ptr(), plan.numel // chunk
     streams = (plan.marked_table.data_ptr(), base + plan.residual_off, base + plan.codes_off, base + plan.counts_off,
-               counts, spill_pos, spill_val)
+               counts, spill_pos, spill_val, cap)
     first = 0  # the general kernel's first chunk
     if chunk % LEAN_SPAN == 0 and source_at % 16 == 0 and (block_ids is None or block_elems % chunk == 0) and whole:
         plan.lean(stream, plan.lean_grid, (
@@ -323,8 +329,9 @@ def _encode_launch(plan: _EncodePlan, source: torch.Tensor, block_ids: torch.Ten
                    every_block=plan.dense_uncapped)
     plan.sums(stream, tiles, (counts, nchunks, tile_sums), every_block=True)
     plan.tail(stream, tiles, (
-        counts, tile_sums, tiles, nchunks, chunk, spill_pos, spill_val, source.data_ptr(), ids, block_elems,
-        plan.numel, base, *plan.tail_scalars, plan.templates.data_ptr(), length_at,
+        counts, tile_sums, tiles, nchunks, chunk, spill_pos, spill_val, cap, plan.marked_table.data_ptr(),
+        plan.exp_bits, plan.escape_mark, source.data_ptr(), ids, block_elems, plan.numel, base, *plan.tail_scalars,
+        plan.templates.data_ptr(), length_at,
     ), every_block=True)
 
 

@@ -412,3 +412,36 @@ def test_chunks_across_blocks_take_the_general_kernels(monkeypatch):
     assert bits_equal(dst[slots].cpu(), cache[ids])
     assert int(torch.count_nonzero(dst[[i for i in range(12) if i not in slots]].view(torch.int16))) == 0
     assert launched.count("decode_header") == 2 and launched[-1] == "decode_chunks"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunks_with_more_escapes_than_the_spill_holds(dtype):
+    """Encode's scratch keeps an eighth of a chunk's elements as escapes; a chunk with more has
+    them found again in the source by the tail. In a frame that stays coded: chunks with exactly
+    that many escapes, one more, and all escapes, flat and as cache blocks."""
+    chunk = 1024
+    cap = chunk // splitzip_gpu.SPILL_FRACTION
+    bits = codec.layout_for(dtype).int_dtype
+    x = _random_bits(64 * chunk, dtype, seed=21, escape_rate=0.0)
+    book = codec.calibrate(x)
+    rare = _random_bits(1 << 16, dtype, seed=22, escape_rate=1.0).view(bits)
+    outside = rare[~torch.isin(_exponents(rare.view(dtype)), torch.tensor(book.exponents))]
+    flat = x.view(bits).clone()
+    for c, count in ((5, chunk), (9, cap), (10, cap + 1), (63, 3 * cap)):
+        where = torch.randperm(chunk, generator=torch.Generator().manual_seed(c))[:count] + c * chunk
+        flat[where] = outside[c * 97:c * 97 + count]
+    y = flat.view(dtype)
+    cpu = codec.encode(y, book)
+    header = codec.read_header(cpu)
+    assert header.codec == Codec.SPLITZIP and header.escapes >= chunk + 5 * cap + 1
+    assert torch.equal(codec.encode(y.cuda(), book).cpu(), cpu)
+    assert bits_equal(codec.decode(cpu.cuda()).cpu(), y)
+    cache = y.view(64, chunk).cuda()
+    ids = [63, 5, 0, 10, 9]
+    assert torch.equal(codec.encode_blocks(cache, ids, book).cpu(), codec.encode(y.view(64, chunk)[ids], book))
+
+
+def _exponents(x: torch.Tensor) -> torch.Tensor:
+    layout = codec.layout_for(x.dtype)
+    raw = x.view(layout.int_dtype).to(torch.int32) & ((1 << layout.total_bits) - 1)
+    return (raw >> (layout.total_bits - 1 - layout.exp_bits)) & ((1 << layout.exp_bits) - 1)
