@@ -445,3 +445,24 @@ def _exponents(x: torch.Tensor) -> torch.Tensor:
     layout = codec.layout_for(x.dtype)
     raw = x.view(layout.int_dtype).to(torch.int32) & ((1 << layout.total_bits) - 1)
     return (raw >> (layout.total_bits - 1 - layout.exp_bits)) & ((1 << layout.exp_bits) - 1)
+
+
+def test_large_caches_zero_the_block_bitmap_with_a_memset():
+    """A cache of 2**17 blocks needs a 16 KiB bitmap for spotting repeated ids: more than
+    decode_header zeroes itself, so the host zeroes the scratch first. Repeated calls on fresh
+    scratch find no stale bits; a repeated id is still caught, and nothing is written."""
+    blocks = 1 << 17
+    cache = torch.randn(blocks, 8).to(torch.bfloat16).cuda()
+    ids = torch.randperm(blocks, device="cuda")[:4096]
+    book = codec.calibrate(cache[:64])
+    frame = codec.encode_blocks(cache, ids, book)
+    for _ in range(3):
+        dst = torch.zeros_like(cache)
+        codec.decode_blocks(frame, dst, ids)
+        assert torch.equal(dst[ids].view(torch.int16), cache[ids].view(torch.int16))
+    repeated = ids.clone()
+    repeated[-1] = repeated[0]
+    dst = torch.zeros_like(cache)
+    with pytest.raises(codec.OutputMismatch):
+        codec.decode_blocks(frame, dst, repeated)
+    assert int(torch.count_nonzero(dst.view(torch.int16))) == 0
