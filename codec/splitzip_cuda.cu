@@ -48,10 +48,11 @@ typedef long long i64;
 #define ENC_WIDE 0
 #endif
 
-// Element index of a lane's k-th group in a pass; W adjacent groups per lane per step.
-template <int W>
-__device__ __forceinline__ u64 group_index(u64 seg, int k, int sublane) {
-    return seg + (((u64)(k / W) * LANES + sublane) * W + (k % W)) * GROUP;
+// Element index of a lane's k-th group in the pass at element `seg` (u64 from the tensor's
+// start, u32 from a chunk's); W adjacent groups per lane per step.
+template <int W, typename I>
+__device__ __forceinline__ I group_index(I seg, int k, int sublane) {
+    return seg + (((I)(k / W) * LANES + sublane) * W + (k % W)) * GROUP;
 }
 
 template <int TOTAL, int E, int C>
@@ -102,14 +103,19 @@ struct Elem<16> { typedef u16 T; typedef uint4 Vec; enum { WORDS = 4 }; };
 template <>
 struct Elem<8> { typedef u8 T; typedef uint2 Vec; enum { WORDS = 2 }; };
 
+// The block that holds element i. 32-bit division is several times cheaper, and it is the
+// common case.
+__device__ __forceinline__ u64 block_of(u64 i, u64 block_elems) {
+    return ((i | block_elems) >> 32) ? i / block_elems : (u64)((u32)i / (u32)block_elems);
+}
+
 // Element index -> address, flat or through the block table.
 template <int TOTAL>
 __device__ __forceinline__ typename Elem<TOTAL>::T* elem_ptr(u8* base, const i64* block_ids,
                                                            u64 block_elems, u64 i) {
     typedef typename Elem<TOTAL>::T T;
     if (block_ids == nullptr) return reinterpret_cast<T*>(base) + i;
-    // 32-bit division is several times cheaper, and it is the common case.
-    u64 b = ((i | block_elems) >> 32) ? i / block_elems : (u64)((u32)i / (u32)block_elems);
+    const u64 b = block_of(i, block_elems);
     return reinterpret_cast<T*>(base) + (u64)block_ids[b] * block_elems + (i - b * block_elems);
 }
 
@@ -487,6 +493,19 @@ __device__ __forceinline__ u64 scan_exclusive(u64 local, u64* status, u64 tile) 
 #define P_OFFSETS 3
 #define P_CODEBOOK 8
 #define PARAM_WORDS 10
+
+// The streams of a frame, where decode_header found them.
+struct FrameStreams {
+    const u8* residual;
+    const u8* codes;
+    const u8* counts16;
+    const u16* pos;
+    const u8* val;
+    __device__ __forceinline__ FrameStreams(const u8* frame, const u64* params)
+        : residual(frame + params[P_OFFSETS]), codes(frame + params[P_OFFSETS + 1]),
+          counts16(frame + params[P_OFFSETS + 2]), pos(reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3])),
+          val(frame + params[P_OFFSETS + 4]) {}
+};
 #define FLAG_HOST 512u  // decode_header: the host must parse this frame; nothing else runs
 
 __device__ __forceinline__ u64 le_bytes(const u8* p, int n) {
@@ -674,9 +693,7 @@ validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, cons
                  u64 nblocks, u32* seen, u32* flags, u64* status, u32* ticket) {
     if (*flags & FLAG_HOST) return;  // decode_header ran just before, on the same stream
     const u64 chunk = params[P_CHUNK], nchunks = params[P_NCHUNKS], total = params[P_ESCAPES];
-    const u8* counts16 = frame + params[P_OFFSETS + 2];
-    const u16* pos_in = reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3]);
-    const u8* val = frame + params[P_OFFSETS + 4];
+    const FrameStreams in(frame, params);
     const u64 stride = (u64)gridDim.x * VALIDATE_THREADS;
     for (u64 k = (u64)blockIdx.x * VALIDATE_THREADS + threadIdx.x; k < nids; k += stride) {
         u64 id = (u64)block_ids[k];
@@ -700,14 +717,14 @@ validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, cons
         u32 count[SCAN_ITEMS], lens[SCAN_ITEMS];
         u64 local = 0;
         if (first + SCAN_ITEMS <= nchunks) {  // the thread's counts in one load (the stream is 16-byte aligned)
-            const u64 packed = *reinterpret_cast<const u64*>(counts16 + 2 * first);
+            const u64 packed = *reinterpret_cast<const u64*>(in.counts16 + 2 * first);
 #pragma unroll
             for (int k = 0; k < SCAN_ITEMS; k++) count[k] = (u32)(packed >> (16 * k)) & 0xFFFFu;
         } else {
 #pragma unroll
             for (int k = 0; k < SCAN_ITEMS; k++) {
                 const u64 c = first + k;
-                count[k] = c < nchunks ? counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8) : 0;
+                count[k] = c < nchunks ? in.counts16[2 * c] | ((u32)in.counts16[2 * c + 1] << 8) : 0;
             }
         }
 #pragma unroll
@@ -727,7 +744,7 @@ validate_escapes(const u8* frame, const u64* params, i64* inclusive, u64 n, cons
             if (end_off > total) bad |= 2u;
             if (c == nchunks - 1 && end_off != total) bad |= 32u;
         }
-        if (!(bad & 3u)) bad |= check_escapes<E>(pos_in, val, before, count, lens);  // in bounds: no 2
+        if (!(bad & 3u)) bad |= check_escapes<E>(in.pos, in.val, before, count, lens);  // in bounds: no 2
         if (bad) atomicOr(flags, bad);
         __syncthreads();  // the next ticket is visible to every thread
     }
@@ -868,11 +885,7 @@ decode_chunks(const u8* frame, const u64* params, const i64* inclusive, u64 n, u
         return;
     }
     const u64 nchunks = params[P_NCHUNKS];
-    const u8* residual_in = frame + params[P_OFFSETS];
-    const u8* codes_in = frame + params[P_OFFSETS + 1];
-    const u8* counts16 = frame + params[P_OFFSETS + 2];
-    const u16* pos_in = reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3]);
-    const u8* val_in = frame + params[P_OFFSETS + 4];
+    const FrameStreams in(frame, params);
     const u8* codebook = reinterpret_cast<const u8*>(params + P_CODEBOOK);
     __shared__ u32 table[1u << C];
     u32 book[4];
@@ -881,7 +894,7 @@ decode_chunks(const u8* frame, const u64* params, const i64* inclusive, u64 n, u
     const u32 mask = subgroup_mask();
     const u64 nsub = (u64)gridDim.x * SUBGROUPS;
     for (u64 c = (u64)blockIdx.x * SUBGROUPS + threadIdx.x / LANES; c < nchunks; c += nsub)
-        decode_chunk<TOTAL, E, C>(c, residual_in, codes_in, counts16, inclusive, pos_in, val_in, n, chunk, out,
+        decode_chunk<TOTAL, E, C>(c, in.residual, in.codes, in.counts16, inclusive, in.pos, in.val, n, chunk, out,
                                   block_ids, block_elems, table, book, sublane, mask);
 }
 
@@ -901,18 +914,12 @@ decode_chunks(const u8* frame, const u64* params, const i64* inclusive, u64 n, u
 #define DEC_LEAN_MINB 8
 #endif
 
-// First element of lane `sublane`'s k-th group of the pass at element `seg` of a chunk.
-template <int W>
-__device__ __forceinline__ u32 lane_element(u32 seg, int k, int sublane) {
-    return seg + (((u32)(k / W) * LANES + sublane) * W + (k % W)) * GROUP;
-}
-
 // The chunk's first element, flat or inside its block (the chunk lies in one block); nullptr
 // when the block id lies outside the cache.
 template <typename T>
 __device__ __forceinline__ T* chunk_start(T* base, const i64* block_ids, u64 block_elems, u64 nblocks, u64 start) {
     if (block_ids == nullptr) return base + start;
-    const u64 b = ((start | block_elems) >> 32) ? start / block_elems : (u64)((u32)start / (u32)block_elems);
+    const u64 b = block_of(start, block_elems);
     const u64 id = (u64)block_ids[b];
     return id < nblocks ? base + id * block_elems + (start - b * block_elems) : nullptr;
 }
@@ -984,7 +991,7 @@ encode_lean(const u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64
             u32 w[UNROLL][WORDS];
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
-                const V v = load_streamed(reinterpret_cast<const V*>(src + lane_element<W>(seg, k, sublane)));
+                const V v = load_streamed(reinterpret_cast<const V*>(src + group_index<W>(seg, k, sublane)));
                 const u32* vw = reinterpret_cast<const u32*>(&v);
 #pragma unroll
                 for (int j = 0; j < WORDS; j++) w[k][j] = vw[j];
@@ -999,7 +1006,7 @@ encode_lean(const u8* x, const i64* block_ids, u64 block_elems, u64 nblocks, u64
                     encode_group<TOTAL, E, C>(w[k + v], GROUP, table, rlo[v], rhi[v], codes[v], escmask[v], exps[v]);
                     mine += __popc(escmask[v]);
                 }
-                const u32 g0 = lane_element<W>(seg, k, sublane) / GROUP;  // group within the chunk
+                const u32 g0 = group_index<W>(seg, k, sublane) / GROUP;  // group within the chunk
                 if constexpr (W == 2) {
                     store_streamed(reinterpret_cast<uint4*>(residual + g0 * R),
                                    make_uint4((u32)rlo[0], (u32)(rlo[0] >> 32), (u32)rlo[1], (u32)(rlo[1] >> 32)));
@@ -1084,11 +1091,7 @@ decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8*
         return;
     }
     const u64 nchunks = params[P_NCHUNKS];
-    const u8* residual_in = frame + params[P_OFFSETS];
-    const u8* codes_in = frame + params[P_OFFSETS + 1];
-    const u8* counts16 = frame + params[P_OFFSETS + 2];
-    const u16* pos_in = reinterpret_cast<const u16*>(frame + params[P_OFFSETS + 3]);
-    const u8* val_in = frame + params[P_OFFSETS + 4];
+    const FrameStreams in(frame, params);
     __shared__ u32 table[1u << C];
     u32 book[4];
     load_codebook<C>(reinterpret_cast<const u8*>(params + P_CODEBOOK), table, book);
@@ -1099,9 +1102,9 @@ decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8*
         const u64 start = c * chunk;
         const u32 len = (u32)min((u64)chunk, n - start);
         T* dst = chunk_start(reinterpret_cast<T*>(out), block_ids, block_elems, ~0ull, start);  // ids validated
-        const u8* residual = residual_in + start / GROUP * R;
-        const u8* codes_at = codes_in + start / GROUP * C;
-        const u32 count = counts16[2 * c] | ((u32)counts16[2 * c + 1] << 8);
+        const u8* residual = in.residual + start / GROUP * R;
+        const u8* codes_at = in.codes + start / GROUP * C;
+        const u32 count = in.counts16[2 * c] | ((u32)in.counts16[2 * c + 1] << 8);
         const u32 groups = len / GROUP;
         for (u32 seg = 0; seg < groups; seg += STEP) {
             u64 rlo[UNROLL], rhi[UNROLL];
@@ -1133,7 +1136,7 @@ decode_lean(const u8* frame, const u64* params, const i64* inclusive, u64 n, u8*
         if (len % GROUP && sublane == 0)  // the frame's last elements, fewer than a group
             decode_partial_group<TOTAL, E, C>(residual + groups * R, codes_at + groups * C, len % GROUP, table, book,
                                               dst + groups * GROUP);
-        if (count) lean_patch_escapes<TOTAL, E>(dst, count, (u64)inclusive[c], pos_in, val_in, sublane, mask);
+        if (count) lean_patch_escapes<TOTAL, E>(dst, count, (u64)inclusive[c], in.pos, in.val, sublane, mask);
     }
 }
 
