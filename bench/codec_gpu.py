@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 import codec  # noqa: E402
 from codec.bench import kv_source, parse_size, tile  # noqa: E402
 from codec.frames import _encode  # noqa: E402
-from kernel_probe import kernel_times  # noqa: E402  (bench/, this script's directory)
 
 BLOCK_BYTES = 16 * 1024
 
@@ -50,6 +49,24 @@ def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def kernel_times(fn, calls: int = 10) -> dict[str, float]:
+    """Mean µs per call of each CUDA kernel that `calls` calls of fn run (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            name = event.key.split("(")[0][:40]
+            times[name] = times.get(name, 0.0) + event.device_time_total / calls
+    return times
 
 
 def row(name: str, raw: int, wire: int | None, t_enc: float | None, t_dec: float | None, note: str = "") -> dict:

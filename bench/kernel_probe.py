@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import codec  # noqa: E402
 from codec import splitzip_gpu  # noqa: E402
 from codec.bench import kv_source, parse_size, tile  # noqa: E402
+from codec_gpu import cuda_time, kernel_times  # noqa: E402  (bench/, this script's directory)
 
 TRAFFIC = r"""
 typedef unsigned long long u64;
@@ -68,20 +68,6 @@ extern "C" __global__ void like_encode(const uint4* __restrict__ in, u64* __rest
 THREADS, UNROLL = 256, 4
 
 
-def event_time(fn, repeats: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    times = []
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def traffic_kernels(groups: int):
     """Launchers of the traffic kernels over `groups` groups of 8 bf16 elements."""
     import cupy
@@ -104,24 +90,6 @@ def traffic_kernels(groups: int):
         "like_decode": launch("like_decode", res.data_ptr(), codes.data_ptr(), dst.data_ptr(), cupy.uint64(groups)),
         "like_encode": launch("like_encode", src.data_ptr(), res.data_ptr(), codes.data_ptr(), cupy.uint64(groups)),
     }
-
-
-def kernel_times(fn, calls: int = 10) -> dict[str, float]:
-    """Mean µs per call of each CUDA kernel that `calls` calls of fn run (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            name = event.key.split("(")[0][:40]
-            times[name] = times.get(name, 0.0) + event.device_time_total / calls
-    return times
 
 
 def main() -> None:
@@ -149,10 +117,10 @@ def main() -> None:
         return
     print(f"{torch.cuda.get_device_name()}, {n >> 20}M bf16 elements, frame {frame.numel()} bytes")
     print(f"{'kernel':<44}{'µs':>9}{'GB/s':>9}{'TB/s moved':>12}")
-    t = event_time(lambda: x.clone())
+    t = cuda_time(lambda: x.clone(), 20)
     print(f"{'torch clone':<44}{t * 1e6:>9.1f}{raw / t / 1e9:>9.0f}{2 * raw / t / 1e12:>12.2f}")
     for name, launch in traffic.items():
-        t = event_time(launch)
+        t = cuda_time(launch, 20)
         bytes_moved = 2 * raw if name == "copy16" else raw * 7 // 4
         print(f"{name:<44}{t * 1e6:>9.1f}{raw / t / 1e9:>9.0f}{bytes_moved / t / 1e12:>12.2f}")
     default = dict(splitzip_gpu.TUNING)
@@ -169,7 +137,7 @@ def main() -> None:
             for call, fn in (("encode", lambda: codec.encode(x, book)), ("decode", lambda: codec.decode(frame, out=out))):
                 for name, us in sorted(kernel_times(fn).items(), key=lambda kv: -kv[1]):
                     print(f"{call + ' ' + name:<44}{us:>9.1f}{raw / us / 1e3:>9.0f}{moved / us / 1e6:>12.2f}")
-                whole = event_time(fn)
+                whole = cuda_time(fn, 20)
                 print(f"{call + ' whole call':<44}{whole * 1e6:>9.1f}{raw / whole / 1e9:>9.0f}")
     finally:
         splitzip_gpu.TUNING = default
