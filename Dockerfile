@@ -19,9 +19,7 @@ WORKDIR /src
 # CUDA 13 build of torch from PyTorch's index (PyPI's default wheel would pull another CUDA).
 RUN pip install --index-url https://download.pytorch.org/whl/cu130 "torch==2.11.0"
 COPY pyproject.toml README.md ./
-COPY codec ./codec
-COPY transport ./transport
-COPY service ./service
+COPY kvferry ./kvferry
 # This installs the project itself; its dependencies are constrained in pyproject.toml.
 # hadolint ignore=DL3013
 RUN pip install ".[gpu]" && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin kvferry

@@ -39,12 +39,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import codec  # noqa: E402
-from service.client import Client  # noqa: E402
-from service.demo import free_port, load_kv, start_sidecar, wait_ready  # noqa: E402
-from service.sidecar import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
+from kvferry import codec  # noqa: E402
+from kvferry.client.sdk import Client  # noqa: E402
+from kvferry.demo import free_port, load_kv, start_sidecar, wait_ready  # noqa: E402
+from kvferry.engine.engine import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
 
-KV_SAMPLE = ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz"
+KV_SAMPLE = ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
 KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 8, 128, 16
 GB = 1e9
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codec import bitpack
+from kvferry.codec import bitpack
 
 
 def reference_pack(values: list[int], k: int) -> bytes:

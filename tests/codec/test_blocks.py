@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import codec
+from kvferry import codec
 from tests.conftest import DTYPES, bits_equal
 
 

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-import codec
-from codec.format import HEADER_SIZE, Codec
-from codec.frames import _encode
+from kvferry import codec
+from kvferry.codec.format import HEADER_SIZE, Codec
+from kvferry.codec.frames import _encode
 
 CASES = 1500
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import codec
-from codec.format import Codec
+from kvferry import codec
+from kvferry.codec.format import Codec
 from tests.conftest import from_bytes
 
 GOLDEN = Path(__file__).parents[1] / "data" / "golden"

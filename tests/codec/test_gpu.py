@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-import codec
-from codec import splitzip_gpu
-from codec.format import Codec
-from codec.checksum import crc32c
-from codec.frames import _encode
+from kvferry import codec
+from kvferry.codec import splitzip_gpu
+from kvferry.codec.format import Codec
+from kvferry.codec.checksum import crc32c
+from kvferry.codec.frames import _encode
 from tests.conftest import DTYPES, bits_equal
 
 pytestmark = [

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import codec
-from codec.format import Codec
-from codec.frames import _encode
+from kvferry import codec
+from kvferry.codec.format import Codec
+from kvferry.codec.frames import _encode
 from tests.conftest import DTYPES, bits_equal, from_bytes
 
 CHUNK = codec.DEFAULT_CHUNK

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import codec
-from codec.format import Codec
-from codec.frames import _encode
+from kvferry import codec
+from kvferry.codec.format import Codec
+from kvferry.codec.frames import _encode
 from tests.conftest import DTYPES, bits_equal
 
 

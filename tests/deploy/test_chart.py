@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service.settings import Settings
+from kvferry.engine.settings import Settings
 
 ROOT = Path(__file__).parents[2]
 CHART = ROOT / "deploy" / "helm" / "kvferry"

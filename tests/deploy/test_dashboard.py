@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.conftest import spawn, stop
+from tests.engine.conftest import spawn, stop
 
 ROOT = Path(__file__).parents[2]
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created", "_info")

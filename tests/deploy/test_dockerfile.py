@@ -8,7 +8,7 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-from service.settings import Settings
+from kvferry.engine.settings import Settings
 
 ROOT = Path(__file__).parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()

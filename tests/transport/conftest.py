@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-import transport
+from kvferry import transport
 
 # UCX over TCP, plus its CUDA transports where there is a GPU (set before ucxx initializes; the
 # transport never reads the environment).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import transport
+from kvferry import transport
 
 SMALL_STEPS = dict(chunk_bytes=64 << 10, max_inflight_bytes=128 << 10, op_timeout=60.0)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import transport
+from kvferry import transport
 from tests.transport.conftest import config, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

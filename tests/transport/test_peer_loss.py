@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-import transport
+from kvferry import transport
 from tests.transport.conftest import config, run
 
 ROOT = Path(__file__).parents[2]

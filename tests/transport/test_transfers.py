@@ -9,7 +9,7 @@ import socket
 import numpy as np
 import pytest
 
-import transport
+from kvferry import transport
 from tests.transport.conftest import config, run
 
 

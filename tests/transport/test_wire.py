@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from transport import ProtocolError, wire
-from transport.wire import Message, MessageType
+from kvferry.transport import ProtocolError, wire
+from kvferry.transport.wire import Message, MessageType
 
 GOLDEN = bytes.fromhex(
     "4b56465401050100" "0700000000000000" "0010000000000000" "0004000000000000"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-import codec
+from kvferry import codec
 
 HERE = Path(__file__).parent
 CASES = {

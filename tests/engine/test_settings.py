@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service import settings
+from kvferry.engine import settings
 
 
 def test_precedence(tmp_path):

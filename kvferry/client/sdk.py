@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from .errors import BY_NAME, ServiceError
+from kvferry.engine.errors import BY_NAME, ServiceError
 
 
 class Client:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import errors
+from kvferry.engine import errors
 from tests.conftest import bits_equal
 
 pytestmark = pytest.mark.slow

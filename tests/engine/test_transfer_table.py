@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from service.errors import Conflict, Overloaded
-from service.transfers import State, Transfer, TransferTable
+from kvferry.engine.errors import Conflict, Overloaded
+from kvferry.engine.transfers import State, Transfer, TransferTable
 
 
 def _transfer(i: int) -> Transfer:

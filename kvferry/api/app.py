@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, field_validator
 
-import codec
+from kvferry import codec
 import torch
 
-from .errors import BadRequest, Conflict, NotFound, PayloadTooLarge, ServiceError, Unauthorized
-from .regions import DTYPES
-from .settings import Settings
-from .sidecar import Sidecar
+from kvferry.engine.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, ServiceError, Unauthorized
+from kvferry.engine.regions import DTYPES
+from kvferry.engine.settings import Settings
+from kvferry.engine.engine import Sidecar
 
 log = logging.getLogger("kvferry.service")
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"

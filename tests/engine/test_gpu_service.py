@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codec import splitzip_gpu
+from kvferry.codec import splitzip_gpu
 from tests.conftest import bits_equal
-from tests.service.conftest import spawn, stop
+from tests.engine.conftest import spawn, stop
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not splitzip_gpu.available(), reason="needs a CUDA GPU and CuPy")]
 

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from service.client import Client
-from service.demo import free_port, load_kv, start_sidecar, wait_ready
+from kvferry.client.sdk import Client
+from kvferry.demo import free_port, load_kv, start_sidecar, wait_ready
 from tests.conftest import KV_SAMPLE
 
 TOKEN = "test-token-123"

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .client import Client
+from kvferry.client.sdk import Client
 
 
 def free_port() -> int:
@@ -23,7 +23,7 @@ def start_sidecar(port: int, data_port: int, backend: str, token: str = "", extr
                   env: dict | None = None, device: str = "cpu", log: Path | None = None) -> subprocess.Popen:
     """Start ``kvferry serve`` as a child process; its stderr goes to a pipe, or to ``log``
     for long runs (an unread pipe would eventually block the daemon)."""
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    command = [sys.executable, "-m", "kvferry.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--data-host", "127.0.0.1", "--data-port", str(data_port), "--advertise-host", "127.0.0.1",
                "--transport-backend", backend, "--device", device, "--log-level", "warning", *(extra or [])]
     if token:

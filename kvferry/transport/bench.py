@@ -1,4 +1,4 @@
-"""Loopback throughput: ``python -m transport.bench --backend {ucxx,tcp} --size 256MiB --count N
+"""Loopback throughput: ``python -m kvferry.transport.bench --backend {ucxx,tcp} --size 256MiB --count N
 [--device cuda:0]``.
 
 Runs a receiving process and a sending process on 127.0.0.1 and prints one line ending in GB/s

@@ -9,8 +9,8 @@ import uuid
 import httpx
 import pytest
 
-from service import errors
-from tests.service.conftest import spawn, stop
+from kvferry.engine import errors
+from tests.engine.conftest import spawn, stop
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-# The real KV sample in the source tree (editable installs, the Quick start), wherever the CWD is.
-DEFAULT_SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "kv_smollm2_gpl3.npz"
+# The real KV sample: package data, so the demo works from a plain install too.
+DEFAULT_SAMPLE = Path(__file__).resolve().parent / "data" / "kv_smollm2_gpl3.npz"  # ships in the wheel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from . import settings as settings_module
-    from .app import create_app
+    from kvferry.engine import settings as settings_module
+    from kvferry.api.app import create_app
 
     cli = {k: v for k, v in vars(args).items() if k not in ("command", "run", "config")}
     settings = settings_module.load(cli, config_file=args.config)
@@ -81,7 +81,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    import codec
+    from kvferry import codec
 
     from .kvfiles import load_tensors
 
@@ -101,7 +101,7 @@ def _codec_demo(args: argparse.Namespace) -> int:
 
     import torch
 
-    import codec
+    from kvferry import codec
 
     from .kvfiles import load_tensors
 

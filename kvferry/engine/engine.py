@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
-import codec
-import transport
+from kvferry import codec
+from kvferry import transport
 
 from .errors import BadRequest, Conflict, InvalidBlocks, NotFound, PeerError
 from .metrics import Metrics

@@ -6,7 +6,7 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-import codec
+from kvferry import codec
 from tests.conftest import KV_SAMPLE
 
 # The console script the package installed beside this interpreter, not whatever PATH holds.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from service.sidecar import Estimates
+from kvferry.engine.engine import Estimates
 
 MiB = 1 << 20
 
