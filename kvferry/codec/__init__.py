@@ -1,18 +1,33 @@
-"""kvferry's lossless KV codec: SplitZip exponent coding into self-describing frames.
+"""kvferry's KV codecs: pure functions over tensors, each a registry entry.
 
-Pure functions over tensors; imports neither ``transport`` nor ``service``.
+    codec.names()                       # ['raw', 'splitzip', ...]
+    c = codec.get("splitzip")           # c.name, c.lossless, c.capacity(shape, dtype)
+    book = c.calibrate(samples)         # book.to_json() / c.codebook_from_json(text)
+    frame = c.encode(x, book)           # 1-D uint8 frame, self-describing
+    y = c.decode(frame)                 # bit-identical; CorruptFrame on bad input
+
+The module-level ``encode``/``decode``/``calibrate`` are SplitZip's (its frame format is FORMAT.md).
+Imports neither ``transport`` nor the layers above.
 """
 
 from .codebook import Codebook, calibrate
 from .dtypes import LAYOUTS, FloatLayout, layout_by_name, layout_for
 from .errors import CodebookMismatch, CodecError, CorruptFrame, OutputMismatch, UnsupportedTensor
-from .format import DEFAULT_CHUNK, HEADER_SIZE, VERSION, Codec, Header
+from .format import DEFAULT_CHUNK, HEADER_SIZE, VERSION, FrameCodec, Header
 from .frames import (decode, decode_blocks, encode, encode_blocks, encode_blocks_into, encode_into,
-                     frame_capacity, read_header)
+                     encode_stored, frame_capacity, read_header)
+from .raw import RawCodec
+from .registry import Codec, UnknownCodec, codec_of, get, lossless, names, register
+from .splitzip_codec import SplitZipCodec
+
+# The registry: one line per codec.
+register(RawCodec())
+register(SplitZipCodec())
 
 __all__ = [
+    "Codec", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
     "Codebook", "calibrate", "encode", "decode", "encode_blocks", "decode_blocks", "encode_into",
-    "encode_blocks_into", "frame_capacity", "read_header", "Header", "Codec",
+    "encode_blocks_into", "encode_stored", "frame_capacity", "read_header", "Header", "FrameCodec",
     "CodecError", "CorruptFrame", "UnsupportedTensor", "CodebookMismatch", "OutputMismatch",
     "FloatLayout", "LAYOUTS", "layout_for", "layout_by_name", "DEFAULT_CHUNK", "HEADER_SIZE", "VERSION",
 ]

@@ -26,7 +26,7 @@ HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 160
 
 
-class Codec(IntEnum):
+class FrameCodec(IntEnum):
     STORED = 0
     SPLITZIP = 1
 
@@ -85,7 +85,7 @@ def stored_size(layout: FloatLayout, numel: int) -> int:
 class Header:
     """A parsed, validated frame header."""
 
-    codec: Codec
+    codec: FrameCodec
     layout: FloatLayout
     shape: tuple[int, ...]
     numel: int
@@ -102,7 +102,7 @@ class Header:
         flags = FLAG_STREAM_CRC if self.stream_crc is not None else 0
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         codebook = bytes(self.codebook) + bytes(16 - len(self.codebook))
-        code_bits = self.layout.code_bits if self.codec == Codec.SPLITZIP else 0
+        code_bits = self.layout.code_bits if self.codec == FrameCodec.SPLITZIP else 0
         body = _BODY.pack(
             MAGIC, VERSION, int(self.codec), self.layout.wire_id, len(self.shape), code_bits,
             flags, 0, self.chunk, self.numel, *shape, codebook, self.escapes, *self.lengths,
@@ -112,7 +112,7 @@ class Header:
 
 
 def make_header(
-    codec: Codec,
+    codec: FrameCodec,
     layout: FloatLayout,
     shape: tuple[int, ...],
     chunk: int,
@@ -123,7 +123,7 @@ def make_header(
     numel = 1
     for dim in shape:
         numel *= dim
-    if codec == Codec.STORED:
+    if codec == FrameCodec.STORED:
         lengths = (numel * layout.itemsize, 0, 0, 0, 0)
         chunk, codebook, escapes = 0, (), 0
     else:
@@ -159,7 +159,7 @@ def parse_header(buf: bytes, frame_size: int) -> Header:
     if layout is None:
         raise CorruptFrame(f"unknown dtype id {dtype_id}")
     try:
-        codec = Codec(codec_id)
+        codec = FrameCodec(codec_id)
     except ValueError:
         raise CorruptFrame(f"unknown codec id {codec_id}") from None
     if flags & ~FLAG_STREAM_CRC or reserved:
@@ -173,7 +173,7 @@ def parse_header(buf: bytes, frame_size: int) -> Header:
     if product != numel:
         raise CorruptFrame(f"shape {shape} holds {product} elements, header says {numel}")
     codebook = tuple(codebook_raw)
-    if codec == Codec.STORED:
+    if codec == FrameCodec.STORED:
         if code_bits or chunk or escapes or any(codebook):
             raise CorruptFrame("stored frame carries coding fields")
         expected = (numel * layout.itemsize, 0, 0, 0, 0)

@@ -13,7 +13,7 @@ from .codebook import Codebook, calibrate
 from .dtypes import LAYOUTS, FloatLayout, layout_for
 from .errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from .fields import as_bits, split
-from .format import (DEFAULT_CHUNK, HEADER_SIZE, MAX_CHUNK, MAX_NDIM, Codec, Header, Stream,
+from .format import (DEFAULT_CHUNK, HEADER_SIZE, MAX_CHUNK, MAX_NDIM, FrameCodec, Header, Stream,
                      make_header, parse_header, splitzip_size, stored_size)
 from .staging import current_stream, read_to_host
 
@@ -37,6 +37,12 @@ def encode(x: torch.Tensor, codebook: Codebook | None = None, *, checksum: bool 
         return splitzip_gpu.encode(x.contiguous(), None, 0, tuple(x.shape), layout,
                                    book.exponents, chunk, checksum)
     return _encode(x, book, checksum=checksum, chunk=chunk, force=None)
+
+
+def encode_stored(x: torch.Tensor, *, checksum: bool = False) -> torch.Tensor:
+    """A stored frame of ``x`` (codec id 0: header, then the raw bytes), on ``x.device``."""
+    _check_tensor(x)
+    return _encode(x, None, checksum=checksum, chunk=DEFAULT_CHUNK, force=FrameCodec.STORED)
 
 
 def frame_capacity(shape: Sequence[int], dtype: torch.dtype, *, chunk: int = DEFAULT_CHUNK) -> int:
@@ -140,7 +146,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
             return
     header = read_header(frame)
     # Coded frames on the GPU: the validation kernel checks the ids along with the streams.
-    on_gpu = (header.codec == Codec.SPLITZIP and _blocks_on_gpu(cache, header.chunk)
+    on_gpu = (header.codec == FrameCodec.SPLITZIP and _blocks_on_gpu(cache, header.chunk)
               and frame.device == cache.device)
     ids = _block_ids(block_ids, cache, unique=True, check=not on_gpu)
     expected = (ids.numel(), *cache.shape[1:])
@@ -156,10 +162,13 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     cache.view(bits).index_copy_(0, ids.to(cache.device), blocks.to(cache.device).view(bits))
 
 
-def _encode(x: torch.Tensor, book: Codebook | None, *, checksum: bool, chunk: int, force: Codec | None) -> torch.Tensor:
+def _encode(x: torch.Tensor, book: Codebook | None, *, checksum: bool, chunk: int, force: FrameCodec | None) -> torch.Tensor:
     """The torch reference encoder (any device), with the codec choice overridable so tests
     reach the escape path on data where storing would win."""
     layout = _check_tensor(x)
+    if force == FrameCodec.STORED:
+        return _frame(x, make_header(FrameCodec.STORED, layout, tuple(x.shape), 0, (), 0),
+                      [x.reshape(-1).view(torch.uint8)], checksum)
     if book is None:
         book = calibrate(x)
     exponent, residual = split(as_bits(x, layout), layout)
@@ -172,14 +181,18 @@ def _encode(x: torch.Tensor, book: Codebook | None, *, checksum: bool, chunk: in
     count = escapes.index.numel()
     shape = tuple(x.shape)
     smaller = splitzip_size(layout, x.numel(), chunk, count) < stored_size(layout, x.numel())
-    if force == Codec.SPLITZIP or (force is None and smaller):
+    if force == FrameCodec.SPLITZIP or (force is None and smaller):
         if codes is None:
             codes = bitpack.pack(marked & (layout.codebook_size - 1), layout.code_bits)
-        header = make_header(Codec.SPLITZIP, layout, shape, chunk, book.exponents, count)
+        header = make_header(FrameCodec.SPLITZIP, layout, shape, chunk, book.exponents, count)
         streams = splitzip.encode_streams(residual, codes, escapes, layout)
     else:
-        header = make_header(Codec.STORED, layout, shape, 0, (), 0)
+        header = make_header(FrameCodec.STORED, layout, shape, 0, (), 0)
         streams = [x.reshape(-1).view(torch.uint8)]
+    return _frame(x, header, streams, checksum)
+
+
+def _frame(x: torch.Tensor, header: Header, streams: list[torch.Tensor], checksum: bool) -> torch.Tensor:
     frame = torch.zeros(header.total, dtype=torch.uint8, device=x.device)
     for offset, stream in zip(header.offsets, streams):
         frame[offset:offset + stream.numel()] = stream
@@ -243,7 +256,7 @@ def read_header(frame: torch.Tensor) -> Header:
 def _decode_validated(frame: torch.Tensor, header: Header) -> torch.Tensor:
     """Torch reference decode of a frame whose header (and stream CRC) passed."""
     streams = [frame[o:o + n] for o, n in zip(header.offsets, header.lengths)]
-    if header.codec == Codec.STORED:
+    if header.codec == FrameCodec.STORED:
         return streams[Stream.RESIDUAL].clone().view(header.layout.dtype).view(header.shape)
     layout = header.layout
     escapes = splitzip.read_escapes(streams[Stream.CHUNK_COUNTS], streams[Stream.ESC_POSITIONS],

@@ -34,7 +34,7 @@ import torch
 from .checksum import crc32c
 from .dtypes import LAYOUTS, FloatLayout
 from .errors import CorruptFrame, OutputMismatch
-from .format import DEFAULT_CHUNK, HEADER_SIZE, Codec, Header, Stream, make_header, parse_header, stored_size
+from .format import DEFAULT_CHUNK, HEADER_SIZE, FrameCodec, Header, Stream, make_header, parse_header, stored_size
 from .staging import current_stream, optional_cupy, read_to_host
 
 THREADS = 128
@@ -227,8 +227,8 @@ def _encode_plan(layout: FloatLayout, shape: tuple[int, ...], chunk: int, codebo
     for dim in shape:
         numel *= dim
     nchunks = (numel + chunk - 1) // chunk
-    dense = make_header(Codec.SPLITZIP, layout, shape, chunk, codebook, 0)
-    stored = make_header(Codec.STORED, layout, shape, 0, (), 0)
+    dense = make_header(FrameCodec.SPLITZIP, layout, shape, chunk, codebook, 0)
+    stored = make_header(FrameCodec.STORED, layout, shape, 0, (), 0)
     off, lengths = dense.offsets, dense.lengths
     counts_end = off[Stream.CHUNK_COUNTS] + lengths[Stream.CHUNK_COUNTS]
     gaps = []  # where zero padding starts before the codes and the counts streams (0 = none)
@@ -276,7 +276,7 @@ def capacity(layout: FloatLayout, shape: tuple[int, ...], chunk: int) -> int:
     numel = 1
     for dim in shape:
         numel *= dim
-    dense = make_header(Codec.SPLITZIP, layout, shape, chunk, tuple(range(layout.codebook_size)), 0)
+    dense = make_header(FrameCodec.SPLITZIP, layout, shape, chunk, tuple(range(layout.codebook_size)), 0)
     return max(stored_size(layout, numel), dense.total)
 
 
@@ -475,7 +475,7 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     Raises:
         CorruptFrame, IndexError, OutputMismatch: as ``decode_unparsed``; nothing was written.
     """
-    if header.codec == Codec.STORED:
+    if header.codec == FrameCodec.STORED:
         out.view(-1).copy_(frame[HEADER_SIZE:header.total].view(header.layout.dtype))
         return
     nchunks = -(-header.numel // header.chunk)

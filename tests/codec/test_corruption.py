@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvferry import codec
-from kvferry.codec.format import HEADER_SIZE, Codec
+from kvferry.codec.format import HEADER_SIZE, FrameCodec
 from kvferry.codec.frames import _encode
 
 CASES = 1500
@@ -22,11 +22,11 @@ def _frames(checksum: bool) -> list[torch.Tensor]:
         codec.encode(kv.to(torch.bfloat16), checksum=checksum),
         codec.encode(kv.to(torch.float16), checksum=checksum),
         codec.encode(kv.to(torch.float8_e5m2), checksum=checksum),
-        _encode(kv.to(torch.float8_e4m3fn), None, checksum=checksum, chunk=64, force=Codec.SPLITZIP),
+        _encode(kv.to(torch.float8_e4m3fn), None, checksum=checksum, chunk=64, force=FrameCodec.SPLITZIP),
         codec.encode(torch.randint(0, 256, (700,), dtype=torch.uint8).view(torch.float8_e4m3fn), checksum=checksum),
         codec.encode(torch.empty(0, 5, dtype=torch.bfloat16), checksum=checksum),
     ]
-    assert {codec.read_header(f).codec for f in frames} == {Codec.SPLITZIP, Codec.STORED}
+    assert {codec.read_header(f).codec for f in frames} == {FrameCodec.SPLITZIP, FrameCodec.STORED}
     return frames
 
 

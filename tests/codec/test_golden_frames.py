@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvferry import codec
-from kvferry.codec.format import Codec
+from kvferry.codec.format import FrameCodec
 from tests.conftest import from_bytes
 
 GOLDEN = Path(__file__).parents[1] / "data" / "golden"
@@ -37,8 +37,8 @@ def test_golden_decodes_to_input(name):
 
 def test_golden_codecs():
     codecs = {name: _header(name).codec for name in CASES}
-    assert codecs["float8_e4m3fn"] == Codec.STORED
-    assert all(c == Codec.SPLITZIP for name, c in codecs.items() if name != "float8_e4m3fn")
+    assert codecs["float8_e4m3fn"] == FrameCodec.STORED
+    assert all(c == FrameCodec.SPLITZIP for name, c in codecs.items() if name != "float8_e4m3fn")
 
 
 def _header(name: str) -> codec.Header:
@@ -50,6 +50,6 @@ def test_golden_header_fields():
     frame = (GOLDEN / "bfloat16.frame.bin").read_bytes()
     assert frame[:4] == b"KVFZ" and frame[4:6] == b"\x01\x00"
     header = codec.read_header(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
-    assert header.codec == Codec.SPLITZIP and header.shape == (2500,) and header.chunk == 1024
+    assert header.codec == FrameCodec.SPLITZIP and header.shape == (2500,) and header.chunk == 1024
     assert header.escapes > 0 and header.offsets[0] == codec.HEADER_SIZE
     assert all(offset % 16 == 0 for offset in header.offsets)

@@ -9,7 +9,7 @@ import torch
 
 from kvferry import codec
 from kvferry.codec import splitzip_gpu
-from kvferry.codec.format import Codec
+from kvferry.codec.format import FrameCodec
 from kvferry.codec.checksum import crc32c
 from kvferry.codec.frames import _encode
 from tests.conftest import DTYPES, bits_equal
@@ -62,7 +62,7 @@ def test_gpu_self_calibrated_and_shaped(dtype):
 def test_every_bit_pattern_on_gpu(dtype):
     layout = codec.layout_for(dtype)
     x = torch.arange(1 << layout.total_bits, dtype=torch.int32).to(layout.int_dtype).view(dtype)
-    forced = _encode(x, None, checksum=False, chunk=1024, force=Codec.SPLITZIP)
+    forced = _encode(x, None, checksum=False, chunk=1024, force=FrameCodec.SPLITZIP)
     assert bits_equal(codec.decode(forced.cuda()).cpu(), x)  # all-escape-ish coded frame on the GPU
     cpu, gpu = _cpu_and_gpu(x, None)
     assert torch.equal(cpu, gpu.cpu())
@@ -103,7 +103,7 @@ def test_bf16_chunk_sizes_and_misaligned_out(chunk, n):
     x = _random_bits(n, torch.bfloat16, seed=n + chunk, escape_rate=0.02)
     book = codec.calibrate(torch.randn(5000).to(torch.bfloat16))
     frame = codec.encode(x, book, chunk=chunk)
-    assert codec.read_header(frame).codec == Codec.SPLITZIP or n == 1
+    assert codec.read_header(frame).codec == FrameCodec.SPLITZIP or n == 1
     assert torch.equal(codec.encode(x.cuda(), book, chunk=chunk).cpu(), frame)
     assert bits_equal(codec.decode(frame.cuda()).cpu(), x)
     shifted = torch.zeros(n + 1, dtype=torch.bfloat16, device="cuda")
@@ -115,7 +115,7 @@ def test_corrupt_frames_raise_on_gpu():
     x = _random_bits(3 * 1024 + 11, torch.bfloat16, seed=2, escape_rate=0.02)
     base = codec.encode(x)
     header = codec.read_header(base)
-    assert header.codec == Codec.SPLITZIP
+    assert header.codec == FrameCodec.SPLITZIP
     escape_streams = header.offsets[2]
     rng = random.Random(5)
     raised = 0
@@ -215,7 +215,7 @@ def test_encode_into_queues_without_host_sync():
     buf = torch.empty(codec.frame_capacity(stored.shape, stored.dtype), dtype=torch.uint8, device="cuda")
     length = codec.encode_into(stored, book, buf)  # random bits: the device picks a stored frame
     assert torch.equal(buf[: int(length)].cpu(), codec.encode(stored.cpu(), book))
-    assert codec.read_header(buf[: int(length)]).codec == Codec.STORED
+    assert codec.read_header(buf[: int(length)]).codec == FrameCodec.STORED
 
 
 def test_codec_in_a_fresh_thread():
@@ -268,7 +268,7 @@ def _header_cases() -> list[torch.Tensor]:
         codec.encode(kv.to(torch.bfloat16), checksum=True),
         codec.encode(kv.to(torch.float16)),
         codec.encode(kv.to(torch.float8_e5m2), chunk=512),
-        _encode(kv.to(torch.float8_e4m3fn), None, checksum=False, chunk=64, force=Codec.SPLITZIP),
+        _encode(kv.to(torch.float8_e4m3fn), None, checksum=False, chunk=64, force=FrameCodec.SPLITZIP),
         codec.encode(torch.randint(0, 256, (700,), dtype=torch.uint8).view(torch.float8_e4m3fn)),  # stored
     ]
 
@@ -338,12 +338,12 @@ def test_stored_frames_decode_on_the_device(dtype):
     size = torch.empty(0, dtype=dtype).element_size()
     noise = torch.randint(0, 256, (64 * 512 * size,), dtype=torch.uint8).view(dtype).view(64, 512)
     frame = codec.encode(noise)
-    assert codec.read_header(frame).codec == Codec.STORED
+    assert codec.read_header(frame).codec == FrameCodec.STORED
     out = torch.empty(noise.shape, dtype=dtype, device="cuda")
     assert bits_equal(codec.decode(frame.cuda(), out=out).cpu(), noise)
     cache = noise.cuda()
     blocks = codec.encode_blocks(cache, [5, 60, 2], codec.calibrate(torch.randn(1000).to(dtype)))
-    assert codec.read_header(blocks).codec == Codec.STORED
+    assert codec.read_header(blocks).codec == FrameCodec.STORED
     dst = torch.zeros_like(cache)
     codec.decode_blocks(blocks, dst, [1, 2, 3])
     assert bits_equal(dst[[1, 2, 3]].cpu(), noise[[5, 60, 2]])
@@ -372,7 +372,7 @@ def test_lean_and_general_kernels_agree(dtype, monkeypatch):
     x = _random_bits(n, dtype, seed=11, escape_rate=0.03)
     book = codec.calibrate(torch.randn(5000).to(dtype))
     cpu = codec.encode(x, book)
-    assert codec.read_header(cpu).codec == Codec.SPLITZIP
+    assert codec.read_header(cpu).codec == FrameCodec.SPLITZIP
     aligned = x.cuda()
     shifted = torch.zeros(n + 1, dtype=bits, device="cuda")
     shifted[1:].copy_(aligned.view(bits))
@@ -433,7 +433,7 @@ def test_chunks_with_more_escapes_than_the_spill_holds(dtype):
     y = flat.view(dtype)
     cpu = codec.encode(y, book)
     header = codec.read_header(cpu)
-    assert header.codec == Codec.SPLITZIP and header.escapes >= chunk + 5 * cap + 1
+    assert header.codec == FrameCodec.SPLITZIP and header.escapes >= chunk + 5 * cap + 1
     assert torch.equal(codec.encode(y.cuda(), book).cpu(), cpu)
     assert bits_equal(codec.decode(cpu.cuda()).cpu(), y)
     cache = y.view(64, chunk).cuda()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry import codec
-from kvferry.codec.format import Codec
+from kvferry.codec.format import FrameCodec
 from kvferry.codec.frames import _encode
 from tests.conftest import DTYPES, bits_equal, from_bytes
 
@@ -71,8 +71,8 @@ def test_roundtrip_with_foreign_codebook(dtype, data):
 def test_forced_splitzip_escape_heavy(dtype, data, chunk):
     """The coded path itself, even where a stored frame would win (escape-heavy, random)."""
     x = data.draw(tensors(dtype, escape_heavy=True))
-    frame = _encode(x, None, checksum=data.draw(st.booleans()), chunk=chunk, force=Codec.SPLITZIP)
-    assert codec.read_header(frame).codec == Codec.SPLITZIP
+    frame = _encode(x, None, checksum=data.draw(st.booleans()), chunk=chunk, force=FrameCodec.SPLITZIP)
+    assert codec.read_header(frame).codec == FrameCodec.SPLITZIP
     assert bits_equal(codec.decode(frame), x)
 
 
@@ -86,7 +86,7 @@ def test_all_escapes_roundtrip(dtype):
     m = layout.mant_bits
     bits = (torch.arange(n) % (1 << m)) | ((torch.arange(n) % 3) << m)  # exponents 0..2, not in book
     x = bits.to(layout.int_dtype).view(dtype)
-    frame = _encode(x, book, checksum=False, chunk=CHUNK, force=Codec.SPLITZIP)
+    frame = _encode(x, book, checksum=False, chunk=CHUNK, force=FrameCodec.SPLITZIP)
     assert codec.read_header(frame).escapes == n
     assert bits_equal(codec.decode(frame), x)
 
@@ -103,6 +103,6 @@ def test_empty_tensor(dtype):
 def test_stored_when_incompressible(dtype):
     x = from_bytes(bytes(range(256)) * 40, dtype)
     frame = codec.encode(x)
-    assert codec.read_header(frame).codec == Codec.STORED
+    assert codec.read_header(frame).codec == FrameCodec.STORED
     assert frame.numel() == codec.HEADER_SIZE + x.numel() * x.element_size()
     assert bits_equal(codec.decode(frame), x)

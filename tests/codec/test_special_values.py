@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from kvferry import codec
-from kvferry.codec.format import Codec
+from kvferry.codec.format import FrameCodec
 from kvferry.codec.frames import _encode
 from tests.conftest import DTYPES, bits_equal
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("force", [None, Codec.SPLITZIP], ids=["auto", "splitzip"])
+@pytest.mark.parametrize("force", [None, FrameCodec.SPLITZIP], ids=["auto", "splitzip"])
 def test_every_bit_pattern(dtype, force):
     """All 2**16 (or 2**8) patterns: every exponent, NaN payloads, +-Inf, -0, subnormals."""
     layout = codec.layout_for(dtype)
@@ -36,7 +36,7 @@ def test_specials_among_typical_values(dtype):
     book = codec.calibrate(torch.randn(4096, generator=gen).to(dtype))
     frame = codec.encode(x, book)
     header = codec.read_header(frame)
-    assert header.codec == Codec.SPLITZIP and header.escapes > 0
+    assert header.codec == FrameCodec.SPLITZIP and header.escapes > 0
     y = codec.decode(frame)
     assert bits_equal(y, x)
 

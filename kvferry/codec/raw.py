@@ -1,0 +1,75 @@
+"""``raw``: blocks as they are, in a stored frame (codec id 0): a header says what the bytes
+are, so a receiver checks dtype, shape and size before it writes anything."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .dtypes import layout_for
+from .errors import CorruptFrame, OutputMismatch
+from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
+from .frames import decode, encode_stored, read_header
+
+
+class RawCodec:
+    """The identity codec: a copy of the blocks behind a 160-byte header."""
+
+    name = "raw"
+    frame_id = int(FrameCodec.STORED)
+    lossless = True
+    standalone = True
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        try:
+            layout_for(dtype)
+        except Exception:
+            return False
+        return True
+
+    def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        return stored_size(layout_for(dtype), numel)
+
+    def calibrate(self, samples: Any, *, token_axis: int | None = None) -> None:
+        return None
+
+    def codebook_from_json(self, text: str | bytes) -> None:
+        return None
+
+    def encode(self, x: torch.Tensor, codebook: Any = None) -> torch.Tensor:
+        return encode_stored(x)
+
+    def decode(self, frame: torch.Tensor, codebook: Any = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        if read_header(frame).codec != FrameCodec.STORED:
+            raise CorruptFrame("not a stored frame")
+        return decode(frame, out=out)
+
+    def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, codebook: Any = None) -> torch.Tensor:
+        layout = layout_for(cache.dtype)
+        shape = (int(block_ids.numel()), *cache.shape[1:])
+        header = make_header(FrameCodec.STORED, layout, shape, 0, (), 0)
+        frame = torch.empty(header.total, dtype=torch.uint8, device=cache.device)
+        frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8), non_blocking=True)
+        body = frame[HEADER_SIZE:].view(layout.int_dtype).view(shape)
+        torch.index_select(cache.view(layout.int_dtype), 0, block_ids, out=body)
+        return frame
+
+    def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                      codebook: Any = None) -> None:
+        if frame.dtype != torch.uint8 or frame.dim() != 1:
+            raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
+        header = parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), frame.numel())
+        if header.codec != FrameCodec.STORED:
+            raise CorruptFrame(f"a raw transfer carried a codec {int(header.codec)} frame")
+        layout = layout_for(cache.dtype)
+        expected = (int(block_ids.numel()), *cache.shape[1:])
+        if header.layout is not layout or header.shape != expected:
+            raise OutputMismatch(f"frame holds {header.layout.name}{list(header.shape)}, blocks need "
+                                 f"{layout.name}{list(expected)}")
+        body = frame[HEADER_SIZE:].view(layout.int_dtype).view(expected)
+        cache.view(layout.int_dtype).index_copy_(0, block_ids, body.to(cache.device, non_blocking=True))

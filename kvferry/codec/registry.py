@@ -1,0 +1,134 @@
+"""Codecs as plug-ins: the ``Codec`` protocol and the registry of name → codec.
+
+Adding a codec is one module that implements ``Codec`` and one ``register`` line in
+``kvferry/codec/__init__.py``; the engine names no codec, it asks the registry. Every codec's
+frame starts with the same 8 bytes (magic, version, codec id; FORMAT.md), so any frame says which
+codec made it and ``codec_of`` can dispatch on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .errors import CodecError, CorruptFrame
+
+# The frame prefix every codec writes: magic b"KVFZ", u16 version, u8 codec id (FORMAT.md).
+FRAME_MAGIC = b"KVFZ"
+_CODEC_ID_OFFSET = 6
+
+
+class UnknownCodec(CodecError, KeyError):
+    """No codec is registered under that name or frame id."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+@runtime_checkable
+class Codebook(Protocol):
+    """What a codec learns from sample data, serialisable as a versioned JSON document."""
+
+    def to_json(self) -> str: ...
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """A KV codec: pure functions over tensors, GPU path and CPU reference writing the same bytes.
+
+    ``frame_id`` is the codec byte of its frames. ``lossless`` codecs reproduce every bit; only
+    lossless codecs are candidates for ``auto``, and only if ``standalone`` (they need nothing
+    but the data and a codebook they can calibrate from it).
+    """
+
+    name: str
+    frame_id: int
+    lossless: bool
+    standalone: bool
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        """Whether tensors of ``dtype`` can be encoded."""
+
+    def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Worst-case frame bytes for a tensor of this shape and dtype (receive buffers)."""
+
+    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None) -> Any:
+        """A codebook fitted to ``samples`` (or None for codecs that need none)."""
+
+    def codebook_from_json(self, text: str | bytes) -> Any:
+        """Parse a codebook document; raises ``CodebookMismatch`` if it is not one of ours."""
+
+    def encode(self, x: torch.Tensor, codebook: Any = None) -> torch.Tensor:
+        """One self-describing frame (1-D uint8 on ``x.device``)."""
+
+    def decode(self, frame: torch.Tensor, codebook: Any = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor a frame holds (into ``out`` if given); ``CorruptFrame`` on bad input."""
+
+    def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, codebook: Any = None) -> torch.Tensor:
+        """Frame of ``cache[block_ids]`` (blocks along dim 0), read in place where possible."""
+
+    def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                      codebook: Any = None) -> None:
+        """Write the frame's blocks into ``cache[block_ids]``; nothing is written if it is bad."""
+
+
+_BY_NAME: dict[str, Codec] = {}
+_BY_FRAME_ID: dict[int, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    """Add ``codec`` to the registry (import time only: the registry is a constant afterwards).
+
+    Raises:
+        ValueError: its name or frame id is taken.
+    """
+    if codec.name in _BY_NAME or codec.name == "auto":
+        raise ValueError(f"codec name {codec.name!r} is taken")
+    if codec.frame_id in _BY_FRAME_ID:
+        raise ValueError(f"frame id {codec.frame_id} is taken by {_BY_FRAME_ID[codec.frame_id].name!r}")
+    _BY_NAME[codec.name] = codec
+    _BY_FRAME_ID[codec.frame_id] = codec
+    return codec
+
+
+def names() -> list[str]:
+    """Registered codec names, in registration order."""
+    return list(_BY_NAME)
+
+
+def get(name: str) -> Codec:
+    """The codec registered as ``name``.
+
+    Raises:
+        UnknownCodec: nothing is registered under that name.
+    """
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise UnknownCodec(f"no codec named {name!r} (registered: {', '.join(_BY_NAME)})") from None
+
+
+def codec_of(frame: torch.Tensor) -> Codec:
+    """The codec that wrote ``frame``, from its codec byte (the header is checked by its decoder).
+
+    Raises:
+        CorruptFrame: too short, wrong magic, or a codec id nobody registered.
+    """
+    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
+        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
+    if frame.numel() <= _CODEC_ID_OFFSET:
+        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
+    prefix = frame[:_CODEC_ID_OFFSET + 1].cpu().numpy().tobytes()
+    if prefix[:4] != FRAME_MAGIC:
+        raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
+    codec = _BY_FRAME_ID.get(prefix[_CODEC_ID_OFFSET])
+    if codec is None:
+        raise CorruptFrame(f"unknown codec id {prefix[_CODEC_ID_OFFSET]}")
+    return codec
+
+
+def lossless() -> list[Codec]:
+    """Registered lossless codecs that need nothing beyond the data: ``auto``'s candidates."""
+    return [c for c in _BY_NAME.values() if c.lossless and c.standalone]

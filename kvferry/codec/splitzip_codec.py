@@ -1,0 +1,52 @@
+"""``splitzip``: the registry entry over SplitZip's frames (``frames.py``, FORMAT.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .codebook import Codebook, calibrate
+from .dtypes import layout_for
+from .format import FrameCodec
+from .frames import decode, decode_blocks, encode, encode_blocks, frame_capacity
+
+
+class SplitZipCodec:
+    """Lossless exponent coding (top-16 exponents, escapes); stores a frame that would not shrink."""
+
+    name = "splitzip"
+    frame_id = int(FrameCodec.SPLITZIP)
+    lossless = True
+    standalone = True
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        try:
+            layout_for(dtype)
+        except Exception:
+            return False
+        return True
+
+    def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        return frame_capacity(tuple(shape), dtype)
+
+    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None) -> Codebook:
+        # One global exponent table: the token axis does not change it.
+        return calibrate(samples)
+
+    def codebook_from_json(self, text: str | bytes) -> Codebook:
+        return Codebook.from_json(text)
+
+    def encode(self, x: torch.Tensor, codebook: Codebook | None = None) -> torch.Tensor:
+        return encode(x, codebook)
+
+    def decode(self, frame: torch.Tensor, codebook: Any = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return decode(frame, out=out)
+
+    def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, codebook: Codebook | None = None) -> torch.Tensor:
+        return encode_blocks(cache, block_ids, codebook)
+
+    def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                      codebook: Any = None) -> None:
+        decode_blocks(frame, cache, block_ids)
