@@ -37,6 +37,8 @@ class TransportConfig:
     close_timeout: float = 5.0
     # Link emulation for benchmarks: pace DATA to this many bytes/s per connection (0 = off).
     pace_bytes_per_s: float = 0.0
+    # The shared peer secret both ends of a connection must prove they hold (HMAC handshake).
+    secret: bytes = field(default=b"", repr=False)
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
 
     def __post_init__(self) -> None:

@@ -8,6 +8,10 @@ arrives that has no place to go: no unbounded buffering. The sender keeps at mos
 writes to the link itself (control messages go through a queue), so two peers streaming at
 each other cannot deadlock on full socket buffers. Any link failure fails every pending
 operation on the connection with the same typed error.
+
+Small messages of the layer above (MSG) travel in order with the rest and are handed, whole, to
+the connection's ``on_message`` callback from the reader: the engine's peer protocol rides on the
+same authenticated connection as the data it describes.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import wire
@@ -58,12 +62,15 @@ class Receive:
             TransportTimeout: no progress for ``timeout`` seconds (the receive is cancelled).
             TransferRejected, PeerLost, ProtocolError, TransportClosed: as the transfer failed.
         """
-        while True:
+        while not self._future.done():
             remaining = self._progress + timeout - time.monotonic()
             if remaining <= 0:
                 self.fail(TransportTimeout(f"transfer {self.tag:#x}: no data for {timeout:g} s"))
+                break
+            # TransportTimeout is itself a TimeoutError: look at the future, not the exception.
             with contextlib.suppress(asyncio.TimeoutError):
-                return await asyncio.wait_for(asyncio.shield(self._future), max(remaining, 0))
+                await asyncio.wait_for(asyncio.shield(self._future), remaining)
+        return self._future.result()
 
     def cancel(self) -> None:
         self.fail(TransportClosed(f"receive {self.tag:#x} cancelled"))
@@ -191,12 +198,15 @@ class _Pacer:
         await asyncio.sleep(self._free_at - now)
 
 
+OnMessage = Callable[["Connection", bytes], None]
+
+
 class Connection:
-    """A multiplexed, flow-controlled connection to one peer."""
+    """A multiplexed, flow-controlled connection to one peer (already authenticated)."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, link: Link, config: TransportConfig, mailbox: Mailbox):
+    def __init__(self, link: Link, config: TransportConfig, mailbox: Mailbox, on_message: OnMessage | None = None):
         self.link = link
         self.peer = link.peer
         self.id = next(self._ids)
@@ -208,6 +218,8 @@ class Connection:
         self._sends: dict[int, _Send] = {}
         self._receives: dict[int, Receive] = {}
         self._control: asyncio.Queue[Message | bytes | None] = asyncio.Queue()
+        self._on_message = on_message
+        self._close_callbacks: list[Callable[[Connection, Exception], None]] = []
         self._error: Exception | None = None
         self._closed = asyncio.Event()
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
@@ -219,6 +231,30 @@ class Connection:
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
+
+    def on_close(self, callback: Callable[[Connection, Exception], None]) -> None:
+        """Call ``callback(connection, error)`` once when the connection fails or closes."""
+        if self._error is not None:
+            callback(self, self._error)
+        else:
+            self._close_callbacks.append(callback)
+
+    # ---- messages of the layer above ---------------------------------------------------------
+    async def send_message(self, payload: bytes) -> None:
+        """Send one MSG, in order after everything written before it.
+
+        Raises:
+            ProtocolError: over ``wire.MAX_MESSAGE_BYTES``. PeerLost, TransportClosed, TransportTimeout.
+        """
+        if len(payload) > wire.MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"message of {len(payload)} bytes is over {wire.MAX_MESSAGE_BYTES}")
+        await self._write(Message(MessageType.MSG, length=len(payload)), memoryview(payload))
+
+    def post_message(self, payload: bytes) -> None:
+        """Queue one MSG without waiting (from callbacks that cannot await); dropped if closed."""
+        if self._error is None:
+            self._control.put_nowait(Message(MessageType.MSG, length=len(payload)))
+            self._control.put_nowait(bytes(payload))
 
     # ---- sending -------------------------------------------------------------------------
     async def send(self, tag: int, payload: Any, *, timeout: float | None = None) -> None:
@@ -340,9 +376,9 @@ class Connection:
             if item is None:
                 return
             try:
-                if isinstance(item, Message) and item.type == MessageType.REJECT:
-                    reason = await self._control.get()
-                    await self._write(item, memoryview(reason))
+                if isinstance(item, Message) and item.type in (MessageType.REJECT, MessageType.MSG):
+                    payload = await self._control.get()
+                    await self._write(item, memoryview(payload))
                 else:
                     await self._write(item)
             except TransportError:
@@ -384,8 +420,19 @@ class Connection:
                 await self._window.release(n)
                 if m.flags & wire.FLAG_DONE and not state.done.done():
                     state.done.set_result(None)
+        elif m.type == MessageType.MSG:
+            payload = bytearray(m.length)
+            await self.link.recv_payload(memoryview(payload))
+            if self._on_message is None:
+                raise ProtocolError("MSG on a connection that takes none")
+            try:
+                self._on_message(self, bytes(payload))
+            except Exception:  # the layer above's bug must not take the connection down
+                log.exception("message handler failed on connection %s", self.peer)
         elif m.type == MessageType.GOODBYE:
             raise PeerLost(f"{self.peer} closed the connection")
+        else:
+            raise ProtocolError(f"unexpected {m.type.name} after the handshake")
 
     async def _on_data(self, m: Message) -> None:
         receive = self._receives.get(m.tag)
@@ -432,6 +479,12 @@ class Connection:
         self._mailbox._drop_connection(self)
         await self._window.fail(exc)
         self._control.put_nowait(None)
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self, exc)
+            except Exception:
+                log.exception("close callback failed on connection %s", self.peer)
         await self.link.close()
         current = asyncio.current_task()
         for task in (self._reader, self._controller):

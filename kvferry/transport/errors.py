@@ -7,7 +7,8 @@ the backend's edge and chained with ``from``.
     ├── PeerLost           the peer vanished or reset the connection mid-operation
     ├── TransportClosed    the connection or listener was closed locally
     ├── ProtocolError      the peer sent bytes that are not a valid kvferry transport message
-    └── TransferRejected   the receiver refused a transfer (no such tag, buffer too small, ...)
+    ├── TransferRejected   the receiver refused a transfer (no such tag, buffer too small, ...)
+    └── AuthenticationFailed  the peer does not hold the shared peer secret (handshake refused)
 """
 
 
@@ -41,3 +42,7 @@ class TransferRejected(TransportError):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class AuthenticationFailed(TransportError):
+    """The handshake failed: one side does not hold the shared peer secret."""

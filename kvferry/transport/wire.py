@@ -1,19 +1,30 @@
-"""The transport's wire messages (version 1): the one place that knows their byte layout.
+"""The transport's wire messages (version 2): the one place that knows their byte layout.
 
-Every message is a fixed 48-byte little-endian header, followed, for DATA and REJECT only, by
-``length`` payload bytes:
+Every message is a fixed 48-byte little-endian header, followed, for HELLO, AUTH, REJECT, DATA
+and MSG only, by ``length`` payload bytes:
 
     offset size field
          0    4 magic b"KVFT"
-         4    1 version (1)
+         4    1 version (2)
          5    1 type (MessageType)
          6    2 flags (bit 0: DONE on ACK)
          8    8 tag: the transfer this message belongs to
         16    8 offset: DATA: byte offset of the payload in the transfer
-        24    8 length: DATA/REJECT: payload bytes that follow; ACK: bytes acknowledged
+        24    8 length: HELLO/AUTH/REJECT/DATA/MSG: payload bytes that follow; ACK: bytes acknowledged
         32    8 total: RTS/CTS/DATA: the transfer's size in bytes
         40    4 reserved (0)
         44    4 CRC32C of bytes 0..43
+
+A connection starts with the handshake (both ends prove they hold the peer secret; nothing else
+is read before it completes):
+
+    connector → HELLO  payload: nonce_c (32 random bytes)
+    acceptor  → HELLO  payload: nonce_s (32) + HMAC-SHA256(secret, "kvferry/2 acceptor" + nonce_c + nonce_s)
+    connector → AUTH   payload: HMAC-SHA256(secret, "kvferry/2 connector" + nonce_s + nonce_c)
+    acceptor  → AUTH   empty: accepted (or REJECT with tag 0 and a reason, then the link closes)
+
+MSG carries a small opaque message of the layer above (the engine's peer protocol), in order with
+the connection's other messages.
 
 A transfer: the sender announces it (RTS, tag, total); the receiver, once a buffer is ready,
 answers CTS (or REJECT with a UTF-8 reason); DATA chunks follow, interleaved with other
@@ -32,14 +43,16 @@ import google_crc32c
 from .errors import ProtocolError
 
 MAGIC = b"KVFT"
-VERSION = 1
+VERSION = 2
 FLAG_DONE = 0x1
 _LAYOUT = struct.Struct("<4sBBHQQQQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _LAYOUT.size + _CRC.size
 assert HEADER_SIZE == 48
 MAX_REASON_BYTES = 4096
-
+MAX_MESSAGE_BYTES = 16 << 20  # a MSG payload (an announce may list up to 2**20 block ids)
+NONCE_BYTES = 32
+MAC_BYTES = 32
 
 class MessageType(IntEnum):
     HELLO = 1
@@ -49,6 +62,8 @@ class MessageType(IntEnum):
     DATA = 5
     ACK = 6
     GOODBYE = 7
+    AUTH = 8
+    MSG = 9
 
 
 @dataclass(frozen=True)
@@ -92,4 +107,8 @@ def unpack(data: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"DATA [{offset}, {offset + length}) beyond transfer size {total}")
     if message_type == MessageType.REJECT and length > MAX_REASON_BYTES:
         raise ProtocolError("REJECT reason too long")
+    if message_type == MessageType.MSG and length > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"MSG of {length} bytes is over {MAX_MESSAGE_BYTES}")
+    if message_type in (MessageType.HELLO, MessageType.AUTH) and length > NONCE_BYTES + MAC_BYTES:
+        raise ProtocolError(f"{message_type.name} payload of {length} bytes is too long")
     return Message(message_type, tag, offset, length, total, flags)

@@ -8,7 +8,7 @@ from kvferry.transport import ProtocolError, wire
 from kvferry.transport.wire import Message, MessageType
 
 GOLDEN = bytes.fromhex(
-    "4b56465401050100" "0700000000000000" "0010000000000000" "0004000000000000"
+    "4b56465402050100" "0700000000000000" "0010000000000000" "0004000000000000"
     "0020000000000000" "00000000")
 
 
@@ -33,3 +33,26 @@ def test_data_beyond_total_and_wrong_size():
         wire.unpack(Message(MessageType.DATA, tag=1, offset=10, length=10, total=15).pack())
     with pytest.raises(ProtocolError, match="48"):
         wire.unpack(b"KVFT")
+
+
+def test_golden_msg_and_handshake_headers():
+    # MSG: type 9, length 5; AUTH: type 8, empty; HELLO: type 1, a 32-byte nonce follows.
+    assert Message(MessageType.MSG, length=5).pack()[:32].hex() == (
+        "4b56465402090000" "0000000000000000" "0000000000000000" "0500000000000000")
+    assert Message(MessageType.AUTH).pack()[:8].hex() == "4b56465402080000"
+    assert Message(MessageType.HELLO, length=32).pack()[24:32] == (32).to_bytes(8, "little")
+
+
+def test_oversized_msg_and_handshake_payloads_are_rejected():
+    with pytest.raises(ProtocolError, match="MSG"):
+        wire.unpack(Message(MessageType.MSG, length=wire.MAX_MESSAGE_BYTES + 1).pack())
+    with pytest.raises(ProtocolError, match="HELLO"):
+        wire.unpack(Message(MessageType.HELLO, length=65).pack())
+
+
+def test_handshake_macs_are_hmac_sha256_golden():
+    from kvferry.transport import handshake
+
+    got = handshake.mac(b"secret", b"kvferry/2 acceptor", bytes(32), bytes(range(32)))
+    assert got.hex() == __import__("hmac").new(b"secret", b"kvferry/2 acceptor" + bytes(32) + bytes(range(32)),
+                                               "sha256").hexdigest()
