@@ -19,10 +19,12 @@ from .frames import (decode, decode_blocks, encode, encode_blocks, encode_blocks
 from .raw import RawCodec
 from .registry import Codec, UnknownCodec, codec_of, get, lossless, names, register
 from .splitzip_codec import SplitZipCodec
+from .entropy import EntropyCodec
 
 # The registry: one line per codec.
 register(RawCodec())
 register(SplitZipCodec())
+register(EntropyCodec())
 
 __all__ = [
     "Codec", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",

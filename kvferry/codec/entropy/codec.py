@@ -1,0 +1,268 @@
+"""``entropy``: the registry entry, frames assembled and taken apart around the rANS coder.
+
+CPU tensors go through the numpy reference (``reference.py``); CUDA tensors through the GPU
+kernels when they are available (``gpu.py``), otherwise through the reference by way of host
+copies. Either way the bytes are the reference's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import bitpack
+from ..checksum import crc32c
+from ..dtypes import layout_for
+from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
+from ..format import FrameCodec, stored_size
+from ..frames import decode as decode_frame
+from ..frames import encode_stored
+from ..registry import FRAME_MAGIC
+from . import reference
+from .codebook import DEFAULT_TABLES, EntropyCodebook, calibrate
+from .format import (DEFAULT_CHUNK, FRAME_ID, HEADER_SIZE, LANES, MAX_CHUNK, EntropyHeader, Stream, check_counts,
+                     make_header, pack_codebook, parse_header, parse_tables)
+from .symbols import element_bits, for_dtype
+
+
+def _check_tensor(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise UnsupportedTensor(f"expected a torch.Tensor, got {type(x).__name__}")
+    layout_for(x.dtype)
+
+
+def self_codebook(x: torch.Tensor) -> EntropyCodebook:
+    """Codebook of ``x`` itself, for ``encode`` without one: per-channel contexts (last axis)
+    when there are few enough channels, else a single table."""
+    if x.dim() >= 2 and 1 <= x.shape[-1] <= 4096:
+        return calibrate(x, token_axis=None)
+    return calibrate(x.reshape(-1), token_axis=0)
+
+
+def _book_for(x: torch.Tensor, codebook: Any) -> EntropyCodebook:
+    if codebook is None:
+        return self_codebook(x)
+    if not isinstance(codebook, EntropyCodebook):
+        raise CodebookMismatch(f"the entropy codec needs an EntropyCodebook, got {type(codebook).__name__}")
+    if codebook.dtype != layout_for(x.dtype).name:
+        raise CodebookMismatch(f"codebook is for {codebook.dtype}, the tensor is {x.dtype}")
+    return codebook
+
+
+def encode(x: torch.Tensor, codebook: EntropyCodebook | None = None, *, checksum: bool = True,
+           chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """One frame of ``x`` on ``x.device``: an entropy frame, or a stored frame (codec 0) if the
+    entropy frame would not be smaller or a chunk would overflow its word cap.
+
+    Raises:
+        UnsupportedTensor: a dtype the codec does not handle.
+        CodebookMismatch: a codebook for another dtype.
+    """
+    _check_tensor(x)
+    if not (LANES <= chunk <= MAX_CHUNK and chunk % LANES == 0):
+        raise ValueError(f"chunk must be a multiple of {LANES} in {LANES}..{MAX_CHUNK}")
+    book = _book_for(x, codebook)
+    if x.is_cuda:
+        from . import gpu
+
+        if gpu.available():
+            return gpu.encode(x, book, checksum=checksum, chunk=chunk)
+    return encode_reference(x.detach().cpu(), book, checksum=checksum, chunk=chunk).to(x.device)
+
+
+def encode_reference(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool = True,
+                     chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """The frame as the reference writes it (CPU tensor in, CPU frame out)."""
+    sym = for_dtype(x.dtype)
+    bits = element_bits(x.contiguous())
+    numel = bits.size
+    coded = reference.encode_symbols((bits >> sym.raw_bits).astype(np.int64), book, chunk)
+    if coded is None:
+        return encode_stored(x, checksum=checksum)
+    counts, states, words = coded
+    header = make_header(sym, tuple(x.shape), book, chunk, words.size)
+    if header.total >= stored_size(sym.layout, numel):
+        return encode_stored(x, checksum=checksum)
+    raw = b""
+    if sym.raw_bits:
+        values = torch.from_numpy((bits & ((1 << sym.raw_bits) - 1)).astype(np.int32))
+        raw = bitpack.pack(values, sym.raw_bits).numpy().tobytes()
+    streams = (pack_codebook(book), book.context_map.astype(np.uint8).tobytes(), counts.tobytes(),
+               states.tobytes(), words.tobytes(), raw)
+    return assemble(header, streams, checksum)
+
+
+def assemble(header: EntropyHeader, streams: Sequence[bytes], checksum: bool) -> torch.Tensor:
+    """Header and streams laid out in one frame, the stream CRC filled in if asked for."""
+    buf = np.zeros(header.total, dtype=np.uint8)
+    for offset, length, data in zip(header.offsets, header.lengths, streams):
+        assert len(data) == length, (length, len(data))
+        buf[offset:offset + length] = np.frombuffer(data, dtype=np.uint8)
+    if checksum:
+        header = header.with_crc(crc32c(memoryview(buf[HEADER_SIZE:])))
+    buf[:HEADER_SIZE] = np.frombuffer(header.pack(), dtype=np.uint8)
+    return torch.from_numpy(buf)
+
+
+def _codec_byte(frame: torch.Tensor) -> int:
+    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
+        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
+    if frame.numel() < 7:
+        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
+    prefix = frame[:7].cpu().numpy().tobytes()
+    if prefix[:4] != FRAME_MAGIC:
+        raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
+    return prefix[6]
+
+
+def read_header(frame: torch.Tensor) -> EntropyHeader:
+    """Validated header of an entropy frame.
+
+    Raises:
+        CorruptFrame: not an entropy frame, or a header that fails validation.
+    """
+    if _codec_byte(frame) != FRAME_ID:
+        raise CorruptFrame("not an entropy frame")
+    return parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), frame.numel())
+
+
+def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor a frame holds (entropy or stored), on ``frame.device``, or written into ``out``
+    (same dtype and element count, any shape). Everything is checked before ``out`` is touched.
+
+    Raises:
+        CorruptFrame: the frame is malformed, truncated, or fails a checksum.
+        OutputMismatch: ``out`` has the wrong dtype or element count.
+    """
+    codec_id = _codec_byte(frame)
+    if codec_id == int(FrameCodec.STORED):
+        return decode_frame(frame, out=out)
+    if codec_id != FRAME_ID:
+        raise CorruptFrame(f"codec id {codec_id} is not an entropy (or stored) frame")
+    header = read_header(frame)
+    if out is not None and (out.dtype != header.sym.layout.dtype or out.numel() != header.numel):
+        raise OutputMismatch(f"out is {out.dtype}[{out.numel()}], frame holds "
+                             f"{header.sym.layout.name}[{header.numel}]")
+    if frame.is_cuda:
+        from . import gpu
+
+        if gpu.available():
+            result = gpu.decode(frame, header)
+            return result if out is None else out.copy_(result.view(out.shape))
+    result = decode_reference(frame.cpu().numpy(), header).to(frame.device)
+    return result if out is None else out.copy_(result.view(out.shape))
+
+
+def decode_reference(buf: np.ndarray, header: EntropyHeader) -> torch.Tensor:
+    """Reference decode of a frame (as numpy bytes) whose header passed ``parse_header``."""
+    if header.stream_crc is not None and crc32c(memoryview(buf[HEADER_SIZE:])) != header.stream_crc:
+        raise CorruptFrame("stream checksum mismatch")
+    s = [buf[o:o + n] for o, n in zip(header.offsets, header.lengths)]
+    book = parse_tables(header, s[Stream.TABLES].tobytes(), s[Stream.MAP].tobytes())
+    counts = s[Stream.COUNTS].view("<u4")
+    starts = check_counts(header, counts)
+    sym, n = header.sym, header.numel
+    symbols = reference.decode_symbols(counts, starts, s[Stream.STATES].view("<u4"), s[Stream.WORDS].view("<u2"),
+                                       book, n, header.chunk)
+    bits = symbols << sym.raw_bits
+    if sym.raw_bits:
+        raw = bitpack.unpack(torch.from_numpy(s[Stream.RAW].copy()), n, sym.raw_bits).numpy()
+        bits |= raw.astype(np.int64)
+    dtype = np.uint16 if sym.layout.total_bits == 16 else np.uint8
+    flat = torch.from_numpy(bits.astype(dtype).view(np.int16 if dtype == np.uint16 else np.uint8))
+    return flat.view(sym.layout.dtype).view(header.shape)
+
+
+def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False) -> torch.Tensor:
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= cache.shape[0]:
+            raise IndexError(f"block ids must be in 0..{cache.shape[0] - 1}")
+        if unique and torch.unique(ids).numel() != ids.numel():
+            raise OutputMismatch("block ids repeat")
+    return ids
+
+
+def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
+                  codebook: EntropyCodebook | None = None, *, checksum: bool = True,
+                  chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Frame of ``cache[block_ids]`` (blocks along dim 0): the same bytes as ``encode`` of them."""
+    _check_tensor(cache)
+    ids = _block_ids(block_ids, cache)
+    bits = layout_for(cache.dtype).int_dtype  # index_select lacks float8 kernels
+    blocks = cache.view(bits).index_select(0, ids).view(cache.dtype)
+    return encode(blocks, codebook, checksum=checksum, chunk=chunk)
+
+
+def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
+    """Write the frame's blocks into ``cache[block_ids]``; nothing is written if it is bad.
+
+    Raises:
+        CorruptFrame: the frame is malformed (nothing written).
+        OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
+        IndexError: a block id outside the cache.
+    """
+    _check_tensor(cache)
+    ids = _block_ids(block_ids, cache, unique=True)
+    expected = (ids.numel(), *cache.shape[1:])
+    codec_id = _codec_byte(frame)
+    if codec_id == int(FrameCodec.STORED):
+        blocks = decode_frame(frame)
+    else:
+        header = read_header(frame)
+        if header.sym.layout.dtype != cache.dtype or header.shape != expected:
+            raise OutputMismatch(f"frame holds {header.sym.layout.name}{list(header.shape)}, blocks need "
+                                 f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
+        blocks = decode(frame)
+    if blocks.dtype != cache.dtype or tuple(blocks.shape) != expected:
+        raise OutputMismatch(f"frame holds {blocks.dtype}{list(blocks.shape)}, blocks need "
+                             f"{cache.dtype}{list(expected)}")
+    bits = layout_for(cache.dtype).int_dtype
+    cache.view(bits).index_copy_(0, ids, blocks.to(cache.device).view(bits))
+
+
+class EntropyCodec:
+    """Channel-aware static rANS: sign+exponent (BF16/FP16) or the whole byte (FP8) coded with
+    a table chosen per position in the block, the mantissa raw; a stored frame when that does
+    not pay. Frames carry their tables, so decode needs no codebook."""
+
+    name = "entropy"
+    frame_id = FRAME_ID
+    lossless = True
+    standalone = True
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        try:
+            layout_for(dtype)
+        except UnsupportedTensor:
+            return False
+        return True
+
+    def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        # An entropy frame is written only if it is smaller than the stored one.
+        return stored_size(layout_for(dtype), int(np.prod(tuple(shape), dtype=np.int64)))
+
+    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None,
+                  tables: int = DEFAULT_TABLES) -> EntropyCodebook:
+        return calibrate(samples, token_axis=token_axis, tables=tables)
+
+    def codebook_from_json(self, text: str | bytes) -> EntropyCodebook:
+        return EntropyCodebook.from_json(text)
+
+    def encode(self, x: torch.Tensor, codebook: EntropyCodebook | None = None) -> torch.Tensor:
+        return encode(x, codebook)
+
+    def decode(self, frame: torch.Tensor, codebook: Any = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return decode(frame, out=out)
+
+    def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
+                      codebook: EntropyCodebook | None = None) -> torch.Tensor:
+        return encode_blocks(cache, block_ids, codebook)
+
+    def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                      codebook: Any = None) -> None:
+        decode_blocks(frame, cache, block_ids)
