@@ -11,7 +11,10 @@ DEFAULT_SAMPLE = Path(__file__).resolve().parent / "data" / "kv_smollm2_gpl3.npz
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvferry import __version__
+
     parser = argparse.ArgumentParser(prog="kvferry", description="kvferry: lossless, compressed KV-cache transfer sidecar for disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"kvferry {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("codec-demo", help="compress real (or synthetic) KV, check it round-trips bit-exactly")
@@ -19,23 +22,27 @@ def main(argv: list[str] | None = None) -> int:
                       help="KV sample (.npz of bf16 bit patterns); synthetic data if absent")
     demo.set_defaults(run=_codec_demo)
 
-    cal = sub.add_parser("calibrate", help="build an exponent codebook from KV files")
+    cal = sub.add_parser("calibrate", help="build a codec's codebook from KV files")
     cal.add_argument("files", nargs="+", type=Path, help=".npz/.npy/.pt files")
     cal.add_argument("-o", "--output", type=Path, required=True, help="codebook JSON to write")
     cal.add_argument("--dtype", default="bfloat16",
                      help="element dtype; integer arrays of its width are read as bit patterns")
     cal.add_argument("--select", metavar="REGEX",
                      help="only arrays whose name matches, e.g. '_k$' for a K-only codebook")
+    cal.add_argument("--codec", default="splitzip", help="registered codec to calibrate (default splitzip)")
+    cal.add_argument("--token-axis", type=int, help="which axis of each array is the token axis")
     cal.set_defaults(run=_calibrate)
 
     serve = sub.add_parser("serve", help="run the sidecar daemon (control API + data listener)")
     serve.add_argument("--config", help="YAML settings file (also KVFERRY_CONFIG)")
-    serve.add_argument("--host", help="control API bind address (default 0.0.0.0)")
+    serve.add_argument("--host", help="control API bind address (default 127.0.0.1; others need a token)")
     serve.add_argument("--port", type=int, help="control API port (default 7700)")
-    serve.add_argument("--data-host", help="data listener bind address (default 0.0.0.0)")
+    serve.add_argument("--data-host", help="data listener bind address (default 127.0.0.1; others need a peer secret)")
     serve.add_argument("--data-port", type=int, help="data listener port (default 7701; 0 = any)")
     serve.add_argument("--advertise-host", help="address peers use for the data port")
     serve.add_argument("--token", help="bearer token for the control API (also KVFERRY_TOKEN)")
+    serve.add_argument("--peer-secret", help="secret shared by all sidecars, for the data connection's handshake "
+                                             "(also KVFERRY_PEER_SECRET)")
     serve.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     serve.add_argument("--chunk-bytes", type=int,
                        help="raw KV bytes per pipeline chunk (default 0: 256 MiB on a GPU, 4 MiB on a CPU)")
@@ -64,6 +71,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     cli = {k: v for k, v in vars(args).items() if k not in ("command", "run", "config")}
     settings = settings_module.load(cli, config_file=args.config)
+    try:
+        settings.check()
+    except ValueError as exc:
+        print(f"kvferry serve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvferry").info("settings: %s", json.dumps(settings.public()))
     ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
@@ -85,14 +97,23 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from .kvfiles import load_tensors
 
+    try:
+        chosen = codec.get(args.codec)
+    except codec.UnknownCodec as exc:
+        print(f"kvferry calibrate: {exc}", file=sys.stderr)
+        return 2
     tensors = [t for path in args.files for _, t in load_tensors(path, args.dtype, args.select)]
     if not tensors:
         print("kvferry calibrate: no arrays matched", file=sys.stderr)
         return 2
-    book = codec.calibrate(tensors)
+    book = chosen.calibrate(tensors, token_axis=args.token_axis)
+    if book is None:
+        print(f"kvferry calibrate: codec {args.codec} needs no codebook", file=sys.stderr)
+        return 2
     args.output.write_text(book.to_json() + "\n")
-    print(f"{len(tensors)} arrays, {book.samples} {book.dtype} values: coverage {book.coverage:.4%}, "
-          f"exponents {list(book.exponents)} -> {args.output}")
+    detail = (f": coverage {book.coverage:.4%}, exponents {list(book.exponents)}"
+              if isinstance(book, codec.Codebook) else "")
+    print(f"{args.codec} codebook from {len(tensors)} arrays{detail} -> {args.output}")
     return 0
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvferry.client.sdk import Client
+from kvferry.client import Client, TransferFailed
 
 
 def free_port() -> int:
@@ -76,12 +76,17 @@ def run_demo(data: Path, backend: str) -> int:
               f"({kv.numel() * 2 / 1e6:.1f} MB), two sidecars on loopback ({backend} transport)\n")
         print(f"{'codec':<10}{'raw MB':>9}{'wire MB':>9}{'ratio':>8}{'seconds':>9}{'GB/s':>8}  bit-exact")
         ok = True
+        peer = decode.data_address()
         for codec_name in ("raw", "splitzip"):
             region = f"kv-{codec_name}"
             decode.create_region(region, kv.shape[0], list(kv.shape[1:]), "bfloat16")
-            transfer_id = prefill.submit("kv", blocks, f"http://127.0.0.1:{ports[1][0]}", region, blocks[::-1],
-                                         codec=codec_name)
-            result = prefill.wait(transfer_id, timeout=120)
+            transfer_id = prefill.submit("kv", blocks, peer, region, blocks[::-1], codec=codec_name)
+            try:
+                result = prefill.wait(transfer_id, timeout=120)
+            except TransferFailed as exc:
+                print(f"{codec_name:<10} FAILED: {exc.reason}")
+                ok = False
+                continue
             exact = result["state"] == "done" and all(
                 decode.get_block(region, blocks[::-1][i]) == kv[i].contiguous().view(torch.uint8).numpy().tobytes()
                 for i in blocks)

@@ -1,0 +1,7 @@
+"""The client side: the SDK (``Client``) an engine process imports without any server code."""
+
+from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
+
+from .sdk import Client, blocks_json
+
+__all__ = ["Client", "blocks_json", "TransferFailed", "EngineError", "BY_NAME"]

@@ -1,15 +1,29 @@
 """The client SDK a serving engine calls: register regions (from torch tensors too), submit
-transfers, wait, cancel. Errors come back as the service's own exception classes."""
+transfers, wait, cancel. Imports no server code (no FastAPI, no uvicorn); errors come back as the
+engine's own exception classes, and ``wait`` on a failed transfer raises ``TransferFailed``."""
 
 from __future__ import annotations
 
-import base64
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
-from kvferry.engine.errors import BY_NAME, ServiceError
+from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
+
+TERMINAL = ("done", "failed", "cancelled")
+Blocks = Sequence[int] | range | dict[str, Any]
+
+
+def blocks_json(blocks: Blocks) -> list[int] | dict[str, Any]:
+    """A block list as the API takes it: ids, or ``range(start, stop, step)`` as one range, or
+    ``{"ranges": [{"start", "count", "stride"}]}`` as is."""
+    if isinstance(blocks, dict):
+        return blocks
+    if isinstance(blocks, range):
+        return {"ranges": [{"start": blocks.start, "count": len(blocks), "stride": blocks.step}]}
+    return [int(i) for i in blocks]
 
 
 class Client:
@@ -33,15 +47,17 @@ class Client:
         if response.status_code >= 400:
             try:
                 body = response.json()
-                cls = BY_NAME.get(body.get("error"), ServiceError)
+                cls = BY_NAME.get(body.get("error"), EngineError)
                 detail = body.get("detail")
-            except ValueError:
-                cls, detail = ServiceError, response.text
+            except (ValueError, AttributeError):
+                cls, detail = EngineError, response.text
+            if cls is TransferFailed:
+                raise TransferFailed(str(detail), body.get("state", "failed"))
             raise cls(f"{response.status_code} {method} {path}: {detail}")
         return response
 
     # ---- regions -----------------------------------------------------------------------------
-    def create_region(self, name: str, num_blocks: int, block_shape: list[int], dtype: str,
+    def create_region(self, name: str, num_blocks: int, block_shape: Sequence[int], dtype: str,
                       kind: str = "owned", **kind_fields: Any) -> dict:
         body = {"name": name, "kind": kind, "num_blocks": num_blocks, "block_shape": list(block_shape),
                 "dtype": dtype, **kind_fields}
@@ -75,6 +91,8 @@ class Client:
             del view
             return self.create_region(name, shape[0], shape[1:], dtype, kind="shm", shm_name=shm.name), shm
         if kind == "cuda_ipc":
+            from .memory import cuda_ipc_handle
+
             return self.create_region(name, shape[0], shape[1:], dtype, kind="cuda_ipc", **cuda_ipc_handle(tensor)), None
         raise ValueError(f"unknown region kind {kind!r}")
 
@@ -92,25 +110,50 @@ class Client:
         return self._call("GET", f"/v1/regions/{name}/blocks/{index}").content
 
     # ---- transfers ---------------------------------------------------------------------------
-    def submit(self, src_region: str, src_blocks: list[int], peer: str, dst_region: str,
-               dst_blocks: list[int], codec: str = "auto", codebook: str | None = None) -> str:
-        body = {"src_region": src_region, "src_blocks": list(src_blocks), "peer": peer,
-                "dst_region": dst_region, "dst_blocks": list(dst_blocks), "codec": codec}
+    def submit(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
+               codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
+        """Send ``src_blocks`` of ``src_region`` to ``dst_blocks`` of the peer's ``dst_region``;
+        ``peer`` is the receiving sidecar's data address (its ``data_address()``). Returns the id."""
+        body = {"src_region": src_region, "dst_region": dst_region}
+        return self._submit(body, src_blocks, peer, dst_blocks, codec, codebook, wait)
+
+    def submit_regions(self, pairs: Sequence[tuple[str, str]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
+                       codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
+        """One transfer of the same blocks of several (source, destination) region pairs, e.g.
+        every layer of a request."""
+        body = {"regions": [{"src": s, "dst": d} for s, d in pairs]}
+        return self._submit(body, src_blocks, peer, dst_blocks, codec, codebook, wait)
+
+    def _submit(self, body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
+                codebook: str | None, wait: float) -> str:
+        body.update(peer=peer, src_blocks=blocks_json(src_blocks), dst_blocks=blocks_json(dst_blocks), codec=codec)
         if codebook:
             body["codebook"] = codebook
-        return self._call("POST", "/v1/transfers", json=body).json()["id"]
+        return self._call("POST", "/v1/transfers", json=body, params={"wait": wait} if wait else None).json()["id"]
 
     def transfer(self, transfer_id: str, wait: float = 0) -> dict:
+        """A transfer's record (never raises for its state)."""
         return self._call("GET", f"/v1/transfers/{transfer_id}", params={"wait": wait} if wait else None).json()
 
     def wait(self, transfer_id: str, timeout: float = 60.0) -> dict:
-        """Long-poll until the transfer is done, failed or cancelled (or ``timeout`` passes)."""
+        """The transfer's record once done.
+
+        Raises:
+            TransferFailed: it failed or was cancelled (``reason`` from the sidecar), or is not
+            done within ``timeout`` seconds.
+        """
         deadline = time.monotonic() + timeout
         while True:
             step = max(0.0, min(60.0, deadline - time.monotonic()))
             state = self.transfer(transfer_id, wait=step) if step else self.transfer(transfer_id)
-            if state["state"] in ("done", "failed", "cancelled") or time.monotonic() >= deadline:
+            if state["state"] == "done":
                 return state
+            if state["state"] in TERMINAL:
+                raise TransferFailed(f"transfer {transfer_id} {state['state']}: {state.get('error_kind')}: "
+                                     f"{state.get('error')}", state["state"])
+            if time.monotonic() >= deadline:
+                raise TransferFailed(f"transfer {transfer_id} still {state['state']} after {timeout:g} s",
+                                     state["state"])
 
     def transfers(self, state: str | None = None, direction: str | None = None) -> list[dict]:
         params = {k: v for k, v in (("state", state), ("direction", direction)) if v}
@@ -120,11 +163,20 @@ class Client:
         return self._call("DELETE", f"/v1/transfers/{transfer_id}").json()
 
     # ---- codebooks and health ------------------------------------------------------------------
-    def put_codebook(self, name: str, codebook_json: str) -> dict:
-        return self._call("PUT", f"/v1/codebooks/{name}", content=codebook_json).json()
+    def put_codebook(self, name: str, codebook_json: str, codec: str = "splitzip") -> dict:
+        return self._call("PUT", f"/v1/codebooks/{name}", content=codebook_json, params={"codec": codec}).json()
 
-    def calibrate(self, name: str, region: str, blocks: list[int]) -> dict:
-        return self._call("POST", f"/v1/codebooks/{name}/calibrate", json={"region": region, "blocks": blocks}).json()
+    def calibrate(self, name: str, region: str, blocks: Blocks, codec: str = "splitzip",
+                  token_axis: int | None = None) -> dict:
+        body = {"region": region, "blocks": blocks_json(blocks), "codec": codec, "token_axis": token_axis}
+        return self._call("POST", f"/v1/codebooks/{name}/calibrate", json=body).json()
+
+    def health(self) -> dict:
+        return self._call("GET", "/v1/health").json()
+
+    def data_address(self) -> str:
+        """Where peers send to this sidecar (``host:port``)."""
+        return self.health()["data_address"]
 
     def ready(self) -> bool:
         try:
@@ -134,25 +186,3 @@ class Client:
 
     def metrics(self) -> str:
         return self._call("GET", "/metrics").text
-
-
-def cuda_ipc_handle(tensor) -> dict:
-    """What a ``cuda_ipc`` region needs to map ``tensor`` in another process on the same GPU:
-    the IPC handle of the allocation holding it (CUDA hands out handles per allocation, so the
-    base is looked up with cuMemGetAddressRange) and the tensor's offset into it."""
-    import ctypes
-
-    import cupy
-
-    if not tensor.is_cuda or not tensor.is_contiguous():
-        raise ValueError("cuda_ipc needs a contiguous CUDA tensor")
-    pointer = tensor.data_ptr()
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    status = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                                  ctypes.c_uint64(pointer))
-    if status != 0:
-        raise RuntimeError(f"cuMemGetAddressRange failed with CUDA error {status}")
-    with cupy.cuda.Device(tensor.device.index):
-        handle = cupy.cuda.runtime.ipcGetMemHandle(base.value)
-    return {"ipc_handle": base64.b64encode(bytes(handle)).decode(), "offset": pointer - base.value,
-            "device": tensor.device.index}

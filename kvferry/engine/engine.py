@@ -1,165 +1,83 @@
-"""The sidecar's engine: regions, transfers, the data listener and the pipelines that move KV.
+"""The typed core of a sidecar: regions, codebooks, transfers and the peer protocol.
 
-Sending: blocks are grouped into chunks of about ``chunk_bytes``; each chunk is encoded (in a
-worker thread, so the event loop keeps the wire busy) while earlier chunks are on the wire, with
-at most ``max_inflight_chunks`` encoded and unacknowledged. The receiver posts receives for the
-next chunks ahead of time and decodes each one straight into the destination blocks, in order.
-A transfer is done on the sender only once the receiver reports every block written.
-
-Data-plane admission: the sender announces a transfer on the receiver's control API with a
-random per-transfer secret; chunk tags are derived from that secret, and the receiver posts
-receives only for those tags, so bytes that were not announced never land anywhere.
+Sending: the sender announces a transfer on its (pooled, authenticated) data connection to the
+peer, then streams chunks right behind the announce: blocks grouped into chunks of about
+``chunk_bytes``, each encoded while earlier ones are on the wire, at most ``max_inflight_chunks``
+encoded and unacknowledged. The receiver validates the announce once, posts receives for the next
+chunks (so bytes land only where a chunk is expected), decodes each one straight into the
+destination blocks, and answers DONE once every block is written; only then is the sender done.
+Every message between the two is a peer message (``peer.py``) on that same connection: sidecars
+never call each other over HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import logging
-import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpx
 import torch
 
-from kvferry import codec
-from kvferry import transport
+from kvferry import __version__, codec as codecs, transport
 
-from .errors import BadRequest, Conflict, InvalidBlocks, NotFound, PeerError
+from . import peer
+from .blocks import Blocks
+from .errors import (BadRequest, Conflict, EngineError, NotFound, PeerError, ProtocolViolation, TransferFailed,
+                     UnknownCodec)
 from .metrics import Metrics
-from .regions import RegionTable
+from .pipeline import BufferPool, CodecRunner
+from .policy import Policy
+from .regions import Region, RegionSpec, RegionTable
 from .settings import Settings
 from .transfers import State, Transfer, TransferTable
 
-log = logging.getLogger("kvferry.service")
+log = logging.getLogger("kvferry.engine")
 # A GPU chunk pays ~0.2-0.3 ms of host work per codec call and ~1 ms per message over UCX
-# (measured on H200s: 64 MiB messages moved at 30-45 GB/s, 256 MiB ones at 154 GB/s), so GPU
-# chunks are large; on the CPU the codec is slow enough that small chunks keep the pipeline short.
+# (measured on H200s), so GPU chunks are large; on the CPU the codec is slow enough that small
+# chunks keep the pipeline short.
 GPU_CHUNK_BYTES = 256 << 20
 CPU_CHUNK_BYTES = 4 << 20
 CPU_MESSAGE_BYTES = 16 << 20
 
 
-def chunk_tag(secret: str, index: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{secret}:{index}".encode(), digest_size=8).digest(), "little")
+@dataclass(frozen=True)
+class TransferSpec:
+    """One transfer: the same blocks of every (source, destination) region pair, to ``peer``
+    (the receiving sidecar's data address, ``host:port``)."""
 
-
-def plan_chunks(blocks: int, block_bytes: int, chunk_bytes: int) -> list[int]:
-    """Blocks per chunk: about ``chunk_bytes`` of raw KV each, at least one block."""
-    per_chunk = max(1, chunk_bytes // max(1, block_bytes))
-    return [min(per_chunk, blocks - start) for start in range(0, blocks, per_chunk)]
+    peer: str
+    pairs: tuple[tuple[str, str], ...]
+    src_blocks: Blocks
+    dst_blocks: Blocks
+    codec: str = "auto"
+    codebook: str | None = None
 
 
 @dataclass
-class Estimates:
-    """Throughputs (GB/s of raw bytes) for the ``auto`` codec choice: SplitZip's Appendix-B model
-    (a pipeline runs at its slowest stage) plus the pipeline's fill, which decides small transfers.
+class _Pair:
+    """A validated region pair with its block ids resolved once (the hot path only slices them)."""
 
-    Measured beats modelled: once both codecs have recently moved transfers of about this size
-    (same power of two) to this peer, ``auto`` takes the one that was faster. The model assumes
-    the stages overlap perfectly, which a busy host does not give it on fast links.
-    """
-
-    encode_gbps: float = 0.0
-    decode_gbps: float = 0.0
-    ratio: float = 1.3
-    assumed_link_gbps: float = 12.5
-    link_gbps: dict[str, float] = field(default_factory=dict)
-    # (peer, codec, size class) -> (GB/s of raw bytes, when last seen on time.monotonic())
-    measured: dict[tuple[str, str, int], tuple[float, float]] = field(default_factory=dict)
-    measured_ttl_s: float = 600.0
-
-    def predict(self, peer: str, raw_bytes: int, chunk_bytes: int) -> tuple[float, float]:
-        """Seconds for (raw, splitzip). With k chunks and per-chunk stage times e, w, d the
-        pipeline takes k*max(e, w, d) + the other stages once: (e + w + d) - max(e, w, d)."""
-        link = self.link_gbps.get(peer, self.assumed_link_gbps) * 1e9
-        raw_s = raw_bytes / link
-        if not (self.encode_gbps and self.decode_gbps and raw_bytes):
-            return raw_s, math.inf
-        chunk = min(raw_bytes, chunk_bytes)
-        stages = (chunk / (self.encode_gbps * 1e9), chunk / (self.ratio * link), chunk / (self.decode_gbps * 1e9))
-        return raw_s, raw_bytes / chunk * max(stages) + sum(stages) - max(stages)
-
-    def choose(self, peer: str, raw_bytes: int, chunk_bytes: int, now: float | None = None) -> tuple[str, str]:
-        now = time.monotonic() if now is None else now
-        seen = {codec: self.measured.get((peer, codec, raw_bytes.bit_length())) for codec in ("raw", "splitzip")}
-        if all(entry and now - entry[1] <= self.measured_ttl_s for entry in seen.values()):
-            raw_gbps, coded_gbps = seen["raw"][0], seen["splitzip"][0]
-            choice = "splitzip" if coded_gbps > raw_gbps else "raw"
-            return choice, (f"measured raw {raw_gbps:.2f} vs splitzip {coded_gbps:.2f} GB/s "
-                            f"for transfers of this size to this peer")
-        raw_s, coded_s = self.predict(peer, raw_bytes, chunk_bytes)
-        link = self.link_gbps.get(peer, self.assumed_link_gbps)
-        choice = "splitzip" if coded_s < raw_s else "raw"
-        reason = (f"predicted raw {raw_s * 1e3:.2f} ms vs splitzip {coded_s * 1e3:.2f} ms "
-                  f"(link {link:.2f} GB/s{'' if peer in self.link_gbps else ' assumed'}, "
-                  f"encode {self.encode_gbps:.2f}, decode {self.decode_gbps:.2f} GB/s, ratio {self.ratio:.3f})")
-        return choice, reason
-
-    def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None) -> None:
-        """A whole transfer's speed, as the worker saw it (fixed costs included)."""
-        if seconds > 0 and raw_bytes >= 1 << 20:
-            now = time.monotonic() if now is None else now
-            key = (peer, codec, raw_bytes.bit_length())
-            old = self.measured.get(key)
-            fresh = old is not None and now - old[1] <= self.measured_ttl_s
-            self.measured[key] = (_follow(old[0] if fresh else None, raw_bytes / seconds / 1e9), now)
-
-    def observe_link(self, peer: str, wire_bytes: int, seconds: float) -> None:
-        if seconds > 0 and wire_bytes > 1 << 20:
-            self.link_gbps[peer] = _follow(self.link_gbps.get(peer), wire_bytes / seconds / 1e9)
-
-    def observe_codec(self, direction: str, raw_bytes: int, seconds: float) -> None:
-        """Follow the codec speed real chunks see (the start-up sample can be taken while the
-        machine is busy starting, and a GPU shares its bandwidth with the serving engine)."""
-        if seconds > 0 and raw_bytes >= 1 << 20:
-            name = f"{direction}_gbps"
-            setattr(self, name, _follow(getattr(self, name), raw_bytes / seconds / 1e9))
-
-    def observe_ratio(self, raw_bytes: int, wire_bytes: int) -> None:
-        """Follow the ratio real SplitZip transfers achieve (data, not the start-up sample)."""
-        if wire_bytes > 1 << 20:
-            self.ratio = _follow(self.ratio, raw_bytes / wire_bytes)
+    region: Region
+    ids: torch.Tensor
+    blocks_per_chunk: int
 
 
-def _follow(old: float | None, sample: float) -> float:
-    """Exponential moving average that starts at the first sample (0 or None = none yet)."""
-    return sample if not old else 0.7 * old + 0.3 * sample
+@dataclass
+class _Link:
+    """The peer-protocol side of a transfer: its connection, and what the peer said last."""
+
+    connection: transport.Connection
+    reply: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-class BufferPool:
-    """Receive buffers, reused across chunks and transfers (chunk sizes repeat), up to a bound.
-
-    A buffer goes back only after its chunk was decoded: one whose receive failed or was
-    cancelled may still be written by a late payload, so it is left to the garbage collector.
-    """
-
-    def __init__(self, max_bytes: int):
-        self._free: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self._bytes = 0
-        self._max_bytes = max_bytes
-
-    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        stack = self._free.get((str(device), nbytes))
-        if stack:
-            self._bytes -= nbytes
-            return stack.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        if self._bytes + buffer.numel() <= self._max_bytes:
-            self._free.setdefault((str(buffer.device), buffer.numel()), []).append(buffer)
-            self._bytes += buffer.numel()
-
-
-class Sidecar:
-    """Everything one daemon holds; created in the app's lifespan, closed at shutdown."""
+class Engine:
+    """Everything one sidecar holds; started and closed by its front end (the REST app's lifespan)."""
 
     def __init__(self, settings: Settings):
+        settings.check()
         self.settings = settings
         wanted = settings.device
         if wanted.startswith("cuda"):
@@ -167,378 +85,521 @@ class Sidecar:
         else:
             self.device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else "cpu")
         self.regions = RegionTable(self.device)
-        # Codec work runs on streams of its own, one per direction: on torch's default (legacy)
-        # stream it would wait for, and hold up, UCX's copies into the same GPU, and a
-        # sidecar's sends and receives would wait for each other.
-        self.codec_streams = ({"encode": torch.cuda.Stream(self.device), "decode": torch.cuda.Stream(self.device)}
-                              if self.device.type == "cuda" else {})
         self.transfers = TransferTable(settings.max_concurrent_transfers)
         self.metrics = Metrics()
-        self.codebooks: dict[str, codec.Codebook] = {}
-        # An emulated link's speed is known; otherwise assume a 100 Gb/s NIC until measured.
-        self.estimates = Estimates(assumed_link_gbps=settings.link_gbps or settings.assumed_link_gbps)
+        self.codebooks: dict[str, tuple[str, Any, str]] = {}  # name -> (codec, codebook, its JSON)
+        # An emulated link's speed is known; otherwise assume one until measured.
+        self.policy = Policy(assumed_link_gbps=settings.link_gbps or settings.assumed_link_gbps)
         self.chunk_bytes = settings.chunk_bytes or (GPU_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES)
-        # On a GPU each message costs a UCX rendezvous and Python work (~0.5 ms), so a frame
-        # travels whole; host memory moves in 16 MiB pieces.
+        self.codec = CodecRunner(self.device, self.policy,
+                                 lambda direction, s: self.metrics.codec_seconds.labels(direction).inc(s))
+        # On a GPU each message costs a UCX rendezvous and Python work, so a frame travels whole;
+        # host memory moves in 16 MiB pieces.
         message_bytes = settings.transport_chunk_bytes or (
             self.chunk_bytes + (1 << 20) if self.device.type == "cuda" else CPU_MESSAGE_BYTES)
         self.transport_config = transport.TransportConfig(
             backend=settings.transport_backend, chunk_bytes=message_bytes,
             max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
             op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
+            secret=settings.peer_secret.encode(),
             ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options})
         self.backend = transport.resolve_backend(self.transport_config)
         self.listener: transport.Listener | None = None
         self.pool: transport.Pool | None = None
-        self.http: httpx.AsyncClient | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
+        self._links: dict[str, _Link] = {}  # transfer id -> its peer link, while it runs
         self.ready = False
 
+    # ---- lifetime ------------------------------------------------------------------------------
     async def start(self) -> None:
         self.listener = await transport.listen(self.settings.data_host, self.settings.data_port,
-                                               self.transport_config, backend=self.backend)
-        self.pool = transport.Pool(self.transport_config, backend=self.backend)
-        headers = {"Authorization": f"Bearer {self.settings.token}"} if self.settings.token else {}
-        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(self.settings.transfer_timeout + 5))
-        self.metrics.info.info({"version": "0.1.0", "transport_backend": self.backend, "device": str(self.device)})
-        await asyncio.to_thread(self._measure_codec)
+                                               self.transport_config, backend=self.backend,
+                                               on_message=self._on_message)
+        self.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self._on_message)
+        self.metrics.info.info({"version": __version__, "transport_backend": self.backend, "device": str(self.device),
+                                "codecs": ",".join(codecs.names())})
+        sample = min(self.chunk_bytes, GPU_CHUNK_BYTES if self.device.type == "cuda" else 1 << 20)
+        await asyncio.to_thread(self.codec.measure, codecs.lossless(), self.device, sample)
         self.ready = True
-        log.info("data plane: %s listener on %s:%d; codec on %s: encode %.2f GB/s, decode %.2f GB/s",
-                 self.backend, self.settings.data_host, self.listener.port, self.device,
-                 self.estimates.encode_gbps, self.estimates.decode_gbps)
+        log.info("data plane: %s listener on %s:%d; codecs on %s: %s", self.backend, self.settings.data_host,
+                 self.listener.port, self.device, self.policy.codecs)
 
-    def _measure_codec(self) -> None:
-        """Codec throughput on this device at the pipeline's chunk size (per-call costs included,
-        as the pipeline pays them), best of three after a warm-up, for the ``auto`` choice."""
-        elements = min(self.chunk_bytes, GPU_CHUNK_BYTES) // 2
-        sample = (torch.randn(elements, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
-        sample = sample.to(self.device)
-        book = codec.calibrate(sample)
-        encode_s, decode_s = [], []
-        for _ in range(4):
-            start = time.perf_counter()
-            frame = codec.encode(sample, book)
-            middle = time.perf_counter()
-            codec.decode(frame)
-            if sample.is_cuda:
-                torch.cuda.synchronize(sample.device)
-            encode_s.append(middle - start)
-            decode_s.append(time.perf_counter() - middle)
-        raw = sample.numel() * 2
-        self.estimates.encode_gbps = raw / min(encode_s[1:]) / 1e9
-        self.estimates.decode_gbps = raw / min(decode_s[1:]) / 1e9
+    @property
+    def data_address(self) -> str:
+        """How peers reach this sidecar's data listener (``host:port``)."""
+        host = self.settings.advertise_host or self.settings.data_host
+        return f"{host}:{self.listener.port if self.listener else self.settings.data_port}"
 
     async def close(self) -> None:
-        """Stop taking work, fail what is in flight, release the data plane."""
+        """Stop taking work, end what is in flight (telling the peers), release the data plane."""
         self.ready = False
-        for t in self.transfers.all():
-            if t.task is not None and not t.task.done():
-                t.task.cancel()
+        for t in self.transfers.active():
+            self._abort(t, State.CANCELLED, "Shutdown", "the sidecar shut down")
         tasks = [t.task for t in self.transfers.all() if t.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
-        for t in self.transfers.all():
-            self._finish(t, State.FAILED, "the sidecar shut down")
+        await asyncio.sleep(0)  # let the control loops write the last CANCELs
         if self.pool is not None:
             await self.pool.close()
         if self.listener is not None:
             await self.listener.close()
-        if self.http is not None:
-            await self.http.aclose()
         self.regions.close()
         transport.shutdown_backends()
 
-    # ---- bookkeeping -------------------------------------------------------------------------
-    def refresh_gauges(self) -> None:
-        """Gauges that are cheaper to count at scrape time than to keep in step."""
-        self.metrics.regions.set(len(self.regions))
-        for direction in ("in", "out"):
-            active = sum(not t.state.terminal for t in self.transfers.query(direction=direction))
-            self.metrics.active.labels(direction).set(active)
+    # ---- regions and codebooks ----------------------------------------------------------------
+    def register_region(self, spec: RegionSpec) -> Region:
+        """Raises: Conflict, BadRequest."""
+        return self.regions.register(spec)
 
-    def _finish(self, t: Transfer, state: State, error: str | None = None) -> None:
-        if not t.move(state, error):
+    def delete_region(self, name: str) -> None:
+        """Raises: NotFound, Conflict (a transfer uses it)."""
+        self.regions.delete(name)
+
+    def write_block(self, name: str, index: int, data: bytes) -> None:
+        """Overwrite one block with its raw bytes. Raises: NotFound, InvalidBlocks, BadRequest, Conflict."""
+        region = self.regions.get(name)
+        ids = region.resolve([index])
+        if len(data) != region.block_bytes:
+            raise BadRequest(f"block {index} of {name!r} is {region.block_bytes} bytes, got {len(data)}")
+        if region.busy:
+            raise Conflict(f"region {name!r} is in use by a transfer")
+        bits = codecs.layout_by_name(region.dtype).int_dtype
+        block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(bits).view(region.block_shape)
+        region.tensor.view(bits)[int(ids[0])].copy_(block)
+
+    def read_block(self, name: str, index: int) -> bytes:
+        """One block's raw bytes. Raises: NotFound, InvalidBlocks."""
+        region = self.regions.get(name)
+        region.resolve([index])
+        return region.tensor[index].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+    def put_codebook(self, name: str, codec_name: str, text: str | bytes) -> dict[str, Any]:
+        """Store a codebook document for ``codec_name``. Raises: UnknownCodec, BadRequest."""
+        codec = self._codec(codec_name)
+        try:
+            book = codec.codebook_from_json(text)
+        except codecs.CodecError as exc:
+            raise BadRequest(f"not a {codec_name} codebook: {exc}") from exc
+        return self._keep_codebook(name, codec, book)
+
+    def calibrate_codebook(self, name: str, codec_name: str, region_name: str, blocks: Blocks | list[int],
+                           token_axis: int | None = None) -> dict[str, Any]:
+        """Calibrate a codebook on blocks of a region and store it. Raises: NotFound, UnknownCodec, BadRequest."""
+        codec = self._codec(codec_name)
+        region = self.regions.get(region_name)
+        ids = region.resolve(blocks)
+        bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
+        sample = region.tensor.view(bits).index_select(0, ids).view(region.tensor.dtype)
+        try:
+            book = codec.calibrate(sample, token_axis=None if token_axis is None else token_axis + 1)
+        except codecs.CodecError as exc:
+            raise BadRequest(f"cannot calibrate {codec_name}: {exc}") from exc
+        return self._keep_codebook(name, codec, book)
+
+    def codebook_json(self, name: str) -> str:
+        """Raises: NotFound."""
+        if name not in self.codebooks:
+            raise NotFound(f"no codebook named {name!r}")
+        return self.codebooks[name][2]
+
+    def _keep_codebook(self, name: str, codec: codecs.Codec, book: Any) -> dict[str, Any]:
+        text = book.to_json() if book is not None else "null"
+        self.codebooks[name] = (codec.name, book, text)
+        return {"name": name, "codec": codec.name, "digest": peer.codebook_digest(text).hex()}
+
+    def _codec(self, name: str) -> codecs.Codec:
+        try:
+            return codecs.get(name)
+        except codecs.UnknownCodec as exc:
+            raise UnknownCodec(str(exc)) from None
+
+    # ---- sending ------------------------------------------------------------------------------
+    def submit(self, spec: TransferSpec) -> Transfer:
+        """Validate an outgoing transfer once and start it; returns at once.
+
+        Raises:
+            NotFound, InvalidBlocks, BadRequest, UnknownCodec, Overloaded.
+        """
+        host, port = _address(spec.peer)
+        if not spec.pairs:
+            raise BadRequest("a transfer needs at least one region pair")
+        if len(spec.src_blocks) != len(spec.dst_blocks):
+            raise BadRequest(f"{len(spec.src_blocks)} source blocks but {len(spec.dst_blocks)} destination blocks")
+        pairs, cache = [], {}
+        for src, _ in spec.pairs:
+            region = self.regions.get(src)
+            key = (region.num_blocks, str(region.tensor.device))
+            if key not in cache:
+                cache[key] = region.resolve(spec.src_blocks)
+            per_chunk = max(1, self.chunk_bytes // region.block_bytes)
+            pairs.append(_Pair(region, cache[key], per_chunk))
+        if len(spec.dst_blocks) > peer.MAX_IDS:
+            raise BadRequest(f"over {peer.MAX_IDS} blocks")
+        dtypes = {p.region.dtype for p in pairs}
+        if len(dtypes) != 1:
+            raise BadRequest(f"the source regions mix dtypes {sorted(dtypes)}")
+        candidates = self._candidates(spec.codec, pairs[0].region.tensor.dtype)
+        book = self._named_codebook(spec.codebook, candidates)
+        transfer = Transfer(id=uuid.uuid4().hex, direction="out", peer=spec.peer, pairs=list(spec.pairs),
+                            blocks=len(spec.src_blocks), codec=spec.codec)
+        self.transfers.add(transfer)
+        for p in pairs:
+            p.region.busy.add(transfer.id)  # a shm/IPC mapping must outlive the reads of this transfer
+        transfer.task = asyncio.create_task(self._run_outgoing(transfer, spec, pairs, candidates, book, (host, port)))
+        return transfer
+
+    def _candidates(self, requested: str, dtype: torch.dtype) -> list[str]:
+        if requested == "auto":
+            names = [c.name for c in codecs.lossless() if c.supports(dtype) and c.name in self.policy.codecs]
+            if not names:
+                raise UnknownCodec("no lossless codec handles this dtype")
+            return names
+        codec = self._codec(requested)
+        if not codec.supports(dtype):
+            raise UnknownCodec(f"codec {requested!r} does not handle {dtype}")
+        return [requested]
+
+    def _named_codebook(self, name: str | None, candidates: list[str]) -> tuple[str, Any, str] | None:
+        if name is None:
+            return None  # each chunk calibrates on itself where the codec needs a codebook
+        if name not in self.codebooks:
+            raise NotFound(f"no codebook named {name!r}")
+        entry = self.codebooks[name]
+        if entry[0] not in candidates:
+            raise BadRequest(f"codebook {name!r} is for {entry[0]}, the transfer may use {candidates}")
+        return entry
+
+    async def _run_outgoing(self, t: Transfer, spec: TransferSpec, pairs: list[_Pair], candidates: list[str],
+                            book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
+        try:
+            await self._send(t, spec, pairs, candidates, book, address)
+        except asyncio.CancelledError:
+            state, kind, reason = self._aborted(t)
+            self._finish(t, state, kind, reason)
+            self._tell(t, peer.Cancel(reason))
+        except Exception as exc:
+            kind, reason = _describe(exc)
+            log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
+            self._finish(t, State.FAILED, kind, reason)
+            self._tell(t, peer.Cancel(f"{kind}: {reason}"))
+        finally:
+            self._links.pop(t.id, None)
+
+    async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[_Pair], candidates: list[str],
+                    book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
+        t.move(State.RUNNING)
+        raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
+        if book is not None:
+            chosen, t.choice_reason = book[0], "the codebook's codec"
+        elif len(candidates) == 1:
+            chosen, t.choice_reason = candidates[0], "requested"
+        else:
+            chosen, t.choice_reason = self.policy.choose(t.peer, raw_bytes, self.chunk_bytes, candidates)
+        t.chosen_codec = chosen
+        codec = codecs.get(chosen)
+        codebook = book[1] if book is not None else None
+        try:
+            connection = await self.pool.get(*address)
+        except transport.TransportError as exc:
+            raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
+        link = self._links[t.id] = _Link(connection)
+        announce = peer.Announce(
+            codec=chosen, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
+            pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk)
+                        for (_, dst), p in zip(spec.pairs, pairs)),
+            codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8))
+        await connection.send_message(peer.pack(peer.Message(t.id, announce)))
+        t.mark("announced")
+        plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
+        slots = asyncio.Semaphore(self.settings.max_inflight_chunks)
+        sends: list[asyncio.Task] = []
+        wire_start = time.perf_counter()
+        try:
+            for index, (pair_index, start, count) in enumerate(plan):
+                await slots.acquire()
+                if link.reply.done() or any(task.done() and task.exception() for task in sends):
+                    break
+                pair = pairs[pair_index]
+                nbytes = count * pair.region.block_bytes
+                payload = await self.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count],
+                                                  codebook, nbytes)
+                if index == self.settings.fault_corrupt_chunk:
+                    payload = payload.clone()
+                    payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
+                t.bytes_raw += nbytes
+                t.bytes_wire += payload.numel()
+                self.metrics.inflight_chunks.inc()
+                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots)))
+            await self._first(link, asyncio.gather(*sends))
+        finally:
+            for task in sends:
+                task.cancel()
+        t.mark("last_byte")
+        wire_s = time.perf_counter() - wire_start
+        self.metrics.wire_seconds.inc(wire_s)
+        self.policy.observe_link(t.peer, t.bytes_wire, wire_s)
+        self.policy.observe_ratio(chosen, t.bytes_raw, t.bytes_wire)
+        # Done only when the receiver has written every block.
+        done = await self._reply(link, self.settings.transfer_timeout)
+        t.blocks_done = done.blocks
+        self._finish(t, State.DONE)
+        self.policy.observe_transfer(t.peer, chosen, raw_bytes, time.perf_counter() - t.submitted)
+
+    async def _first(self, link: _Link, work: asyncio.Future) -> None:
+        """Await ``work``, but stop at once with the peer's refusal if that comes first."""
+        await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
+        if link.reply.done():  # the peer's own word says more than a chunk it refused
+            work.cancel()
+            reply = link.reply.result()  # raises the peer's refusal or our lost connection
+            raise ProtocolViolation(f"the peer said {type(reply).__name__} before the last chunk")
+        work.result()
+
+    async def _reply(self, link: _Link, timeout: float) -> peer.Done:
+        try:
+            return await asyncio.wait_for(asyncio.shield(link.reply), timeout)
+        except asyncio.TimeoutError:
+            raise PeerError(f"the receiver did not confirm within {timeout:g} s") from None
+
+    async def _send_chunk(self, connection: transport.Connection, t: Transfer, index: int, payload: torch.Tensor,
+                          slots: asyncio.Semaphore) -> None:
+        try:
+            t.mark("first_byte")
+            await connection.send(peer.chunk_tag(t.id, index), payload)
+        except transport.TransportError as exc:
+            raise PeerError(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.metrics.inflight_chunks.dec()
+            slots.release()
+
+    # ---- receiving ----------------------------------------------------------------------------
+    def _on_message(self, connection: transport.Connection, payload: bytes) -> None:
+        """A peer message (called from the connection's reader, so never awaits)."""
+        try:
+            message = peer.unpack(payload)
+        except ProtocolViolation as exc:
+            log.warning("dropped a malformed peer message from %s: %s", connection.peer, exc)
+            self.metrics.errors.labels("ProtocolViolation").inc()
             return
+        body = message.body
+        if isinstance(body, peer.Announce):
+            self._accept(connection, message.transfer_id, body)
+            return
+        link = self._links.get(message.transfer_id)
+        if link is None or link.connection is not connection:
+            return  # finished already, or not this peer's to speak for: nothing to do
+        t = self.transfers.find(message.transfer_id)
+        if isinstance(body, peer.Cancel):
+            if t is not None:
+                self._abort(t, State.CANCELLED, "Cancelled", f"cancelled by the peer: {body.reason}")
+        elif isinstance(body, peer.Accept):
+            if t is not None:
+                t.mark("accepted")
+        elif not link.reply.done():
+            if isinstance(body, peer.Done):
+                link.reply.set_result(body)
+            else:  # Reject or Error
+                link.reply.set_exception(PeerError(f"the receiver {'refused' if isinstance(body, peer.Reject) else 'failed'}"
+                                                   f" the transfer: {body.error}: {body.reason}"))
+
+    def _accept(self, connection: transport.Connection, transfer_id: str, announce: peer.Announce) -> None:
+        """Validate an announced transfer and post its first receives, or refuse it."""
+        plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs))
+        tags = [peer.chunk_tag(transfer_id, i) for i in range(len(plan))]
+        try:
+            t, pairs, codec, book = self._check_announce(connection, transfer_id, announce)
+        except EngineError as exc:
+            kind, reason = _describe(exc)
+            self.metrics.errors.labels(kind).inc()
+            self.listener.mailbox.refuse(tags, f"{kind}: {reason}")
+            connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
+            return
+        link = self._links[t.id] = _Link(connection)
+        connection.on_close(lambda c, exc: self._lost(t, link, exc))
+        t.move(State.RUNNING)
+        incoming = _Incoming(self, t, pairs, plan, tags, codec, book)
+        incoming.post_ahead()
+        connection.post_message(peer.pack(peer.Message(t.id, peer.Accept())))
+        t.task = asyncio.create_task(incoming.run())
+
+    def _check_announce(self, connection: transport.Connection, transfer_id: str, a: peer.Announce):
+        codec = self._codec(a.codec)
+        book = None
+        if a.codebook:
+            entry = self.codebooks.get(a.codebook)
+            if entry is not None and peer.codebook_digest(entry[2]) == a.codebook_digest:
+                book = entry[1]
+            elif getattr(codec, "decode_needs_codebook", False):
+                raise UnknownCodec(f"no codebook {a.codebook!r} with the sender's digest here")
+        pairs, cache = [], {}
+        for layout in a.pairs:
+            region = self.regions.get(layout.dst_region)
+            if region.dtype != a.dtype or region.block_shape != layout.block_shape:
+                raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
+                                 f"the transfer carries {a.dtype}{list(layout.block_shape)}")
+            key = (region.num_blocks, str(region.tensor.device))
+            if key not in cache:
+                cache[key] = region.resolve(a.dst_blocks)
+            pairs.append(_Pair(region, cache[key], layout.blocks_per_chunk))
+        t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
+                     pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
+                     chosen_codec=a.codec, choice_reason="the sender's")
+        self.transfers.add(t)
+        for p in pairs:
+            p.region.busy.add(t.id)
+        return t, pairs, codec, book
+
+    def _lost(self, t: Transfer, link: _Link, exc: Exception) -> None:
+        if not t.state.terminal:
+            self._abort(t, State.FAILED, "PeerError", f"lost the peer: {type(exc).__name__}: {exc}")
+        if not link.reply.done():
+            link.reply.set_exception(PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
+
+    # ---- waiting, cancelling, state -----------------------------------------------------------
+    async def wait(self, transfer_id: str, timeout: float) -> dict[str, Any]:
+        """The transfer's record once it is done.
+
+        Raises:
+            NotFound. TransferFailed: it failed or was cancelled (with the reason), or is still
+            running after ``timeout`` seconds (state "running").
+        """
+        t = self.transfers.get(transfer_id)
+        await t.wait(timeout)
+        if t.state == State.DONE:
+            return t.public()
+        if t.state.terminal:
+            raise TransferFailed(f"transfer {t.id} {t.state.value}: {t.error_kind}: {t.error}", t.state.value)
+        raise TransferFailed(f"transfer {t.id} still {t.state.value} after {timeout:g} s", t.state.value)
+
+    def status(self, transfer_id: str) -> dict[str, Any]:
+        """Raises: NotFound."""
+        return self.transfers.get(transfer_id).public()
+
+    def cancel(self, transfer_id: str) -> dict[str, Any]:
+        """Cancel a running transfer on either side; the peer is told. Raises: NotFound, Conflict."""
+        t = self.transfers.get(transfer_id)
+        if t.state.terminal:
+            raise Conflict(f"transfer {transfer_id} is already {t.state.value}")
+        self._abort(t, State.CANCELLED, "Cancelled", "cancelled by request")
+        return t.public()
+
+    def _abort(self, t: Transfer, state: State, kind: str, reason: str) -> None:
+        """End ``t`` from outside its task: the task's cancellation handler finishes it as told."""
+        if t.abort is None:
+            t.abort = (state.value, kind, reason)
+        if t.task is not None and not t.task.done():
+            t.task.cancel()
+        else:
+            self._finish(t, state, kind, reason)
+
+    def _aborted(self, t: Transfer) -> tuple[State, str, str]:
+        state, kind, reason = t.abort or ("cancelled", "Cancelled", "cancelled")
+        return State(state), kind, reason
+
+    def _tell(self, t: Transfer, body: peer.Cancel | peer.Error | peer.Done) -> None:
+        """Best effort: the peer learns why we stopped (it times out on its own otherwise)."""
+        link = self._links.get(t.id)
+        if link is not None and not link.connection.closed:
+            link.connection.post_message(peer.pack(peer.Message(t.id, body)))
+
+    def _finish(self, t: Transfer, state: State, kind: str | None = None, error: str | None = None) -> None:
+        if not t.move(state, error, kind):
+            return
+        self.transfers.retire(t)
         self.metrics.transfers.labels(state.value, t.direction).inc()
         if state == State.DONE:
             self.metrics.bytes_raw.labels(t.direction).inc(t.bytes_raw)
             self.metrics.bytes_wire.labels(t.direction).inc(t.bytes_wire)
             if t.bytes_wire:
                 self.metrics.ratio.observe(t.bytes_raw / t.bytes_wire)
-            if t.seconds is not None:
-                self.metrics.latency.labels(t.direction).observe(t.seconds)
+            self.metrics.latency.labels(t.direction).observe(t.seconds)
         elif state == State.FAILED:
-            self.metrics.errors.labels(_error_kind(error)).inc()
-        try:  # the region may be deleted again once no transfer uses it
-            self.regions.get(t.dst_region if t.direction == "in" else t.src_region).busy.discard(t.id)
-        except NotFound:
-            pass
+            self.metrics.errors.labels(kind or "EngineError").inc()
+        for _, name in t.pairs if t.direction == "in" else [(None, s) for s, _ in t.pairs]:
+            try:  # the region may be deleted again once no transfer uses it
+                self.regions.get(name).busy.discard(t.id)
+            except NotFound:
+                pass
 
-    def _codebook(self, name: str | None, dtype: str) -> codec.Codebook | None:
-        if name is None:
-            return None  # each chunk calibrates on itself; frames carry their codebook
+    def refresh_gauges(self) -> None:
+        """Gauges that are cheaper to count at scrape time than to keep in step."""
+        self.metrics.regions.set(len(self.regions))
+        for direction in ("in", "out"):
+            self.metrics.active.labels(direction).set(len(self.transfers.active(direction)))
+
+
+class _Incoming:
+    """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
+
+    def __init__(self, engine: Engine, t: Transfer, pairs: list[_Pair], plan: list[tuple[int, int, int]],
+                 tags: list[int], codec: codecs.Codec, book: Any):
+        self.engine, self.t, self.pairs, self.plan, self.tags = engine, t, pairs, plan, tags
+        self.codec, self.book = codec, book
+        self.receives: dict[int, transport.Receive] = {}
+        self.ahead = engine.settings.max_inflight_chunks + 1
+        self.completed = 0
+
+    def post(self, i: int) -> None:
+        if i < len(self.plan) and i not in self.receives:
+            pair_index, _, count = self.plan[i]
+            region = self.pairs[pair_index].region
+            capacity = self.codec.capacity((count, *region.block_shape), region.tensor.dtype)
+            buffer = self.engine.buffers.take(capacity, region.tensor.device)
+            self.receives[i] = self.engine.listener.expect(self.tags[i], buffer)
+
+    def post_ahead(self) -> None:
+        for i in range(self.ahead):
+            self.post(i)
+
+    async def run(self) -> None:
+        engine, t = self.engine, self.t
+        timeout = engine.settings.transfer_timeout
         try:
-            book = self.codebooks[name]
-        except KeyError:
-            raise NotFound(f"no codebook named {name!r}") from None
-        if book.dtype != dtype:
-            raise BadRequest(f"codebook {name!r} is for {book.dtype}, the region holds {dtype}")
-        return book
-
-    # ---- sending -------------------------------------------------------------------------------
-    def submit(self, request: dict[str, Any]) -> Transfer:
-        """Validate an outgoing transfer and start it.
-
-        Raises:
-            NotFound, InvalidBlocks, BadRequest, Overloaded.
-        """
-        region = self.regions.get(request["src_region"])
-        region.check_blocks(request["src_blocks"])
-        if len(request["dst_blocks"]) != len(request["src_blocks"]):
-            raise InvalidBlocks("src_blocks and dst_blocks differ in length")
-        self._codebook(request.get("codebook"), region.dtype)
-        transfer = Transfer(id=request.get("id") or _new_id(), direction="out", src_region=region.name,
-                            src_blocks=list(request["src_blocks"]), dst_region=request["dst_region"],
-                            dst_blocks=list(request["dst_blocks"]), peer=request["peer"].rstrip("/"),
-                            codec=request["codec"])
-        self.transfers.add(transfer)
-        region.busy.add(transfer.id)  # a shm/IPC mapping must outlive the reads of this transfer
-        transfer.task = asyncio.create_task(self._run_outgoing(transfer, request.get("codebook")))
-        return transfer
-
-    async def _run_outgoing(self, t: Transfer, codebook_name: str | None) -> None:
-        try:
-            await self._send(t, codebook_name)
-        except asyncio.CancelledError:
-            self._finish(t, State.CANCELLED, t.error or "cancelled")
-            await self._tell_peer_cancel(t)
-        except Exception as exc:
-            reason = _describe(exc)
-            log.warning("transfer %s failed: %s", t.id, reason)
-            self._finish(t, State.FAILED, reason)
-            await self._tell_peer_cancel(t)
-
-    async def _send(self, t: Transfer, codebook_name: str | None) -> None:
-        started = time.perf_counter()
-        region = self.regions.get(t.src_region)
-        ids = region.check_blocks(t.src_blocks)
-        book = self._codebook(codebook_name, region.dtype)
-        t.move(State.RUNNING)
-        raw_bytes = len(t.src_blocks) * region.block_bytes
-        if t.codec == "auto":
-            t.chosen_codec, t.choice_reason = self.estimates.choose(t.peer, raw_bytes, self.chunk_bytes)
-        else:
-            t.chosen_codec, t.choice_reason = t.codec, "requested"
-        plan = plan_chunks(len(t.src_blocks), region.block_bytes, self.chunk_bytes)
-        announce = {"id": t.id, "secret": t.secret, "dst_region": t.dst_region, "dst_blocks": t.dst_blocks,
-                    "dtype": region.dtype, "block_shape": list(region.block_shape), "codec": t.chosen_codec,
-                    "chunks": plan}
-        reply = await self._peer_call("POST", f"{t.peer}/v1/incoming", json=announce)
-        host = reply.get("data_host") or urlsplit(t.peer).hostname
-        connection = await self.pool.get(host, int(reply["data_port"]))
-        slots = asyncio.Semaphore(self.settings.max_inflight_chunks)
-        sends: list[asyncio.Task] = []
-        wire_start = time.perf_counter()
-        try:
-            start = 0
-            for index, count in enumerate(plan):
-                await slots.acquire()
-                if any(task.done() and task.exception() for task in sends):
-                    break
-                chunk_ids = ids[start:start + count]
-                start += count
-                payload = await asyncio.to_thread(self._encode_chunk, region, chunk_ids, t.chosen_codec, book, index)
-                t.bytes_raw += count * region.block_bytes
-                t.bytes_wire += payload.numel()
-                self.metrics.inflight_chunks.inc()
-                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots)))
-            await asyncio.gather(*sends)
-        finally:
-            for task in sends:
-                task.cancel()
-        self.metrics.wire_seconds.inc(time.perf_counter() - wire_start)
-        self.estimates.observe_link(t.peer, t.bytes_wire, time.perf_counter() - wire_start)
-        if t.chosen_codec == "splitzip":
-            self.estimates.observe_ratio(t.bytes_raw, t.bytes_wire)
-        # Done only when the receiver has written every block.
-        final = await self._peer_call("GET", f"{t.peer}/v1/transfers/{t.id}",
-                                      params={"wait": self.settings.transfer_timeout})
-        if final["state"] != "done":
-            raise PeerError(f"receiver reports {final['state']}: {final.get('error')}")
-        t.blocks_done = len(t.src_blocks)
-        self._finish(t, State.DONE)
-        self.estimates.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - started)
-
-    def _codec_stream(self, direction: str, tensor: torch.Tensor):
-        stream = self.codec_streams.get(direction)
-        return torch.cuda.stream(stream) if tensor.is_cuda and stream is not None else contextlib.nullcontext()
-
-    def _encode_chunk(self, region, chunk_ids: torch.Tensor, chosen: str, book, index: int) -> torch.Tensor:
-        with self._codec_stream("encode", region.tensor):
-            return self._encode_on_stream(region, chunk_ids, chosen, book, index)
-
-    def _encode_on_stream(self, region, chunk_ids: torch.Tensor, chosen: str, book, index: int) -> torch.Tensor:
-        started = time.perf_counter()
-        if chosen == "splitzip":
-            payload = codec.encode_blocks(region.tensor, chunk_ids, book)
-        else:
-            bits = codec.layout_by_name(region.dtype).int_dtype
-            payload = region.tensor.view(bits).index_select(0, chunk_ids).reshape(-1).view(torch.uint8)
-        if index == self.settings.fault_corrupt_chunk:
-            payload = payload.clone()
-            payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
-        self._codec_done("encode", payload, chosen, len(chunk_ids) * region.block_bytes, started)
-        return payload
-
-    async def _send_chunk(self, connection, t: Transfer, index: int, payload: torch.Tensor,
-                          slots: asyncio.Semaphore) -> None:
-        try:
-            await connection.send(chunk_tag(t.secret, index), payload)
-        finally:
-            self.metrics.inflight_chunks.dec()
-            slots.release()
-
-    async def _peer_call(self, method: str, url: str, **kwargs) -> dict[str, Any]:
-        try:
-            response = await self.http.request(method, url, **kwargs)
-        except httpx.HTTPError as exc:
-            raise PeerError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 400:
-            try:
-                body = response.json()
-                detail = f"{body.get('error')}: {body.get('detail')}"
-            except ValueError:
-                detail = response.text[:200]
-            raise PeerError(f"peer answered {response.status_code} to {method} {urlsplit(url).path}: {detail}")
-        return response.json()
-
-    async def _tell_peer_cancel(self, t: Transfer) -> None:
-        try:
-            await self.http.delete(f"{t.peer}/v1/transfers/{t.id}", timeout=2.0)
-        except Exception:  # best effort: the receiver times out on its own
-            pass
-
-    def cancel(self, transfer_id: str) -> Transfer:
-        t = self.transfers.get(transfer_id)
-        if t.state.terminal:
-            raise Conflict(f"transfer {transfer_id} is already {t.state.value}")
-        t.error = "cancelled by request"
-        if t.task is not None:
-            t.task.cancel()
-        else:
-            self._finish(t, State.CANCELLED, t.error)
-        return t
-
-    # ---- receiving -------------------------------------------------------------------------------
-    def accept_incoming(self, request: dict[str, Any], peer_host: str | None) -> dict[str, Any]:
-        """Validate an announced transfer against the destination region and post its receives.
-
-        Raises:
-            NotFound, InvalidBlocks, BadRequest, Conflict, Overloaded.
-        """
-        region = self.regions.get(request["dst_region"])
-        if request["dtype"] != region.dtype or tuple(request["block_shape"]) != region.block_shape:
-            raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
-                             f"the transfer carries {request['dtype']}{request['block_shape']}")
-        region.check_blocks(request["dst_blocks"])
-        if sum(request["chunks"]) != len(request["dst_blocks"]) or min(request["chunks"], default=0) <= 0:
-            raise BadRequest("chunk plan does not cover the blocks")
-        if request["codec"] not in ("splitzip", "raw"):
-            raise BadRequest(f"unknown codec {request['codec']!r}")
-        transfer = Transfer(id=request["id"], direction="in", src_region="", src_blocks=[],
-                            dst_region=region.name, dst_blocks=list(request["dst_blocks"]),
-                            peer=peer_host or "", codec=request["codec"], chosen_codec=request["codec"],
-                            secret=request["secret"])
-        self.transfers.add(transfer)
-        region.busy.add(transfer.id)
-        transfer.move(State.RUNNING)
-        transfer.task = asyncio.create_task(self._run_incoming(transfer, list(request["chunks"])))
-        return {"id": transfer.id, "data_host": self.settings.advertise_host, "data_port": self.listener.port,
-                "backend": self.backend}
-
-    async def _run_incoming(self, t: Transfer, plan: list[int]) -> None:
-        receives: dict[int, transport.Receive] = {}
-        try:
-            region = self.regions.get(t.dst_region)
-            ids = region.check_blocks(t.dst_blocks)
-            capacities = [self._chunk_capacity(region, count, t.chosen_codec) for count in plan]
-            ahead = self.settings.max_inflight_chunks + 1
-            starts = [sum(plan[:i]) for i in range(len(plan))]
-
-            def post(i: int) -> None:
-                if i < len(plan) and i not in receives:
-                    buffer = self.buffers.take(capacities[i], region.tensor.device)
-                    receives[i] = self.listener.expect(chunk_tag(t.secret, i), buffer)
-
-            for i in range(ahead):
-                post(i)
-            for i, count in enumerate(plan):
-                receive = receives[i]
-                nbytes = await receive.wait(self.settings.transfer_timeout)
-                post(i + ahead)
-                frame = receive.buffer.obj[:nbytes]
-                await asyncio.to_thread(self._decode_chunk, region, frame, ids[starts[i]:starts[i] + count],
-                                        t.chosen_codec, i)
-                self.buffers.give(receives.pop(i).buffer.obj)
+            for i, (pair_index, start, count) in enumerate(self.plan):
+                nbytes = await self.receives[i].wait(timeout)
+                if i == 0:
+                    t.mark("first_byte")
+                self.post(i + self.ahead)
+                pair = self.pairs[pair_index]
+                frame = self.receives[i].buffer.obj[:nbytes]
+                raw = count * pair.region.block_bytes
+                try:
+                    await engine.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
+                                              self.book, raw)
+                except codecs.CodecError as exc:
+                    raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
+                engine.buffers.give(self.receives.pop(i).buffer.obj)
                 t.bytes_wire += nbytes
-                t.bytes_raw += count * region.block_bytes
+                t.bytes_raw += raw
                 t.blocks_done += count
-            self._finish(t, State.DONE)
+                self.completed += 1
+            t.mark("last_byte")
+            engine._finish(t, State.DONE)
+            engine._tell(t, peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))
         except asyncio.CancelledError:
-            self._finish(t, State.CANCELLED, t.error or "cancelled")
+            state, kind, reason = engine._aborted(t)
+            engine._finish(t, state, kind, reason)
+            if kind != "PeerError":
+                engine._tell(t, peer.Cancel(reason))
         except Exception as exc:
-            reason = _describe(exc)
-            log.warning("incoming transfer %s failed: %s", t.id, reason)
-            self._finish(t, State.FAILED, reason)
+            kind, reason = _describe(exc)
+            log.warning("incoming transfer %s failed: %s: %s", t.id, kind, reason)
+            engine._finish(t, State.FAILED, kind, reason)
+            engine._tell(t, peer.Error(kind, reason))
         finally:
-            for receive in receives.values():
+            for receive in self.receives.values():
                 receive.cancel()
-
-    def _chunk_capacity(self, region, count: int, chosen: str) -> int:
-        if chosen == "raw":
-            return count * region.block_bytes
-        return codec.frame_capacity((count, *region.block_shape), region.tensor.dtype)
-
-    def _decode_chunk(self, region, frame: torch.Tensor, chunk_ids: torch.Tensor, chosen: str, index: int) -> None:
-        with self._codec_stream("decode", region.tensor):
-            self._decode_on_stream(region, frame, chunk_ids, chosen, index)
-
-    def _decode_on_stream(self, region, frame: torch.Tensor, chunk_ids: torch.Tensor, chosen: str, index: int) -> None:
-        started = time.perf_counter()
-        if chosen == "splitzip":
-            try:
-                codec.decode_blocks(frame, region.tensor, chunk_ids)
-            except codec.CodecError as exc:
-                raise BadRequest(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
-        else:
-            expected = len(chunk_ids) * region.block_bytes
-            if frame.numel() != expected:
-                raise BadRequest(f"chunk {index}: {frame.numel()} raw bytes, expected {expected}")
-            bits = codec.layout_by_name(region.dtype).int_dtype
-            blocks = frame.view(bits).view(len(chunk_ids), *region.block_shape)
-            region.tensor.view(bits).index_copy_(0, chunk_ids, blocks)
-        self._codec_done("decode", frame, chosen, len(chunk_ids) * region.block_bytes, started)
-
-    def _codec_done(self, direction: str, tensor: torch.Tensor, chosen: str, raw_bytes: int, started: float) -> None:
-        """Wait for the chunk's GPU work, then account its time (metrics, and ``auto``'s estimates)."""
-        if tensor.is_cuda:
-            torch.cuda.current_stream(tensor.device).synchronize()
-        seconds = time.perf_counter() - started
-        self.metrics.codec_seconds.labels(direction).inc(seconds)
-        if chosen == "splitzip":
-            self.estimates.observe_codec(direction, raw_bytes, seconds)
+            if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
+                engine.listener.mailbox.refuse(self.tags[self.completed:], f"transfer {t.id} ended {t.state.value}")
+            engine._links.pop(t.id, None)
 
 
-def _new_id() -> str:
-    import uuid
-
-    return uuid.uuid4().hex
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def _address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadRequest(f"peer must be the receiving sidecar's data address host:port, not {value!r}")
+    return host, int(port)
 
 
-def _error_kind(error: str | None) -> str:
-    if not error:
-        return "unknown"
-    return error.split(":", 1)[0]
+def _describe(exc: BaseException) -> tuple[str, str]:
+    """(error kind, reason): the kind is the class name, which metrics label and peers report."""
+    return type(exc).__name__, str(exc)

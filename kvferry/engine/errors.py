@@ -1,55 +1,77 @@
-"""The service's exception tree; one handler maps each class to an HTTP status with a JSON body
-``{"error": <class name>, "detail": <message>}``, and the client SDK raises the same classes back.
+"""The engine's exception tree. The REST front end maps each class to an HTTP status in one place
+(``kvferry/api/errors.py``) and the client SDK raises the same classes back, by name.
 
-    ServiceError (500)
-    ├── BadRequest (400)         malformed or inconsistent input
-    │   └── InvalidBlocks (400)  block ids out of range, repeated, or of the wrong count
-    ├── Unauthorized (401)       missing or wrong bearer token / transfer secret
-    ├── NotFound (404)           no such region, transfer or codebook
-    ├── Conflict (409)           name already taken, region busy, transfer already finished
-    ├── PayloadTooLarge (413)    request body above the configured limit
-    ├── Overloaded (429)         too many concurrent transfers
-    └── PeerError (502)          the peer sidecar refused or failed a request
+    EngineError                  anything the engine refuses or fails
+    ├── BadRequest               malformed or inconsistent input
+    │   ├── InvalidBlocks        block ids out of range, repeated, or of the wrong count
+    │   └── UnknownCodec         no codec or codebook of that name fits
+    ├── Unauthorized             missing or wrong bearer token
+    ├── NotFound                 no such region, transfer or codebook
+    ├── Conflict                 name already taken, region busy, transfer already finished
+    ├── PayloadTooLarge          request body above the configured limit
+    ├── Overloaded               too many concurrent transfers
+    ├── PeerError                the peer sidecar refused or failed the transfer, or vanished
+    │   └── ProtocolViolation    the peer sent a message that breaks the peer protocol
+    └── TransferFailed           waiting on a transfer that failed or was cancelled (``reason``)
 """
 
 from __future__ import annotations
 
 
-class ServiceError(Exception):
-    status = 500
+class EngineError(Exception):
+    """Root of every error the engine raises."""
 
 
-class BadRequest(ServiceError):
-    status = 400
+class BadRequest(EngineError):
+    pass
 
 
 class InvalidBlocks(BadRequest):
     pass
 
 
-class Unauthorized(ServiceError):
-    status = 401
+class UnknownCodec(BadRequest):
+    pass
 
 
-class NotFound(ServiceError):
-    status = 404
+class Unauthorized(EngineError):
+    pass
 
 
-class Conflict(ServiceError):
-    status = 409
+class NotFound(EngineError):
+    pass
 
 
-class PayloadTooLarge(ServiceError):
-    status = 413
+class Conflict(EngineError):
+    pass
 
 
-class Overloaded(ServiceError):
-    status = 429
+class PayloadTooLarge(EngineError):
+    pass
 
 
-class PeerError(ServiceError):
-    status = 502
+class Overloaded(EngineError):
+    pass
 
 
-BY_NAME = {cls.__name__: cls for cls in (ServiceError, BadRequest, InvalidBlocks, Unauthorized, NotFound,
-                                          Conflict, PayloadTooLarge, Overloaded, PeerError)}
+class PeerError(EngineError):
+    pass
+
+
+class ProtocolViolation(PeerError):
+    pass
+
+
+class TransferFailed(EngineError):
+    """A transfer ended failed or cancelled; ``reason`` says why and ``state`` which."""
+
+    def __init__(self, reason: str, state: str = "failed"):
+        super().__init__(reason)
+        self.reason = reason
+        self.state = state
+
+
+BY_NAME: dict[str, type[EngineError]] = {
+    cls.__name__: cls for cls in (EngineError, BadRequest, InvalidBlocks, UnknownCodec, Unauthorized, NotFound,
+                                  Conflict, PayloadTooLarge, Overloaded, PeerError, ProtocolViolation,
+                                  TransferFailed)}

@@ -11,10 +11,31 @@ from typing import Any
 
 import torch
 
-from .errors import BadRequest, Conflict, InvalidBlocks, NotFound
+from .blocks import Blocks
+from .errors import BadRequest, Conflict, NotFound
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
           "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """What ``Engine.register_region`` needs: a name, a block layout, and where the memory is.
+
+    ``axes`` optionally names the block's dimensions (e.g. ``("token", "head", "channel")``), so
+    codecs that model KV by position know which axis is which.
+    """
+
+    name: str
+    num_blocks: int
+    block_shape: tuple[int, ...]
+    dtype: str
+    kind: str = "owned"  # owned (allocated here), shm (a worker's POSIX segment), cuda_ipc
+    shm_name: str | None = None
+    ipc_handle: str | None = None
+    device: int | None = None
+    offset: int = 0
+    axes: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -26,6 +47,7 @@ class Region:
     dtype: str
     tensor: torch.Tensor
     busy: set[str] = field(default_factory=set)  # ids of transfers reading or writing it
+    axes: tuple[str, ...] | None = None
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
 
     @property
@@ -35,21 +57,16 @@ class Region:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "num_blocks": self.num_blocks,
                 "block_shape": list(self.block_shape), "dtype": self.dtype, "device": str(self.tensor.device),
-                "block_bytes": self.block_bytes, "busy_transfers": sorted(self.busy)}
+                "block_bytes": self.block_bytes, "busy_transfers": sorted(self.busy),
+                "axes": list(self.axes) if self.axes else None}
 
-    def check_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """Block ids as a tensor on the region's device.
+    def resolve(self, blocks: Blocks | list[int]) -> torch.Tensor:
+        """Block ids as an index tensor on the region's device (checked once, here).
 
         Raises:
             InvalidBlocks: empty, out of range, or repeated ids.
         """
-        if not blocks:
-            raise InvalidBlocks("no blocks given")
-        if min(blocks) < 0 or max(blocks) >= self.num_blocks:
-            raise InvalidBlocks(f"block ids must be in 0..{self.num_blocks - 1} for region {self.name!r}")
-        if len(set(blocks)) != len(blocks):
-            raise InvalidBlocks("block ids repeat")
-        return torch.tensor(blocks, dtype=torch.int64, device=self.tensor.device)
+        return Blocks.of(blocks).resolve(self.num_blocks, self.tensor.device)
 
     def release(self) -> None:
         if self.kind == "shm" and self._keepalive is not None:
@@ -80,27 +97,38 @@ class RegionTable:
     def all(self) -> list[Region]:
         return list(self._regions.values())
 
-    def register(self, spec: dict[str, Any]) -> Region:
-        """Create a region from a validated request.
+    def register(self, spec: RegionSpec) -> Region:
+        """Create a region.
 
         Raises:
             Conflict: the name is taken. BadRequest: inconsistent layout or unusable memory.
         """
-        name = spec["name"]
+        name = spec.name
         if name in self._regions:
             raise Conflict(f"region {name!r} already exists")
-        dtype = DTYPES[spec["dtype"]]
-        shape = (spec["num_blocks"], *spec["block_shape"])
-        kind = spec["kind"]
+        if spec.dtype not in DTYPES:
+            raise BadRequest(f"dtype must be one of {sorted(DTYPES)}, not {spec.dtype!r}")
+        if spec.num_blocks <= 0 or not spec.block_shape or min(spec.block_shape) <= 0:
+            raise BadRequest("a region needs at least one block of a non-empty shape")
+        if spec.axes is not None and len(spec.axes) != len(spec.block_shape):
+            raise BadRequest(f"axes {list(spec.axes)} do not name the {len(spec.block_shape)} block dimensions")
+        dtype = DTYPES[spec.dtype]
+        shape = (spec.num_blocks, *spec.block_shape)
         keepalive = None
-        if kind == "owned":
+        if spec.kind == "owned":
             tensor = torch.zeros(shape, dtype=dtype, device=self.device)
-        elif kind == "shm":
-            tensor, keepalive = _map_shm(spec.get("shm_name") or "", shape, dtype)
-        else:
+        elif spec.kind == "shm":
+            if not spec.shm_name:
+                raise BadRequest("kind=shm needs shm_name")
+            tensor, keepalive = _map_shm(spec.shm_name, shape, dtype)
+        elif spec.kind == "cuda_ipc":
+            if not spec.ipc_handle:
+                raise BadRequest("kind=cuda_ipc needs ipc_handle")
             tensor, keepalive = _open_cuda_ipc(spec, shape, dtype)
-        region = Region(name, kind, spec["num_blocks"], tuple(spec["block_shape"]), spec["dtype"], tensor,
-                        _keepalive=keepalive)
+        else:
+            raise BadRequest(f"unknown region kind {spec.kind!r}")
+        region = Region(name, spec.kind, spec.num_blocks, tuple(spec.block_shape), spec.dtype, tensor,
+                        axes=tuple(spec.axes) if spec.axes else None, _keepalive=keepalive)
         self._regions[name] = region
         return region
 
@@ -136,20 +164,20 @@ def _map_shm(shm_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple
     return flat.view(dtype).view(shape), shm
 
 
-def _open_cuda_ipc(spec: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+def _open_cuda_ipc(spec: RegionSpec, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
     if not torch.cuda.is_available():
         raise BadRequest("cuda_ipc regions need a GPU")
     import cupy
 
-    device = int(spec.get("device") or 0)
+    device = int(spec.device or 0)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     try:
-        handle = base64.b64decode(spec["ipc_handle"], validate=True)
+        handle = base64.b64decode(spec.ipc_handle, validate=True)
         with cupy.cuda.Device(device):
             base = cupy.cuda.runtime.ipcOpenMemHandle(handle)
     except Exception as exc:
         raise BadRequest(f"cannot open CUDA IPC handle: {exc}") from exc
-    memory = cupy.cuda.UnownedMemory(base + int(spec.get("offset") or 0), nbytes, owner=None, device_id=device)
+    memory = cupy.cuda.UnownedMemory(base + int(spec.offset or 0), nbytes, owner=None, device_id=device)
     array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
     tensor = torch.as_tensor(array, device=f"cuda:{device}").view(dtype).view(shape)
     return tensor, base

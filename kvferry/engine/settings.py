@@ -15,12 +15,13 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class Settings:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # control API; beyond loopback only with a token
     port: int = 7700  # control API (HTTP)
-    data_host: str = "0.0.0.0"
+    data_host: str = "127.0.0.1"  # data listener; beyond loopback only with a peer secret
     data_port: int = 7701  # transport listener
     advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
-    token: str = ""  # bearer token for the control API; also sent to peers (one cluster secret)
+    token: str = ""  # bearer token for the control API; never sent anywhere
+    peer_secret: str = ""  # shared by the sidecars of a deployment: the data connection's HMAC handshake
     device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
     chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
     max_inflight_chunks: int = 4
@@ -40,7 +41,25 @@ class Settings:
         """Settings as printed at start-up, secrets masked."""
         values = dataclasses.asdict(self)
         values["token"] = "***" if self.token else ""
+        values["peer_secret"] = "***" if self.peer_secret else ""
         return values
+
+    def check(self) -> None:
+        """Secure by default: nothing listens beyond loopback without a token and a peer secret.
+
+        Raises:
+            ValueError: a non-loopback bind without the secret that guards it.
+        """
+        if not _loopback(self.host) and not self.token:
+            raise ValueError(f"the control API would listen on {self.host} without a token: set KVFERRY_TOKEN "
+                             "(or bind it to 127.0.0.1)")
+        if not _loopback(self.data_host) and not self.peer_secret:
+            raise ValueError(f"the data port would listen on {self.data_host} without a peer secret: set "
+                             "KVFERRY_PEER_SECRET on every sidecar (or bind it to 127.0.0.1)")
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .errors import Conflict, NotFound, Overloaded
+from .errors import Conflict, EngineError, NotFound, Overloaded
 
 
 class State(str, Enum):
@@ -28,103 +28,115 @@ _LEGAL = {
     State.QUEUED: {State.RUNNING, State.FAILED, State.CANCELLED},
     State.RUNNING: {State.DONE, State.FAILED, State.CANCELLED},
 }
+# Stages a transfer passes, in order; ``stages`` holds seconds since submit for each one reached.
+STAGES = ("announced", "accepted", "first_byte", "last_byte", "done")
 
 
 @dataclass
 class Transfer:
     id: str
     direction: str  # "out" (this sidecar sends) or "in"
-    src_region: str
-    src_blocks: list[int]
-    dst_region: str
-    dst_blocks: list[int]
     peer: str
-    codec: str  # what was asked: auto, splitzip, raw
+    pairs: list[tuple[str, str]]  # (source region, destination region); the source is "" on the receiver
+    blocks: int  # per pair
+    codec: str  # what was asked: auto or a registered name
     chosen_codec: str = ""
-    secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    choice_reason: str = ""
     state: State = State.QUEUED
     bytes_raw: int = 0
     bytes_wire: int = 0
     blocks_done: int = 0
     error: str | None = None
-    choice_reason: str = ""
+    error_kind: str | None = None
     created: float = field(default_factory=time.time)
-    started: float | None = None
-    finished: float | None = None
-    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    submitted: float = field(default_factory=time.perf_counter)
+    finished_at: float | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+    abort: tuple[str, str, str] | None = field(default=None, repr=False)  # (state, kind, reason) to end with
+    _finished: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     task: asyncio.Task | None = field(default=None, repr=False)
 
-    def move(self, state: State, error: str | None = None) -> bool:
-        """Go to ``state`` if legal; returns False (and changes nothing) from a terminal state."""
+    def move(self, state: State, error: str | None = None, kind: str | None = None) -> bool:
+        """Go to ``state`` if legal; returns False (and changes nothing) from a terminal state.
+
+        Raises:
+            EngineError: an illegal move from a live state (a bug, not bad input).
+        """
         if self.state == state:
             return False
         if state not in _LEGAL.get(self.state, set()):
             if self.state.terminal:
                 return False
-            raise ValueError(f"transfer {self.id}: {self.state.value} -> {state.value} is not legal")
+            raise EngineError(f"transfer {self.id}: {self.state.value} -> {state.value} is not legal")
         self.state = state
-        if state == State.RUNNING:
-            self.started = time.time()
         if state.terminal:
-            self.finished = time.time()
-            self.error = error
-        self._changed.set()
-        self._changed = asyncio.Event()
+            self.finished_at = time.perf_counter()
+            self.error, self.error_kind = error, kind
+            if state == State.DONE:
+                self.mark("done")
+            self._finished.set()
         return True
 
-    async def wait(self, timeout: float) -> None:
-        """Until terminal or ``timeout`` seconds pass."""
-        deadline = time.monotonic() + timeout
-        while not self.state.terminal:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
+    def mark(self, stage: str) -> None:
+        self.stages.setdefault(stage, time.perf_counter() - self.submitted)
+
+    async def wait(self, timeout: float) -> bool:
+        """Until terminal or ``timeout`` seconds pass; True if terminal."""
+        if not self.state.terminal:
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                await asyncio.wait_for(self._finished.wait(), timeout)
             except asyncio.TimeoutError:
-                return
+                pass
+        return self.state.terminal
 
     @property
     def seconds(self) -> float | None:
-        if self.started is None:
-            return None
-        return (self.finished or time.time()) - self.started
+        return (self.finished_at or time.perf_counter()) - self.submitted
 
     def public(self) -> dict[str, Any]:
         return {
-            "id": self.id, "direction": self.direction, "state": self.state.value,
-            "src_region": self.src_region, "dst_region": self.dst_region, "peer": self.peer,
-            "blocks": len(self.dst_blocks), "blocks_done": self.blocks_done,
+            "id": self.id, "direction": self.direction, "state": self.state.value, "peer": self.peer,
+            "regions": [{"src": s, "dst": d} for s, d in self.pairs],
+            "src_region": self.pairs[0][0], "dst_region": self.pairs[0][1],
+            "blocks": self.blocks * len(self.pairs), "blocks_done": self.blocks_done,
             "codec": self.codec, "chosen_codec": self.chosen_codec, "choice_reason": self.choice_reason,
             "bytes_raw": self.bytes_raw, "bytes_wire": self.bytes_wire,
             "ratio": self.bytes_raw / self.bytes_wire if self.bytes_wire else None,
-            "seconds": self.seconds, "error": self.error,
+            "seconds": self.seconds, "stages": dict(self.stages), "error": self.error, "error_kind": self.error_kind,
+            "created": self.created,
         }
 
 
 class TransferTable:
-    """Transfers by id. Finished ones are kept for queries, the oldest forgotten beyond
-    ``history`` so a long-running daemon does not grow without bound."""
+    """Transfers by id. Finished ones are kept for queries, the oldest forgotten beyond ``history``;
+    every operation is O(1) so a long-running daemon does not slow down as its history fills."""
 
     def __init__(self, max_active: int, history: int = 4096):
         self._max_active = max_active
         self._history = history
-        self._transfers: dict[str, Transfer] = {}  # insertion order = age
+        self._transfers: dict[str, Transfer] = {}
+        self._active: dict[str, Transfer] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
 
     def add(self, transfer: Transfer) -> Transfer:
+        """Raises: Conflict (id taken), Overloaded (too many in progress)."""
         if transfer.id in self._transfers:
             raise Conflict(f"transfer {transfer.id} already exists")
-        if self.active() >= self._max_active:
+        if len(self._active) >= self._max_active:
             raise Overloaded(f"{self._max_active} transfers are already in progress")
-        self._transfers[transfer.id] = transfer
-        if len(self._transfers) > self._history + self._max_active:
-            finished = [tid for tid, t in self._transfers.items() if t.state.terminal]
-            for tid in finished[: len(self._transfers) - self._history - self._max_active]:
-                del self._transfers[tid]
+        self._transfers[transfer.id] = self._active[transfer.id] = transfer
         return transfer
 
-    def active(self) -> int:
-        return sum(not t.state.terminal for t in self._transfers.values())
+    def retire(self, transfer: Transfer) -> None:
+        """Move a terminal transfer to the history, forgetting the oldest beyond its bound."""
+        if self._active.pop(transfer.id, None) is not None:
+            self._finished[transfer.id] = None
+            while len(self._finished) > self._history:
+                old, _ = self._finished.popitem(last=False)
+                self._transfers.pop(old, None)
+
+    def active(self, direction: str | None = None) -> list[Transfer]:
+        return [t for t in self._active.values() if direction is None or t.direction == direction]
 
     def get(self, transfer_id: str) -> Transfer:
         try:
@@ -132,9 +144,18 @@ class TransferTable:
         except KeyError:
             raise NotFound(f"no transfer {transfer_id}") from None
 
-    def query(self, state: str | None = None, direction: str | None = None) -> list[Transfer]:
-        return [t for t in self._transfers.values()
-                if (state is None or t.state.value == state) and (direction is None or t.direction == direction)]
+    def find(self, transfer_id: str) -> Transfer | None:
+        return self._transfers.get(transfer_id)
+
+    def query(self, state: str | None = None, direction: str | None = None, limit: int = 1000) -> list[Transfer]:
+        """Newest first."""
+        out = []
+        for t in reversed(self._transfers.values()):
+            if (state is None or t.state.value == state) and (direction is None or t.direction == direction):
+                out.append(t)
+                if len(out) >= limit:
+                    break
+        return out
 
     def all(self) -> list[Transfer]:
         return list(self._transfers.values())

@@ -95,10 +95,24 @@ class Receive:
 class Mailbox:
     """Posted receives by tag, and announcements (RTS) that arrived before their receive."""
 
-    def __init__(self, max_early: int = 4096):
+    def __init__(self, max_early: int = 4096, max_refused: int = 1 << 16):
         self._expected: dict[int, Receive] = {}
         self._early: dict[int, tuple[Connection, int]] = {}
         self._max_early = max_early
+        self._refused: dict[int, str] = {}  # insertion order = age
+        self._max_refused = max_refused
+
+    def refuse(self, tags: list[int], reason: str) -> None:
+        """Reject transfers ``tags`` whether they were announced already or arrive later (the
+        layer above refused what they belong to), so no sender waits on them."""
+        for tag in tags:
+            early = self._early.pop(tag, None)
+            if early is not None:
+                early[0]._reject(tag, reason)
+            else:
+                self._refused[tag] = reason
+        while len(self._refused) > self._max_refused:
+            del self._refused[next(iter(self._refused))]
 
     def expect(self, tag: int, buffer: Any) -> Receive:
         """Post a receive of transfer ``tag`` into ``buffer`` (host or CUDA, contiguous).
@@ -117,6 +131,10 @@ class Mailbox:
         return receive
 
     def _announce(self, connection: Connection, tag: int, total: int) -> None:
+        refused = self._refused.pop(tag, None)
+        if refused is not None:
+            connection._reject(tag, refused)
+            return
         receive = self._expected.get(tag)
         if receive is not None and receive.total is None:
             connection._accept(receive, total)

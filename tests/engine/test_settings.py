@@ -26,3 +26,15 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
 def test_ucx_options_from_environment():
     merged = settings.load({}, {"KVFERRY_UCX_OPTIONS": "TLS=tcp,TCP_TX_SEG_SIZE=2m"})
     assert merged.ucx_options == {"TLS": "tcp", "TCP_TX_SEG_SIZE": "2m"}
+
+
+def test_secure_by_default():
+    settings.load({}, {}).check()  # loopback: fine without secrets
+    with pytest.raises(ValueError, match="KVFERRY_TOKEN"):
+        settings.load({"host": "0.0.0.0"}, {}).check()
+    with pytest.raises(ValueError, match="KVFERRY_PEER_SECRET"):
+        settings.load({"data_host": "0.0.0.0"}, {"KVFERRY_TOKEN": "t"}).check()
+    merged = settings.load({"host": "0.0.0.0", "data_host": "0.0.0.0"}, {"KVFERRY_TOKEN": "t",
+                                                                        "KVFERRY_PEER_SECRET": "p"})
+    merged.check()
+    assert merged.public()["peer_secret"] == "***"

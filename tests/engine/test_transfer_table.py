@@ -6,13 +6,18 @@ import asyncio
 
 import pytest
 
-from kvferry.engine.errors import Conflict, Overloaded
+from kvferry.engine.errors import Conflict, EngineError, Overloaded
 from kvferry.engine.transfers import State, Transfer, TransferTable
 
 
 def _transfer(i: int) -> Transfer:
-    return Transfer(id=f"t{i}", direction="out", src_region="a", src_blocks=[0], dst_region="b", dst_blocks=[0],
-                    peer="http://x:1", codec="raw")
+    return Transfer(id=f"t{i}", direction="out", peer="x:1", pairs=[("a", "b")], blocks=1, codec="raw")
+
+
+def _finish(table: TransferTable, t: Transfer, state: State = State.DONE) -> None:
+    t.move(State.RUNNING)
+    t.move(state)
+    table.retire(t)
 
 
 def test_legal_transitions_only():
@@ -20,8 +25,9 @@ def test_legal_transitions_only():
         t = _transfer(0)
         assert t.move(State.RUNNING) and t.move(State.DONE)
         assert not t.move(State.FAILED)  # terminal states stay put
+        assert "done" in t.stages
         fresh = _transfer(1)
-        with pytest.raises(ValueError):
+        with pytest.raises(EngineError):
             fresh.move(State.DONE)  # queued -> done skips running
 
     asyncio.run(main())
@@ -36,12 +42,11 @@ def test_limits_and_history():
         with pytest.raises(Conflict):
             table.add(_transfer(0))
         for t in (a, b):
-            t.move(State.RUNNING)
-            t.move(State.DONE)
+            _finish(table, t)
         for i in range(3, 12):
-            t = table.add(_transfer(i))
-            t.move(State.CANCELLED)
-        assert len(table.all()) <= 5  # history + max_active
+            _finish(table, table.add(_transfer(i)), State.CANCELLED)
+        assert len(table.all()) == 3  # only the history is kept
         assert table.get("t11").state == State.CANCELLED
+        assert [t.id for t in table.query()] == ["t11", "t10", "t9"]
 
     asyncio.run(main())

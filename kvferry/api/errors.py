@@ -1,0 +1,34 @@
+"""Engine error class → HTTP status: the one place. The body is ``{"error": <class name>,
+"detail": <message>}``, and the client SDK raises the same class back."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from kvferry.engine import errors
+
+STATUS: dict[type[errors.EngineError], int] = {
+    errors.BadRequest: 400,
+    errors.Unauthorized: 401,
+    errors.NotFound: 404,
+    errors.Conflict: 409,
+    errors.TransferFailed: 409,
+    errors.PayloadTooLarge: 413,
+    errors.Overloaded: 429,
+    errors.PeerError: 502,
+    errors.EngineError: 500,
+}
+
+
+def status_of(exc: errors.EngineError) -> int:
+    for cls in type(exc).__mro__:  # the most specific class that has a status
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def response(exc: errors.EngineError) -> JSONResponse:
+    body = {"error": type(exc).__name__, "detail": str(exc)}
+    if isinstance(exc, errors.TransferFailed):
+        body["state"] = exc.state
+    return JSONResponse(body, status_code=status_of(exc))

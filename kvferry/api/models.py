@@ -1,0 +1,107 @@
+"""Request models of the REST API, separate from the engine's own types (``to_spec`` converts)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from kvferry.engine.blocks import MAX_BLOCKS, Blocks, Range
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+
+
+class RegionBody(BaseModel):
+    name: str = Field(pattern=NAME)
+    kind: Literal["owned", "shm", "cuda_ipc"] = "owned"
+    num_blocks: int = Field(gt=0, le=MAX_BLOCKS)
+    block_shape: list[Annotated[int, Field(gt=0)]] = Field(min_length=1, max_length=7)
+    dtype: Literal["bfloat16", "float16", "float8_e5m2", "float8_e4m3fn"]
+    axes: list[Annotated[str, Field(max_length=32)]] | None = Field(
+        default=None, description="names of the block dimensions, e.g. [token, head, channel]")
+    shm_name: str | None = Field(default=None, max_length=250, description="kind=shm: POSIX shared-memory name")
+    ipc_handle: str | None = Field(default=None, max_length=512, description="kind=cuda_ipc: base64 cudaIpcMemHandle")
+    device: int | None = Field(default=None, ge=0, description="kind=cuda_ipc: CUDA device index")
+    offset: int = Field(default=0, ge=0, description="kind=cuda_ipc: byte offset into the allocation")
+
+
+class RangeBody(BaseModel):
+    start: int = Field(ge=0)
+    count: int = Field(gt=0, le=MAX_BLOCKS)
+    stride: int = Field(default=1)
+
+    @field_validator("stride")
+    @classmethod
+    def _nonzero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("stride must not be 0")
+        return value
+
+
+class RangesBody(BaseModel):
+    ranges: list[RangeBody] = Field(min_length=1, max_length=4096)
+
+
+BlockList = list[Annotated[int, Field(ge=0)]] | RangesBody
+
+
+def to_blocks(value: BlockList) -> Blocks:
+    if isinstance(value, RangesBody):
+        return Blocks(ranges=tuple(Range(r.start, r.count, r.stride) for r in value.ranges))
+    return Blocks(ids=tuple(value))
+
+
+class PairBody(BaseModel):
+    src: str = Field(pattern=NAME)
+    dst: str = Field(pattern=NAME)
+
+
+class TransferBody(BaseModel):
+    """Send the same blocks of one region (``src_region``/``dst_region``) or of several
+    (``regions``: source/destination pairs, e.g. every layer) to a peer sidecar."""
+
+    peer: str = Field(description="the receiving sidecar's data address, host:port (its /v1/health data_address)")
+    src_region: str | None = Field(default=None, pattern=NAME)
+    dst_region: str | None = Field(default=None, pattern=NAME)
+    regions: list[PairBody] | None = Field(default=None, min_length=1, max_length=4096)
+    src_blocks: BlockList = Field(description="block ids, or {ranges: [{start, count, stride}]}")
+    dst_blocks: BlockList
+    codec: str = Field(default="auto", pattern=r"^[a-z0-9_]{1,32}$", description="auto or a registered codec")
+    codebook: str | None = Field(default=None, pattern=NAME)
+
+    @field_validator("peer")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if not ADDRESS.match(value):
+            raise ValueError("peer must be host:port of the receiving sidecar's data listener")
+        return value
+
+    @field_validator("src_blocks", "dst_blocks")
+    @classmethod
+    def _size(cls, value: BlockList) -> BlockList:
+        if isinstance(value, list) and not 0 < len(value) <= MAX_BLOCKS:
+            raise ValueError(f"between 1 and {MAX_BLOCKS} block ids")
+        return value
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TransferBody:
+        single = self.src_region is not None or self.dst_region is not None
+        if single == (self.regions is not None):
+            raise ValueError("give src_region and dst_region, or regions, not both")
+        if single and (self.src_region is None or self.dst_region is None):
+            raise ValueError("src_region and dst_region go together")
+        return self
+
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        if self.regions is not None:
+            return tuple((p.src, p.dst) for p in self.regions)
+        return ((self.src_region, self.dst_region),)
+
+
+class CalibrateBody(BaseModel):
+    region: str = Field(pattern=NAME)
+    blocks: BlockList
+    codec: str = Field(default="splitzip", pattern=r"^[a-z0-9_]{1,32}$")
+    token_axis: int | None = Field(default=None, ge=0, le=6, description="block dimension that is the token axis")

@@ -1,0 +1,78 @@
+"""Block lists: explicit ids or ranges (``start``, ``count``, ``stride``), resolved and checked once
+at submit into an index tensor the hot path uses as it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidBlocks
+
+MAX_BLOCKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Range:
+    """``count`` ids from ``start``, ``stride`` apart (stride may be negative, not zero)."""
+
+    start: int
+    count: int
+    stride: int = 1
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Either ``ids`` or ``ranges`` (exactly one)."""
+
+    ids: tuple[int, ...] | None = None
+    ranges: tuple[Range, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ids is None) == (self.ranges is None):
+            raise InvalidBlocks("give block ids or ranges, not both or neither")
+
+    @classmethod
+    def of(cls, value: Blocks | list[int] | tuple[int, ...] | range) -> Blocks:
+        if isinstance(value, Blocks):
+            return value
+        if isinstance(value, range):
+            return cls(ranges=(Range(value.start, len(value), value.step),))
+        return cls(ids=tuple(int(i) for i in value))
+
+    def __len__(self) -> int:
+        if self.ids is not None:
+            return len(self.ids)
+        return sum(r.count for r in self.ranges)
+
+    def resolve(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The ids as an int64 tensor on ``device``.
+
+        Raises:
+            InvalidBlocks: empty, over ``MAX_BLOCKS``, outside ``0..num_blocks-1``, or repeated.
+        """
+        n = len(self)
+        if n == 0:
+            raise InvalidBlocks("no blocks given")
+        if n > MAX_BLOCKS:
+            raise InvalidBlocks(f"{n} blocks is over the limit of {MAX_BLOCKS}")
+        if self.ids is not None:
+            ids = torch.tensor(self.ids, dtype=torch.int64)
+        else:
+            parts = []
+            for r in self.ranges:
+                if r.count < 0 or r.stride == 0:
+                    raise InvalidBlocks(f"range {r} needs count >= 0 and a stride other than 0")
+                parts.append(torch.arange(r.count, dtype=torch.int64) * r.stride + r.start)
+            ids = torch.cat(parts)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= num_blocks:
+            raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {low}..{high}")
+        if torch.bincount(ids, minlength=1).max() > 1:
+            raise InvalidBlocks("block ids repeat")
+        return ids.to(device)
+
+    def public(self) -> list[int] | list[dict[str, int]]:
+        if self.ids is not None:
+            return list(self.ids)
+        return [{"start": r.start, "count": r.count, "stride": r.stride} for r in self.ranges]

@@ -1,0 +1,280 @@
+"""The peer protocol between sidecars (version 1): the one place that knows its byte layout.
+
+Peer messages ride as MSG payloads on the authenticated transport connection (``transport/wire.py``),
+in order with the chunks they describe; sidecars never call each other over HTTP. All integers are
+little-endian. Every message starts with a 24-byte header:
+
+    offset size field
+         0    4 magic b"KVFP"
+         4    1 version (1)
+         5    1 type (Kind)
+         6    2 reserved (0)
+         8   16 transfer id (the 16 bytes of its 32-hex-digit id)
+
+then a body by type, built from: u8/u16/u32/u64; ``str8``/``str16`` (u8 or u16 byte length, UTF-8);
+``blocks`` (u8 form; form 0 = ids: u32 n, n × u32; form 1 = ranges: u32 n, n × (u32 start,
+u32 count, i32 stride)).
+
+    ANNOUNCE  str8 codec, str8 dtype, str8 codebook ("" = none), 8 bytes codebook digest,
+              blocks dst_blocks, u16 pairs, per pair: str8 dst region, u8 ndim, ndim × u32
+              block shape, u32 blocks per chunk
+    ACCEPT    (no body)
+    REJECT    str8 error class, str16 reason     the receiver refused the announce; nothing written
+    DONE      u32 blocks written, u64 raw bytes, u64 wire bytes   every block is written
+    CANCEL    str16 reason                       either side gives the transfer up
+    ERROR     str8 error class, str16 reason     the receiver failed mid-transfer
+
+A transfer's chunks are transport transfers whose tags ``chunk_tag(id, index)`` derive from it;
+the chunk plan follows from the announce (``plan_chunks``), so it is not sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from .blocks import Blocks, Range
+from .errors import ProtocolViolation
+
+MAGIC = b"KVFP"
+VERSION = 1
+_HEADER = struct.Struct("<4sBBH16s")
+HEADER_SIZE = _HEADER.size
+assert HEADER_SIZE == 24
+MAX_PAIRS = 4096
+MAX_IDS = 1 << 20
+
+
+class Kind(IntEnum):
+    ANNOUNCE = 1
+    ACCEPT = 2
+    REJECT = 3
+    DONE = 4
+    CANCEL = 5
+    ERROR = 6
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """One destination region of an announced transfer, with what the sender will put in it."""
+
+    dst_region: str
+    block_shape: tuple[int, ...]
+    blocks_per_chunk: int
+
+
+@dataclass(frozen=True)
+class Announce:
+    codec: str
+    dtype: str
+    dst_blocks: Blocks
+    pairs: tuple[PairLayout, ...]
+    codebook: str = ""
+    codebook_digest: bytes = bytes(8)
+
+
+@dataclass(frozen=True)
+class Reject:
+    error: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done:
+    blocks: int
+    bytes_raw: int
+    bytes_wire: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Error:
+    error: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Accept:
+    pass
+
+
+Body = Announce | Accept | Reject | Done | Cancel | Error
+_KIND = {Announce: Kind.ANNOUNCE, Accept: Kind.ACCEPT, Reject: Kind.REJECT, Done: Kind.DONE,
+         Cancel: Kind.CANCEL, Error: Kind.ERROR}
+
+
+@dataclass(frozen=True)
+class Message:
+    transfer_id: str
+    body: Body = field(default_factory=Accept)
+
+    @property
+    def kind(self) -> Kind:
+        return _KIND[type(self.body)]
+
+
+def chunk_tag(transfer_id: str, index: int) -> int:
+    """The transport tag of a transfer's chunk ``index``: unguessable without the id."""
+    return int.from_bytes(hashlib.blake2b(bytes.fromhex(transfer_id) + index.to_bytes(4, "little"),
+                                          digest_size=8).digest(), "little")
+
+
+def codebook_digest(codebook_json: str) -> bytes:
+    return hashlib.blake2b(codebook_json.encode(), digest_size=8).digest()
+
+
+def plan_chunks(blocks: int, blocks_per_chunk: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Chunks as (pair index, first block index, block count): pair by pair, ``blocks_per_chunk[p]``
+    blocks at a time. Both ends compute it from the announce."""
+    plan = []
+    for pair, per_chunk in enumerate(blocks_per_chunk):
+        for start in range(0, blocks, per_chunk):
+            plan.append((pair, start, min(per_chunk, blocks - start)))
+    return plan
+
+
+# ---- packing -----------------------------------------------------------------------------------
+def pack(message: Message) -> bytes:
+    """Bytes of ``message``.
+
+    Raises:
+        ProtocolViolation: a field does not fit its layout (name too long, too many ids, ...).
+    """
+    try:
+        out = [_HEADER.pack(MAGIC, VERSION, int(message.kind), 0, bytes.fromhex(message.transfer_id))]
+    except ValueError as exc:
+        raise ProtocolViolation(f"transfer id {message.transfer_id!r} is not 32 hex digits") from exc
+    if len(out[0]) != HEADER_SIZE or len(message.transfer_id) != 32:
+        raise ProtocolViolation(f"transfer id {message.transfer_id!r} is not 32 hex digits")
+    body = message.body
+    try:
+        if isinstance(body, Announce):
+            out += [_str(body.codec, 1), _str(body.dtype, 1), _str(body.codebook, 1), bytes(body.codebook_digest),
+                    _blocks(body.dst_blocks), struct.pack("<H", len(body.pairs))]
+            if len(body.codebook_digest) != 8 or not 0 < len(body.pairs) <= MAX_PAIRS:
+                raise ProtocolViolation("bad announce")
+            for pair in body.pairs:
+                out += [_str(pair.dst_region, 1), struct.pack(f"<B{len(pair.block_shape)}I", len(pair.block_shape),
+                                                              *pair.block_shape),
+                        struct.pack("<I", pair.blocks_per_chunk)]
+        elif isinstance(body, (Reject, Error)):
+            out += [_str(body.error, 1), _str(body.reason, 2)]
+        elif isinstance(body, Done):
+            out.append(struct.pack("<IQQ", body.blocks, body.bytes_raw, body.bytes_wire))
+        elif isinstance(body, Cancel):
+            out.append(_str(body.reason, 2))
+    except struct.error as exc:
+        raise ProtocolViolation(f"{message.kind.name} field out of range: {exc}") from exc
+    return b"".join(out)
+
+
+def _str(text: str, width: int) -> bytes:
+    raw = text.encode()
+    limit = (1 << (8 * width)) - 1
+    if len(raw) > limit:
+        raw = raw[:limit]  # reasons are cut; names never get here (validated far shorter)
+    return len(raw).to_bytes(width, "little") + raw
+
+
+def _blocks(blocks: Blocks) -> bytes:
+    if blocks.ranges is not None:
+        return struct.pack("<BI", 1, len(blocks.ranges)) + b"".join(
+            struct.pack("<IIi", r.start, r.count, r.stride) for r in blocks.ranges)
+    if len(blocks.ids) > MAX_IDS:
+        raise ProtocolViolation(f"{len(blocks.ids)} block ids is over {MAX_IDS}")
+    return struct.pack(f"<BI{len(blocks.ids)}I", 0, len(blocks.ids), *blocks.ids)
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+class _Reader:
+    def __init__(self, data: bytes):
+        self.data = data
+        self.at = 0
+
+    def take(self, n: int) -> bytes:
+        if self.at + n > len(self.data):
+            raise ProtocolViolation("peer message is truncated")
+        chunk = self.data[self.at:self.at + n]
+        self.at += n
+        return chunk
+
+    def unpack(self, fmt: str) -> tuple:
+        layout = struct.Struct("<" + fmt)
+        return layout.unpack(self.take(layout.size))
+
+    def text(self, width: int) -> str:
+        (n,) = self.unpack("B" if width == 1 else "H")
+        try:
+            return self.take(n).decode()
+        except UnicodeDecodeError as exc:
+            raise ProtocolViolation("peer message holds invalid UTF-8") from exc
+
+    def blocks(self) -> Blocks:
+        form, n = self.unpack("BI")
+        if n > MAX_IDS:
+            raise ProtocolViolation(f"block list of {n} entries")
+        if form == 0:
+            return Blocks(ids=self.unpack(f"{n}I"))
+        if form == 1:
+            return Blocks(ranges=tuple(Range(*self.unpack("IIi")) for _ in range(n)))
+        raise ProtocolViolation(f"unknown block list form {form}")
+
+
+def unpack(data: bytes) -> Message:
+    """Parse one peer message.
+
+    Raises:
+        ProtocolViolation: wrong magic, version, kind, a truncated or overlong body.
+    """
+    if len(data) < HEADER_SIZE:
+        raise ProtocolViolation(f"peer message of {len(data)} bytes is shorter than its header")
+    magic, version, kind, reserved, raw_id = _HEADER.unpack(data[:HEADER_SIZE])
+    if magic != MAGIC:
+        raise ProtocolViolation(f"bad peer-message magic {magic!r}")
+    if version != VERSION:
+        raise ProtocolViolation(f"unsupported peer protocol version {version} (this build speaks {VERSION})")
+    if reserved:
+        raise ProtocolViolation("reserved bits set")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolViolation(f"unknown peer message kind {kind}") from None
+    r = _Reader(data)
+    r.at = HEADER_SIZE
+    body: Body
+    if kind == Kind.ANNOUNCE:
+        codec, dtype, codebook = r.text(1), r.text(1), r.text(1)
+        digest = r.take(8)
+        dst_blocks = r.blocks()
+        (count,) = r.unpack("H")
+        if not 0 < count <= MAX_PAIRS:
+            raise ProtocolViolation(f"announce of {count} region pairs")
+        pairs = []
+        for _ in range(count):
+            name = r.text(1)
+            (ndim,) = r.unpack("B")
+            shape = r.unpack(f"{ndim}I")
+            (per_chunk,) = r.unpack("I")
+            if per_chunk == 0:
+                raise ProtocolViolation("zero blocks per chunk")
+            pairs.append(PairLayout(name, tuple(shape), per_chunk))
+        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest)
+    elif kind == Kind.ACCEPT:
+        body = Accept()
+    elif kind == Kind.REJECT:
+        body = Reject(r.text(1), r.text(2))
+    elif kind == Kind.ERROR:
+        body = Error(r.text(1), r.text(2))
+    elif kind == Kind.DONE:
+        body = Done(*r.unpack("IQQ"))
+    else:
+        body = Cancel(r.text(2))
+    if r.at != len(data):
+        raise ProtocolViolation(f"{len(data) - r.at} bytes after a {kind.name} message")
+    return Message(raw_id.hex(), body)

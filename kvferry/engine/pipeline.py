@@ -1,0 +1,116 @@
+"""Running codec work for the pipelines: on the codec's own CUDA stream per direction, inline for
+small chunks (a thread hop costs more than the work), in a worker thread for large ones (so the
+event loop keeps the wire busy); every chunk's time feeds ``auto``'s speeds. And the receive
+buffers, reused across chunks and transfers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, Callable
+
+import torch
+
+from kvferry import codec as codecs
+
+from .policy import CodecSpeed, Policy
+
+# Below this many raw bytes a chunk is coded on the event loop: a thread hop costs ~50-100 µs,
+# more than coding a few blocks.
+INLINE_BYTES = 256 << 10
+
+
+class CodecRunner:
+    """Encodes and decodes chunks for the engine; knows no codec by name."""
+
+    def __init__(self, device: torch.device, policy: Policy, on_seconds: Callable[[str, float], None]):
+        # Codec work runs on streams of its own, one per direction: on torch's default (legacy)
+        # stream it would wait for, and hold up, UCX's copies into the same GPU.
+        self._streams = ({"encode": torch.cuda.Stream(device), "decode": torch.cuda.Stream(device)}
+                         if device.type == "cuda" else {})
+        self._policy = policy
+        self._on_seconds = on_seconds
+
+    async def encode(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
+                     raw_bytes: int) -> torch.Tensor:
+        return await self._run("encode", codec, cache, raw_bytes, codec.encode_blocks, cache, ids, book)
+
+    async def decode(self, codec: codecs.Codec, frame: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor,
+                     book: Any, raw_bytes: int) -> None:
+        await self._run("decode", codec, cache, raw_bytes, codec.decode_blocks, frame, cache, ids, book)
+
+    async def _run(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
+                   work: Callable, *args: Any) -> Any:
+        if raw_bytes <= INLINE_BYTES:
+            return self._timed(direction, codec, cache, raw_bytes, work, *args)
+        return await asyncio.to_thread(self._timed, direction, codec, cache, raw_bytes, work, *args)
+
+    def _timed(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
+               work: Callable, *args: Any) -> Any:
+        started = time.perf_counter()
+        stream = self._streams.get(direction) if cache.is_cuda else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            result = work(*args)
+            if stream is not None:
+                stream.synchronize()  # the chunk is done (sent or written) only when its GPU work is
+        seconds = time.perf_counter() - started
+        self._on_seconds(direction, seconds)
+        self._policy.observe_codec(codec.name, direction, raw_bytes, seconds)
+        return result
+
+    def measure(self, candidates: list[codecs.Codec], device: torch.device, nbytes: int) -> None:
+        """Each candidate's speed on this device at about the pipeline's chunk size (per-call costs
+        included, as the pipeline pays them), best of three after a warm-up; and its ratio on a
+        Gaussian sample, until real transfers say better."""
+        elements = max(nbytes // 2, 1 << 16)
+        blocks = 64
+        elements -= elements % (blocks * 8)
+        sample = (torch.randn(elements, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
+        cache = sample.view(blocks, -1).to(device)
+        ids = torch.arange(blocks, device=device)
+        target = torch.empty_like(cache)
+        for codec in candidates:
+            book = codec.calibrate(cache)
+            encode_s, decode_s, frame = [], [], None
+            for _ in range(4):
+                start = time.perf_counter()
+                frame = codec.encode_blocks(cache, ids, book)
+                if cache.is_cuda:
+                    torch.cuda.synchronize(device)
+                middle = time.perf_counter()
+                codec.decode_blocks(frame, target, ids, book)
+                if cache.is_cuda:
+                    torch.cuda.synchronize(device)
+                encode_s.append(middle - start)
+                decode_s.append(time.perf_counter() - middle)
+            raw = cache.numel() * 2
+            speed = self._policy.codecs.setdefault(codec.name, CodecSpeed())
+            speed.encode_gbps = raw / min(encode_s[1:]) / 1e9
+            speed.decode_gbps = raw / min(decode_s[1:]) / 1e9
+            speed.ratio = raw / frame.numel()
+
+
+class BufferPool:
+    """Receive buffers, reused across chunks and transfers (chunk sizes repeat), up to a bound.
+
+    A buffer goes back only after its chunk was decoded: one whose receive failed or was
+    cancelled may still be written by a late payload, so it is left to the garbage collector.
+    """
+
+    def __init__(self, max_bytes: int):
+        self._free: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._bytes = 0
+        self._max_bytes = max_bytes
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        stack = self._free.get((str(device), nbytes))
+        if stack:
+            self._bytes -= nbytes
+            return stack.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        if self._bytes + buffer.numel() <= self._max_bytes:
+            self._free.setdefault((str(buffer.device), buffer.numel()), []).append(buffer)
+            self._bytes += buffer.numel()

@@ -1,0 +1,100 @@
+"""The ``auto`` codec choice among the registered lossless codecs.
+
+SplitZip's Appendix-B model (a pipeline runs at its slowest stage) plus the pipeline's fill, which
+decides small transfers: with k chunks and per-chunk stage times e, w, d the pipeline takes
+k·max(e, w, d) + (e + w + d − max). Each codec's encode/decode speed and ratio follow what real
+chunks see; the link speed follows what real transfers see. Measured beats modelled: once every
+candidate has recently moved transfers of about this size (same power of two) to this peer,
+``auto`` takes the one that was fastest, since the model assumes stages overlap perfectly and a
+busy host does not give it that.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CodecSpeed:
+    """GB/s of raw bytes through the codec on this device, and the ratio it achieves."""
+
+    encode_gbps: float = 0.0
+    decode_gbps: float = 0.0
+    ratio: float = 1.0
+
+
+@dataclass
+class Policy:
+    """Per-codec speeds (in registry order: a tie goes to the first) and per-peer link speeds."""
+
+    codecs: dict[str, CodecSpeed] = field(default_factory=dict)
+    assumed_link_gbps: float = 12.5
+    link_gbps: dict[str, float] = field(default_factory=dict)
+    # (peer, codec, size class) -> (GB/s of raw bytes, when last seen on time.monotonic())
+    measured: dict[tuple[str, str, int], tuple[float, float]] = field(default_factory=dict)
+    measured_ttl_s: float = 600.0
+
+    def predict(self, peer: str, raw_bytes: int, chunk_bytes: int, codec: str) -> float:
+        """Seconds the pipeline needs for ``raw_bytes`` with ``codec`` (inf if its speed is unknown)."""
+        speed = self.codecs.get(codec)
+        if speed is None or not (speed.encode_gbps and speed.decode_gbps):
+            return math.inf
+        link = self.link_gbps.get(peer, self.assumed_link_gbps) * 1e9
+        chunk = min(raw_bytes, chunk_bytes) or 1
+        stages = (chunk / (speed.encode_gbps * 1e9), chunk / (speed.ratio * link), chunk / (speed.decode_gbps * 1e9))
+        return max(raw_bytes, 1) / chunk * max(stages) + sum(stages) - max(stages)
+
+    def choose(self, peer: str, raw_bytes: int, chunk_bytes: int, candidates: list[str] | None = None,
+               now: float | None = None) -> tuple[str, str]:
+        """(codec, why) for a transfer of ``raw_bytes`` to ``peer``."""
+        names = [c for c in (candidates if candidates is not None else self.codecs) if c in self.codecs]
+        if not names:
+            raise ValueError("no codec to choose from")
+        now = time.monotonic() if now is None else now
+        seen = {c: self.measured.get((peer, c, raw_bytes.bit_length())) for c in names}
+        if len(names) > 1 and all(e is not None and now - e[1] <= self.measured_ttl_s for e in seen.values()):
+            best = max(names, key=lambda c: seen[c][0])
+            listed = " vs ".join(f"{c} {seen[c][0]:.2f}" for c in names)
+            return best, f"measured {listed} GB/s for transfers of this size to this peer"
+        times = {c: self.predict(peer, raw_bytes, chunk_bytes, c) for c in names}
+        best = min(names, key=lambda c: times[c])  # min keeps the first of equals
+        link = self.link_gbps.get(peer, self.assumed_link_gbps)
+        listed = " vs ".join(f"{c} {times[c] * 1e3:.2f} ms" for c in names)
+        detail = ", ".join(f"{c} {s.encode_gbps:.2f}/{s.decode_gbps:.2f} GB/s ×{s.ratio:.3f}"
+                           for c, s in self.codecs.items() if c in names)
+        return best, (f"predicted {listed} (link {link:.2f} GB/s{'' if peer in self.link_gbps else ' assumed'}; "
+                      f"{detail})")
+
+    def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None) -> None:
+        """A whole transfer's speed, as the sender saw it (fixed costs included)."""
+        if seconds > 0 and raw_bytes >= 1 << 20:
+            now = time.monotonic() if now is None else now
+            key = (peer, codec, raw_bytes.bit_length())
+            old = self.measured.get(key)
+            fresh = old is not None and now - old[1] <= self.measured_ttl_s
+            self.measured[key] = (_follow(old[0] if fresh else None, raw_bytes / seconds / 1e9), now)
+
+    def observe_link(self, peer: str, wire_bytes: int, seconds: float) -> None:
+        if seconds > 0 and wire_bytes > 1 << 20:
+            self.link_gbps[peer] = _follow(self.link_gbps.get(peer), wire_bytes / seconds / 1e9)
+
+    def observe_codec(self, codec: str, direction: str, raw_bytes: int, seconds: float) -> None:
+        """Follow the codec speed real chunks see (the start-up sample can be taken while the
+        machine is busy starting, and a GPU shares its bandwidth with the serving engine)."""
+        speed = self.codecs.get(codec)
+        if speed is not None and seconds > 0 and raw_bytes >= 1 << 20:
+            name = f"{direction}_gbps"
+            setattr(speed, name, _follow(getattr(speed, name), raw_bytes / seconds / 1e9))
+
+    def observe_ratio(self, codec: str, raw_bytes: int, wire_bytes: int) -> None:
+        """Follow the ratio real transfers achieve (their data, not the start-up sample)."""
+        speed = self.codecs.get(codec)
+        if speed is not None and wire_bytes > 1 << 20:
+            speed.ratio = _follow(speed.ratio, raw_bytes / wire_bytes)
+
+
+def _follow(old: float | None, sample: float) -> float:
+    """Exponential moving average that starts at the first sample (0 or None = none yet)."""
+    return sample if not old else 0.7 * old + 0.3 * sample

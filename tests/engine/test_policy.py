@@ -1,0 +1,95 @@
+"""The ``auto`` codec choice: Appendix-B model plus pipeline fill, and what it learns."""
+
+from __future__ import annotations
+
+import math
+
+from kvferry.engine.policy import CodecSpeed, Policy
+
+MiB = 1 << 20
+COPY = 50.0  # GB/s of a plain gather, what the identity codec costs
+
+
+def _policy(encode: float = 0.0, decode: float = 0.0, ratio: float = 1.33, link: float = 12.5) -> Policy:
+    return Policy(codecs={"raw": CodecSpeed(COPY, COPY, 1.0), "coded": CodecSpeed(encode, decode, ratio)},
+                  assumed_link_gbps=link)
+
+
+def test_an_unmeasured_codec_is_never_chosen():
+    choice, reason = _policy().choose("p", 1 << 30, 64 * MiB)
+    assert choice == "raw" and "inf" in reason
+    assert Policy(codecs={"a": CodecSpeed(), "b": CodecSpeed()}).choose("p", 1, 1)[0] == "a"  # first of equals
+
+
+def test_a_fast_codec_wins_on_a_slow_link_by_about_the_ratio():
+    policy = _policy(300, 300, 1.33, link=25)
+    raw_s = policy.predict("p", 8 << 30, 64 * MiB, "raw")
+    coded_s = policy.predict("p", 8 << 30, 64 * MiB, "coded")
+    assert math.isclose(raw_s, (8 << 30) / 25e9, rel_tol=0.01)
+    assert 1.30 < raw_s / coded_s < 1.34
+    assert policy.choose("p", 8 << 30, 64 * MiB)[0] == "coded"
+
+
+def test_codec_bound_pipeline_loses_to_a_fast_link():
+    policy = _policy(100, 80, 1.33, link=40)
+    coded_s = policy.predict("p", 8 << 30, 64 * MiB, "coded")
+    assert math.isclose(coded_s, 128 * (64 * MiB / 80e9) + 64 * MiB / 100e9 + 64 * MiB / (1.33 * 40e9))
+    assert policy.choose("p", 8 << 30, 64 * MiB)[0] == "raw"
+
+
+def test_small_transfers_pay_the_fill_so_a_slow_codec_sends_them_raw():
+    assert _policy(0.5, 0.5, link=1.0).choose("p", 256 << 10, 4 * MiB)[0] == "raw"
+    assert _policy(0.5, 0.5, link=1.0).choose("p", 1 << 30, 4 * MiB)[0] == "raw"
+    assert _policy(50, 50, link=1.0).choose("p", 1 << 30, 4 * MiB)[0] == "coded"
+
+
+def test_candidates_restrict_the_choice():
+    policy = _policy(300, 300, link=1.0)
+    assert policy.choose("p", 1 << 30, 4 * MiB, candidates=["raw"])[0] == "raw"
+
+
+def test_measured_link_and_ratio_replace_the_assumptions():
+    policy = _policy(300, 300)
+    policy.observe_link("p", 1 << 30, 1.0)
+    assert math.isclose(policy.link_gbps["p"], (1 << 30) / 1e9)
+    assert "assumed" not in policy.choose("p", 1 << 30, 64 * MiB)[1]
+    assert "assumed" in policy.choose("q", 1 << 30, 64 * MiB)[1]
+    before = policy.codecs["coded"].ratio
+    policy.observe_ratio("coded", 4 << 20, 3 << 20)
+    assert policy.codecs["coded"].ratio == 0.7 * before + 0.3 * (4 / 3)
+    policy.observe_ratio("coded", 4 << 10, 1 << 10)  # too small to tell
+    assert policy.codecs["coded"].ratio == 0.7 * before + 0.3 * (4 / 3)
+
+
+def test_codec_speeds_follow_real_chunks():
+    policy = _policy(0.07, 0.3)
+    for _ in range(20):
+        policy.observe_codec("coded", "encode", 8 * MiB, 8 * MiB / 0.6e9)
+    assert math.isclose(policy.codecs["coded"].encode_gbps, 0.6, rel_tol=1e-2)
+    assert policy.codecs["coded"].decode_gbps == 0.3
+    policy.observe_codec("coded", "decode", 4 << 10, 1e-6)  # too small a chunk to time
+    assert policy.codecs["coded"].decode_gbps == 0.3
+
+
+def test_measured_speeds_of_every_candidate_decide_once_fresh():
+    policy = _policy(900, 500, link=200)
+    size = 4 << 30
+    assert policy.choose("p", size, 256 * MiB, now=0.0)[0] == "coded"
+    policy.observe_transfer("p", "raw", size, size / 110e9, now=1.0)
+    assert policy.choose("p", size, 256 * MiB, now=2.0)[0] == "coded"  # one measured: still the model
+    policy.observe_transfer("p", "coded", size, size / 100e9, now=3.0)
+    choice, reason = policy.choose("p", size, 256 * MiB, now=4.0)
+    assert choice == "raw" and "measured raw 110.00 vs coded 100.00" in reason
+    assert policy.choose("p", size + (size - 1), 256 * MiB, now=4.0)[0] == "raw"  # same power of two
+    assert policy.choose("p", 2 * size, 256 * MiB, now=4.0)[0] == "coded"  # another size: the model
+    assert policy.choose("q", size, 256 * MiB, now=4.0)[0] == "coded"  # another peer: the model
+    assert policy.choose("p", size, 256 * MiB, now=1.0 + policy.measured_ttl_s + 1)[0] == "coded"  # stale
+
+
+def test_measured_speeds_follow_repeats():
+    policy = _policy()
+    for seconds in (1.0, 0.5):
+        policy.observe_transfer("p", "raw", 1 << 30, seconds, now=0.0)
+    assert math.isclose(policy.measured[("p", "raw", 31)][0], 0.7 * (1 << 30) / 1e9 + 0.3 * (1 << 30) / 0.5e9)
+    policy.observe_transfer("p", "raw", 1 << 10, 1e-6, now=0.0)
+    assert ("p", "raw", 11) not in policy.measured
