@@ -55,7 +55,7 @@ def _book_for(x: torch.Tensor, codebook: Any) -> EntropyCodebook:
 def encode(x: torch.Tensor, codebook: EntropyCodebook | None = None, *, checksum: bool = True,
            chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """One frame of ``x`` on ``x.device``: an entropy frame, or a stored frame (codec 0) if the
-    entropy frame would not be smaller or a chunk would overflow its word cap.
+    entropy frame would not be smaller.
 
     Raises:
         UnsupportedTensor: a dtype the codec does not handle.
@@ -79,10 +79,7 @@ def encode_reference(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool =
     sym = for_dtype(x.dtype)
     bits = element_bits(x.contiguous())
     numel = bits.size
-    coded = reference.encode_symbols((bits >> sym.raw_bits).astype(np.int64), book, chunk)
-    if coded is None:
-        return encode_stored(x, checksum=checksum)
-    counts, states, words = coded
+    counts, states, words = reference.encode_symbols((bits >> sym.raw_bits).astype(np.int64), book, chunk)
     header = make_header(sym, tuple(x.shape), book, chunk, words.size)
     if header.total >= stored_size(sym.layout, numel):
         return encode_stored(x, checksum=checksum)
@@ -161,6 +158,15 @@ def decode_reference(buf: np.ndarray, header: EntropyHeader) -> torch.Tensor:
     if header.stream_crc is not None and crc32c(memoryview(buf[HEADER_SIZE:])) != header.stream_crc:
         raise CorruptFrame("stream checksum mismatch")
     s = [buf[o:o + n] for o, n in zip(header.offsets, header.lengths)]
+    padding = np.ones(buf.size, dtype=bool)
+    padding[:HEADER_SIZE] = False
+    for o, n in zip(header.offsets, header.lengths):
+        padding[o:o + n] = False
+    if buf[padding].any():
+        raise CorruptFrame("padding between streams is not zero")
+    sym_raw = header.sym.raw_bits * header.numel
+    if sym_raw % 8 and int(s[Stream.RAW][-1]) >> (sym_raw % 8):
+        raise CorruptFrame("unused bits of the raw stream are not zero")
     book = parse_tables(header, s[Stream.TABLES].tobytes(), s[Stream.MAP].tobytes())
     counts = s[Stream.COUNTS].view("<u4")
     starts = check_counts(header, counts)

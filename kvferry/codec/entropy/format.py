@@ -52,8 +52,8 @@ def num_chunks(numel: int, chunk: int) -> int:
 
 
 def word_cap(elements: int, sym: SymbolLayout) -> int:
-    """Most 16-bit words a chunk of ``elements`` may take: its symbols' raw size. A chunk that
-    needs more makes the encoder write a stored frame instead."""
+    """16-bit words of a chunk of ``elements`` stored raw (its symbols packed): a coded chunk
+    takes fewer, a chunk of exactly this many is a stored chunk."""
     return (elements * sym.sym_bits + 15) // 16
 
 

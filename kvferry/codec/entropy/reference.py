@@ -7,13 +7,16 @@ the chunk's next word; escaped lanes then take their symbol's raw bits from the 
 the same way. That order is what a warp does with one ballot per refill, and it is why the
 encoder can be written as here: every lane of every chunk advances together, numpy vectorized
 over lanes (a chunk's steps are the only loop), the words landing in a (chunk, step, phase,
-lane) array whose used entries, in order, are the word stream.
+lane) array whose used entries, in order, are the word stream. A chunk that coding would not
+shrink (as many words as its symbols' raw size, or more) is stored: its symbols packed raw.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from .. import bitpack
 from ..errors import CorruptFrame
 from .codebook import EntropyCodebook
 from .format import LANES, STATE_LOW, chunk_caps, num_chunks
@@ -34,10 +37,24 @@ def element_tables(book: EntropyCodebook, start: int, n: int) -> np.ndarray:
     return book.context_map[book.geometry.context_of(start, n)].astype(np.int64)
 
 
+def pack_symbols(symbols: np.ndarray, sym: SymbolLayout, cap: int) -> np.ndarray:
+    """A stored chunk's words: its symbols as an LSB-first bit stream of ``sym_bits`` fields,
+    zero-padded to ``cap`` 16-bit words."""
+    packed = bitpack.pack(torch.from_numpy(symbols.astype(np.int32)), sym.sym_bits).numpy()
+    out = np.zeros(2 * cap, dtype=np.uint8)
+    out[:packed.size] = packed
+    return out.view("<u2")
+
+
+def unpack_symbols(words: np.ndarray, n: int, sym: SymbolLayout) -> np.ndarray:
+    return bitpack.unpack(torch.from_numpy(words.view(np.uint8).copy()), n, sym.sym_bits).numpy().astype(np.int64)
+
+
 def encode_symbols(symbols: np.ndarray, book: EntropyCodebook, chunk: int
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """rANS-code ``symbols`` (flat, int64, each < 2**sym_bits): (word counts u32 per chunk,
-    final states u32 (chunk, lane), words u16), or None if a chunk exceeds its word cap."""
+    final states u32 (chunk, lane), words u16). A chunk that would take as many words as its
+    cap or more is stored instead: count = cap, states 0, its symbols packed."""
     sym: SymbolLayout = book.symbols
     n = symbols.size
     nchunks = num_chunks(n, chunk)
@@ -76,9 +93,17 @@ def encode_symbols(symbols: np.ndarray, book: EntropyCodebook, chunk: int
         x = np.where(out, x >> s16, x)
         x = np.where(v, ((x // f) << m) + x % f + cum_g[:, s], x)
     counts = emitted.sum(axis=(1, 2, 3))
-    if (counts > chunk_caps(n, chunk, sym)).any():
-        return None
-    return counts.astype("<u4"), x.astype("<u4"), words[emitted].astype("<u2")
+    caps = chunk_caps(n, chunk, sym)
+    stored = counts >= caps
+    coded_words = words[emitted]
+    if stored.any():
+        pieces = np.split(coded_words, np.cumsum(counts)[:-1])
+        for c in np.flatnonzero(stored):
+            pieces[c] = pack_symbols(symbols[c * chunk:(c + 1) * chunk], sym, int(caps[c]))
+        coded_words = np.concatenate(pieces)
+        counts = np.where(stored, caps, counts)
+        x[stored] = 0
+    return counts.astype("<u4"), x.astype("<u4"), coded_words.astype("<u2")
 
 
 def decode_symbols(counts: np.ndarray, starts: np.ndarray, states: np.ndarray, words: np.ndarray,
@@ -93,14 +118,19 @@ def decode_symbols(counts: np.ndarray, starts: np.ndarray, states: np.ndarray, w
     nchunks = num_chunks(n, chunk)
     M = book.prob_bits
     x = states.reshape(nchunks, LANES).astype(np.uint64)
+    stored = counts.astype(np.int64) == chunk_caps(n, chunk, sym)
+    if (x[stored] != 0).any():
+        raise CorruptFrame("a stored chunk has coder states")
+    x[stored] = STATE_LOW  # no steps: it ends where it starts
     if ((x < STATE_LOW) | (x >= 1 << 32)).any():
         raise CorruptFrame("a coder state is out of range")
     table_g = _grid(element_tables(book, 0, n), nchunks, chunk)
     valid = _grid(np.ones(n, dtype=bool), nchunks, chunk, False)
+    valid[stored] = False
     slot_sym = book.slot_symbols()
     freqs = book.freqs.astype(np.uint64)
     cums = book.cumulative().astype(np.uint64)
-    ptr = starts[:-1].copy()
+    ptr = np.where(stored, starts[1:], starts[:-1])
     end = starts[1:]
     padded = np.zeros(words.size + 1, dtype=np.uint64)  # a read past the end finds 0, then fails the check
     padded[:words.size] = words
@@ -129,6 +159,9 @@ def decode_symbols(counts: np.ndarray, starts: np.ndarray, states: np.ndarray, w
     if (ptr != end).any() or (x != STATE_LOW).any():
         raise CorruptFrame("coded streams do not decode to their end (corrupt words or states)")
     del rows
+    for c in np.flatnonzero(stored):
+        span = min(chunk, n - c * chunk)
+        out[c].reshape(-1)[:span] = unpack_symbols(words[starts[c]:starts[c + 1]], span, sym)
     return out.reshape(-1)[:n]
 
 

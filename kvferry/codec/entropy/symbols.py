@@ -82,7 +82,7 @@ class Geometry:
     def of(cls, shape: tuple[int, ...], token_axis: int | None) -> Geometry:
         """Geometry of a block of ``shape`` whose tokens run along ``token_axis``. Without a
         token axis every axis but the last is taken for tokens: contexts are channels."""
-        shape = tuple(int(d) for d in shape) or (1,)
+        shape = tuple(max(int(d), 1) for d in shape) or (1,)
         if token_axis is None:
             return cls(1, int(np.prod(shape[:-1], dtype=np.int64)), shape[-1])
         axis = token_axis + len(shape) if token_axis < 0 else token_axis
