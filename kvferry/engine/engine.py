@@ -347,11 +347,11 @@ class Engine:
     async def _first(self, link: _Link, work: asyncio.Future) -> None:
         """Await ``work``, but stop at once with the peer's refusal if that comes first."""
         await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
-        if link.reply.done():  # the peer's own word says more than a chunk it refused
-            work.cancel()
-            reply = link.reply.result()  # raises the peer's refusal or our lost connection
-            raise ProtocolViolation(f"the peer said {type(reply).__name__} before the last chunk")
-        work.result()
+        if link.reply.done() and link.reply.exception() is not None:
+            work.cancel()  # the peer's own word says more than a chunk it refused
+            raise link.reply.exception()
+        # DONE can be read before the sends wake up to their acknowledgements, which precede it.
+        await work
 
     async def _reply(self, link: _Link, timeout: float) -> peer.Done:
         try:

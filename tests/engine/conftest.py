@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvferry.client.sdk import Client
+from kvferry.client import Client
 from kvferry.demo import free_port, load_kv, start_sidecar, wait_ready
 from tests.conftest import KV_SAMPLE
 
@@ -17,6 +17,7 @@ class Daemon:
     url: str
     client: Client
     process: subprocess.Popen
+    data: str = ""  # the data address peers send to
 
     def kill(self) -> None:
         self.process.kill()
@@ -29,7 +30,7 @@ def spawn(backend: str = "tcp", env: dict | None = None, extra: list[str] | None
     url = f"http://127.0.0.1:{port}"
     client = Client(url, token=TOKEN)
     wait_ready(client, process)
-    return Daemon(url, client, process)
+    return Daemon(url, client, process, client.data_address())
 
 
 def stop(*daemons: Daemon) -> None:

@@ -33,7 +33,7 @@ def test_owned_to_owned_real_kv_bit_exact(pair, kv, codec_name):
     b.client.create_region(dst, 80, list(kv.shape[1:]), "bfloat16")
     src_ids = list(range(0, 60, 2)) + list(range(1, 60, 2))
     dst_ids = [79 - i for i in range(60)]
-    transfer = a.client.submit(src, src_ids, b.url, dst, dst_ids, codec=codec_name)
+    transfer = a.client.submit(src, src_ids, b.data, dst, dst_ids, codec=codec_name)
     result = a.client.wait(transfer, timeout=120)
     assert result["state"] == "done", result
     assert bits_equal(_blocks(b.client, dst, dst_ids, kv), kv[src_ids])
@@ -60,7 +60,7 @@ def test_shm_to_shm(pair, kv):
     _, src_shm = a.client.region_from_tensor(src, kv[:20], kind="shm")
     _, dst_shm = b.client.region_from_tensor(dst, torch.zeros_like(kv[:20]), kind="shm")
     try:
-        transfer = a.client.submit(src, list(range(20)), b.url, dst, list(range(20)), codec="splitzip")
+        transfer = a.client.submit(src, list(range(20)), b.data, dst, list(range(20)), codec="splitzip")
         assert a.client.wait(transfer, timeout=120)["state"] == "done"
         landed = torch.frombuffer(dst_shm.buf, dtype=torch.uint8, count=kv[:20].numel() * 2)
         assert torch.equal(landed, kv[:20].contiguous().view(-1).view(torch.uint8))  # in the worker's memory
@@ -79,7 +79,7 @@ def test_many_concurrent_transfers(pair, kv):
     a.client.region_from_tensor(src, kv)
     b.client.create_region(dst, 60, list(kv.shape[1:]), "bfloat16")
     ids = [transfer_id for transfer_id in
-           (a.client.submit(src, [i, i + 30], b.url, dst, [i, i + 30], codec="splitzip" if i % 2 else "raw")
+           (a.client.submit(src, [i, i + 30], b.data, dst, [i, i + 30], codec="splitzip" if i % 2 else "raw")
             for i in range(12))]
     results = [a.client.wait(i, timeout=120) for i in ids]
     assert [r["state"] for r in results] == ["done"] * 12
@@ -93,16 +93,17 @@ def test_cancel_mid_transfer(pair, kv):
     src, dst = _name(), _name()
     a.client.region_from_tensor(src, big)
     b.client.create_region(dst, big.shape[0], list(big.shape[1:]), "bfloat16")
-    transfer = a.client.submit(src, list(range(big.shape[0])), b.url, dst, list(range(big.shape[0])), codec="splitzip")
+    transfer = a.client.submit(src, list(range(big.shape[0])), b.data, dst, list(range(big.shape[0])), codec="splitzip")
     deadline = time.monotonic() + 30
     while a.client.transfer(transfer)["bytes_wire"] == 0 and time.monotonic() < deadline:
         time.sleep(0.005)  # until chunks are on the wire: announced, mid-transfer
     with pytest.raises(errors.Conflict, match="in use"):
         a.client.delete_region(src)  # the transfer is reading it
     a.client.cancel(transfer)
-    result = a.client.wait(transfer, timeout=30)
-    assert result["state"] == "cancelled"
-    incoming = b.client.wait(transfer, timeout=30)
+    with pytest.raises(errors.TransferFailed, match="cancelled by request") as failed:
+        a.client.wait(transfer, timeout=30)
+    assert failed.value.state == "cancelled"
+    incoming = b.client.transfer(transfer, wait=30)
     assert incoming["state"] in ("cancelled", "failed") and incoming["error"], incoming
     assert incoming["blocks_done"] < big.shape[0]
     with pytest.raises(errors.Conflict):
@@ -116,11 +117,11 @@ def test_bad_requests_get_clear_errors(pair, kv):
     src = _name()
     a.client.region_from_tensor(src, kv[:4])
     with pytest.raises(errors.InvalidBlocks, match="0..3"):
-        a.client.submit(src, [0, 9], b.url, "x", [0, 1])
+        a.client.submit(src, [0, 9], b.data, "x", [0, 1])
     with pytest.raises(errors.InvalidBlocks, match="repeat"):
-        a.client.submit(src, [1, 1], b.url, "x", [0, 1])
+        a.client.submit(src, [1, 1], b.data, "x", [0, 1])
     with pytest.raises(errors.NotFound):
-        a.client.submit("nope", [0], b.url, "x", [0])
+        a.client.submit("nope", [0], b.data, "x", [0])
     with pytest.raises(errors.BadRequest):
         a.client.put_block(src, 0, b"short")
     headers = {"Authorization": "Bearer test-token-123"}
@@ -134,9 +135,12 @@ def test_bad_requests_get_clear_errors(pair, kv):
     # A destination that does not fit: the receiver refuses before anything moves.
     dst = _name()
     b.client.create_region(dst, 2, [3, 511, 32], "bfloat16")
-    transfer = a.client.submit(src, [0], b.url, dst, [0], codec="raw")
-    failed = a.client.wait(transfer, timeout=30)
-    assert failed["state"] == "failed" and "BadRequest" in failed["error"]
+    transfer = a.client.submit(src, [0], b.data, dst, [0], codec="raw")
+    with pytest.raises(errors.TransferFailed, match="BadRequest") as failed:
+        a.client.wait(transfer, timeout=30)
+    assert failed.value.state == "failed"
+    with pytest.raises(errors.BadRequest, match="data listener"):
+        a.client.submit(src, [0], b.url, dst, [0])  # a control URL is not where chunks go
 
 
 def test_metrics_parse_back(pair, kv):
@@ -144,7 +148,7 @@ def test_metrics_parse_back(pair, kv):
     src, dst = _name(), _name()
     a.client.region_from_tensor(src, kv[:8])
     b.client.create_region(dst, 8, list(kv.shape[1:]), "bfloat16")
-    assert a.client.wait(a.client.submit(src, list(range(8)), b.url, dst, list(range(8)), codec="splitzip"),
+    assert a.client.wait(a.client.submit(src, list(range(8)), b.data, dst, list(range(8)), codec="splitzip"),
                          timeout=60)["state"] == "done"
     families = {f.name: f for f in text_string_to_metric_families(a.client.metrics())}
     done = [s for s in families["kvferry_transfers"].samples
@@ -159,7 +163,8 @@ def test_metrics_parse_back(pair, kv):
 def test_openapi_documents_the_api(pair):
     a, _ = pair
     paths = httpx.get(f"{a.url}/openapi.json").json()["paths"]
-    for path in ("/healthz", "/readyz", "/metrics", "/v1/regions", "/v1/regions/{name}",
+    assert "/v1/incoming" not in paths  # peers talk on the data connection, not here
+    for path in ("/healthz", "/readyz", "/metrics", "/v1/health", "/v1/regions", "/v1/regions/{name}",
                  "/v1/regions/{name}/blocks/{index}", "/v1/transfers", "/v1/transfers/{transfer_id}",
                  "/v1/codebooks/{name}", "/v1/codebooks/{name}/calibrate"):
         assert path in paths, path
@@ -172,17 +177,17 @@ def test_codebooks_calibrate_store_and_use(pair, kv):
     a.client.region_from_tensor(src, kv)
     b.client.create_region(dst, 60, list(kv.shape[1:]), "bfloat16")
     book = a.client.calibrate("k-layers", src, list(range(0, 60, 2)))
-    assert book["dtype"] == "bfloat16" and book["coverage"] > 0.999 and len(book["exponents"]) == 16
+    assert book["codec"] == "splitzip" and len(book["digest"]) == 16
     stored = httpx.get(f"{a.url}/v1/codebooks/k-layers", headers={"Authorization": "Bearer test-token-123"}).json()
-    assert stored["exponents"] == book["exponents"]
+    assert stored["dtype"] == "bfloat16" and stored["coverage"] > 0.999 and len(stored["exponents"]) == 16
     a.client.put_codebook("copy", httpx.get(f"{a.url}/v1/codebooks/k-layers",
                                             headers={"Authorization": "Bearer test-token-123"}).text)
     ids = list(range(0, 60, 2))
-    result = a.client.wait(a.client.submit(src, ids, b.url, dst, ids, codec="splitzip", codebook="copy"), timeout=60)
+    result = a.client.wait(a.client.submit(src, ids, b.data, dst, ids, codec="splitzip", codebook="copy"), timeout=60)
     assert result["state"] == "done" and result["ratio"] > 1.3
     assert bits_equal(_blocks(b.client, dst, ids, kv), kv[ids])
     with pytest.raises(errors.NotFound):
-        a.client.submit(src, [0], b.url, dst, [0], codec="splitzip", codebook="missing")
+        a.client.submit(src, [0], b.data, dst, [0], codec="splitzip", codebook="missing")
     with pytest.raises(errors.BadRequest):
         a.client.put_codebook("broken", '{"format": "kvferry-codebook", "version": 1, "dtype": "bfloat16"}')
     listed = b.client.transfers(direction="in", state="done")

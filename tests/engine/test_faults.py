@@ -27,7 +27,7 @@ def test_receiver_killed_mid_transfer(kv):
         a.client.region_from_tensor("src", big)
         b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
         ids = list(range(big.shape[0]))
-        transfer = a.client.submit("src", ids, b.url, "dst", ids, codec="splitzip")
+        transfer = a.client.submit("src", ids, b.data, "dst", ids, codec="splitzip")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -38,7 +38,7 @@ def test_receiver_killed_mid_transfer(kv):
             time.sleep(0.01)
         b.kill()
         killed = time.monotonic()
-        result = a.client.wait(transfer, timeout=30)
+        result = a.client.transfer(transfer, wait=30)
         assert result["state"] == "failed" and result["error"], result
         assert time.monotonic() - killed < 15
         assert httpx.get(f"{a.url}/healthz").status_code == 200
@@ -46,7 +46,7 @@ def test_receiver_killed_mid_transfer(kv):
         c = spawn("tcp", env)
         try:
             c.client.create_region("dst", 4, list(kv.shape[1:]), "bfloat16")
-            again = a.client.submit("src", [0, 1], c.url, "dst", [0, 1], codec="raw")
+            again = a.client.submit("src", [0, 1], c.data, "dst", [0, 1], codec="raw")
             assert a.client.wait(again, timeout=30)["state"] == "done"
         finally:
             stop(c)
@@ -62,9 +62,9 @@ def test_corrupt_chunk_fails_the_transfer(kv):
         a.client.region_from_tensor("src", kv)
         b.client.create_region("dst", 60, list(kv.shape[1:]), "bfloat16")
         ids = list(range(60))
-        transfer = a.client.submit("src", ids, b.url, "dst", ids, codec="splitzip")
-        result = a.client.wait(transfer, timeout=60)
-        incoming = b.client.wait(transfer, timeout=60)
+        transfer = a.client.submit("src", ids, b.data, "dst", ids, codec="splitzip")
+        result = a.client.transfer(transfer, wait=60)
+        incoming = b.client.transfer(transfer, wait=60)
         assert result["state"] == "failed" and incoming["state"] == "failed"
         assert "CorruptFrame" in incoming["error"] and "chunk 0" in incoming["error"]
         assert incoming["blocks_done"] == 0  # the corrupt first chunk: nothing reported written
@@ -86,14 +86,14 @@ def test_graceful_shutdown_fails_in_flight_and_exits(kv):
         a.client.region_from_tensor("src", big)
         b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
         ids = list(range(big.shape[0]))
-        transfer = a.client.submit("src", ids, b.url, "dst", ids, codec="splitzip")
+        transfer = a.client.submit("src", ids, b.data, "dst", ids, codec="splitzip")
         deadline = time.monotonic() + 30
         while a.client.transfer(transfer)["bytes_wire"] == 0 and time.monotonic() < deadline:
             time.sleep(0.005)
         a.process.terminate()  # SIGTERM: stop accepting, fail what is in flight, exit
         # uvicorn re-raises the signal after its graceful shutdown, so the exit status is -SIGTERM
         assert a.process.wait(timeout=20) in (0, -15)
-        incoming = b.client.wait(transfer, timeout=30)
+        incoming = b.client.transfer(transfer, wait=30)
         # cancelled, not failed: the sender told the receiver on its way out (an abrupt death
         # would surface as a lost peer instead)
         assert incoming["state"] == "cancelled" and incoming["error"], incoming

@@ -38,7 +38,7 @@ def test_owned_gpu_regions_splitzip(kv, backend):
         assert info["device"].startswith("cuda")
         b.client.create_region("kv", 60, list(kv.shape[1:]), "bfloat16")
         ids = list(range(60))
-        result = a.client.wait(a.client.submit("kv", ids, b.url, "kv", ids[::-1], codec="splitzip"), timeout=120)
+        result = a.client.wait(a.client.submit("kv", ids, b.data, "kv", ids[::-1], codec="splitzip"), timeout=120)
         assert result["state"] == "done" and result["ratio"] > 1.3, result
         got = torch.stack([torch.frombuffer(bytearray(b.client.get_block("kv", i)), dtype=torch.bfloat16)
                            .view(kv.shape[1:]) for i in ids[::-1]])
@@ -56,7 +56,7 @@ def test_cuda_ipc_regions_from_the_worker_process(kv, backend):
         a.client.region_from_tensor("kv", source, kind="cuda_ipc")
         b.client.region_from_tensor("kv", target, kind="cuda_ipc")
         ids = list(range(60))
-        result = a.client.wait(a.client.submit("kv", ids, b.url, "kv", ids, codec="splitzip"), timeout=120)
+        result = a.client.wait(a.client.submit("kv", ids, b.data, "kv", ids, codec="splitzip"), timeout=120)
         assert result["state"] == "done", result
         torch.cuda.synchronize()
         assert bits_equal(target.cpu(), kv)  # written straight into this process's tensor

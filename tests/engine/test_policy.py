@@ -7,7 +7,7 @@ import math
 from kvferry.engine.policy import CodecSpeed, Policy
 
 MiB = 1 << 20
-COPY = 50.0  # GB/s of a plain gather, what the identity codec costs
+COPY = 2000.0  # GB/s of a plain gather on a GPU, what the identity codec costs
 
 
 def _policy(encode: float = 0.0, decode: float = 0.0, ratio: float = 1.33, link: float = 12.5) -> Policy:
@@ -31,9 +31,9 @@ def test_a_fast_codec_wins_on_a_slow_link_by_about_the_ratio():
 
 
 def test_codec_bound_pipeline_loses_to_a_fast_link():
-    policy = _policy(100, 80, 1.33, link=40)
+    policy = _policy(100, 80, 1.33, link=200)
     coded_s = policy.predict("p", 8 << 30, 64 * MiB, "coded")
-    assert math.isclose(coded_s, 128 * (64 * MiB / 80e9) + 64 * MiB / 100e9 + 64 * MiB / (1.33 * 40e9))
+    assert math.isclose(coded_s, 128 * (64 * MiB / 80e9) + 64 * MiB / 100e9 + 64 * MiB / (1.33 * 200e9))
     assert policy.choose("p", 8 << 30, 64 * MiB)[0] == "raw"
 
 
