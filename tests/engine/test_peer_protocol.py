@@ -1,0 +1,83 @@
+"""Golden bytes of every peer message, and malformed messages raise only ProtocolViolation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvferry.engine import peer
+from kvferry.engine.blocks import Blocks, Range
+from kvferry.engine.errors import ProtocolViolation
+
+TID = "00112233445566778899aabbccddeeff"
+HEAD = "4b56465001{kind:02x}000000112233445566778899aabbccddeeff"
+GOLDEN = {
+    "announce": (peer.Message(TID, peer.Announce(
+        "splitzip", "bfloat16", Blocks(ranges=(Range(4, 3, 2),)),
+        (peer.PairLayout("l0", (2, 16), 8), peer.PairLayout("l1", (2, 16), 8)), "kb", bytes(range(8)))),
+        HEAD.format(kind=1) + "0873706c69747a69700862666c6f61743136026b620001020304050607010100000004000000030000"
+        "00020000000200026c3002020000001000000008000000026c3102020000001000000008000000"),
+    "announce_ids": (peer.Message(TID, peer.Announce("raw", "float16", Blocks(ids=(5, 1)),
+                                                      (peer.PairLayout("d", (4,), 1),))),
+                     HEAD.format(kind=1) + "0372617707666c6f617431360000000000000000000002000000050000000100000001"
+                     "000164010400000001000000"),
+    "accept": (peer.Message(TID, peer.Accept()), HEAD.format(kind=2)),
+    "reject": (peer.Message(TID, peer.Reject("NotFound", "no region named 'x'")),
+               HEAD.format(kind=3) + "084e6f74466f756e6413006e6f20726567696f6e206e616d656420277827"),
+    "done": (peer.Message(TID, peer.Done(3, 1024, 900)), HEAD.format(kind=4) + "0300000000040000000000008403000000000000"),
+    "cancel": (peer.Message(TID, peer.Cancel("cancelled by request")),
+               HEAD.format(kind=5) + "140063616e63656c6c65642062792072657175657374"),
+    "error": (peer.Message(TID, peer.Error("BadRequest", "chunk 0: CorruptFrame")),
+              HEAD.format(kind=6) + "0a4261645265717565737415006368756e6b20303a20436f72727570744672616d65"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_bytes(name):
+    message, hexed = GOLDEN[name]
+    assert peer.pack(message).hex() == hexed
+    assert peer.unpack(bytes.fromhex(hexed)) == message
+
+
+def test_header_fields():
+    raw = bytes.fromhex(GOLDEN["accept"][1])
+    assert len(raw) == peer.HEADER_SIZE == 24 and raw[:4] == b"KVFP" and raw[4] == peer.VERSION
+    with pytest.raises(ProtocolViolation, match="version"):
+        peer.unpack(raw[:4] + b"\x02" + raw[5:])
+    with pytest.raises(ProtocolViolation, match="magic"):
+        peer.unpack(b"XXXX" + raw[4:])
+    with pytest.raises(ProtocolViolation, match="kind"):
+        peer.unpack(raw[:5] + b"\x63" + raw[6:])
+    with pytest.raises(ProtocolViolation, match="after"):
+        peer.unpack(raw + b"\0")
+
+
+def test_truncated_and_mutated_messages_raise_only_protocol_violation():
+    rng = random.Random(7)
+    for _, hexed in GOLDEN.values():
+        raw = bytes.fromhex(hexed)
+        for cut in range(len(raw)):
+            if cut == peer.HEADER_SIZE and raw[5] == peer.Kind.ACCEPT:
+                continue
+            with pytest.raises(ProtocolViolation):
+                peer.unpack(raw[:cut])
+        for _ in range(300):
+            mutated = bytearray(raw)
+            for _ in range(rng.randint(1, 4)):
+                mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+            try:
+                peer.unpack(bytes(mutated))
+            except ProtocolViolation:
+                pass
+
+
+def test_tags_and_plan_follow_from_the_announce():
+    assert peer.chunk_tag(TID, 0) != peer.chunk_tag(TID, 1)
+    assert peer.chunk_tag(TID, 3) == peer.chunk_tag(TID, 3)
+    assert peer.plan_chunks(5, (2, 5)) == [(0, 0, 2), (0, 2, 2), (0, 4, 1), (1, 0, 5)]
+
+
+def test_unpackable_ids_are_refused():
+    with pytest.raises(ProtocolViolation):
+        peer.pack(peer.Message("not-hex", peer.Accept()))

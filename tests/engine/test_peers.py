@@ -1,0 +1,104 @@
+"""Two real sidecars speak only over the data connection: no HTTP between them, a peer without the
+secret gets nothing written, and one transfer moves many regions with range block lists."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvferry.engine import errors
+from tests.conftest import bits_equal
+from tests.engine.conftest import spawn, stop
+
+pytestmark = pytest.mark.slow
+
+
+def _http_requests(client) -> float:
+    families = {f.name: f for f in text_string_to_metric_families(client.metrics())}
+    return sum(s.value for s in families["kvferry_http_requests"].samples if s.name.endswith("_total"))
+
+
+def _blocks(client, region: str, ids: list[int], like: torch.Tensor) -> torch.Tensor:
+    raw = b"".join(client.get_block(region, i) for i in ids)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(like.dtype).view(len(ids), *like.shape[1:])
+
+
+def test_sidecars_exchange_no_http(pair, kv):
+    a, b = pair
+    src, dst = f"s{uuid.uuid4().hex[:8]}", f"d{uuid.uuid4().hex[:8]}"
+    a.client.region_from_tensor(src, kv[:6])
+    b.client.create_region(dst, 6, list(kv.shape[1:]), "bfloat16")
+    before = _http_requests(b.client)
+    for codec in ("raw", "splitzip"):
+        transfer = a.client.submit(src, range(6), b.data, dst, [5, 4, 3, 2, 1, 0], codec=codec)
+        assert a.client.wait(transfer, timeout=60)["state"] == "done"
+    # The receiver served only our two metrics scrapes (this one counts itself).
+    assert _http_requests(b.client) - before == 1
+    assert bits_equal(_blocks(b.client, dst, [5, 4, 3, 2, 1, 0], kv), kv[:6])
+
+
+def test_a_peer_with_the_wrong_secret_is_refused_and_nothing_is_written(kv):
+    a = spawn("tcp", {"KVFERRY_PEER_SECRET": "one secret"})
+    b = spawn("tcp", {"KVFERRY_PEER_SECRET": "another secret"})
+    try:
+        a.client.region_from_tensor("src", kv[:2])
+        b.client.create_region("dst", 2, list(kv.shape[1:]), "bfloat16")
+        transfer = a.client.submit("src", [0, 1], b.data, "dst", [0, 1], codec="raw")
+        with pytest.raises(errors.TransferFailed, match="AuthenticationFailed|secret"):
+            a.client.wait(transfer, timeout=30)
+        assert b.client.transfers() == []  # nothing was even announced
+        assert b.client.get_block("dst", 0) == bytes(len(b.client.get_block("dst", 0)))
+    finally:
+        stop(a, b)
+
+
+@pytest.mark.parametrize("codec", ["raw", "splitzip"])
+def test_one_transfer_moves_every_layer_with_ranges_into_permuted_blocks(pair, kv, codec):
+    a, b = pair
+    layers, blocks = 8, 6
+    tag = uuid.uuid4().hex[:6]
+    shape = list(kv.shape[1:])
+    sources = []
+    for layer in range(layers):
+        data = kv[layer * blocks:(layer + 1) * blocks]
+        a.client.region_from_tensor(f"src{tag}-{layer}", data)
+        b.client.create_region(f"dst{tag}-{layer}", 10, shape, "bfloat16")
+        sources.append(data)
+    pairs = [(f"src{tag}-{layer}", f"dst{tag}-{layer}") for layer in range(layers)]
+    src_blocks = {"ranges": [{"start": 1, "count": 3, "stride": 2}, {"start": 0, "count": 2, "stride": 2}]}
+    dst_blocks = range(9, 4, -1)  # 9, 8, 7, 6, 5
+    transfer = a.client.submit_regions(pairs, src_blocks, b.data, dst_blocks, codec=codec)
+    result = a.client.wait(transfer, timeout=120)
+    assert result["state"] == "done" and result["blocks_done"] == layers * 5
+    assert len(a.client.transfers()) >= 1 and len(result["regions"]) == layers
+    src_ids = [1, 3, 5, 0, 2]
+    for layer in range(layers):
+        landed = _blocks(b.client, f"dst{tag}-{layer}", [9, 8, 7, 6, 5], kv)
+        assert bits_equal(landed, sources[layer][src_ids])
+        untouched = _blocks(b.client, f"dst{tag}-{layer}", [0, 1, 2, 3, 4], kv)
+        assert not untouched.view(torch.uint8).any()
+
+
+def test_mismatched_block_counts_and_unknown_codecs_are_refused_at_submit(pair, kv):
+    a, b = pair
+    src = f"s{uuid.uuid4().hex[:8]}"
+    a.client.region_from_tensor(src, kv[:4])
+    with pytest.raises(errors.BadRequest, match="destination blocks"):
+        a.client.submit(src, [0, 1], b.data, "x", [0])
+    with pytest.raises(errors.BadRequest, match="no codec named"):
+        a.client.submit(src, [0], b.data, "x", [0], codec="zstd")
+    with pytest.raises(errors.InvalidBlocks):
+        a.client.submit(src, {"ranges": [{"start": 2, "count": 3}]}, b.data, "x", range(3))
+
+
+def test_the_client_imports_no_server_code():
+    code = ("import sys, kvferry.client; "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'kvferry.api', 'kvferry.engine.engine', 'torch') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
