@@ -1,0 +1,82 @@
+"""The entropy codec's GPU kernels against the CPU reference, byte for byte, both ways.
+Skipped without CUDA and CuPy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvferry import codec
+from kvferry.codec import entropy
+from kvferry.codec.entropy import gpu
+from kvferry.codec.entropy.codec import encode_reference
+from tests.codec.test_entropy_roundtrip import kv_like, stored_chunks, with_specials
+from tests.conftest import DTYPES, bits_equal
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason="needs a CUDA GPU and CuPy")]
+
+
+def _both_ways(x: torch.Tensor, book, chunk: int = entropy.DEFAULT_CHUNK, checksum: bool = True) -> torch.Tensor:
+    cpu = encode_reference(x, book, checksum=checksum, chunk=chunk)
+    dev = entropy.encode(x.cuda(), book, checksum=checksum, chunk=chunk)
+    assert dev.is_cuda and torch.equal(dev.cpu(), cpu), "GPU frame != CPU frame"
+    y = entropy.decode(cpu.cuda())
+    assert y.is_cuda and bits_equal(y.cpu(), x)
+    return cpu
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_bytes_equal_cpu_bytes(dtype):
+    book = entropy.calibrate(kv_like((4, 256, 32), dtype, seed=1), token_axis=1, tables=8)
+    for n_tokens, chunk in ((512, 2048), (300, 32768), (17, 64)):
+        x = with_specials(kv_like((4, n_tokens, 32), dtype, seed=2), seed=3)
+        assert _both_ways(x, book, chunk)[6].item() == entropy.FRAME_ID
+    # Every bit pattern among KV-like data: escapes and stored chunks on both paths.
+    width = torch.empty((), dtype=dtype).element_size()
+    ints = torch.arange(1 << (8 * width), dtype=torch.int32)
+    patterns = (ints.to(torch.int16) if width == 2 else ints.to(torch.uint8)).repeat(16 if width == 1 else 1)
+    kv = kv_like((8, 256, 32), dtype, seed=10).reshape(-1).view(torch.uint8)
+    x = torch.cat([kv, patterns.view(torch.uint8), kv]).view(dtype)
+    frame = _both_ways(x, book, 1024)
+    assert stored_chunks(frame) > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_real_kv(dtype, real_kv):
+    calib = torch.stack(real_kv["c0_k"]).to(dtype)
+    data = torch.stack(real_kv["c1_k"]).to(dtype)
+    book = entropy.calibrate(calib, token_axis=2)
+    _both_ways(data, book)
+
+
+def test_gpu_corruption_raises_and_writes_nothing():
+    x = with_specials(kv_like((4, 256, 32), torch.bfloat16, seed=4), seed=5)
+    book = entropy.calibrate(kv_like((4, 256, 32), torch.bfloat16, seed=6), token_axis=1, tables=4)
+    for checksum in (True, False):
+        frame = entropy.encode(x.cuda(), book, checksum=checksum, chunk=4096)
+        h = entropy.read_header(frame)
+        from kvferry.codec.entropy.format import Stream
+        positions = [10, h.offsets[Stream.STATES] + 1, h.offsets[Stream.COUNTS]]
+        if checksum:  # unchecksummed, a word bit can be an escape's raw bit (test_entropy_corruption)
+            positions.append(h.offsets[Stream.WORDS] + 3)
+        for pos in positions:
+            bad = frame.clone()
+            bad[pos] ^= 0x04
+            out = torch.zeros_like(x).cuda()
+            with pytest.raises(codec.CorruptFrame):
+                entropy.decode(bad, out=out)
+            assert not out.view(torch.int16).any()
+            with pytest.raises(codec.CorruptFrame):
+                entropy.decode(bad.cpu())
+
+
+def test_gpu_blocks():
+    dtype = torch.float8_e4m3fn
+    cache = kv_like((12, 4, 256, 32), dtype, seed=8).cuda()
+    book = entropy.calibrate([cache[i].cpu() for i in range(3)], token_axis=1, tables=8)
+    ids = torch.tensor([7, 2, 9, 4], device="cuda")
+    frame = entropy.encode_blocks(cache, ids, book)
+    assert torch.equal(frame.cpu(), entropy.encode_blocks(cache.cpu(), ids.cpu(), book))
+    dst = torch.zeros_like(cache.view(torch.uint8))
+    entropy.decode_blocks(frame, dst.view(dtype), ids)
+    assert torch.equal(dst[ids], cache.view(torch.uint8)[ids])
