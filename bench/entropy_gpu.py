@@ -91,7 +91,8 @@ def main() -> None:
     env["device"] = torch.cuda.get_device_name()
     print(json.dumps(env))
     data = kv["c1"].reshape(-1)
-    rows = []
+    rows: list[dict] = []
+    done = 0
     for dtype in DTYPES:
         book = entropy.calibrate(kv["c0"].to(dtype), token_axis=3, tables=args.tables)  # [30, 2, 3, 511, 64]
         x = tile(data, n).to(dtype).cuda()
@@ -121,7 +122,9 @@ def main() -> None:
             rows.append(cg.bench_splitzip(x, codec.calibrate([kv["c0"].to(dtype)]), args.repeats, "splitzip e4m3"))
         del x, frame, out
         torch.cuda.empty_cache()
-        print(rows[-1])
+        for r in rows[done:]:
+            print(r)
+        done = len(rows)
     result["rows"] = rows
     print(f"\n{'codec':<40}{'ratio':>8}{'enc GB/s':>11}{'dec GB/s':>11}  note")
     for r in rows:

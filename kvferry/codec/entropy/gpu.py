@@ -61,6 +61,10 @@ def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+def _ptr_or_null(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0) if t is None else _ptr(t)
+
+
 def _tables_on(book: EntropyCodebook, device: torch.device) -> dict[str, torch.Tensor]:
     key = ("gpu", str(device))
     if key not in book._cache:
@@ -70,6 +74,24 @@ def _tables_on(book: EntropyCodebook, device: torch.device) -> dict[str, torch.T
             "slot": torch.from_numpy(book.slot_symbols().astype(np.uint16).view(np.int16)).to(device),
             "map": torch.from_numpy(book.context_map.astype(np.uint8)).to(device),
         }
+    return book._cache[key]
+
+
+PTAB_MAX = 1 << 27  # per-position table ids for periods up to 128 Mi elements (one byte each)
+
+
+def _ptab(book: EntropyCodebook, device: torch.device) -> torch.Tensor | None:
+    """Table of each position of one period, on the device (saves the kernels three 64-bit
+    divisions an element), or None for longer periods."""
+    period = book.geometry.period
+    if period > PTAB_MAX:
+        return None
+    key = ("ptab", str(device))
+    if key not in book._cache:
+        g = book.geometry
+        j = torch.arange(period, dtype=torch.int64, device=device)
+        ctx = (j // (g.tokens * g.inner)) * g.inner + j % g.inner
+        book._cache[key] = _tables_on(book, device)["map"][ctx]
     return book._cache[key]
 
 
@@ -95,7 +117,7 @@ def encode(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool, chunk: int
                 (_ptr(flat), np.int32(sym.layout.itemsize), np.int32(sym.raw_bits), _ptr(tabs["freq"]),
                  _ptr(tabs["cum"]), _ptr(tabs["map"]), *_geo_args(book), np.int64(n), np.int32(chunk),
                  np.int32(nchunks), np.int32(book.prob_bits), np.int32(sym.sym_bits), np.int32(sym.alphabet),
-                 np.int32(cap), _ptr(slots), _ptr(counts), _ptr(states)), device)
+                 np.int32(cap), _ptr(slots), _ptr(counts), _ptr(states), _ptr_or_null(_ptab(book, device))), device)
     counts_h = counts[:nchunks].cpu().numpy().view(np.uint32).astype(np.int64)  # the one sync
     caps = chunk_caps(n, chunk, sym)
     total_words = int(counts_h.sum())
@@ -110,15 +132,13 @@ def encode(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool, chunk: int
     frame[o[Stream.COUNTS]:o[Stream.COUNTS] + ln[Stream.COUNTS]] = counts[:nchunks].view(torch.uint8)
     frame[o[Stream.STATES]:o[Stream.STATES] + ln[Stream.STATES]] = states[:nchunks * LANES].view(torch.uint8)
     if total_words:
-        # Each chunk's words sit at the end of its slot: gather them in chunk order.
-        cnt = torch.from_numpy(counts_h).to(device)
-        chunk_of = torch.repeat_interleave(torch.arange(nchunks, device=device), cnt, output_size=total_words)
-        starts = torch.cumsum(cnt, 0) - cnt
-        within = torch.arange(total_words, device=device) - starts[chunk_of]
-        caps_d = torch.from_numpy(caps).to(device)
-        src = chunk_of * cap + (caps_d[chunk_of] - cnt[chunk_of]) + within
-        words = slots[src]
-        for c in np.flatnonzero(counts_h == caps):  # stored chunks: their symbols, packed
+        words = frame[o[Stream.WORDS]:o[Stream.WORDS] + ln[Stream.WORDS]].view(torch.int16)
+        starts = torch.from_numpy(np.concatenate([[0], np.cumsum(counts_h)[:-1]]).astype(np.int64)).to(device)
+        last = torch.tensor([int(caps[-1])], dtype=torch.int32, device=device)
+        _launch(_kernel("entropy_gather", device), nchunks,
+                (_ptr(slots), _ptr(counts), _ptr(starts), _ptr(last), np.int32(cap), np.int32(nchunks), _ptr(words)),
+                device)
+        for c in np.flatnonzero(counts_h == caps):  # stored chunks (rare): their symbols, packed
             e = min(chunk, n - c * chunk)
             bits = (flat.view(torch.int16) if sym.layout.itemsize == 2 else flat)[c * chunk:c * chunk + e]
             symbols = (bits.to(torch.int32) & ((1 << (8 * sym.layout.itemsize)) - 1)) >> sym.raw_bits
@@ -127,11 +147,15 @@ def encode(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool, chunk: int
             packed[:p.numel()] = p
             s0 = int(counts_h[:c].sum())
             words[s0:s0 + int(caps[c])] = packed.view(torch.int16)
-        frame[o[Stream.WORDS]:o[Stream.WORDS] + ln[Stream.WORDS]] = words.view(torch.uint8)
-    if sym.raw_bits:
-        bits = flat.view(torch.int16) if sym.layout.itemsize == 2 else flat
-        raw = bitpack.pack(bits.to(torch.int32) & ((1 << sym.raw_bits) - 1), sym.raw_bits)
-        frame[o[Stream.RAW]:o[Stream.RAW] + ln[Stream.RAW]] = raw
+    if sym.raw_bits and n:
+        raw = frame[o[Stream.RAW]:o[Stream.RAW] + ln[Stream.RAW]]
+        groups = (n + 7) // 8
+        cupy = optional_cupy()
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        with cupy.cuda.Device(device.index or 0), stream:
+            _kernel("entropy_pack_raw", device)(((groups + 255) // 256,), (256,), (
+                _ptr(flat), np.int32(sym.layout.itemsize), np.int32(sym.raw_bits), np.int64(n), _ptr(raw),
+                np.int64(raw.numel())))
     if checksum:
         header = header.with_crc(crc32c(frame[HEADER_SIZE:].cpu().numpy().data))
     frame[:HEADER_SIZE] = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8).to(device)
@@ -160,20 +184,25 @@ def decode(frame: torch.Tensor, header: EntropyHeader) -> torch.Tensor:
     states = head[o[Stream.STATES]:o[Stream.STATES] + ln[Stream.STATES]].view("<u4")
     if (states.reshape(-1, LANES)[stored] != 0).any():
         raise CorruptFrame("a stored chunk has coder states")
-    # Padding and the raw stream's unused bits, as the reference checks them.
-    padding = torch.ones(frame.numel(), dtype=torch.bool, device=device)
-    padding[:HEADER_SIZE] = False
+    # Padding and the raw stream's unused bits, as the reference checks them (a few bytes).
+    gaps, end = [], HEADER_SIZE
     for off, length in zip(o, ln):
-        padding[off:off + length] = False
-    if bool(frame[padding].any()):
-        raise CorruptFrame("padding between streams is not zero")
+        gaps += range(end, min(off, frame.numel()))  # an empty trailing stream has no padding
+        end = max(end, off + length)
     raw_bits_total = sym.raw_bits * n
-    if raw_bits_total % 8 and int(frame[o[Stream.RAW] + ln[Stream.RAW] - 1]) >> (raw_bits_total % 8):
+    last_raw = o[Stream.RAW] + ln[Stream.RAW] - 1
+    probe = torch.tensor(gaps + ([last_raw] if raw_bits_total % 8 else []), dtype=torch.int64)
+    probed = frame[probe.to(device)].cpu().numpy() if probe.numel() else np.zeros(0, dtype=np.uint8)
+    if probed[:len(gaps)].any():
+        raise CorruptFrame("padding between streams is not zero")
+    if raw_bits_total % 8 and int(probed[-1]) >> (raw_bits_total % 8):
         raise CorruptFrame("unused bits of the raw stream are not zero")
     tabs = _tables_on(book, device)
     words = frame[o[Stream.WORDS]:o[Stream.WORDS] + ln[Stream.WORDS]]
     words16 = words.view(torch.int16) if words.numel() else torch.zeros(1, dtype=torch.int16, device=device)
-    out = torch.empty(max(n, 1), dtype=torch.int16, device=device)
+    raw = frame[o[Stream.RAW]:o[Stream.RAW] + ln[Stream.RAW]]
+    itemsize = sym.layout.itemsize
+    out = torch.empty(max(n, 1) * itemsize, dtype=torch.uint8, device=device)
     err = torch.zeros(1, dtype=torch.int32, device=device)
     nchunks = header.nchunks
     if nchunks:
@@ -184,19 +213,17 @@ def decode(frame: torch.Tensor, header: EntropyHeader) -> torch.Tensor:
                 (_ptr(words16), _ptr(starts_d), _ptr(states_d), _ptr(stored_d), _ptr(tabs["slot"]),
                  _ptr(tabs["freq"]), _ptr(tabs["cum"]), _ptr(tabs["map"]), *_geo_args(book), np.int64(n),
                  np.int32(header.chunk), np.int32(nchunks), np.int32(book.prob_bits), np.int32(sym.sym_bits),
-                 np.int32(sym.alphabet), _ptr(out), _ptr(err)), device)
-    symbols = out[:n].to(torch.int32) & 0xFFFF
-    for c in np.flatnonzero(stored):
-        e = min(header.chunk, n - c * header.chunk)
+                 np.int32(sym.alphabet), _ptr_or_null(_ptab(book, device)), _ptr(raw) if raw.numel() else np.uint64(0),
+                 np.int64(raw.numel()), np.int32(sym.raw_bits), np.int32(itemsize), _ptr(out), _ptr(err)), device)
+    elements = out[:n * itemsize].view(torch.int16 if itemsize == 2 else torch.uint8)
+    for c in np.flatnonzero(stored):  # stored chunks (rare): symbols unpacked here
+        lo = c * header.chunk
+        e = min(header.chunk, n - lo)
         seg = words[2 * int(starts[c]):2 * int(starts[c + 1])]
-        symbols[c * header.chunk:c * header.chunk + e] = bitpack.unpack(seg, e, sym.sym_bits)
+        bits = bitpack.unpack(seg, e, sym.sym_bits) << sym.raw_bits
+        if sym.raw_bits:
+            bits |= bitpack.unpack(raw, n, sym.raw_bits)[lo:lo + e]
+        elements[lo:lo + e] = bits.to(elements.dtype)
     if int(err.item()):
         raise CorruptFrame("coded streams do not decode to their end (corrupt words, states or escapes)")
-    bits = symbols << sym.raw_bits
-    if sym.raw_bits:
-        bits |= bitpack.unpack(frame[o[Stream.RAW]:o[Stream.RAW] + ln[Stream.RAW]], n, sym.raw_bits)
-    if sym.layout.itemsize == 2:
-        result = bits.to(torch.int16).view(sym.layout.dtype)
-    else:
-        result = bits.to(torch.uint8).view(sym.layout.dtype)
-    return result.view(header.shape)
+    return elements.view(sym.layout.dtype).view(header.shape)
