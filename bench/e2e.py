@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kvferry import codec  # noqa: E402
-from kvferry.client.sdk import Client  # noqa: E402
+from kvferry.client import Client  # noqa: E402
 from kvferry.demo import free_port, load_kv, start_sidecar, wait_ready  # noqa: E402
 from kvferry.engine.engine import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
 
@@ -148,7 +148,8 @@ class Rig:
 
     @property
     def receiver_url(self) -> str:
-        return f"http://127.0.0.1:{self.clients['receiver'][2]}"
+        """The receiver's data address (where a sender's chunks go)."""
+        return self.client("receiver").data_address()
 
     def close(self) -> None:
         for process in self.processes:

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvferry.client.sdk import Client  # noqa: E402
+from kvferry.client import Client  # noqa: E402
 from kvferry.demo import free_port, load_kv, start_sidecar, wait_ready  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def main() -> None:
         for name in args.codecs.split(","):
             b.create_region(f"kv-{name}", blocks, list(kv.shape[1:]), "bfloat16")
             ids = list(range(blocks))
-            transfer = a.submit("kv", ids, f"http://127.0.0.1:{ports[1][0]}", f"kv-{name}", ids, codec=name)
+            transfer = a.submit("kv", range(blocks), b.data_address(), f"kv-{name}", range(blocks), codec=name)
             r = a.wait(transfer, timeout=600)
             seconds = r["seconds"] or float("nan")
             print(f"{name:<10}{r['bytes_raw'] / 2**30:>9.3f}{r['bytes_wire'] / 2**30:>10.3f}{(r['ratio'] or 0):>8.3f}"

@@ -3,15 +3,29 @@ are, so a receiver checks dtype, shape and size before it writes anything."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .dtypes import layout_for
+from .dtypes import layout_by_name, layout_for
 from .errors import CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
 from .frames import decode, encode_stored, read_header
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_header(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """Header bytes of a stored frame (the same for every frame of a shape: cached)."""
+    return make_header(FrameCodec.STORED, layout_by_name(dtype), shape, 0, (), 0).pack()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel
 
 
 class RawCodec:
@@ -52,9 +66,10 @@ class RawCodec:
     def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, codebook: Any = None) -> torch.Tensor:
         layout = layout_for(cache.dtype)
         shape = (int(block_ids.numel()), *cache.shape[1:])
-        header = make_header(FrameCodec.STORED, layout, shape, 0, (), 0)
-        frame = torch.empty(header.total, dtype=torch.uint8, device=cache.device)
-        frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8), non_blocking=True)
+        header = _stored_header(layout.name, shape)
+        frame = torch.empty(HEADER_SIZE + _numel(shape) * layout.itemsize, dtype=torch.uint8,
+                            device=cache.device)
+        frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8), non_blocking=True)
         body = frame[HEADER_SIZE:].view(layout.int_dtype).view(shape)
         torch.index_select(cache.view(layout.int_dtype), 0, block_ids, out=body)
         return frame
@@ -63,12 +78,14 @@ class RawCodec:
                       codebook: Any = None) -> None:
         if frame.dtype != torch.uint8 or frame.dim() != 1:
             raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-        header = parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), frame.numel())
-        if header.codec != FrameCodec.STORED:
-            raise CorruptFrame(f"a raw transfer carried a codec {int(header.codec)} frame")
         layout = layout_for(cache.dtype)
         expected = (int(block_ids.numel()), *cache.shape[1:])
-        if header.layout is not layout or header.shape != expected:
+        raw = frame[:HEADER_SIZE].cpu().numpy().tobytes()
+        # The one valid header for these blocks, byte for byte: comparing is validating.
+        if raw != _stored_header(layout.name, expected) or frame.numel() != HEADER_SIZE + _numel(expected) * layout.itemsize:
+            header = parse_header(raw, frame.numel())  # raises CorruptFrame with the reason
+            if header.codec != FrameCodec.STORED:
+                raise CorruptFrame(f"a raw transfer carried a codec {int(header.codec)} frame")
             raise OutputMismatch(f"frame holds {header.layout.name}{list(header.shape)}, blocks need "
                                  f"{layout.name}{list(expected)}")
         body = frame[HEADER_SIZE:].view(layout.int_dtype).view(expected)

@@ -56,6 +56,13 @@ class Blocks:
             raise InvalidBlocks("no blocks given")
         if n > MAX_BLOCKS:
             raise InvalidBlocks(f"{n} blocks is over the limit of {MAX_BLOCKS}")
+        if self.ids is not None and n <= 256:  # small lists (the latency path): plain Python is faster
+            low, high = min(self.ids), max(self.ids)
+            if low < 0 or high >= num_blocks:
+                raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {low}..{high}")
+            if len(set(self.ids)) != n:
+                raise InvalidBlocks("block ids repeat")
+            return torch.tensor(self.ids, dtype=torch.int64, device=device)
         if self.ids is not None:
             ids = torch.tensor(self.ids, dtype=torch.int64)
         else:

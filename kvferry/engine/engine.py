@@ -13,6 +13,7 @@ never call each other over HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -71,6 +72,7 @@ class _Link:
 
     connection: transport.Connection
     reply: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    incoming: _Incoming | None = None  # the receiving side's pipeline
 
 
 class Engine:
@@ -79,6 +81,10 @@ class Engine:
     def __init__(self, settings: Settings):
         settings.check()
         self.settings = settings
+        if settings.cpu_threads > 0:
+            # On a small host, idle OpenMP workers spinning after each op starve the event loop and
+            # the peer process: latency-bound deployments pin this low.
+            torch.set_num_threads(settings.cpu_threads)
         wanted = settings.device
         if wanted.startswith("cuda"):
             self.device = torch.device(wanted)
@@ -302,33 +308,41 @@ class Engine:
         except transport.TransportError as exc:
             raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
         link = self._links[t.id] = _Link(connection)
+        plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
+        # Small chunks of host memory ride inline, in the announce's own write.
+        inline, total = [], 0
+        for index, (pair_index, start, count) in enumerate(plan):
+            region = pairs[pair_index].region
+            size = codec.capacity((count, *region.block_shape), region.tensor.dtype)
+            if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total + size > peer.INLINE_TOTAL_BYTES:
+                break
+            frame = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
+            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, frame.numpy().tobytes()))))
+            total += size
         announce = peer.Announce(
             codec=chosen, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
             pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk)
                         for (_, dst), p in zip(spec.pairs, pairs)),
-            codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8))
-        await connection.send_message(peer.pack(peer.Message(t.id, announce)))
+            codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8),
+            inline_chunks=len(inline))
+        wire_start = time.perf_counter()
+        await connection.send_message(peer.pack(peer.Message(t.id, announce)), *inline)
         t.mark("announced")
-        plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
+        if inline:
+            t.mark("first_byte")
         slots = asyncio.Semaphore(self.settings.max_inflight_chunks)
         sends: list[asyncio.Task] = []
-        wire_start = time.perf_counter()
         try:
             for index, (pair_index, start, count) in enumerate(plan):
+                if index < len(inline):
+                    continue
                 await slots.acquire()
                 if link.reply.done() or any(task.done() and task.exception() for task in sends):
                     break
-                pair = pairs[pair_index]
-                nbytes = count * pair.region.block_bytes
-                payload = await self.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count],
-                                                  codebook, nbytes)
-                if index == self.settings.fault_corrupt_chunk:
-                    payload = payload.clone()
-                    payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
-                t.bytes_raw += nbytes
-                t.bytes_wire += payload.numel()
+                payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
                 self.metrics.inflight_chunks.inc()
-                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots)))
+                eager = index < len(inline) + peer.EAGER_CHUNKS
+                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots, eager)))
             await self._first(link, asyncio.gather(*sends))
         finally:
             for task in sends:
@@ -344,6 +358,17 @@ class Engine:
         self._finish(t, State.DONE)
         self.policy.observe_transfer(t.peer, chosen, raw_bytes, time.perf_counter() - t.submitted)
 
+    async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: _Pair, start: int, count: int,
+                            codebook: Any, index: int) -> torch.Tensor:
+        nbytes = count * pair.region.block_bytes
+        payload = await self.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], codebook, nbytes)
+        if index == self.settings.fault_corrupt_chunk:
+            payload = payload.clone()
+            payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
+        t.bytes_raw += nbytes
+        t.bytes_wire += payload.numel()
+        return payload
+
     async def _first(self, link: _Link, work: asyncio.Future) -> None:
         """Await ``work``, but stop at once with the peer's refusal if that comes first."""
         await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
@@ -354,16 +379,20 @@ class Engine:
         await work
 
     async def _reply(self, link: _Link, timeout: float) -> peer.Done:
-        try:
-            return await asyncio.wait_for(asyncio.shield(link.reply), timeout)
-        except asyncio.TimeoutError:
-            raise PeerError(f"the receiver did not confirm within {timeout:g} s") from None
+        if not link.reply.done():
+            try:
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(link.reply)
+            except TimeoutError:
+                if not link.reply.done():
+                    raise PeerError(f"the receiver did not confirm within {timeout:g} s") from None
+        return link.reply.result()
 
     async def _send_chunk(self, connection: transport.Connection, t: Transfer, index: int, payload: torch.Tensor,
-                          slots: asyncio.Semaphore) -> None:
+                          slots: asyncio.Semaphore, eager: bool) -> None:
         try:
             t.mark("first_byte")
-            await connection.send(peer.chunk_tag(t.id, index), payload)
+            await connection.send(peer.chunk_tag(t.id, index), payload, eager=eager)
         except transport.TransportError as exc:
             raise PeerError(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
         finally:
@@ -387,7 +416,10 @@ class Engine:
         if link is None or link.connection is not connection:
             return  # finished already, or not this peer's to speak for: nothing to do
         t = self.transfers.find(message.transfer_id)
-        if isinstance(body, peer.Cancel):
+        if isinstance(body, peer.Chunk):
+            if link.incoming is None or not link.incoming.arrived(body):
+                self._abort_protocol(t, connection, f"unexpected inline chunk {body.index}")
+        elif isinstance(body, peer.Cancel):
             if t is not None:
                 self._abort(t, State.CANCELLED, "Cancelled", f"cancelled by the peer: {body.reason}")
         elif isinstance(body, peer.Accept):
@@ -397,8 +429,9 @@ class Engine:
             if isinstance(body, peer.Done):
                 link.reply.set_result(body)
             else:  # Reject or Error
-                link.reply.set_exception(PeerError(f"the receiver {'refused' if isinstance(body, peer.Reject) else 'failed'}"
-                                                   f" the transfer: {body.error}: {body.reason}"))
+                verb = "refused" if isinstance(body, peer.Reject) else "failed"
+                link.reply.set_exception(PeerError(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
+                link.reply.exception()
 
     def _accept(self, connection: transport.Connection, transfer_id: str, announce: peer.Announce) -> None:
         """Validate an announced transfer and post its first receives, or refuse it."""
@@ -412,13 +445,20 @@ class Engine:
             self.listener.mailbox.refuse(tags, f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
-        link = self._links[t.id] = _Link(connection)
+        incoming = _Incoming(self, t, pairs, plan, tags, codec, book, announce.inline_chunks)
+        link = self._links[t.id] = _Link(connection, incoming=incoming)
         connection.on_close(lambda c, exc: self._lost(t, link, exc))
         t.move(State.RUNNING)
-        incoming = _Incoming(self, t, pairs, plan, tags, codec, book)
         incoming.post_ahead()
-        connection.post_message(peer.pack(peer.Message(t.id, peer.Accept())))
+        if announce.inline_chunks < len(plan):
+            connection.post_message(peer.pack(peer.Message(t.id, peer.Accept())))
         t.task = asyncio.create_task(incoming.run())
+
+    def _abort_protocol(self, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
+        self.metrics.errors.labels("ProtocolViolation").inc()
+        log.warning("peer %s broke the protocol: %s", connection.peer, reason)
+        if t is not None and not t.state.terminal:
+            self._abort(t, State.FAILED, "ProtocolViolation", reason)
 
     def _check_announce(self, connection: transport.Connection, transfer_id: str, a: peer.Announce):
         codec = self._codec(a.codec)
@@ -452,6 +492,7 @@ class Engine:
             self._abort(t, State.FAILED, "PeerError", f"lost the peer: {type(exc).__name__}: {exc}")
         if not link.reply.done():
             link.reply.set_exception(PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
+            link.reply.exception()  # retrieved: a receiver's link has nobody awaiting it
 
     # ---- waiting, cancelling, state -----------------------------------------------------------
     async def wait(self, transfer_id: str, timeout: float) -> dict[str, Any]:
@@ -501,17 +542,15 @@ class Engine:
             link.connection.post_message(peer.pack(peer.Message(t.id, body)))
 
     def _finish(self, t: Transfer, state: State, kind: str | None = None, error: str | None = None) -> None:
-        if not t.move(state, error, kind):
-            return
+        if t.move(state, error, kind):
+            self._account(t)
+
+    def _account(self, t: Transfer) -> None:
+        """Bookkeeping once ``t`` is terminal: history, metrics, regions no longer busy."""
+        state, kind = t.state, t.error_kind
         self.transfers.retire(t)
-        self.metrics.transfers.labels(state.value, t.direction).inc()
-        if state == State.DONE:
-            self.metrics.bytes_raw.labels(t.direction).inc(t.bytes_raw)
-            self.metrics.bytes_wire.labels(t.direction).inc(t.bytes_wire)
-            if t.bytes_wire:
-                self.metrics.ratio.observe(t.bytes_raw / t.bytes_wire)
-            self.metrics.latency.labels(t.direction).observe(t.seconds)
-        elif state == State.FAILED:
+        self.metrics.finished(state.value, t.direction, t.bytes_raw, t.bytes_wire, t.seconds)
+        if state == State.FAILED:
             self.metrics.errors.labels(kind or "EngineError").inc()
         for _, name in t.pairs if t.direction == "in" else [(None, s) for s, _ in t.pairs]:
             try:  # the region may be deleted again once no transfer uses it
@@ -530,15 +569,39 @@ class _Incoming:
     """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
 
     def __init__(self, engine: Engine, t: Transfer, pairs: list[_Pair], plan: list[tuple[int, int, int]],
-                 tags: list[int], codec: codecs.Codec, book: Any):
+                 tags: list[int], codec: codecs.Codec, book: Any, inline_chunks: int = 0):
         self.engine, self.t, self.pairs, self.plan, self.tags = engine, t, pairs, plan, tags
         self.codec, self.book = codec, book
+        loop = asyncio.get_running_loop()
+        self.inline: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(min(inline_chunks, len(plan)))}
         self.receives: dict[int, transport.Receive] = {}
-        self.ahead = engine.settings.max_inflight_chunks + 1
+        self.ahead = max(engine.settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS)
         self.completed = 0
 
+    def arrived(self, chunk: peer.Chunk) -> bool:
+        """An inline chunk came; False if none such was announced (or it came twice). The
+        futures stay in ``inline`` for the transfer's life: their keys say which chunks ride inline."""
+        future = self.inline.get(chunk.index)
+        if future is None or future.done():
+            return False
+        future.set_result(chunk.frame)
+        return True
+
+    async def _next_frame(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
+        if i in self.inline:
+            try:
+                async with asyncio.timeout(timeout):
+                    data = await self.inline[i]
+            except TimeoutError:
+                raise PeerError(f"inline chunk {i} did not come within {timeout:g} s") from None
+            frame = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            region = self.pairs[self.plan[i][0]].region
+            return (frame.to(region.tensor.device) if region.tensor.is_cuda else frame), len(data)
+        nbytes = await self.receives[i].wait(timeout)
+        return self.receives[i].buffer.obj[:nbytes], nbytes
+
     def post(self, i: int) -> None:
-        if i < len(self.plan) and i not in self.receives:
+        if i < len(self.plan) and i not in self.receives and i not in self.inline:
             pair_index, _, count = self.plan[i]
             region = self.pairs[pair_index].region
             capacity = self.codec.capacity((count, *region.block_shape), region.tensor.dtype)
@@ -546,7 +609,10 @@ class _Incoming:
             self.receives[i] = self.engine.listener.expect(self.tags[i], buffer)
 
     def post_ahead(self) -> None:
-        for i in range(self.ahead):
+        """Receives for the first transport chunks, before the next message is read (the sender
+        sends the first ``EAGER_CHUNKS`` of them without waiting)."""
+        first = len(self.inline)
+        for i in range(first, first + self.ahead):
             self.post(i)
 
     async def run(self) -> None:
@@ -554,26 +620,33 @@ class _Incoming:
         timeout = engine.settings.transfer_timeout
         try:
             for i, (pair_index, start, count) in enumerate(self.plan):
-                nbytes = await self.receives[i].wait(timeout)
+                frame, nbytes = await self._next_frame(i, timeout)
                 if i == 0:
                     t.mark("first_byte")
                 self.post(i + self.ahead)
                 pair = self.pairs[pair_index]
-                frame = self.receives[i].buffer.obj[:nbytes]
                 raw = count * pair.region.block_bytes
                 try:
                     await engine.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
                                               self.book, raw)
                 except codecs.CodecError as exc:
                     raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
-                engine.buffers.give(self.receives.pop(i).buffer.obj)
+                if i in self.receives:
+                    engine.buffers.give(self.receives.pop(i).buffer.obj)
                 t.bytes_wire += nbytes
                 t.bytes_raw += raw
                 t.blocks_done += count
                 self.completed += 1
             t.mark("last_byte")
-            engine._finish(t, State.DONE)
-            engine._tell(t, peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))
+            if t.move(State.DONE):  # every block is written: done here, and say so at once
+                try:
+                    link = engine._links.get(t.id)
+                    if link is not None:
+                        with contextlib.suppress(transport.TransportError):
+                            await link.connection.send_message(
+                                peer.pack(peer.Message(t.id, peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))))
+                finally:
+                    engine._account(t)
         except asyncio.CancelledError:
             state, kind, reason = engine._aborted(t)
             engine._finish(t, state, kind, reason)

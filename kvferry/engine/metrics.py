@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 class Metrics:
     def __init__(self) -> None:
+        self._children: dict[tuple[str, str], tuple] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.transfers = Counter("kvferry_transfers", "Transfers that reached a state",
@@ -27,3 +28,19 @@ class Metrics:
         self.regions = Gauge("kvferry_regions", "Registered regions", registry=r)
         self.http_requests = Counter("kvferry_http_requests", "Control API requests served", ["method"], registry=r)
         self.info = Info("kvferry_build", "Sidecar build and the transport backend chosen at start-up", registry=r)
+
+    def finished(self, state: str, direction: str, raw: int, wire: int, seconds: float) -> None:
+        """One transfer reached a terminal state (label children cached: this is per transfer)."""
+        children = self._children.get((state, direction))
+        if children is None:
+            children = self._children[(state, direction)] = (
+                self.transfers.labels(state, direction), self.bytes_raw.labels(direction),
+                self.bytes_wire.labels(direction), self.latency.labels(direction))
+        count, raw_bytes, wire_bytes, latency = children
+        count.inc()
+        if state == "done":
+            raw_bytes.inc(raw)
+            wire_bytes.inc(wire)
+            if wire:
+                self.ratio.observe(raw / wire)
+            latency.observe(seconds)

@@ -17,7 +17,8 @@ u32 count, i32 stride)).
 
     ANNOUNCE  str8 codec, str8 dtype, str8 codebook ("" = none), 8 bytes codebook digest,
               blocks dst_blocks, u16 pairs, per pair: str8 dst region, u8 ndim, ndim × u32
-              block shape, u32 blocks per chunk
+              block shape, u32 blocks per chunk; then u32 inline chunks
+    CHUNK     u32 chunk index, then the chunk's frame (the rest of the message)
     ACCEPT    (no body)
     REJECT    str8 error class, str16 reason     the receiver refused the announce; nothing written
     DONE      u32 blocks written, u64 raw bytes, u64 wire bytes   every block is written
@@ -25,7 +26,13 @@ u32 count, i32 stride)).
     ERROR     str8 error class, str16 reason     the receiver failed mid-transfer
 
 A transfer's chunks are transport transfers whose tags ``chunk_tag(id, index)`` derive from it;
-the chunk plan follows from the announce (``plan_chunks``), so it is not sent.
+the chunk plan follows from the announce (``plan_chunks``), so it is not sent. The first
+``inline chunks`` chunks are small and ride as CHUNK messages right behind the announce (one
+write, no transport handshake: what makes a one-block transfer one round trip); the others are
+transport transfers. A receiver that accepts an announce has posted the receives of its first
+``EAGER_CHUNKS`` transport chunks before it reads the next message, so the sender streams those
+without waiting for the transport's CTS. ACCEPT is sent only for transfers with transport chunks:
+a transfer whose chunks all ride inline is answered by its DONE alone.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
 MAX_PAIRS = 4096
+EAGER_CHUNKS = 2
+INLINE_CHUNK_BYTES = 256 << 10  # a chunk frame at most this big may ride inline (host memory only)
+INLINE_TOTAL_BYTES = 4 << 20  # and all inline chunks of a transfer together
 MAX_IDS = 1 << 20
 
 
@@ -54,6 +64,7 @@ class Kind(IntEnum):
     DONE = 4
     CANCEL = 5
     ERROR = 6
+    CHUNK = 7
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,13 @@ class Announce:
     pairs: tuple[PairLayout, ...]
     codebook: str = ""
     codebook_digest: bytes = bytes(8)
+    inline_chunks: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    frame: bytes
 
 
 @dataclass(frozen=True)
@@ -104,9 +122,9 @@ class Accept:
     pass
 
 
-Body = Announce | Accept | Reject | Done | Cancel | Error
+Body = Announce | Accept | Reject | Done | Cancel | Error | Chunk
 _KIND = {Announce: Kind.ANNOUNCE, Accept: Kind.ACCEPT, Reject: Kind.REJECT, Done: Kind.DONE,
-         Cancel: Kind.CANCEL, Error: Kind.ERROR}
+         Cancel: Kind.CANCEL, Error: Kind.ERROR, Chunk: Kind.CHUNK}
 
 
 @dataclass(frozen=True)
@@ -163,6 +181,9 @@ def pack(message: Message) -> bytes:
                 out += [_str(pair.dst_region, 1), struct.pack(f"<B{len(pair.block_shape)}I", len(pair.block_shape),
                                                               *pair.block_shape),
                         struct.pack("<I", pair.blocks_per_chunk)]
+            out.append(struct.pack("<I", body.inline_chunks))
+        elif isinstance(body, Chunk):
+            out += [struct.pack("<I", body.index), body.frame]
         elif isinstance(body, (Reject, Error)):
             out += [_str(body.error, 1), _str(body.reason, 2)]
         elif isinstance(body, Done):
@@ -264,7 +285,11 @@ def unpack(data: bytes) -> Message:
             if per_chunk == 0:
                 raise ProtocolViolation("zero blocks per chunk")
             pairs.append(PairLayout(name, tuple(shape), per_chunk))
-        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest)
+        (inline,) = r.unpack("I")
+        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline)
+    elif kind == Kind.CHUNK:
+        (index,) = r.unpack("I")
+        body = Chunk(index, r.take(len(data) - r.at))
     elif kind == Kind.ACCEPT:
         body = Accept()
     elif kind == Kind.REJECT:

@@ -23,6 +23,7 @@ class Settings:
     token: str = ""  # bearer token for the control API; never sent anywhere
     peer_secret: str = ""  # shared by the sidecars of a deployment: the data connection's HMAC handshake
     device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
+    cpu_threads: int = 0  # torch's intra-op threads for CPU codec work; 0 = torch's default (all cores)
     chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64

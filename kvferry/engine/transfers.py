@@ -84,8 +84,9 @@ class Transfer:
         """Until terminal or ``timeout`` seconds pass; True if terminal."""
         if not self.state.terminal:
             try:
-                await asyncio.wait_for(self._finished.wait(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    await self._finished.wait()
+            except TimeoutError:
                 pass
         return self.state.terminal
 

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from . import wire
@@ -68,8 +68,9 @@ class Receive:
                 self.fail(TransportTimeout(f"transfer {self.tag:#x}: no data for {timeout:g} s"))
                 break
             # TransportTimeout is itself a TimeoutError: look at the future, not the exception.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._future), remaining)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await asyncio.shield(self._future)
         return self._future.result()
 
     def cancel(self) -> None:
@@ -130,14 +131,16 @@ class Mailbox:
             connection._accept(receive, total)
         return receive
 
-    def _announce(self, connection: Connection, tag: int, total: int) -> None:
+    def _announce(self, connection: Connection, tag: int, total: int, eager: bool = False) -> None:
         refused = self._refused.pop(tag, None)
         if refused is not None:
             connection._reject(tag, refused)
             return
         receive = self._expected.get(tag)
         if receive is not None and receive.total is None:
-            connection._accept(receive, total)
+            connection._accept(receive, total, eager)
+        elif eager:  # its DATA is already on the way and has nowhere to go: it is discarded
+            connection._reject(tag, f"no receive posted for eager transfer {tag:#x}")
         elif receive is not None or tag in self._early:
             connection._reject(tag, f"transfer {tag:#x} is already in progress")
         elif len(self._early) >= self._max_early:
@@ -177,6 +180,13 @@ class _Window:
         self.used = 0
         self._changed = asyncio.Condition()
         self._error: Exception | None = None
+
+    def try_acquire(self, n: int) -> bool:
+        """Take room at once if there is some (the common case: no task, no wait)."""
+        if self._error is None and self.used + n <= self.capacity and not self._changed.locked():
+            self.used += n
+            return True
+        return False
 
     async def acquire(self, n: int, timeout: float) -> None:
         async with self._changed:
@@ -258,15 +268,16 @@ class Connection:
             self._close_callbacks.append(callback)
 
     # ---- messages of the layer above ---------------------------------------------------------
-    async def send_message(self, payload: bytes) -> None:
-        """Send one MSG, in order after everything written before it.
+    async def send_message(self, *payloads: bytes) -> None:
+        """Send MSGs, in order after everything written before them, in one write where possible.
 
         Raises:
-            ProtocolError: over ``wire.MAX_MESSAGE_BYTES``. PeerLost, TransportClosed, TransportTimeout.
+            ProtocolError: one is over ``wire.MAX_MESSAGE_BYTES``. PeerLost, TransportClosed, TransportTimeout.
         """
-        if len(payload) > wire.MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"message of {len(payload)} bytes is over {wire.MAX_MESSAGE_BYTES}")
-        await self._write(Message(MessageType.MSG, length=len(payload)), memoryview(payload))
+        for payload in payloads:
+            if len(payload) > wire.MAX_MESSAGE_BYTES:
+                raise ProtocolError(f"message of {len(payload)} bytes is over {wire.MAX_MESSAGE_BYTES}")
+        await self._write_many([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads])
 
     def post_message(self, payload: bytes) -> None:
         """Queue one MSG without waiting (from callbacks that cannot await); dropped if closed."""
@@ -275,9 +286,10 @@ class Connection:
             self._control.put_nowait(bytes(payload))
 
     # ---- sending -------------------------------------------------------------------------
-    async def send(self, tag: int, payload: Any, *, timeout: float | None = None) -> None:
+    async def send(self, tag: int, payload: Any, *, timeout: float | None = None, eager: bool = False) -> None:
         """Send ``payload`` (host or CUDA buffer) as transfer ``tag``; returns once the receiver
-        has every byte in its buffer.
+        has every byte in its buffer. ``eager``: the caller knows the receive is posted (the layer
+        above arranged it, in order on this connection), so DATA goes without waiting for CTS.
 
         Raises:
             TransferRejected: the receiver refused it (no receive posted in time is a timeout).
@@ -291,8 +303,11 @@ class Connection:
         data = Buffer(payload)
         state = self._sends[tag] = _Send()
         try:
-            await self._write(Message(MessageType.RTS, tag, total=data.nbytes))
-            await self._await(state.accepted, timeout, f"transfer {tag:#x}: receiver did not accept")
+            rts = Message(MessageType.RTS, tag, total=data.nbytes, flags=wire.FLAG_EAGER if eager else 0)
+            if not eager:
+                await self._write(rts)
+                await self._await(state.accepted, timeout, f"transfer {tag:#x}: receiver did not accept")
+                rts = None
             chunk = self._config.chunk_bytes
             for offset in range(0, data.nbytes, chunk):
                 n = min(chunk, data.nbytes - offset)
@@ -300,8 +315,11 @@ class Connection:
                 if self._pacer is not None:
                     await self._pacer.admit(n)
                 state.sent += n
-                await self._write(Message(MessageType.DATA, tag, offset, n, data.nbytes),
-                                  data.region(offset, offset + n))
+                message = (Message(MessageType.DATA, tag, offset, n, data.nbytes), data.region(offset, offset + n))
+                await self._write_many([(rts, None), message] if rts is not None else [message])
+                rts = None  # an eager RTS leaves with the first DATA, in the same write
+            if rts is not None:  # an empty eager transfer
+                await self._write(rts)
             await self._await(state.done, timeout, f"transfer {tag:#x}: receiver did not confirm")
         finally:
             del self._sends[tag]
@@ -310,6 +328,10 @@ class Connection:
 
     async def _room_for(self, state: _Send, n: int, timeout: float) -> None:
         """Wait for window room, but give up as soon as the receiver rejects the transfer."""
+        if state.done.done():
+            state.done.result()  # raises the rejection or connection failure
+        if self._window.try_acquire(n):
+            return
         acquire = asyncio.ensure_future(self._window.acquire(n, timeout))
         finished, _ = await asyncio.wait({acquire, state.done}, return_when=asyncio.FIRST_COMPLETED)
         if acquire in finished:
@@ -322,15 +344,24 @@ class Connection:
         state.done.result()  # raises the rejection or connection failure
         raise TransportClosed("transfer completed before it was sent")
 
-    async def _await(self, future: Awaitable, timeout: float, what: str) -> Any:
+    async def _await(self, future: asyncio.Future, timeout: float, what: str) -> Any:
+        if future.done():
+            return future.result()
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            if future.done():
+                return future.result()  # its own error, a TimeoutError too, is the one to raise
             raise TransportTimeout(f"{what} within {timeout:g} s") from None
 
     async def _write(self, message: Message, payload: Any = None) -> None:
-        """Write one message whole. A caller cancelled mid-write does not cut the message short
-        (the peer would lose framing): the write finishes in the background, holding the lock."""
+        await self._write_many([(message, payload)])
+
+    async def _write_many(self, messages: list[tuple[Message, Any]]) -> None:
+        """Write messages whole and in order, in as few system calls as the backend allows. A
+        caller cancelled mid-write does not cut a message short (the peer would lose framing):
+        the write finishes in the background, holding the lock."""
         self._check_open()
         await self._write_lock.acquire()
         try:
@@ -338,14 +369,29 @@ class Connection:
         except TransportError:
             self._write_lock.release()
             raise
-        write = asyncio.ensure_future(self._send_message(message, payload))
+        parts = []
+        for message, payload in messages:
+            parts.append(message.pack())
+            if payload is not None and len(payload):
+                parts.append(payload)
+        try:
+            rest = self.link.send_now(parts)  # most writes go out whole, here and now
+        except TransportError as exc:
+            self._write_lock.release()
+            await self._fail(exc)
+            raise
+        if not rest:
+            self._write_lock.release()
+            return
+        write = asyncio.ensure_future(self._send_message(rest))
         write.add_done_callback(lambda _: self._write_lock.release())
         await asyncio.shield(write)
 
-    async def _send_message(self, message: Message, payload: Any) -> None:
+    async def _send_message(self, parts: list[Any]) -> None:
         try:
-            await asyncio.wait_for(self.link.send(message.pack(), payload), self._config.op_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self._config.op_timeout):
+                await self.link.send_rest(parts)
+        except TimeoutError:
             # A write cut short leaves the stream mid-message: the connection cannot go on.
             exc = TransportTimeout(f"{self.peer}: a write made no progress for {self._config.op_timeout:g} s")
             await self._fail(exc)
@@ -361,7 +407,7 @@ class Connection:
         receive = self._mailbox.expect(tag, buffer)
         return await receive.wait(self._config.op_timeout if timeout is None else timeout)
 
-    def _accept(self, receive: Receive, total: int) -> None:
+    def _accept(self, receive: Receive, total: int, eager: bool = False) -> None:
         if self.closed:
             receive.fail(self._error)
             return
@@ -372,7 +418,8 @@ class Connection:
             return
         receive.total = total
         self._receives[receive.tag] = receive
-        self._control.put_nowait(Message(MessageType.CTS, receive.tag, total=total))
+        if not eager:
+            self._control.put_nowait(Message(MessageType.CTS, receive.tag, total=total))
         if total == 0:
             self._complete(receive)
 
@@ -388,17 +435,26 @@ class Connection:
         receive._finish()
 
     async def _control_loop(self) -> None:
-        """Writes CTS, REJECT and ACK, so the reader never blocks on the link."""
+        """Writes CTS, REJECT, ACK and queued MSGs, so the reader never blocks on the link; what
+        queued up meanwhile goes out in one write."""
         while True:
+            batch: list[tuple[Message, Any]] = []
             item = await self._control.get()
-            if item is None:
-                return
-            try:
+            while True:
+                if item is None:
+                    if batch:
+                        with contextlib.suppress(TransportError):
+                            await self._write_many(batch)
+                    return
                 if isinstance(item, Message) and item.type in (MessageType.REJECT, MessageType.MSG):
-                    payload = await self._control.get()
-                    await self._write(item, memoryview(payload))
+                    batch.append((item, memoryview(self._control.get_nowait())))
                 else:
-                    await self._write(item)
+                    batch.append((item, None))
+                if self._control.empty():
+                    break
+                item = self._control.get_nowait()
+            try:
+                await self._write_many(batch)
             except TransportError:
                 return
 
@@ -417,7 +473,7 @@ class Connection:
 
     async def _dispatch(self, m: Message) -> None:
         if m.type == MessageType.RTS:
-            self._mailbox._announce(self, m.tag, m.total)
+            self._mailbox._announce(self, m.tag, m.total, bool(m.flags & wire.FLAG_EAGER))
         elif m.type == MessageType.CTS:
             state = self._sends.get(m.tag)
             if state is not None and not state.accepted.done():

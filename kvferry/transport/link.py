@@ -26,6 +26,17 @@ class Link(ABC):
             PeerLost, TransportClosed.
         """
 
+    def send_now(self, parts: list[Any]) -> list[Any]:
+        """Write what of ``parts`` (headers and their payloads, in order, none empty) can be
+        written without waiting; returns what is left for ``send_rest`` (every part, for
+        backends that cannot write synchronously)."""
+        return parts
+
+    async def send_rest(self, parts: list[Any]) -> None:
+        """Finish a write ``send_now`` began (the parts it returned, in order)."""
+        for part in parts:
+            await self.send(part)
+
     @abstractmethod
     async def recv_header(self, size: int) -> bytes:
         """Receive the next header of exactly ``size`` bytes.

@@ -37,6 +37,31 @@ class TcpLink(Link):
         except OSError as exc:
             raise self._lost(exc) from exc
 
+    def send_now(self, parts: list[Any]) -> list[Any]:
+        """One non-blocking ``sendmsg`` of every part; what did not fit is returned."""
+        parts = [memoryview(_host_bytes(part)).cast("B") for part in parts]
+        try:
+            sent = self._sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            raise self._lost(exc) from exc
+        rest = []
+        for part in parts:
+            if sent >= len(part):
+                sent -= len(part)
+            else:
+                rest.append(part[sent:])
+                sent = 0
+        return rest
+
+    async def send_rest(self, parts: list[Any]) -> None:
+        try:
+            for part in parts:
+                await self._loop.sock_sendall(self._sock, part)
+        except OSError as exc:
+            raise self._lost(exc) from exc
+
     async def recv_header(self, size: int) -> bytes:
         buf = bytearray(size)
         await self._recv_exactly(memoryview(buf))

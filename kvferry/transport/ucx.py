@@ -77,6 +77,15 @@ class UcxLink(Link):
         except (UCXError, UCXCanceled, UCXCloseError) as exc:
             raise self._lost(exc) from exc
 
+    async def send_rest(self, parts: list[Any]) -> None:
+        """Each part is one UCX message (a header, or a payload as it is: host or CUDA)."""
+        try:
+            for part in parts:
+                await self._ep.send(np.frombuffer(part, dtype=np.uint8) if isinstance(part, (bytes, memoryview))
+                                    else part)
+        except (UCXError, UCXCanceled, UCXCloseError) as exc:
+            raise self._lost(exc) from exc
+
     async def recv_header(self, size: int) -> bytes:
         buf = np.empty(size, dtype=np.uint8)
         await self._recv(buf)

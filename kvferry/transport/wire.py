@@ -7,7 +7,7 @@ and MSG only, by ``length`` payload bytes:
          0    4 magic b"KVFT"
          4    1 version (2)
          5    1 type (MessageType)
-         6    2 flags (bit 0: DONE on ACK)
+         6    2 flags (bit 0: DONE on ACK; bit 1: EAGER on RTS)
          8    8 tag: the transfer this message belongs to
         16    8 offset: DATA: byte offset of the payload in the transfer
         24    8 length: HELLO/AUTH/REJECT/DATA/MSG: payload bytes that follow; ACK: bytes acknowledged
@@ -27,7 +27,9 @@ MSG carries a small opaque message of the layer above (the engine's peer protoco
 the connection's other messages.
 
 A transfer: the sender announces it (RTS, tag, total); the receiver, once a buffer is ready,
-answers CTS (or REJECT with a UTF-8 reason); DATA chunks follow, interleaved with other
+answers CTS (or REJECT with a UTF-8 reason). An EAGER RTS is for a receive the layer above knows
+is posted already: DATA follows at once and no CTS comes (if none is posted: REJECT, and the
+DATA is discarded); DATA chunks follow, interleaved with other
 transfers' chunks on the same connection; the receiver ACKs bytes as they land (the sender's
 window) and sets DONE when the last byte is written. GOODBYE ends a connection cleanly.
 """
@@ -44,7 +46,8 @@ from .errors import ProtocolError
 
 MAGIC = b"KVFT"
 VERSION = 2
-FLAG_DONE = 0x1
+FLAG_DONE = 0x1  # on ACK: the last byte is written
+FLAG_EAGER = 0x2  # on RTS: DATA follows at once, without waiting for CTS (the receive must be posted)
 _LAYOUT = struct.Struct("<4sBBHQQQQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _LAYOUT.size + _CRC.size
@@ -101,7 +104,7 @@ def unpack(data: bytes | bytearray | memoryview) -> Message:
         message_type = MessageType(kind)
     except ValueError:
         raise ProtocolError(f"unknown message type {kind}") from None
-    if reserved or flags & ~FLAG_DONE:
+    if reserved or flags & ~(FLAG_DONE | FLAG_EAGER):
         raise ProtocolError("reserved bits set")
     if message_type == MessageType.DATA and offset + length > total:
         raise ProtocolError(f"DATA [{offset}, {offset + length}) beyond transfer size {total}")

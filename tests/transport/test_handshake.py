@@ -84,3 +84,26 @@ def test_receive_timeout_raises_instead_of_spinning():
             await listener.close()
 
     run(main())
+
+
+def test_eager_send_to_a_posted_receive_and_to_none(backend):
+    async def main():
+        cfg = config(backend)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        client = await transport.connect("127.0.0.1", listener.port, cfg)
+        try:
+            buffer = bytearray(3 << 20)
+            receive = listener.expect(1, buffer)
+            await client.send(1, b"\x07" * (3 << 20), eager=True)  # several DATA messages, no CTS
+            assert await receive.wait(5) == 3 << 20 and buffer == bytearray(b"\x07" * (3 << 20))
+            with pytest.raises(transport.TransferRejected, match="eager"):
+                await client.send(2, b"\x01" * (2 << 20), eager=True)  # nothing posted: refused, bytes dropped
+            late = bytearray(16)
+            again = listener.expect(3, late)
+            await client.send(3, b"z" * 16)  # the connection carries on
+            assert await again.wait(5) == 16 and late == bytearray(b"z" * 16)
+        finally:
+            await client.close()
+            await listener.close()
+
+    run(main())
