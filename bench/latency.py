@@ -56,7 +56,7 @@ def run(client: Client, peer: str, n: int, codec: str) -> dict:
         for stage in STAGES:
             if stage in record["stages"]:
                 stages[stage].append(record["stages"][stage] * 1e3)
-    return {"n": n, "engine_ms": engine_ms, "client_ms": client_ms,
+    return {"n": n, "engine_ms": engine_ms, "client_ms": client_ms, "path": record["choice_reason"],
             "stages_median_ms": {s: statistics.median(v) for s, v in stages.items() if v}}
 
 
@@ -99,7 +99,8 @@ def main() -> int:
                   "host": platform.node(), "cpu": platform.processor() or platform.machine(),
                   "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
                   "n": first["n"], **summary(first["engine_ms"]),
-                  "client": summary(first["client_ms"]), "stages_median_ms": first["stages_median_ms"]}
+                  "client": summary(first["client_ms"]), "stages_median_ms": first["stages_median_ms"],
+                  "path": first["path"]}
         if args.long:
             long = run(sender, peer, args.long, args.codec)
             head, tail = long["engine_ms"][:1000], long["engine_ms"][-1000:]
@@ -127,7 +128,8 @@ def main() -> int:
         client = row.get("client", {})
         print(f"{name:<22}{row.get('n', 1000):>7}{row['median_ms']:>11.3f}{row['p99_ms']:>9.3f}"
               f"{client.get('median_ms', float('nan')):>15.3f}{client.get('p99_ms', float('nan')):>12.3f}")
-    print("\nstages, median ms since submit: " + ", ".join(f"{k} {v:.3f}" for k, v in result["stages_median_ms"].items()))
+    print(f"\npath: {result['path']}")
+    print("stages, median ms since submit: " + ", ".join(f"{k} {v:.3f}" for k, v in result["stages_median_ms"].items()))
     return 0
 
 

@@ -35,6 +35,7 @@ class RawCodec:
     frame_id = int(FrameCodec.STORED)
     lossless = True
     standalone = True
+    identity = True  # blocks go as they are: a same-host write may replace its frames
 
     def supports(self, dtype: torch.dtype) -> bool:
         try:

@@ -40,7 +40,8 @@ class Codec(Protocol):
 
     ``frame_id`` is the codec byte of its frames. ``lossless`` codecs reproduce every bit; only
     lossless codecs are candidates for ``auto``, and only if ``standalone`` (they need nothing
-    but the data and a codebook they can calibrate from it).
+    but the data and a codebook they can calibrate from it). A codec may also say
+    ``identity = True`` (its frames hold the blocks as they are; ``raw``).
     """
 
     name: str

@@ -24,7 +24,7 @@ import torch
 
 from kvferry import __version__, codec as codecs, transport
 
-from . import peer
+from . import ipc, peer
 from .blocks import Blocks
 from .errors import (BadRequest, Conflict, EngineError, NotFound, PeerError, ProtocolViolation, TransferFailed,
                      UnknownCodec)
@@ -72,6 +72,7 @@ class _Link:
 
     connection: transport.Connection
     reply: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     incoming: _Incoming | None = None  # the receiving side's pipeline
 
 
@@ -114,6 +115,7 @@ class Engine:
         self.pool: transport.Pool | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
         self._links: dict[str, _Link] = {}  # transfer id -> its peer link, while it runs
+        self._mapper = ipc.Mapper()  # receivers' GPU memory lent to us, opened once
         self.ready = False
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -124,7 +126,7 @@ class Engine:
         self.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self._on_message)
         self.metrics.info.info({"version": __version__, "transport_backend": self.backend, "device": str(self.device),
                                 "codecs": ",".join(codecs.names())})
-        sample = min(self.chunk_bytes, GPU_CHUNK_BYTES if self.device.type == "cuda" else 1 << 20)
+        sample = min(self.chunk_bytes, 16 << 20 if self.device.type == "cuda" else 1 << 20)
         await asyncio.to_thread(self.codec.measure, codecs.lossless(), self.device, sample)
         self.ready = True
         log.info("data plane: %s listener on %s:%d; codecs on %s: %s", self.backend, self.settings.data_host,
@@ -148,6 +150,7 @@ class Engine:
             await self.pool.close()
         if self.listener is not None:
             await self.listener.close()
+        self._mapper.close()
         self.regions.close()
         transport.shutdown_backends()
 
@@ -309,45 +312,28 @@ class Engine:
             raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
         link = self._links[t.id] = _Link(connection)
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
-        # Small chunks of host memory ride inline, in the announce's own write.
-        inline, total = [], 0
-        for index, (pair_index, start, count) in enumerate(plan):
-            region = pairs[pair_index].region
-            size = codec.capacity((count, *region.block_shape), region.tensor.dtype)
-            if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total + size > peer.INLINE_TOTAL_BYTES:
-                break
-            frame = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
-            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, frame.numpy().tobytes()))))
-            total += size
+        # GPU blocks may be written straight into a receiver on this host (it says in its ACCEPT),
+        # unless a transfer asked for a codec that changes the bytes.
+        offer = (ipc.available() and all(p.region.tensor.is_cuda for p in pairs)
+                 and (spec.codec == "auto" or getattr(codec, "identity", False)) and book is None)
+        inline = [] if offer else await self._inline_chunks(t, plan, pairs, codec, codebook)
         announce = peer.Announce(
             codec=chosen, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
             pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk)
                         for (_, dst), p in zip(spec.pairs, pairs)),
             codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8),
-            inline_chunks=len(inline))
+            inline_chunks=len(inline), host=ipc.host_id() if offer else bytes(16))
         wire_start = time.perf_counter()
         await connection.send_message(peer.pack(peer.Message(t.id, announce)), *inline)
         t.mark("announced")
         if inline:
             t.mark("first_byte")
-        slots = asyncio.Semaphore(self.settings.max_inflight_chunks)
-        sends: list[asyncio.Task] = []
-        try:
-            for index, (pair_index, start, count) in enumerate(plan):
-                if index < len(inline):
-                    continue
-                await slots.acquire()
-                if link.reply.done() or any(task.done() and task.exception() for task in sends):
-                    break
-                payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
-                self.metrics.inflight_chunks.inc()
-                eager = index < len(inline) + peer.EAGER_CHUNKS
-                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots, eager)))
-            await self._first(link, asyncio.gather(*sends))
-        finally:
-            for task in sends:
-                task.cancel()
-        t.mark("last_byte")
+        if offer:
+            accept = await self._accepted(link)
+            if accept.targets:
+                await self._write_same_host(t, spec, pairs, accept.targets)
+                return
+        await self._stream(t, connection, link, plan, pairs, codec, codebook, len(inline))
         wire_s = time.perf_counter() - wire_start
         self.metrics.wire_seconds.inc(wire_s)
         self.policy.observe_link(t.peer, t.bytes_wire, wire_s)
@@ -357,6 +343,94 @@ class Engine:
         t.blocks_done = done.blocks
         self._finish(t, State.DONE)
         self.policy.observe_transfer(t.peer, chosen, raw_bytes, time.perf_counter() - t.submitted)
+
+    async def _inline_chunks(self, t: Transfer, plan: list[tuple[int, int, int]], pairs: list[_Pair],
+                             codec: codecs.Codec, codebook: Any) -> list[bytes]:
+        """The leading small chunks of host memory, encoded as CHUNK messages for the announce's write."""
+        inline, total = [], 0
+        for index, (pair_index, start, count) in enumerate(plan):
+            region = pairs[pair_index].region
+            size = codec.capacity((count, *region.block_shape), region.tensor.dtype)
+            if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total + size > peer.INLINE_TOTAL_BYTES:
+                break
+            frame = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
+            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, frame.numpy().tobytes()))))
+            total += size
+        return inline
+
+    async def _stream(self, t: Transfer, connection: transport.Connection, link: _Link,
+                      plan: list[tuple[int, int, int]], pairs: list[_Pair], codec: codecs.Codec, codebook: Any,
+                      inline: int) -> None:
+        """The chunks after the inline ones, as transport transfers: encoded while earlier ones
+        are on the wire, at most ``max_inflight_chunks`` encoded and unacknowledged."""
+        slots = asyncio.Semaphore(self.settings.max_inflight_chunks)
+        sends: list[asyncio.Task] = []
+        try:
+            for index, (pair_index, start, count) in enumerate(plan):
+                if index < inline:
+                    continue
+                await slots.acquire()
+                if link.reply.done() or any(task.done() and task.exception() for task in sends):
+                    break
+                payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
+                self.metrics.inflight_chunks.inc()
+                eager = index < inline + peer.EAGER_CHUNKS
+                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots, eager)))
+            await self._first(link, asyncio.gather(*sends))
+        finally:
+            for task in sends:
+                task.cancel()
+        t.mark("last_byte")
+
+    async def _accepted(self, link: _Link) -> peer.Accept:
+        """The receiver's ACCEPT (or its refusal, raised)."""
+        timeout = self.settings.transfer_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.wait({link.accepted, link.reply}, return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            raise PeerError(f"the receiver did not answer the announce within {timeout:g} s") from None
+        if link.reply.done() and link.reply.exception() is not None:
+            raise link.reply.exception()
+        if not link.accepted.done():
+            raise ProtocolViolation("the receiver said DONE before it accepted")
+        return link.accepted.result()
+
+    async def _write_same_host(self, t: Transfer, spec: TransferSpec, pairs: list[_Pair],
+                               targets: tuple[peer.Target, ...]) -> None:
+        """Write the blocks into the receiver's lent GPU memory, then tell it (WRITTEN) and wait
+        for its DONE."""
+        if len(targets) != len(pairs):
+            raise ProtocolViolation(f"{len(targets)} targets for {len(pairs)} region pairs")
+        link = self._links[t.id]
+        identity = next(c.name for c in codecs.lossless() if getattr(c, "identity", False))
+        t.chosen_codec = identity
+        t.choice_reason = "same host: written straight into the receiver's GPU memory (CUDA IPC)"
+        raw = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
+
+        def write() -> None:
+            resolved: dict[tuple[int, str], torch.Tensor] = {}
+            for pair, target in zip(pairs, targets):
+                region = pair.region
+                remote = self._mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
+                key = (target.num_blocks, str(remote.device))
+                if key not in resolved:
+                    resolved[key] = spec.dst_blocks.resolve(target.num_blocks, remote.device)
+                bits = codecs.layout_by_name(region.dtype).int_dtype
+                blocks = region.tensor.view(bits).index_select(0, pair.ids).to(remote.device, non_blocking=True)
+                remote.view(bits).index_copy_(0, resolved[key], blocks)
+
+        try:
+            await self.codec.call("encode", pairs[0].region.tensor.device, raw, write)
+        except (RuntimeError, EngineError) as exc:
+            raise PeerError(f"cannot write into the receiver's GPU memory: {exc}") from exc
+        t.bytes_raw = raw
+        t.mark("first_byte")
+        t.mark("last_byte")
+        await link.connection.send_message(peer.pack(peer.Message(t.id, peer.Written(len(spec.dst_blocks)))))
+        done = await self._reply(link, self.settings.transfer_timeout)
+        t.blocks_done = done.blocks
+        self._finish(t, State.DONE)
 
     async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: _Pair, start: int, count: int,
                             codebook: Any, index: int) -> torch.Tensor:
@@ -425,6 +499,11 @@ class Engine:
         elif isinstance(body, peer.Accept):
             if t is not None:
                 t.mark("accepted")
+            if not link.accepted.done():
+                link.accepted.set_result(body)
+        elif isinstance(body, peer.Written):
+            if link.incoming is None or not link.incoming.written_by_peer(body):
+                self._abort_protocol(t, connection, "WRITTEN for a transfer that lent no memory")
         elif not link.reply.done():
             if isinstance(body, peer.Done):
                 link.reply.set_result(body)
@@ -445,14 +524,37 @@ class Engine:
             self.listener.mailbox.refuse(tags, f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
-        incoming = _Incoming(self, t, pairs, plan, tags, codec, book, announce.inline_chunks)
+        targets = self._lend(announce, pairs)
+        incoming = _Incoming(self, t, pairs, plan, tags, codec, book, announce.inline_chunks, bool(targets))
         link = self._links[t.id] = _Link(connection, incoming=incoming)
         connection.on_close(lambda c, exc: self._lost(t, link, exc))
         t.move(State.RUNNING)
-        incoming.post_ahead()
-        if announce.inline_chunks < len(plan):
-            connection.post_message(peer.pack(peer.Message(t.id, peer.Accept())))
+        if not targets:
+            incoming.post_ahead()
+        if targets or announce.host != bytes(16) or announce.inline_chunks < len(plan):
+            connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
         t.task = asyncio.create_task(incoming.run())
+
+    def _lend(self, announce: peer.Announce, pairs: list[_Pair]) -> tuple[peer.Target, ...]:
+        """IPC targets for a sender on this host that offered to write our GPU regions itself."""
+        if announce.host != ipc.host_id() or not ipc.available():
+            return ()
+        if not all(p.region.tensor.is_cuda for p in pairs):
+            return ()
+        targets = []
+        try:
+            for p in pairs:
+                region = p.region
+                if region.ipc_export is not None:
+                    handle, offset = region.ipc_export
+                    uuid = ipc.device_uuid(region.tensor.device.index)
+                else:
+                    handle, offset, uuid = ipc.export(region.tensor)
+                targets.append(peer.Target(handle, offset, uuid, region.num_blocks))
+        except RuntimeError as exc:
+            log.info("streaming instead of lending GPU memory: %s", exc)
+            return ()
+        return tuple(targets)
 
     def _abort_protocol(self, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
         self.metrics.errors.labels("ProtocolViolation").inc()
@@ -569,14 +671,33 @@ class _Incoming:
     """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
 
     def __init__(self, engine: Engine, t: Transfer, pairs: list[_Pair], plan: list[tuple[int, int, int]],
-                 tags: list[int], codec: codecs.Codec, book: Any, inline_chunks: int = 0):
+                 tags: list[int], codec: codecs.Codec, book: Any, inline_chunks: int = 0, lent: bool = False):
         self.engine, self.t, self.pairs, self.plan, self.tags = engine, t, pairs, plan, tags
         self.codec, self.book = codec, book
         loop = asyncio.get_running_loop()
+        self.written: asyncio.Future | None = loop.create_future() if lent else None
         self.inline: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(min(inline_chunks, len(plan)))}
         self.receives: dict[int, transport.Receive] = {}
         self.ahead = max(engine.settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS)
         self.completed = 0
+
+    def written_by_peer(self, written: peer.Written) -> bool:
+        if self.written is None or self.written.done() or written.blocks != self.t.blocks:
+            return False
+        self.written.set_result(written.blocks)
+        return True
+
+    async def _lent(self, timeout: float) -> None:
+        """The sender writes our lent memory itself: wait for its WRITTEN."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.written
+        except TimeoutError:
+            raise PeerError(f"the sender did not write within {timeout:g} s") from None
+        self.t.mark("last_byte")
+        self.t.blocks_done = self.t.blocks * len(self.pairs)
+        self.t.bytes_raw = sum(self.t.blocks * p.region.block_bytes for p in self.pairs)
+        self.completed = len(self.plan)
 
     def arrived(self, chunk: peer.Chunk) -> bool:
         """An inline chunk came; False if none such was announced (or it came twice). The
@@ -619,7 +740,9 @@ class _Incoming:
         engine, t = self.engine, self.t
         timeout = engine.settings.transfer_timeout
         try:
-            for i, (pair_index, start, count) in enumerate(self.plan):
+            if self.written is not None:
+                await self._lent(timeout)
+            for i, (pair_index, start, count) in enumerate(self.plan if self.written is None else ()):
                 frame, nbytes = await self._next_frame(i, timeout)
                 if i == 0:
                     t.mark("first_byte")

@@ -17,9 +17,12 @@ u32 count, i32 stride)).
 
     ANNOUNCE  str8 codec, str8 dtype, str8 codebook ("" = none), 8 bytes codebook digest,
               blocks dst_blocks, u16 pairs, per pair: str8 dst region, u8 ndim, ndim × u32
-              block shape, u32 blocks per chunk; then u32 inline chunks
+              block shape, u32 blocks per chunk; then u32 inline chunks, 16 bytes host id (all 0:
+              no same-host write offered)
     CHUNK     u32 chunk index, then the chunk's frame (the rest of the message)
-    ACCEPT    (no body)
+    ACCEPT    u16 targets (0, or one per pair: the receiver takes the same-host write offer), per
+              target: 64 bytes CUDA IPC handle, u64 offset, 16 bytes GPU UUID, u32 region blocks
+    WRITTEN   u32 blocks: the sender wrote every block into the targets (its GPU work finished)
     REJECT    str8 error class, str16 reason     the receiver refused the announce; nothing written
     DONE      u32 blocks written, u64 raw bytes, u64 wire bytes   every block is written
     CANCEL    str16 reason                       either side gives the transfer up
@@ -65,6 +68,7 @@ class Kind(IntEnum):
     CANCEL = 5
     ERROR = 6
     CHUNK = 7
+    WRITTEN = 8
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,22 @@ class Announce:
     codebook: str = ""
     codebook_digest: bytes = bytes(8)
     inline_chunks: int = 0
+    host: bytes = bytes(16)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A destination region lent for a same-host write (``ipc.py``)."""
+
+    handle: bytes
+    offset: int
+    device_uuid: bytes
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class Written:
+    blocks: int
 
 
 @dataclass(frozen=True)
@@ -119,12 +139,13 @@ class Error:
 
 @dataclass(frozen=True)
 class Accept:
-    pass
+    targets: tuple[Target, ...] = ()
 
 
-Body = Announce | Accept | Reject | Done | Cancel | Error | Chunk
+Body = Announce | Accept | Reject | Done | Cancel | Error | Chunk | Written
 _KIND = {Announce: Kind.ANNOUNCE, Accept: Kind.ACCEPT, Reject: Kind.REJECT, Done: Kind.DONE,
-         Cancel: Kind.CANCEL, Error: Kind.ERROR, Chunk: Kind.CHUNK}
+         Cancel: Kind.CANCEL, Error: Kind.ERROR, Chunk: Kind.CHUNK, Written: Kind.WRITTEN}
+HANDLE_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -181,7 +202,18 @@ def pack(message: Message) -> bytes:
                 out += [_str(pair.dst_region, 1), struct.pack(f"<B{len(pair.block_shape)}I", len(pair.block_shape),
                                                               *pair.block_shape),
                         struct.pack("<I", pair.blocks_per_chunk)]
-            out.append(struct.pack("<I", body.inline_chunks))
+            if len(body.host) != 16:
+                raise ProtocolViolation("a host id is 16 bytes")
+            out += [struct.pack("<I", body.inline_chunks), bytes(body.host)]
+        elif isinstance(body, Accept):
+            out.append(struct.pack("<H", len(body.targets)))
+            for target in body.targets:
+                if len(target.handle) != HANDLE_BYTES or len(target.device_uuid) != 16:
+                    raise ProtocolViolation("bad IPC target")
+                out += [target.handle, struct.pack("<Q", target.offset), target.device_uuid,
+                        struct.pack("<I", target.num_blocks)]
+        elif isinstance(body, Written):
+            out.append(struct.pack("<I", body.blocks))
         elif isinstance(body, Chunk):
             out += [struct.pack("<I", body.index), body.frame]
         elif isinstance(body, (Reject, Error)):
@@ -286,12 +318,18 @@ def unpack(data: bytes) -> Message:
                 raise ProtocolViolation("zero blocks per chunk")
             pairs.append(PairLayout(name, tuple(shape), per_chunk))
         (inline,) = r.unpack("I")
-        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline)
+        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, r.take(16))
     elif kind == Kind.CHUNK:
         (index,) = r.unpack("I")
         body = Chunk(index, r.take(len(data) - r.at))
     elif kind == Kind.ACCEPT:
-        body = Accept()
+        (count,) = r.unpack("H")
+        if count > MAX_PAIRS:
+            raise ProtocolViolation(f"accept of {count} targets")
+        body = Accept(tuple(Target(r.take(HANDLE_BYTES), r.unpack("Q")[0], r.take(16), r.unpack("I")[0])
+                            for _ in range(count)))
+    elif kind == Kind.WRITTEN:
+        body = Written(*r.unpack("I"))
     elif kind == Kind.REJECT:
         body = Reject(r.text(1), r.text(2))
     elif kind == Kind.ERROR:

@@ -48,6 +48,7 @@ class Region:
     tensor: torch.Tensor
     busy: set[str] = field(default_factory=set)  # ids of transfers reading or writing it
     axes: tuple[str, ...] | None = None
+    ipc_export: tuple[bytes, int] | None = None  # cuda_ipc: the worker's (handle, offset), to lend on
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
 
     @property
@@ -127,8 +128,9 @@ class RegionTable:
             tensor, keepalive = _open_cuda_ipc(spec, shape, dtype)
         else:
             raise BadRequest(f"unknown region kind {spec.kind!r}")
+        export = ((base64.b64decode(spec.ipc_handle), spec.offset) if spec.kind == "cuda_ipc" else None)
         region = Region(name, spec.kind, spec.num_blocks, tuple(spec.block_shape), spec.dtype, tensor,
-                        axes=tuple(spec.axes) if spec.axes else None, _keepalive=keepalive)
+                        axes=tuple(spec.axes) if spec.axes else None, ipc_export=export, _keepalive=keepalive)
         self._regions[name] = region
         return region
 

@@ -17,13 +17,18 @@ GOLDEN = {
         "splitzip", "bfloat16", Blocks(ranges=(Range(4, 3, 2),)),
         (peer.PairLayout("l0", (2, 16), 8), peer.PairLayout("l1", (2, 16), 8)), "kb", bytes(range(8)))),
         HEAD.format(kind=1) + "0873706c69747a69700862666c6f61743136026b620001020304050607010100000004000000030000"
-        "00020000000200026c3002020000001000000008000000026c310202000000100000000800000000000000"),
+        "00020000000200026c3002020000001000000008000000026c310202000000100000000800000000000000"
+        + "00" * 16),
     "announce_ids": (peer.Message(TID, peer.Announce("raw", "float16", Blocks(ids=(5, 1)),
-                                                      (peer.PairLayout("d", (4,), 1),), inline_chunks=1)),
+                                                      (peer.PairLayout("d", (4,), 1),), inline_chunks=1,
+                                                      host=bytes(range(16)))),
                      HEAD.format(kind=1) + "0372617707666c6f617431360000000000000000000002000000050000000100000001"
-                     "00016401040000000100000001000000"),
+                     "00016401040000000100000001000000000102030405060708090a0b0c0d0e0f"),
     "chunk": (peer.Message(TID, peer.Chunk(3, b"KVFZ\x01")), HEAD.format(kind=7) + "030000004b56465a01"),
-    "accept": (peer.Message(TID, peer.Accept()), HEAD.format(kind=2)),
+    "accept": (peer.Message(TID, peer.Accept()), HEAD.format(kind=2) + "0000"),
+    "accept_ipc": (peer.Message(TID, peer.Accept((peer.Target(bytes(range(64)), 4096, bytes([9] * 16), 80),))),
+                   HEAD.format(kind=2) + "0100" + bytes(range(64)).hex() + "0010000000000000" + "09" * 16 + "50000000"),
+    "written": (peer.Message(TID, peer.Written(7)), HEAD.format(kind=8) + "07000000"),
     "reject": (peer.Message(TID, peer.Reject("NotFound", "no region named 'x'")),
                HEAD.format(kind=3) + "084e6f74466f756e6413006e6f20726567696f6e206e616d656420277827"),
     "done": (peer.Message(TID, peer.Done(3, 1024, 900)), HEAD.format(kind=4) + "0300000000040000000000008403000000000000"),
@@ -42,8 +47,8 @@ def test_golden_bytes(name):
 
 
 def test_header_fields():
-    raw = bytes.fromhex(GOLDEN["accept"][1])
-    assert len(raw) == peer.HEADER_SIZE == 24 and raw[:4] == b"KVFP" and raw[4] == peer.VERSION
+    raw = bytes.fromhex(GOLDEN["written"][1])
+    assert len(raw) == peer.HEADER_SIZE + 4 and peer.HEADER_SIZE == 24 and raw[:4] == b"KVFP" and raw[4] == peer.VERSION
     with pytest.raises(ProtocolViolation, match="version"):
         peer.unpack(raw[:4] + b"\x02" + raw[5:])
     with pytest.raises(ProtocolViolation, match="magic"):
@@ -60,8 +65,6 @@ def test_truncated_and_mutated_messages_raise_only_protocol_violation():
         raw = bytes.fromhex(hexed)
         complete_at = peer.HEADER_SIZE + 4 if raw[5] == peer.Kind.CHUNK else len(raw)  # a frame is any length
         for cut in range(complete_at):
-            if cut == peer.HEADER_SIZE and raw[5] == peer.Kind.ACCEPT:
-                continue
             with pytest.raises(ProtocolViolation):
                 peer.unpack(raw[:cut])
         for _ in range(300):

@@ -1,0 +1,140 @@
+"""Same-host GPU writes: NIXL's model on one node. A receiver whose destination regions are on a
+GPU lends their CUDA IPC handles, in its ACCEPT, to the (authenticated) sender on the same host;
+the sender writes the blocks straight into that memory with one gather-scatter on its GPU and
+says WRITTEN. No staging buffer, no message per chunk, no codec: on one host the copy engine
+outruns any codec, so this path moves blocks as they are.
+
+Handles are per allocation (``cuMemGetAddressRange`` finds its base), opened once and cached by
+the sender, and meaningful only on this host: a peer elsewhere never gets one (``HOST_ID``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import socket
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+_OPEN_LIMIT = 64
+
+
+@functools.cache
+def host_id() -> bytes:
+    """16 bytes naming this host's boot: two sidecars share it only on the same machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return hashlib.blake2b(f"{socket.gethostname()}:{boot}".encode(), digest_size=16).digest()
+
+
+@functools.cache
+def available() -> bool:
+    """A GPU and CuPy's runtime binding (the IPC calls) are here."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a receiver's region lies, for a sender on the same host."""
+
+    handle: bytes
+    offset: int
+    device_uuid: bytes
+    num_blocks: int
+
+
+def device_uuid(index: int) -> bytes:
+    return uuid.UUID(str(torch.cuda.get_device_properties(index).uuid)).bytes
+
+
+def export(tensor: torch.Tensor) -> tuple[bytes, int, bytes]:
+    """(IPC handle of the allocation holding ``tensor``, its offset in it, the GPU's UUID).
+
+    Raises:
+        RuntimeError: not a CUDA tensor, or the driver refuses.
+    """
+    import cupy
+
+    if not tensor.is_cuda:
+        raise RuntimeError("only CUDA memory can be lent over CUDA IPC")
+    pointer = tensor.data_ptr()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                                  ctypes.c_uint64(pointer))
+    if status != 0:
+        raise RuntimeError(f"cuMemGetAddressRange failed with CUDA error {status}")
+    with cupy.cuda.Device(tensor.device.index):
+        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base.value))
+    return handle, pointer - base.value, device_uuid(tensor.device.index)
+
+
+class Mapper:
+    """The sender's opened handles (opening costs milliseconds; a transfer reuses them)."""
+
+    def __init__(self) -> None:
+        self._open: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # handle -> (base pointer, device)
+
+    def tensor(self, target: Target, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The receiver's region as a tensor here.
+
+        Raises:
+            RuntimeError: its GPU is not visible here, or the handle does not open.
+        """
+        import cupy
+
+        device = _local_index(target.device_uuid)
+        entry = self._open.get(target.handle)
+        if entry is None:
+            with cupy.cuda.Device(device):
+                base = cupy.cuda.runtime.ipcOpenMemHandle(target.handle)
+            entry = self._open[target.handle] = (base, device)
+            while len(self._open) > _OPEN_LIMIT:
+                _, (old, old_device) = self._open.popitem(last=False)
+                with cupy.cuda.Device(old_device):
+                    cupy.cuda.runtime.ipcCloseMemHandle(old)
+        else:
+            self._open.move_to_end(target.handle)
+        base, device = entry
+        nbytes = 1
+        for dim in shape:
+            nbytes *= dim
+        nbytes *= torch.empty((), dtype=dtype).element_size()
+        memory = cupy.cuda.UnownedMemory(base + target.offset, nbytes, owner=None, device_id=device)
+        array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        return torch.as_tensor(array, device=f"cuda:{device}").view(dtype).view(shape)
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        import cupy
+
+        for base, device in self._open.values():
+            with cupy.cuda.Device(device):
+                cupy.cuda.runtime.ipcCloseMemHandle(base)
+        self._open.clear()
+
+
+@functools.cache
+def _uuids() -> dict[bytes, int]:
+    return {device_uuid(i): i for i in range(torch.cuda.device_count())}
+
+
+def _local_index(uuid_bytes: bytes) -> int:
+    try:
+        return _uuids()[uuid_bytes]
+    except KeyError:
+        raise RuntimeError(f"the receiver's GPU {uuid.UUID(bytes=uuid_bytes)} is not visible here") from None
