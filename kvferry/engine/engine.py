@@ -268,14 +268,13 @@ class Engine:
         return [requested]
 
     def _named_codebook(self, name: str | None, candidates: list[str]) -> tuple[str, Any, str] | None:
+        """The named codebook; it is used if the chosen codec is the one it is for (a transfer
+        that ends up raw needs none)."""
         if name is None:
             return None  # each chunk calibrates on itself where the codec needs a codebook
         if name not in self.codebooks:
             raise NotFound(f"no codebook named {name!r}")
-        entry = self.codebooks[name]
-        if entry[0] not in candidates:
-            raise BadRequest(f"codebook {name!r} is for {entry[0]}, the transfer may use {candidates}")
-        return entry
+        return self.codebooks[name]
 
     async def _run_outgoing(self, t: Transfer, spec: TransferSpec, pairs: list[_Pair], candidates: list[str],
                             book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
@@ -297,14 +296,14 @@ class Engine:
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
         t.move(State.RUNNING)
         raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
-        if book is not None:
-            chosen, t.choice_reason = book[0], "the codebook's codec"
-        elif len(candidates) == 1:
+        if len(candidates) == 1:
             chosen, t.choice_reason = candidates[0], "requested"
         else:
             chosen, t.choice_reason = self.policy.choose(t.peer, raw_bytes, self.chunk_bytes, candidates)
         t.chosen_codec = chosen
         codec = codecs.get(chosen)
+        if book is not None and book[0] != chosen:
+            book = None
         codebook = book[1] if book is not None else None
         try:
             connection = await self.pool.get(*address)
@@ -315,7 +314,7 @@ class Engine:
         # GPU blocks may be written straight into a receiver on this host (it says in its ACCEPT),
         # unless a transfer asked for a codec that changes the bytes.
         offer = (ipc.available() and all(p.region.tensor.is_cuda for p in pairs)
-                 and (spec.codec == "auto" or getattr(codec, "identity", False)) and book is None)
+                 and (spec.codec == "auto" or getattr(codec, "identity", False)))
         inline = [] if offer else await self._inline_chunks(t, plan, pairs, codec, codebook)
         announce = peer.Announce(
             codec=chosen, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
@@ -545,12 +544,12 @@ class Engine:
         try:
             for p in pairs:
                 region = p.region
-                if region.ipc_export is not None:
-                    handle, offset = region.ipc_export
-                    uuid = ipc.device_uuid(region.tensor.device.index)
-                else:
-                    handle, offset, uuid = ipc.export(region.tensor)
-                targets.append(peer.Target(handle, offset, uuid, region.num_blocks))
+                if region.ipc_export is None:  # owned GPU memory: exported once, lent on
+                    handle, offset, _ = ipc.export(region.tensor)
+                    region.ipc_export = (handle, offset)
+                handle, offset = region.ipc_export
+                targets.append(peer.Target(handle, offset, ipc.device_uuid(region.tensor.device.index),
+                                           region.num_blocks))
         except RuntimeError as exc:
             log.info("streaming instead of lending GPU memory: %s", exc)
             return ()

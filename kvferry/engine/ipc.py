@@ -57,6 +57,7 @@ class Target:
     num_blocks: int
 
 
+@functools.cache
 def device_uuid(index: int) -> bytes:
     return uuid.UUID(str(torch.cuda.get_device_properties(index).uuid)).bytes
 
@@ -87,6 +88,7 @@ class Mapper:
 
     def __init__(self) -> None:
         self._open: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # handle -> (base pointer, device)
+        self._views: dict[tuple, torch.Tensor] = {}  # (handle, offset, shape, dtype) -> tensor
 
     def tensor(self, target: Target, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The receiver's region as a tensor here.
@@ -94,6 +96,11 @@ class Mapper:
         Raises:
             RuntimeError: its GPU is not visible here, or the handle does not open.
         """
+        key = (target.handle, target.offset, shape, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            self._open.move_to_end(target.handle)
+            return view
         import cupy
 
         device = _local_index(target.device_uuid)
@@ -103,7 +110,8 @@ class Mapper:
                 base = cupy.cuda.runtime.ipcOpenMemHandle(target.handle)
             entry = self._open[target.handle] = (base, device)
             while len(self._open) > _OPEN_LIMIT:
-                _, (old, old_device) = self._open.popitem(last=False)
+                handle, (old, old_device) = self._open.popitem(last=False)
+                self._views = {k: v for k, v in self._views.items() if k[0] != handle}
                 with cupy.cuda.Device(old_device):
                     cupy.cuda.runtime.ipcCloseMemHandle(old)
         else:
@@ -115,9 +123,11 @@ class Mapper:
         nbytes *= torch.empty((), dtype=dtype).element_size()
         memory = cupy.cuda.UnownedMemory(base + target.offset, nbytes, owner=None, device_id=device)
         array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
-        return torch.as_tensor(array, device=f"cuda:{device}").view(dtype).view(shape)
+        view = self._views[key] = torch.as_tensor(array, device=f"cuda:{device}").view(dtype).view(shape)
+        return view
 
     def close(self) -> None:
+        self._views.clear()
         if not self._open:
             return
         import cupy

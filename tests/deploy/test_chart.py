@@ -77,6 +77,23 @@ def test_sidecar_ports_probes_and_settings_match_the_daemon():
         assert key in fields, f"values.config.{key} is not a daemon setting"
         assert env[f"KVFERRY_{key.upper()}"]["value"] == str(value)  # one-to-one, no float formatting
     assert sidecar["securityContext"]["runAsNonRoot"] is True
+    # Listening on the pod's address takes both secrets, which the chart creates by default.
+    assert sidecar["args"][:2] == ["--host", "0.0.0.0"] and "--data-host" in sidecar["args"]
+    assert env["KVFERRY_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
+    assert env["KVFERRY_PEER_SECRET"]["valueFrom"]["secretKeyRef"]["key"] == "peer-secret"
+    secrets = {d["metadata"]["name"]: d for d in render({}) if d["kind"] == "Secret"}
+    assert set(secrets) == {"test-kvferry-token", "test-kvferry-peer"}
+    assert all(len(s["data"][k]) >= 40 for s in secrets.values() for k in s["data"])
+
+
+def test_no_secret_no_listener():
+    chart = helm_python.Chart.load(str(CHART))
+    try:
+        for values in ({"token": {"create": False}}, {"peerSecret": {"create": False}}):
+            with pytest.raises(helm_python.HelmError, match="secret|Secret"):
+                chart.render(values, name="test")
+    finally:
+        chart.close()
 
 
 def test_all_options_turn_on_rdma_token_and_ucx():
@@ -84,6 +101,7 @@ def test_all_options_turn_on_rdma_token_and_ucx():
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["KVFERRY_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
     assert [e["name"] for e in sidecar["env"]].count("KVFERRY_TOKEN") == 1
+    assert env["KVFERRY_PEER_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "kv-peers"
     assert env["UCX_TLS"]["value"] == "rc,cuda_copy,cuda_ipc,tcp" and env["UCX_RNDV_THRESH"]["value"] == "8k"
     assert env["KVFERRY_TRANSFER_TIMEOUT"]["value"] == "12.5"
     assert "IPC_LOCK" in sidecar["securityContext"]["capabilities"]["add"]

@@ -22,6 +22,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.token.existingSecret -}}{{ .Values.token.existingSecret }}{{- else -}}{{ include "kvferry.fullname" . }}-token{{- end -}}
 {{- end -}}
 
+{{- define "kvferry.peerSecret" -}}
+{{- if .Values.peerSecret.existingSecret -}}{{ .Values.peerSecret.existingSecret }}{{- else -}}{{ include "kvferry.fullname" . }}-peer{{- end -}}
+{{- end -}}
+
 {{/*
 The sidecar container. Include it in your worker pod's containers:
   containers:
@@ -33,7 +37,8 @@ The sidecar container. Include it in your worker pod's containers:
 - name: kvferry
   image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  args: ["--port", "{{ .Values.ports.control }}", "--data-port", "{{ .Values.ports.data }}"]
+  args: ["--host", "0.0.0.0", "--port", "{{ .Values.ports.control }}",
+         "--data-host", "0.0.0.0", "--data-port", "{{ .Values.ports.data }}"]
   ports:
     - {name: control, containerPort: {{ .Values.ports.control }}, protocol: TCP}
     - {name: data, containerPort: {{ .Values.ports.data }}, protocol: TCP}
@@ -41,7 +46,7 @@ The sidecar container. Include it in your worker pod's containers:
     - name: KVFERRY_ADVERTISE_HOST
       valueFrom: {fieldRef: {fieldPath: status.podIP}}
     {{- range $key, $value := .Values.config }}
-    {{- if ne $key "token" }}{{/* the token only ever comes from a Secret */}}
+    {{- if not (has $key (list "token" "peer_secret")) }}{{/* secrets only ever come from a Secret */}}
     - name: {{ printf "KVFERRY_%s" (upper $key) }}
       {{- /* YAML integers arrive as floats: print whole numbers without an exponent */}}
       value: {{ if and (kindIs "float64" $value) (eq (floor $value) $value) }}{{ int64 $value | quote }}{{ else }}{{ $value | quote }}{{ end }}
@@ -49,10 +54,16 @@ The sidecar container. Include it in your worker pod's containers:
     {{- end }}
     - {name: HOME, value: /tmp}  # the root filesystem is read-only; caches (CuPy kernels) go to /tmp
     - {name: CUPY_CACHE_DIR, value: /tmp/cupy}
-    {{- if or .Values.token.existingSecret .Values.token.create }}
+    {{- if not (or .Values.token.existingSecret .Values.token.create) }}
+    {{- fail "the control API listens on the pod's address: set token.existingSecret or token.create" }}
+    {{- end }}
     - name: KVFERRY_TOKEN
       valueFrom: {secretKeyRef: {name: {{ include "kvferry.tokenSecret" . }}, key: token}}
+    {{- if not (or .Values.peerSecret.existingSecret .Values.peerSecret.create) }}
+    {{- fail "the data port listens on the pod's address: set peerSecret.existingSecret or peerSecret.create" }}
     {{- end }}
+    - name: KVFERRY_PEER_SECRET
+      valueFrom: {secretKeyRef: {name: {{ include "kvferry.peerSecret" . }}, key: peer-secret}}
     - name: NVIDIA_VISIBLE_DEVICES
       value: {{ .Values.gpuVisibility | quote }}
     {{- with .Values.ucx.tls }}
