@@ -99,7 +99,7 @@ def _raw_send(port: int, size: int, count: int) -> float:
 
 
 def _spawn(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
-    command = [sys.executable, "-m", "transport.bench", "--role", role, "--backend", args.backend,
+    command = [sys.executable, "-m", "kvferry.transport.bench", "--role", role, "--backend", args.backend,
                "--size", str(args.size), "--count", str(args.count), "--chunk", str(args.chunk),
                "--window", str(args.window), "--device", args.device]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
