@@ -36,15 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the sidecar daemon (control API + data listener)")
     serve.add_argument("--config", help="YAML settings file (also KVFERRY_CONFIG)")
     serve.add_argument("--host", help="control API bind address (default 127.0.0.1; others need a token)")
-    serve.add_argument("--port", type=int, help="control API port (default 7700)")
+    serve.add_argument("--port", help="control API port (default 7700)")
     serve.add_argument("--data-host", help="data listener bind address (default 127.0.0.1; others need a peer secret)")
-    serve.add_argument("--data-port", type=int, help="data listener port (default 7701; 0 = any)")
+    serve.add_argument("--data-port", help="data listener port (default 7701; 0 = any)")
     serve.add_argument("--advertise-host", help="address peers use for the data port")
     serve.add_argument("--token", help="bearer token for the control API (also KVFERRY_TOKEN)")
     serve.add_argument("--peer-secret", help="secret shared by all sidecars, for the data connection's handshake "
                                              "(also KVFERRY_PEER_SECRET)")
     serve.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
-    serve.add_argument("--chunk-bytes", type=int,
+    serve.add_argument("--chunk-bytes",
                        help="raw KV bytes per pipeline chunk (default 0: 256 MiB on a GPU, 4 MiB on a CPU)")
     serve.add_argument("--transport-backend", choices=("auto", "ucxx", "tcp"))
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
@@ -70,9 +70,14 @@ def _serve(args: argparse.Namespace) -> int:
     from kvferry.api.app import create_app
 
     cli = {k: v for k, v in vars(args).items() if k not in ("command", "run", "config")}
-    settings = settings_module.load(cli, config_file=args.config)
     try:
+        settings = settings_module.load(cli, config_file=args.config)
         settings.check()
+        if settings.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device: {settings.device!r} but no CUDA GPU is visible")
     except ValueError as exc:
         print(f"kvferry serve: {exc}", file=sys.stderr)
         return 2

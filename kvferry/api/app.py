@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -22,7 +23,7 @@ from kvferry.engine.regions import RegionSpec
 from kvferry.engine.settings import Settings
 
 from . import errors
-from .models import NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
+from .models import ERRORS, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
 
 log = logging.getLogger("kvferry.api")
 
@@ -31,18 +32,22 @@ def engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-def authorized(request: Request) -> None:
+bearer = HTTPBearer(auto_error=False, description="the sidecar's token (KVFERRY_TOKEN)")
+
+
+def authorized(request: Request,
+               _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)] = None) -> None:
+    """The token, checked again where a route declares it (``Guard`` checked it before the body)."""
     token = request.app.state.settings.token
-    supplied = request.headers.get("authorization", "")
-    if token and not hmac.compare_digest(supplied.encode(), f"Bearer {token}".encode()):
+    if token and not token_ok(request.headers.get("authorization", ""), token):
         raise Unauthorized("missing or wrong bearer token")
 
 
 EngineDep = Annotated[Engine, Depends(engine)]
 health = APIRouter(tags=["health"])
-regions = APIRouter(prefix="/v1/regions", tags=["regions"], dependencies=[Depends(authorized)])
-transfers = APIRouter(prefix="/v1/transfers", tags=["transfers"], dependencies=[Depends(authorized)])
-codebooks = APIRouter(prefix="/v1/codebooks", tags=["codebooks"], dependencies=[Depends(authorized)])
+regions = APIRouter(prefix="/v1/regions", tags=["regions"], dependencies=[Depends(authorized)], responses=ERRORS)
+transfers = APIRouter(prefix="/v1/transfers", tags=["transfers"], dependencies=[Depends(authorized)], responses=ERRORS)
+codebooks = APIRouter(prefix="/v1/codebooks", tags=["codebooks"], dependencies=[Depends(authorized)], responses=ERRORS)
 
 
 @health.get("/healthz")
@@ -80,7 +85,7 @@ async def create_region(body: RegionBody, e: EngineDep) -> dict:
     fields = body.model_dump()
     fields["block_shape"] = tuple(fields["block_shape"])
     fields["axes"] = tuple(fields["axes"]) if fields["axes"] else None
-    return e.register_region(RegionSpec(**fields)).describe()
+    return (await e.register_region(RegionSpec(**fields))).describe()
 
 
 @regions.get("")
@@ -187,13 +192,14 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await e.close()
 
-    app = FastAPI(title="kvferry sidecar", version=__version__, lifespan=lifespan,
+    # No Swagger UI or ReDoc: they load scripts from a CDN. The schema is at /openapi.json.
+    app = FastAPI(title="kvferry sidecar", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Lossless compressed KV-cache transfer between GPU workers.")
     app.state.settings = settings
     app.state.http_requests = 0
     for router in (health, regions, transfers, codebooks):
         app.include_router(router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Guard, max_bytes=settings.max_body_bytes, token=settings.token)
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, exc: EngineError) -> JSONResponse:
@@ -206,28 +212,73 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-class BodyLimit:
-    """Refuses a request whose declared body is over ``max_bytes`` before reading any of it, and
-    counts requests (``kvferry_http_requests_total``: sidecars must not call each other).
+PUBLIC_PATHS = ("/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
+
+
+class Guard:
+    """Before any handler reads a byte of the body: the token is checked (on every path but the
+    public ones) and a body over ``max_bytes`` is refused — declared by Content-Length, or counted
+    as it streams in (chunked), reading at most ``max_bytes`` + one message. It also counts requests
+    (``kvferry_http_requests_total``: sidecars must not call each other).
 
     Plain ASGI rather than ``@app.middleware("http")``, which wraps every request and response
     in extra tasks and streams: that cost a millisecond per call.
     """
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, token: str):
         self.app = app
         self.max_bytes = max_bytes
+        self.token = token
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            engine_ = getattr(scope["app"].state, "engine", None) if "app" in scope else None
-            if engine_ is not None:
-                engine_.metrics.http_requests.labels(scope["method"]).inc()
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        engine_ = getattr(scope["app"].state, "engine", None) if "app" in scope else None
+        if engine_ is not None:
+            engine_.metrics.http_requests.labels(scope["method"]).inc()
+        headers = dict(scope["headers"])
+        if self.token and scope["path"] not in PUBLIC_PATHS and not token_ok(headers.get(b"authorization", b""),
+                                                                               self.token):
+            await errors.response(Unauthorized("missing or wrong bearer token"))(scope, receive, send)
+            return
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
                 await errors.response(PayloadTooLarge(f"request body over {self.max_bytes} bytes"))(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
+        # No declared length (chunked): read it here, up to the limit, then hand it on whole.
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                await errors.response(PayloadTooLarge(f"request body over {self.max_bytes} bytes"))(scope, receive, send)
+                return
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def token_ok(supplied: bytes | str, token: str) -> bool:
+    """Constant-time comparison of an Authorization header with ``Bearer <token>``."""
+    if isinstance(supplied, str):
+        supplied = supplied.encode()
+    return hmac.compare_digest(supplied, f"Bearer {token}".encode())
 
 
 def _plain(errors_) -> str:

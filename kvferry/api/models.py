@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from kvferry.engine.blocks import MAX_BLOCKS, Blocks, Range
 
@@ -16,8 +16,8 @@ ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
 class RegionBody(BaseModel):
     name: str = Field(pattern=NAME)
     kind: Literal["owned", "shm", "cuda_ipc"] = "owned"
-    num_blocks: int = Field(gt=0, le=MAX_BLOCKS)
-    block_shape: list[Annotated[int, Field(gt=0)]] = Field(min_length=1, max_length=7)
+    num_blocks: StrictInt = Field(gt=0, le=MAX_BLOCKS)
+    block_shape: list[Annotated[StrictInt, Field(gt=0, le=1 << 31)]] = Field(min_length=1, max_length=7)
     dtype: Literal["bfloat16", "float16", "float8_e5m2", "float8_e4m3fn"]
     axes: list[Annotated[str, Field(max_length=32)]] | None = Field(
         default=None, description="names of the block dimensions, e.g. [token, head, channel]")
@@ -28,9 +28,11 @@ class RegionBody(BaseModel):
 
 
 class RangeBody(BaseModel):
-    start: int = Field(ge=0)
-    count: int = Field(gt=0, le=MAX_BLOCKS)
-    stride: int = Field(default=1)
+    model_config = ConfigDict(extra="forbid")
+
+    start: StrictInt = Field(ge=0)
+    count: StrictInt = Field(gt=0, le=MAX_BLOCKS)
+    stride: StrictInt = Field(default=1)
 
     @field_validator("stride")
     @classmethod
@@ -44,7 +46,8 @@ class RangesBody(BaseModel):
     ranges: list[RangeBody] = Field(min_length=1, max_length=4096)
 
 
-BlockList = list[Annotated[int, Field(ge=0)]] | RangesBody
+BlockId = Annotated[StrictInt, Field(ge=0, lt=1 << 32)]  # true and "1" are not block ids
+BlockList = list[BlockId] | RangesBody
 
 
 def to_blocks(value: BlockList) -> Blocks:
@@ -105,3 +108,18 @@ class CalibrateBody(BaseModel):
     blocks: BlockList
     codec: str = Field(default="splitzip", pattern=r"^[a-z0-9_]{1,32}$")
     token_axis: int | None = Field(default=None, ge=0, le=6, description="block dimension that is the token axis")
+
+
+class ErrorBody(BaseModel):
+    """Every error's body: the engine's error class and what went wrong."""
+
+    error: str = Field(description="the error class, e.g. NotFound; the client SDK raises the same class")
+    detail: str
+    state: str | None = Field(default=None, description="TransferFailed only: failed or cancelled")
+
+
+ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
+    (400, "malformed or inconsistent input"), (401, "missing or wrong bearer token"),
+    (404, "no such region, transfer or codebook"), (409, "conflict, or the transfer failed (TransferFailed)"),
+    (413, "body or region above its limit"), (422, "request does not match its schema"),
+    (429, "too many transfers in progress (retry)"), (502, "the peer sidecar refused or failed"))}

@@ -4,7 +4,10 @@ engine's own exception classes, and ``wait`` on a failed transfer raises ``Trans
 
 from __future__ import annotations
 
+import os
+import random
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +16,7 @@ import httpx
 from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
 
 TERMINAL = ("done", "failed", "cancelled")
+RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
 Blocks = Sequence[int] | range | dict[str, Any]
 
 
@@ -29,9 +33,14 @@ def blocks_json(blocks: Blocks) -> list[int] | dict[str, Any]:
 class Client:
     """Synchronous client of one sidecar's control API."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0):
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0, retries: int = 6,
+                 shm_prefix: str = "kvferry-"):
+        """``retries``: how often a 429 or 503 is tried again (exponential backoff with jitter,
+        0.05 s doubling to 2 s); ``shm_prefix``: the sidecar's ``shm_prefix`` setting."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self._retries = retries
+        self._shm_prefix = shm_prefix
 
     def close(self) -> None:
         self._http.close()
@@ -43,7 +52,15 @@ class Client:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = self._http.request(method, path, **kwargs)
+        delay = 0.05
+        for _ in range(self._retries):
+            response = self._http.request(method, path, **kwargs)
+            if response.status_code not in RETRY_STATUSES:
+                break
+            time.sleep(delay * (0.5 + random.random()))  # jitter: retries of many clients spread out
+            delay = min(2.0, delay * 2)
+        else:
+            response = self._http.request(method, path, **kwargs)
         if response.status_code >= 400:
             try:
                 body = response.json()
@@ -85,7 +102,9 @@ class Client:
             from multiprocessing import shared_memory
 
             nbytes = tensor.numel() * tensor.element_size()
-            shm = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
+            shm = shared_memory.SharedMemory(name=f"{self._shm_prefix}{uuid.uuid4().hex}", create=True,
+                                             size=max(1, nbytes))
+            os.fchmod(shm._fd, 0o660)  # the sidecar may run as another user of the pod's group
             view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
             view.copy_(tensor.contiguous().view(-1).view(torch.uint8).cpu())
             del view
@@ -98,6 +117,9 @@ class Client:
 
     def region(self, name: str) -> dict:
         return self._call("GET", f"/v1/regions/{name}").json()
+
+    def list_regions(self) -> list[dict]:
+        return self._call("GET", "/v1/regions").json()
 
     def delete_region(self, name: str) -> None:
         self._call("DELETE", f"/v1/regions/{name}")

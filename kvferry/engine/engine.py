@@ -91,7 +91,7 @@ class Engine:
             self.device = torch.device(wanted)
         else:
             self.device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else "cpu")
-        self.regions = RegionTable(self.device)
+        self.regions = RegionTable(self.device, settings.max_region_bytes, settings.shm_prefix)
         self.transfers = TransferTable(settings.max_concurrent_transfers)
         self.metrics = Metrics()
         self.codebooks: dict[str, tuple[str, Any, str]] = {}  # name -> (codec, codebook, its JSON)
@@ -108,7 +108,8 @@ class Engine:
             backend=settings.transport_backend, chunk_bytes=message_bytes,
             max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
             op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
-            secret=settings.peer_secret.encode(),
+            secret=settings.peer_secret.encode(), max_connections=settings.max_connections,
+            idle_timeout=settings.idle_timeout,
             ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options})
         self.backend = transport.resolve_backend(self.transport_config)
         self.listener: transport.Listener | None = None
@@ -155,9 +156,12 @@ class Engine:
         transport.shutdown_backends()
 
     # ---- regions and codebooks ----------------------------------------------------------------
-    def register_region(self, spec: RegionSpec) -> Region:
-        """Raises: Conflict, BadRequest."""
-        return self.regions.register(spec)
+    async def register_region(self, spec: RegionSpec) -> Region:
+        """Register memory; a large allocation runs off the event loop.
+
+        Raises: Conflict, BadRequest, PayloadTooLarge (over ``max_region_bytes``).
+        """
+        return self.regions.add(await asyncio.to_thread(self.regions.prepare, spec))
 
     def delete_region(self, name: str) -> None:
         """Raises: NotFound, Conflict (a transfer uses it)."""
@@ -186,8 +190,8 @@ class Engine:
         codec = self._codec(codec_name)
         try:
             book = codec.codebook_from_json(text)
-        except codecs.CodecError as exc:
-            raise BadRequest(f"not a {codec_name} codebook: {exc}") from exc
+        except (codecs.CodecError, ValueError, TypeError, RecursionError, OverflowError) as exc:
+            raise BadRequest(f"not a {codec_name} codebook: {type(exc).__name__}: {exc}") from None
         return self._keep_codebook(name, codec, book)
 
     def calibrate_codebook(self, name: str, codec_name: str, region_name: str, blocks: Blocks | list[int],

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .blocks import Blocks
-from .errors import BadRequest, Conflict, NotFound
+from .errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
           "float8_e4m3fn": torch.float8_e4m3fn}
@@ -82,9 +82,11 @@ class Region:
 
 
 class RegionTable:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, max_bytes: int = 1 << 62, shm_prefix: str = "kvferry-"):
         self.device = device
         self._regions: dict[str, Region] = {}
+        self._max_bytes = max_bytes
+        self._shm_prefix = shm_prefix
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -99,10 +101,28 @@ class RegionTable:
         return list(self._regions.values())
 
     def register(self, spec: RegionSpec) -> Region:
-        """Create a region.
+        """Create a region (``prepare`` then ``add``).
 
         Raises:
             Conflict: the name is taken. BadRequest: inconsistent layout or unusable memory.
+            PayloadTooLarge: an owned region above the memory budget.
+        """
+        return self.add(self.prepare(spec))
+
+    def add(self, region: Region) -> Region:
+        """Raises: Conflict (the name was taken meanwhile; the region is released)."""
+        if region.name in self._regions:
+            region.release()
+            raise Conflict(f"region {region.name!r} already exists")
+        self._regions[region.name] = region
+        return region
+
+    def prepare(self, spec: RegionSpec) -> Region:
+        """Validate ``spec`` and allocate or map its memory, without adding it (so a large
+        allocation may run off the event loop).
+
+        Raises:
+            Conflict, BadRequest, PayloadTooLarge: as ``register``.
         """
         name = spec.name
         if name in self._regions:
@@ -115,12 +135,18 @@ class RegionTable:
             raise BadRequest(f"axes {list(spec.axes)} do not name the {len(spec.block_shape)} block dimensions")
         dtype = DTYPES[spec.dtype]
         shape = (spec.num_blocks, *spec.block_shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if spec.kind == "owned" and nbytes > self._max_bytes:
+            raise PayloadTooLarge(f"region {name!r} of {nbytes} bytes is over the {self._max_bytes}-byte budget "
+                                  "(max_region_bytes)")
         keepalive = None
         if spec.kind == "owned":
             tensor = torch.zeros(shape, dtype=dtype, device=self.device)
         elif spec.kind == "shm":
             if not spec.shm_name:
                 raise BadRequest("kind=shm needs shm_name")
+            if not spec.shm_name.startswith(self._shm_prefix) or "/" in spec.shm_name:
+                raise BadRequest(f"shm_name must start with {self._shm_prefix!r} (shm_prefix) and hold no '/'")
             tensor, keepalive = _map_shm(spec.shm_name, shape, dtype)
         elif spec.kind == "cuda_ipc":
             if not spec.ipc_handle:
@@ -129,10 +155,8 @@ class RegionTable:
         else:
             raise BadRequest(f"unknown region kind {spec.kind!r}")
         export = ((base64.b64decode(spec.ipc_handle), spec.offset) if spec.kind == "cuda_ipc" else None)
-        region = Region(name, spec.kind, spec.num_blocks, tuple(spec.block_shape), spec.dtype, tensor,
-                        axes=tuple(spec.axes) if spec.axes else None, ipc_export=export, _keepalive=keepalive)
-        self._regions[name] = region
-        return region
+        return Region(name, spec.kind, spec.num_blocks, tuple(spec.block_shape), spec.dtype, tensor,
+                      axes=tuple(spec.axes) if spec.axes else None, ipc_export=export, _keepalive=keepalive)
 
     def delete(self, name: str) -> None:
         region = self.get(name)

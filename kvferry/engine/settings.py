@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,11 @@ class Settings:
     chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64
-    max_body_bytes: int = 64 * MiB
+    max_body_bytes: int = 64 * MiB  # a request body (chunked or not) above this is refused unread
+    max_region_bytes: int = 64 << 30  # an owned region above this is refused (413)
+    shm_prefix: str = "kvferry-"  # kind=shm maps only POSIX segments whose name starts with this
+    max_connections: int = 256  # data-port connections at once, handshaking ones included
+    idle_timeout: float = 300.0  # an accepted data connection with nothing in flight this long is closed
     transfer_timeout: float = 30.0  # no progress for this long fails a transfer
     transport_backend: str = "auto"  # auto, ucxx, tcp
     transport_chunk_bytes: int = 0  # largest message; 0 = a whole pipeline chunk's frame on a GPU, 16 MiB on the CPU
@@ -46,11 +51,27 @@ class Settings:
         return values
 
     def check(self) -> None:
-        """Secure by default: nothing listens beyond loopback without a token and a peer secret.
+        """Values that parse but cannot work, and secure defaults: nothing listens beyond loopback
+        without a token and a peer secret.
 
         Raises:
-            ValueError: a non-loopback bind without the secret that guards it.
+            ValueError: naming the setting and its value.
         """
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(f"device: {self.device!r} is not auto, cpu, cuda or cuda:N")
+        if self.transport_backend not in ("auto", "ucxx", "tcp"):
+            raise ValueError(f"transport_backend: {self.transport_backend!r} is not auto, ucxx or tcp")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level: {self.log_level!r} is not debug, info, warning or error")
+        for name in ("port", "data_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name}: {getattr(self, name)} is not a port")
+        for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes", "max_region_bytes",
+                     "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: {getattr(self, name)} must be positive")
+        if self.transfer_timeout <= 0 or self.idle_timeout <= 0:
+            raise ValueError("transfer_timeout and idle_timeout must be positive")
         if not _loopback(self.host) and not self.token:
             raise ValueError(f"the control API would listen on {self.host} without a token: set KVFERRY_TOKEN "
                              "(or bind it to 127.0.0.1)")
@@ -67,14 +88,27 @@ FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 
 def _coerce(name: str, value: Any) -> Any:
+    """One setting's value in its type.
+
+    Raises:
+        ValueError: naming the setting and the value.
+    """
     kind = type(getattr(Settings(), name))
-    if name == "ucx_options":
-        if isinstance(value, str):  # KEY=VALUE,KEY=VALUE
-            return dict(item.split("=", 1) for item in value.split(",") if item)
-        return dict(value)
-    if kind is bool:
-        return str(value).lower() in ("1", "true", "yes", "on")
-    return kind(value)
+    try:
+        if name == "ucx_options":
+            if isinstance(value, str):  # KEY=VALUE,KEY=VALUE
+                return dict(item.split("=", 1) for item in value.split(",") if item)
+            return dict(value)
+        if kind is bool:
+            return str(value).lower() in ("1", "true", "yes", "on")
+        if kind in (int, float) and isinstance(value, bool):
+            raise TypeError
+        converted = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: {value!r} is not a valid {kind.__name__}") from None
+    if kind is float and converted != converted:
+        raise ValueError(f"{name}: {value!r} is not a number")
+    return converted
 
 
 def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
@@ -86,11 +120,20 @@ def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None
     if config_file:
         import yaml
 
-        document = yaml.safe_load(Path(config_file).read_text()) or {}
+        try:
+            document = yaml.safe_load(Path(config_file).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read {config_file}: {exc}") from None
+        if not isinstance(document, dict):
+            raise ValueError(f"{config_file} is not a mapping of settings")
         unknown = set(document) - set(FIELDS)
         if unknown:
             raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}")
         values.update(document)
+    known = {f"KVFERRY_{name.upper()}" for name in FIELDS} | {"KVFERRY_CONFIG"}
+    unknown_env = sorted(k for k in environ if k.startswith("KVFERRY_") and k not in known)
+    if unknown_env:
+        raise ValueError(f"unknown settings in the environment: {unknown_env}")
     for name in FIELDS:
         key = f"KVFERRY_{name.upper()}"
         if key in environ:

@@ -37,6 +37,10 @@ class TransportConfig:
     close_timeout: float = 5.0
     # Link emulation for benchmarks: pace DATA to this many bytes/s per connection (0 = off).
     pace_bytes_per_s: float = 0.0
+    # A listener's limits: connections at once (handshaking ones included; more are closed at
+    # once), and how long an accepted connection with nothing in flight may stay silent.
+    max_connections: int = 256
+    idle_timeout: float = 300.0
     # The shared peer secret both ends of a connection must prove they hold (HMAC handshake).
     secret: bytes = field(default=b"", repr=False)
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
@@ -46,5 +50,6 @@ class TransportConfig:
             raise ValueError(f"backend must be auto, ucxx or tcp, not {self.backend!r}")
         if self.chunk_bytes <= 0 or self.max_inflight_bytes < self.chunk_bytes:
             raise ValueError("need 0 < chunk_bytes <= max_inflight_bytes")
-        if min(self.connect_timeout, self.op_timeout, self.close_timeout) <= 0:
+        if min(self.connect_timeout, self.op_timeout, self.close_timeout, self.idle_timeout) <= 0 \
+                or self.max_connections <= 0:
             raise ValueError("timeouts must be positive")

@@ -250,12 +250,18 @@ class Connection:
         self._close_callbacks: list[Callable[[Connection, Exception], None]] = []
         self._error: Exception | None = None
         self._closed = asyncio.Event()
+        self.last_activity = time.monotonic()
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         self._controller = asyncio.get_running_loop().create_task(self._control_loop())
 
     @property
     def closed(self) -> bool:
         return self._error is not None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight either way (an idle connection may be closed without harm)."""
+        return not self._sends and not self._receives
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
@@ -369,6 +375,7 @@ class Connection:
         except TransportError:
             self._write_lock.release()
             raise
+        self.last_activity = time.monotonic()
         parts = []
         for message, payload in messages:
             parts.append(message.pack())
@@ -462,6 +469,7 @@ class Connection:
         try:
             while True:
                 message = wire.unpack(await self.link.recv_header(wire.HEADER_SIZE))
+                self.last_activity = time.monotonic()
                 await self._dispatch(message)
         except TransportError as exc:
             await self._fail(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from . import handshake
 from .config import TransportConfig
@@ -24,17 +25,32 @@ class Listener:
         self._config = config
         self._handle = None
         self._connections: set[Connection] = set()
+        self._links = 0  # accepted links, handshaking or connected
         self._closed = False
+        self._refusals = _RateLimitedLog()
+        self._watchdog: asyncio.Task | None = None
 
     async def _on_link(self, link: Link) -> None:
-        if self._closed:
+        if self._closed or self._links >= self._config.max_connections:
+            if not self._closed:
+                self._refusals.warn(f"refused a connection from {link.peer}: {self._links} connections "
+                                    f"already (max_connections)")
             await link.close()
             return
+        self._links += 1
+        try:
+            await self._serve(link)
+        finally:
+            self._links -= 1
+
+    async def _serve(self, link: Link) -> None:
         try:
             await handshake.acceptor(link, self._config.secret, self._config.connect_timeout)
         except TransportError as exc:
-            log.warning("refused a connection from %s: %s: %s", link.peer, type(exc).__name__, exc)
+            self._refusals.warn(f"refused a connection from {link.peer}: {type(exc).__name__}: {exc}")
             return
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._close_idle())
         connection = Connection(link, self._config, self.mailbox, self.on_message)
         self._connections.add(connection)
         log.debug("accepted connection %d from %s", connection.id, connection.peer)
@@ -42,6 +58,18 @@ class Listener:
             await connection.wait_closed()  # ucxx keeps a link while its handler runs
         finally:
             self._connections.discard(connection)
+
+    async def _close_idle(self) -> None:
+        """Close accepted connections silent for ``idle_timeout`` with nothing in flight (their
+        senders reconnect on next use)."""
+        period = max(0.05, self._config.idle_timeout / 4)
+        while not self._closed:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for connection in list(self._connections):
+                if connection.idle and now - connection.last_activity > self._config.idle_timeout:
+                    log.info("closing idle connection %d from %s", connection.id, connection.peer)
+                    await connection.close()
 
     def expect(self, tag: int, buffer) -> object:
         """Post a receive for transfer ``tag`` (see ``Mailbox.expect``)."""
@@ -53,6 +81,8 @@ class Listener:
         Connections close first: a backend may keep the port bound while a handler still runs.
         """
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await asyncio.gather(*(c.close() for c in list(self._connections)), return_exceptions=True)
         if self._handle is not None:
             await self._handle.close()
@@ -109,6 +139,10 @@ class Pool:
         key = (host, port)
         async with self._locks.setdefault(key, asyncio.Lock()):
             connection = self._connections.get(key)
+            stale = (connection is not None and connection.idle
+                     and time.monotonic() - connection.last_activity > self._config.idle_timeout / 2)
+            if stale:  # the listener may be closing it just now: start afresh rather than race it
+                await connection.close()
             if connection is None or connection.closed:
                 connection = await connect(host, port, self._config, backend=self._backend,
                                            on_message=self._on_message)
@@ -127,3 +161,21 @@ class Pool:
         connections, self._connections = list(self._connections.values()), {}
         with contextlib.suppress(Exception):
             await asyncio.gather(*(c.close() for c in connections), return_exceptions=True)
+
+
+class _RateLimitedLog:
+    """At most one warning a second for a repeated peer error, with how many were not logged."""
+
+    def __init__(self, period: float = 1.0):
+        self._period = period
+        self._last = 0.0
+        self._dropped = 0
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self._period:
+            self._dropped += 1
+            return
+        suffix = f" ({self._dropped} more like it not logged)" if self._dropped else ""
+        log.warning("%s%s", message, suffix)
+        self._last, self._dropped = now, 0
