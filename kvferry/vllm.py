@@ -145,6 +145,8 @@ class KvferryConnector(KVConnectorBase_V1):
         blocks = _first_group(block_ids)
         ours = remote_params(request_id, blocks, self.config, num_tokens=request.num_computed_tokens)
         ours["block_size"] = self.block_size
+        if params.get("kvferry_codec"):  # the client's choice for this request, else the decode's setting
+            ours["codec"] = str(params["kvferry_codec"])
         return True, {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: ours}
 
     # ---- worker side -----------------------------------------------------------------------

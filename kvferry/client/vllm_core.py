@@ -70,11 +70,13 @@ class ConnectorConfig:
     stats_path: str = ""  # decode: append one JSON line per received request (wait, bytes, ratio)
     shm_prefix: str = "kvferry-"  # the local sidecar's shm_prefix setting (CPU mirrors are named so)
 
-    ENV = {"url": "KVFERRY_URL", "token": "KVFERRY_TOKEN", "remote_token": "KVFERRY_REMOTE_TOKEN",
-           "advertise_url": "KVFERRY_ADVERTISE_URL", "codec": "KVFERRY_CODEC",
-           "lease_seconds": "KVFERRY_LEASE_SECONDS", "load_timeout": "KVFERRY_LOAD_TIMEOUT",
-           "poll_seconds": "KVFERRY_POLL_SECONDS", "region": "KVFERRY_REGION", "stats_path": "KVFERRY_STATS_PATH",
-           "shm_prefix": "KVFERRY_SHM_PREFIX"}
+    # KVFERRY_TOKEN and KVFERRY_SHM_PREFIX mean what they mean to the sidecar; the connector's own
+    # settings are KVFERRY_CONNECTOR_* (a sidecar refuses KVFERRY_* names it does not know).
+    ENV = {"url": "KVFERRY_CONNECTOR_URL", "token": "KVFERRY_TOKEN", "remote_token": "KVFERRY_CONNECTOR_REMOTE_TOKEN",
+           "advertise_url": "KVFERRY_CONNECTOR_ADVERTISE_URL", "codec": "KVFERRY_CONNECTOR_CODEC",
+           "lease_seconds": "KVFERRY_CONNECTOR_LEASE_SECONDS", "load_timeout": "KVFERRY_CONNECTOR_LOAD_TIMEOUT",
+           "poll_seconds": "KVFERRY_CONNECTOR_POLL_SECONDS", "region": "KVFERRY_CONNECTOR_REGION",
+           "stats_path": "KVFERRY_CONNECTOR_STATS_PATH", "shm_prefix": "KVFERRY_SHM_PREFIX"}
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -405,8 +407,8 @@ class Consumer:
                 self._checked.add(url)
             if self._data_address is None:
                 self._data_address = self.cache.client.data_address()
-            pull.transfer_id = pull.client.submit(lease, src, self._data_address, self.cache.name, dst,
-                                                  codec=self.config.codec)
+            codec = spec.params.get("codec") or self.config.codec  # a request may name its codec
+            pull.transfer_id = pull.client.submit(lease, src, self._data_address, self.cache.name, dst, codec=codec)
         except (EngineError, httpx.HTTPError, KeyError, TypeError) as exc:
             pull.error = f"{type(exc).__name__}: {exc}"
         return pull

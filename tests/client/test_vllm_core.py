@@ -81,7 +81,8 @@ def pd(sidecars, request):
 
 
 def test_config_extra_over_environment():
-    env = {"KVFERRY_URL": "http://sidecar:7700", "KVFERRY_CODEC": "raw", "KVFERRY_LEASE_SECONDS": "5"}
+    env = {"KVFERRY_CONNECTOR_URL": "http://sidecar:7700", "KVFERRY_CONNECTOR_CODEC": "raw",
+           "KVFERRY_CONNECTOR_LEASE_SECONDS": "5"}
     c = ConnectorConfig.load({"codec": "splitzip"}, env)
     assert (c.url, c.codec, c.lease_seconds) == ("http://sidecar:7700", "splitzip", 5.0)
     assert ConnectorConfig.load({}, {}).codec == "auto"
