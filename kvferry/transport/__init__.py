@@ -11,12 +11,12 @@
 from .config import DEFAULT_UCX_OPTIONS, TransportConfig
 from .connection import Connection, Mailbox, Receive
 from .endpoint import Listener, Pool, connect, listen
-from .errors import (AuthenticationFailed, ConnectError, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
+from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
 from .link import resolve_backend, shutdown_backends
 
 __all__ = [
     "TransportConfig", "DEFAULT_UCX_OPTIONS", "listen", "connect", "Listener", "Connection", "Pool",
     "Mailbox", "Receive", "resolve_backend", "shutdown_backends", "TransportError", "ConnectError", "TransportTimeout",
-    "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected", "AuthenticationFailed",
+    "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected", "AuthenticationFailed", "CorruptPayload",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -26,7 +27,8 @@ from typing import Any
 from . import wire
 from .buffers import Buffer
 from .config import TransportConfig
-from .errors import PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError, TransportTimeout
+from .errors import (CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
+                     TransportTimeout)
 from .link import Link, log
 from .wire import Message, MessageType
 
@@ -378,6 +380,12 @@ class Connection:
         self.last_activity = time.monotonic()
         parts = []
         for message, payload in messages:
+            if payload is not None and len(payload) and message.type in (MessageType.DATA, MessageType.MSG):
+                if getattr(payload, "is_cuda", False) and self.link.stages_device_payloads:
+                    payload = memoryview(payload.cpu().numpy())  # staged here, so it is checksummed too
+                if not getattr(payload, "is_cuda", False):
+                    message = dataclasses.replace(message, flags=message.flags | wire.FLAG_PAYLOAD_CRC,
+                                                  crc=wire.payload_crc(payload))
             parts.append(message.pack())
             if payload is not None and len(payload):
                 parts.append(payload)
@@ -504,7 +512,8 @@ class Connection:
                     state.done.set_result(None)
         elif m.type == MessageType.MSG:
             payload = bytearray(m.length)
-            await self.link.recv_payload(memoryview(payload))
+            if not await self.link.recv_payload(memoryview(payload), self._crc(m)):
+                raise CorruptPayload(f"a message from {self.peer} failed its checksum")
             if self._on_message is None:
                 raise ProtocolError("MSG on a connection that takes none")
             try:
@@ -528,13 +537,23 @@ class Connection:
             return
         if m.total != receive.total or m.offset + m.length > receive.total:
             raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
-        await self.link.recv_payload(receive.buffer.region(m.offset, m.offset + m.length))
+        if not await self.link.recv_payload(receive.buffer.region(m.offset, m.offset + m.length), self._crc(m)):
+            # The framing is intact (the header's own CRC passed): fail this transfer, keep the link.
+            self._receives.pop(m.tag, None)
+            receive.fail(CorruptPayload(f"transfer {m.tag:#x}: bytes [{m.offset}, {m.offset + m.length}) failed "
+                                        "their CRC32C"))
+            self._reject(m.tag, "payload checksum mismatch")
+            return
         receive._landed(m.length)
         if receive.received >= receive.total:
             self._complete(receive)
         elif receive._unacked >= self._config.max_inflight_bytes // _ACK_FRACTION:
             self._control.put_nowait(Message(MessageType.ACK, m.tag, length=receive._unacked))
             receive._unacked = 0
+
+    @staticmethod
+    def _crc(m: Message) -> int | None:
+        return m.crc if m.flags & wire.FLAG_PAYLOAD_CRC else None
 
     async def _discard(self, n: int) -> None:
         scratch = bytearray(min(n, _DISCARD_CHUNK))

@@ -8,7 +8,8 @@ the backend's edge and chained with ``from``.
     ├── TransportClosed    the connection or listener was closed locally
     ├── ProtocolError      the peer sent bytes that are not a valid kvferry transport message
     ├── TransferRejected   the receiver refused a transfer (no such tag, buffer too small, ...)
-    └── AuthenticationFailed  the peer does not hold the shared peer secret (handshake refused)
+    ├── AuthenticationFailed  the peer does not hold the shared peer secret (handshake refused)
+    └── CorruptPayload     a payload failed its CRC32C (nothing was handed on)
 """
 
 
@@ -46,3 +47,7 @@ class TransferRejected(TransportError):
 
 class AuthenticationFailed(TransportError):
     """The handshake failed: one side does not hold the shared peer secret."""
+
+
+class CorruptPayload(TransportError):
+    """A payload's bytes do not match the CRC32C its header carries; they were not handed on."""

@@ -45,9 +45,14 @@ class Link(ABC):
             PeerLost, TransportClosed.
         """
 
+    # Backends that move device payloads through host memory (TCP) say so: the connection then
+    # stages them itself and checksums the host copy.
+    stages_device_payloads = False
+
     @abstractmethod
-    async def recv_payload(self, region: Any) -> None:
-        """Receive exactly ``len(region)`` payload bytes into ``region`` (host or device)."""
+    async def recv_payload(self, region: Any, crc: int | None = None) -> bool:
+        """Receive exactly ``len(region)`` payload bytes into ``region`` (host or device); with
+        ``crc``, False (and a device region left untouched) if they do not match it."""
 
     @abstractmethod
     async def close(self) -> None:

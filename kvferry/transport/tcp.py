@@ -7,6 +7,7 @@ import asyncio
 import socket
 from typing import Any
 
+from . import wire
 from .config import TransportConfig
 from .errors import ConnectError, PeerLost, TransportClosed
 from .link import Link, ListenerHandle, OnLink, log
@@ -67,15 +68,20 @@ class TcpLink(Link):
         await self._recv_exactly(memoryview(buf))
         return bytes(buf)
 
-    async def recv_payload(self, region: Any) -> None:
+    stages_device_payloads = True
+
+    async def recv_payload(self, region: Any, crc: int | None = None) -> bool:
         if getattr(region, "is_cuda", False):
             staging = bytearray(region.numel())
             await self._recv_exactly(memoryview(staging))
+            if crc is not None and wire.payload_crc(staging) != crc:
+                return False  # checked before it reaches the device
             import torch
 
             region.copy_(torch.frombuffer(staging, dtype=torch.uint8))
-        else:
-            await self._recv_exactly(region)
+            return True
+        await self._recv_exactly(region)
+        return crc is None or wire.payload_crc(region) == crc
 
     async def _recv_exactly(self, view: memoryview) -> None:
         got, total = 0, len(view)

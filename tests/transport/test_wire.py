@@ -56,3 +56,15 @@ def test_handshake_macs_are_hmac_sha256_golden():
     got = handshake.mac(b"secret", b"kvferry/2 acceptor", bytes(32), bytes(range(32)))
     assert got.hex() == __import__("hmac").new(b"secret", b"kvferry/2 acceptor" + bytes(32) + bytes(range(32)),
                                                "sha256").hexdigest()
+
+
+def test_golden_payload_crc_and_its_rules():
+    message = Message(MessageType.DATA, tag=7, offset=0, length=3, total=3, flags=wire.FLAG_PAYLOAD_CRC,
+                      crc=wire.payload_crc(b"abc"))
+    packed = message.pack()
+    assert packed[6:8] == (4).to_bytes(2, "little") and packed[40:44] == (0x364B3FB7).to_bytes(4, "little")
+    assert wire.unpack(packed) == message
+    with pytest.raises(ProtocolError, match="reserved"):  # a CRC without its flag
+        wire.unpack(Message(MessageType.DATA, tag=7, length=3, total=3, crc=5).pack())
+    with pytest.raises(ProtocolError, match="payload CRC"):
+        wire.unpack(Message(MessageType.ACK, tag=7, flags=wire.FLAG_PAYLOAD_CRC, crc=5).pack())
