@@ -721,7 +721,15 @@ class _Incoming:
             frame = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             region = self.pairs[self.plan[i][0]].region
             return (frame.to(region.tensor.device) if region.tensor.is_cuda else frame), len(data)
-        nbytes = await self.receives[i].wait(timeout)
+        # No progress for ``timeout`` fails it (the transport's watch), and so does a whole chunk
+        # not arriving within ``timeout``: a peer that drips a byte now and then cannot hold it open.
+        try:
+            async with asyncio.timeout(timeout):
+                nbytes = await self.receives[i].wait(timeout)
+        except TimeoutError as exc:
+            if isinstance(exc, transport.TransportError):
+                raise
+            raise PeerError(f"chunk {i} did not arrive within {timeout:g} s") from None
         return self.receives[i].buffer.obj[:nbytes], nbytes
 
     def post(self, i: int) -> None:

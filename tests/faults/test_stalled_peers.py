@@ -1,0 +1,72 @@
+"""A sender that drips its chunk a byte at a time, or stops mid-chunk (issue 15: findings 1, 2):
+the receiving transfer fails within ``transfer_timeout`` with a reason, its region is released,
+and the daemon keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from kvferry.engine import errors, peer
+from kvferry.engine.blocks import Blocks
+from kvferry.transport import handshake, tcp, wire
+from kvferry.transport.config import TransportConfig
+from kvferry.transport.wire import Message, MessageType
+from tests.engine.conftest import spawn, stop
+
+pytestmark = pytest.mark.slow
+SECRET = "drip-test"
+
+
+async def _drip(address: str, transfer_id: str, block_bytes: int, stop_after: int | None) -> None:
+    """Announce a one-block raw transfer, then send its chunk as one-byte DATA messages, one
+    every 0.5 s (each one is progress to the transport), or stop after a few."""
+    host, port = address.rsplit(":", 1)
+    config = TransportConfig(backend="tcp", secret=SECRET.encode())
+    link = await tcp.connect(host, int(port), config)
+    await handshake.connector(link, config.secret, 5)
+    announce = peer.pack(peer.Message(transfer_id, peer.Announce(
+        "raw", "bfloat16", Blocks(ids=(0,)), (peer.PairLayout("dst", (block_bytes // 2,), 1),))))
+    await link.send(Message(MessageType.MSG, length=len(announce)).pack(), memoryview(announce))
+    total = block_bytes + 160
+    tag = peer.chunk_tag(transfer_id, 0)
+    await link.send(Message(MessageType.RTS, tag, total=total, flags=wire.FLAG_EAGER).pack())
+    sent = 0
+    while sent < total and (stop_after is None or sent < stop_after):
+        await link.send(Message(MessageType.DATA, tag, sent, 1, total).pack(), memoryview(b"\0"))
+        sent += 1
+        await asyncio.sleep(0.5)
+
+
+@pytest.mark.parametrize("stop_after", [None, 3], ids=["drips", "stalls"])
+def test_a_dripping_or_stalled_sender_fails_within_the_timeout(stop_after):
+    b = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "3", "KVFERRY_PEER_SECRET": SECRET})
+    try:
+        b.client.create_region("dst", 2, [512], "bfloat16")
+        transfer_id = uuid.uuid4().hex
+
+        async def main():
+            sender = asyncio.create_task(_drip(b.data, transfer_id, 1024, stop_after))
+            started = time.monotonic()
+            try:
+                while True:
+                    try:
+                        state = await asyncio.to_thread(b.client.transfer, transfer_id, 1)
+                    except errors.NotFound:  # not announced yet
+                        assert time.monotonic() - started < 10
+                        await asyncio.sleep(0.05)
+                        continue
+                    if state["state"] != "running" or time.monotonic() - started > 20:
+                        return state, time.monotonic() - started
+            finally:
+                sender.cancel()
+
+        state, took = asyncio.run(main())
+        assert state["state"] == "failed" and state["error"], state
+        assert took < 3 + 3  # the timeout, plus the polling's own second
+        b.client.delete_region("dst")  # no longer busy
+    finally:
+        stop(b)
