@@ -131,7 +131,9 @@ def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None
             raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}")
         values.update(document)
     known = {f"KVFERRY_{name.upper()}" for name in FIELDS} | {"KVFERRY_CONFIG"}
-    unknown_env = sorted(k for k in environ if k.startswith("KVFERRY_") and k not in known)
+    # KVFERRY_CONNECTOR_* belong to the vLLM connector (the engine process), which may share the env.
+    unknown_env = sorted(k for k in environ if k.startswith("KVFERRY_") and k not in known
+                         and not k.startswith("KVFERRY_CONNECTOR_"))
     if unknown_env:
         raise ValueError(f"unknown settings in the environment: {unknown_env}")
     for name in FIELDS:
