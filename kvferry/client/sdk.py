@@ -61,17 +61,7 @@ class Client:
             delay = min(2.0, delay * 2)
         else:
             response = self._http.request(method, path, **kwargs)
-        if response.status_code >= 400:
-            try:
-                body = response.json()
-                cls = BY_NAME.get(body.get("error"), EngineError)
-                detail = body.get("detail")
-            except (ValueError, AttributeError):
-                cls, detail = EngineError, response.text
-            if cls is TransferFailed:
-                raise TransferFailed(str(detail), body.get("state", "failed"))
-            raise cls(f"{response.status_code} {method} {path}: {detail}")
-        return response
+        return _checked(response, method, path)
 
     # ---- regions -----------------------------------------------------------------------------
     def create_region(self, name: str, num_blocks: int, block_shape: Sequence[int], dtype: str,
@@ -148,10 +138,9 @@ class Client:
 
     def _submit(self, body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
                 codebook: str | None, wait: float) -> str:
-        body.update(peer=peer, src_blocks=blocks_json(src_blocks), dst_blocks=blocks_json(dst_blocks), codec=codec)
-        if codebook:
-            body["codebook"] = codebook
-        return self._call("POST", "/v1/transfers", json=body, params={"wait": wait} if wait else None).json()["id"]
+        return self._call("POST", "/v1/transfers", json=_transfer_body(body, src_blocks, peer, dst_blocks, codec,
+                                                                       codebook),
+                          params={"wait": wait} if wait else None).json()["id"]
 
     def transfer(self, transfer_id: str, wait: float = 0) -> dict:
         """A transfer's record (never raises for its state)."""
@@ -168,14 +157,8 @@ class Client:
         while True:
             step = max(0.0, min(60.0, deadline - time.monotonic()))
             state = self.transfer(transfer_id, wait=step) if step else self.transfer(transfer_id)
-            if state["state"] == "done":
+            if _settled(transfer_id, state, time.monotonic() >= deadline, timeout):
                 return state
-            if state["state"] in TERMINAL:
-                raise TransferFailed(f"transfer {transfer_id} {state['state']}: {state.get('error_kind')}: "
-                                     f"{state.get('error')}", state["state"])
-            if time.monotonic() >= deadline:
-                raise TransferFailed(f"transfer {transfer_id} still {state['state']} after {timeout:g} s",
-                                     state["state"])
 
     def transfers(self, state: str | None = None, direction: str | None = None) -> list[dict]:
         params = {k: v for k, v in (("state", state), ("direction", direction)) if v}
@@ -208,3 +191,103 @@ class Client:
 
     def metrics(self) -> str:
         return self._call("GET", "/metrics").text
+
+
+class AsyncClient:
+    """The asyncio twin of ``Client`` (transfers and health; regions are set up once, with
+    ``Client``): for engines whose scheduler runs an event loop."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0, retries: int = 6):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self._retries = retries
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        import asyncio
+
+        delay = 0.05
+        for _ in range(self._retries):
+            response = await self._http.request(method, path, **kwargs)
+            if response.status_code not in RETRY_STATUSES:
+                return _checked(response, method, path)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(2.0, delay * 2)
+        return _checked(await self._http.request(method, path, **kwargs), method, path)
+
+    async def submit(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
+                     codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
+        body = _transfer_body({"src_region": src_region, "dst_region": dst_region}, src_blocks, peer, dst_blocks,
+                              codec, codebook)
+        return (await self._call("POST", "/v1/transfers", json=body,
+                                 params={"wait": wait} if wait else None)).json()["id"]
+
+    async def submit_regions(self, pairs: Sequence[tuple[str, str]], src_blocks: Blocks, peer: str,
+                             dst_blocks: Blocks, codec: str = "auto", codebook: str | None = None, *,
+                             wait: float = 0) -> str:
+        body = _transfer_body({"regions": [{"src": s, "dst": d} for s, d in pairs]}, src_blocks, peer, dst_blocks,
+                              codec, codebook)
+        return (await self._call("POST", "/v1/transfers", json=body,
+                                 params={"wait": wait} if wait else None)).json()["id"]
+
+    async def transfer(self, transfer_id: str, wait: float = 0) -> dict:
+        return (await self._call("GET", f"/v1/transfers/{transfer_id}",
+                                 params={"wait": wait} if wait else None)).json()
+
+    async def wait(self, transfer_id: str, timeout: float = 60.0) -> dict:
+        """As ``Client.wait``. Raises: TransferFailed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            step = max(0.0, min(60.0, deadline - time.monotonic()))
+            state = await self.transfer(transfer_id, wait=step)
+            if _settled(transfer_id, state, time.monotonic() >= deadline, timeout):
+                return state
+
+    async def cancel(self, transfer_id: str) -> dict:
+        return (await self._call("DELETE", f"/v1/transfers/{transfer_id}")).json()
+
+    async def data_address(self) -> str:
+        return (await self._call("GET", "/v1/health")).json()["data_address"]
+
+
+def _checked(response: httpx.Response, method: str, path: str) -> httpx.Response:
+    """The response, or the engine's error class raised back (by the name in the body)."""
+    if response.status_code < 400:
+        return response
+    try:
+        body = response.json()
+        cls = BY_NAME.get(body.get("error"), EngineError)
+        detail = body.get("detail")
+    except (ValueError, AttributeError):
+        body, cls, detail = {}, EngineError, response.text
+    if cls is TransferFailed:
+        raise TransferFailed(str(detail), body.get("state", "failed"))
+    raise cls(f"{response.status_code} {method} {path}: {detail}")
+
+
+def _transfer_body(body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
+                   codebook: str | None) -> dict:
+    body.update(peer=peer, src_blocks=blocks_json(src_blocks), dst_blocks=blocks_json(dst_blocks), codec=codec)
+    if codebook:
+        body["codebook"] = codebook
+    return body
+
+
+def _settled(transfer_id: str, state: dict, expired: bool, timeout: float) -> bool:
+    """True once done; raises TransferFailed once failed, cancelled, or out of time."""
+    if state["state"] == "done":
+        return True
+    if state["state"] in TERMINAL:
+        raise TransferFailed(f"transfer {transfer_id} {state['state']}: {state.get('error_kind')}: "
+                             f"{state.get('error')}", state["state"])
+    if expired:
+        raise TransferFailed(f"transfer {transfer_id} still {state['state']} after {timeout:g} s", state["state"])
+    return False

@@ -102,3 +102,26 @@ def test_the_client_imports_no_server_code():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_async_client_submits_waits_and_raises(pair, kv):
+    import asyncio
+
+    from kvferry.client import AsyncClient
+    from tests.engine.conftest import TOKEN
+
+    a, b = pair
+    a.client.region_from_tensor("async-src", kv[:3])
+    b.client.create_region("async-dst", 3, list(kv.shape[1:]), "bfloat16")
+
+    async def main():
+        async with AsyncClient(a.url, token=TOKEN) as client:
+            peer = b.data
+            done = await client.wait(await client.submit("async-src", range(3), peer, "async-dst", [2, 1, 0],
+                                                         codec="splitzip"), timeout=60)
+            assert done["state"] == "done" and done["blocks_done"] == 3
+            b.client.delete_region("async-dst")
+            with pytest.raises(errors.TransferFailed, match="NotFound"):
+                await client.wait(await client.submit("async-src", [0], peer, "async-dst", [0]), timeout=30)
+
+    asyncio.run(main())
