@@ -112,9 +112,6 @@ def _calibrate(args: argparse.Namespace) -> int:
         print("kvferry calibrate: no arrays matched", file=sys.stderr)
         return 2
     book = chosen.calibrate(tensors, token_axis=args.token_axis)
-    if book is None:
-        print(f"kvferry calibrate: codec {args.codec} needs no codebook", file=sys.stderr)
-        return 2
     args.output.write_text(book.to_json() + "\n")
     detail = (f": coverage {book.coverage:.4%}, exponents {list(book.exponents)}"
               if isinstance(book, codec.Codebook) else "")

@@ -3,14 +3,16 @@ are, so a receiver checks dtype, shape and size before it writes anything."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .dtypes import layout_by_name, layout_for
-from .errors import CorruptFrame, OutputMismatch
+from .errors import CodebookMismatch, CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
 from .frames import decode, encode_stored, read_header
 
@@ -26,6 +28,25 @@ def _numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         numel *= dim
     return numel
+
+
+@dataclasses.dataclass(frozen=True)
+class RawCodebook:
+    """``raw`` learns nothing; its codebook exists so every codec's ``calibrate`` returns one."""
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "kvferry-codebook", "version": 1, "codec": "raw"})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RawCodebook:
+        """Raises: CodebookMismatch: not a raw codebook document."""
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise CodebookMismatch(f"malformed codebook JSON: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("format") != "kvferry-codebook" or doc.get("codec") != "raw":
+            raise CodebookMismatch("not a raw codebook document")
+        return cls()
 
 
 class RawCodec:
@@ -50,11 +71,11 @@ class RawCodec:
             numel *= dim
         return stored_size(layout_for(dtype), numel)
 
-    def calibrate(self, samples: Any, *, token_axis: int | None = None) -> None:
-        return None
+    def calibrate(self, samples: Any, *, token_axis: int | None = None) -> RawCodebook:
+        return RawCodebook()
 
-    def codebook_from_json(self, text: str | bytes) -> None:
-        return None
+    def codebook_from_json(self, text: str | bytes) -> RawCodebook:
+        return RawCodebook.from_json(text)
 
     def encode(self, x: torch.Tensor, codebook: Any = None) -> torch.Tensor:
         return encode_stored(x)

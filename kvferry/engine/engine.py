@@ -215,7 +215,7 @@ class Engine:
         return self.codebooks[name][2]
 
     def _keep_codebook(self, name: str, codec: codecs.Codec, book: Any) -> dict[str, Any]:
-        text = book.to_json() if book is not None else "null"
+        text = book.to_json()
         self.codebooks[name] = (codec.name, book, text)
         return {"name": name, "codec": codec.name, "digest": peer.codebook_digest(text).hex()}
 

@@ -125,3 +125,29 @@ def test_the_async_client_submits_waits_and_raises(pair, kv):
                 await client.wait(await client.submit("async-src", [0], peer, "async-dst", [0]), timeout=30)
 
     asyncio.run(main())
+
+
+def test_a_whole_request_is_one_transfer(pair):
+    """The issue's shape: the same 256 block ids across 32 layer regions, one transfer, with the
+    destination ids a shifted range (small blocks keep it quick)."""
+    a, b = pair
+    tag = uuid.uuid4().hex[:6]
+    layers, blocks, shape = 32, 256, [2, 4, 8]
+    gen = torch.Generator().manual_seed(3)
+    sources = [torch.randn(blocks, *shape, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    segments = []
+    for layer, data in enumerate(sources):
+        segments.append(a.client.region_from_tensor(f"rq{tag}{layer}", data, kind="shm")[1])
+        b.client.create_region(f"rd{tag}{layer}", 2 * blocks, shape, "bfloat16")
+    for segment in segments:  # the sidecar keeps its mapping; the name can go now
+        segment.close()
+        segment.unlink()
+    pairs = [(f"rq{tag}{layer}", f"rd{tag}{layer}") for layer in range(layers)]
+    before = len(b.client.transfers(direction="in"))
+    result = a.client.wait(a.client.submit_regions(pairs, range(blocks), b.data, range(blocks, 2 * blocks),
+                                                   codec="raw"), timeout=120)
+    assert result["state"] == "done" and result["blocks_done"] == layers * blocks
+    assert len(b.client.transfers(direction="in")) == before + 1
+    for layer in (0, 17, 31):
+        got = _blocks(b.client, f"rd{tag}{layer}", [blocks, blocks + 100, 2 * blocks - 1], sources[layer])
+        assert bits_equal(got, sources[layer][[0, 100, blocks - 1]])
