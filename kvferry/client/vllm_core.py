@@ -167,13 +167,15 @@ class CacheLayout:
 
 
 class KvCache:
-    """The worker's KV cache registered with its sidecar once, as region ``name``.
+    """The worker's KV cache registered with its sidecar once, as region ``name`` of
+    ``num_blocks`` blocks, block ``b`` holding every layer's page ``b``.
 
-    ``mode="shm"`` (CPU): a shared-memory mirror the sidecar maps; ``save``/``load`` copy a
-    request's pages between vLLM's tensors and the mirror. ``mode="cuda_ipc"`` (GPU) would map the
-    worker's memory directly; it needs every layer's page of a block adjacent, which vLLM's
-    layouts do not give, so GPU caches are mirrored on the device the same way (a gather of the
-    request's pages, not a host copy).
+    CPU (``shm``): vLLM owns its allocation, so the region is a POSIX shared-memory mirror the
+    sidecar maps; ``save``/``load`` copy a request's pages between vLLM's tensors and the mirror.
+    GPU (``cuda_ipc``): the mirror is a device buffer the sidecar maps through CUDA IPC, so the
+    copies are device gathers, never through the host. (Mapping vLLM's own per-layer buffers
+    directly, one region per layer in one multi-region transfer, would save the gather; it is not
+    done yet, and it has not been run against a GPU sidecar here.)
     """
 
     def __init__(self, client: Client, name: str, layers: Sequence[Any], num_blocks: int,
