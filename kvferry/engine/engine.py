@@ -1,4 +1,6 @@
-"""The typed core of a sidecar: regions, codebooks, transfers and the peer protocol.
+"""The typed core of a sidecar: regions, codebooks, transfers and the peer protocol's dispatch.
+The rooms: ``outgoing.py`` sends, ``incoming.py`` admits and receives, ``pipeline.py`` runs codec
+work, ``policy.py`` chooses codecs, ``peer.py`` owns the peer messages' bytes.
 
 Sending: the sender announces a transfer on its (pooled, authenticated) data connection to the
 peer, then streams chunks right behind the announce: blocks grouped into chunks of about
@@ -13,11 +15,9 @@ never call each other over HTTP.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +26,11 @@ from kvferry import __version__, codec as codecs, transport
 
 from . import ipc, peer
 from .blocks import Blocks
-from .errors import (BadRequest, Conflict, EngineError, NotFound, PeerError, ProtocolViolation, TransferFailed,
-                     UnknownCodec)
+from .errors import BadRequest, Conflict, NotFound, PeerError, ProtocolViolation, TransferFailed, UnknownCodec
+from .incoming import Admission
+from .links import Pair, PeerLink
 from .metrics import Metrics
+from .outgoing import Outgoing
 from .pipeline import BufferPool, CodecRunner
 from .policy import Policy
 from .regions import Region, RegionSpec, RegionTable
@@ -55,25 +57,6 @@ class TransferSpec:
     dst_blocks: Blocks
     codec: str = "auto"
     codebook: str | None = None
-
-
-@dataclass
-class _Pair:
-    """A validated region pair with its block ids resolved once (the hot path only slices them)."""
-
-    region: Region
-    ids: torch.Tensor
-    blocks_per_chunk: int
-
-
-@dataclass
-class _Link:
-    """The peer-protocol side of a transfer: its connection, and what the peer said last."""
-
-    connection: transport.Connection
-    reply: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    incoming: _Incoming | None = None  # the receiving side's pipeline
 
 
 class Engine:
@@ -115,8 +98,10 @@ class Engine:
         self.listener: transport.Listener | None = None
         self.pool: transport.Pool | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
-        self._links: dict[str, _Link] = {}  # transfer id -> its peer link, while it runs
-        self._mapper = ipc.Mapper()  # receivers' GPU memory lent to us, opened once
+        self.links: dict[str, PeerLink] = {}  # transfer id -> its peer link, while it runs
+        self.mapper = ipc.Mapper()  # receivers' GPU memory lent to us, opened once
+        self.outgoing = Outgoing(self)
+        self.admission = Admission(self)
         self.ready = False
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -143,7 +128,7 @@ class Engine:
         """Stop taking work, end what is in flight (telling the peers), release the data plane."""
         self.ready = False
         for t in self.transfers.active():
-            self._abort(t, State.CANCELLED, "Shutdown", "the sidecar shut down")
+            self.abort(t, State.CANCELLED, "Shutdown", "the sidecar shut down")
         tasks = [t.task for t in self.transfers.all() if t.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(0)  # let the control loops write the last CANCELs
@@ -151,7 +136,7 @@ class Engine:
             await self.pool.close()
         if self.listener is not None:
             await self.listener.close()
-        self._mapper.close()
+        self.mapper.close()
         self.regions.close()
         transport.shutdown_backends()
 
@@ -187,7 +172,7 @@ class Engine:
 
     def put_codebook(self, name: str, codec_name: str, text: str | bytes) -> dict[str, Any]:
         """Store a codebook document for ``codec_name``. Raises: UnknownCodec, BadRequest."""
-        codec = self._codec(codec_name)
+        codec = self.codec_named(codec_name)
         try:
             book = codec.codebook_from_json(text)
         except (codecs.CodecError, ValueError, TypeError, RecursionError, OverflowError) as exc:
@@ -197,7 +182,7 @@ class Engine:
     def calibrate_codebook(self, name: str, codec_name: str, region_name: str, blocks: Blocks | list[int],
                            token_axis: int | None = None) -> dict[str, Any]:
         """Calibrate a codebook on blocks of a region and store it. Raises: NotFound, UnknownCodec, BadRequest."""
-        codec = self._codec(codec_name)
+        codec = self.codec_named(codec_name)
         region = self.regions.get(region_name)
         ids = region.resolve(blocks)
         bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
@@ -219,7 +204,7 @@ class Engine:
         self.codebooks[name] = (codec.name, book, text)
         return {"name": name, "codec": codec.name, "digest": peer.codebook_digest(text).hex()}
 
-    def _codec(self, name: str) -> codecs.Codec:
+    def codec_named(self, name: str) -> codecs.Codec:
         try:
             return codecs.get(name)
         except codecs.UnknownCodec as exc:
@@ -244,7 +229,7 @@ class Engine:
             if key not in cache:
                 cache[key] = region.resolve(spec.src_blocks)
             per_chunk = max(1, self.chunk_bytes // region.block_bytes)
-            pairs.append(_Pair(region, cache[key], per_chunk))
+            pairs.append(Pair(region, cache[key], per_chunk))
         if len(spec.dst_blocks) > peer.MAX_IDS:
             raise BadRequest(f"over {peer.MAX_IDS} blocks")
         dtypes = {p.region.dtype for p in pairs}
@@ -257,7 +242,7 @@ class Engine:
         self.transfers.add(transfer)
         for p in pairs:
             p.region.busy.add(transfer.id)  # a shm/IPC mapping must outlive the reads of this transfer
-        transfer.task = asyncio.create_task(self._run_outgoing(transfer, spec, pairs, candidates, book, (host, port)))
+        transfer.task = asyncio.create_task(self.outgoing.run(transfer, spec, pairs, candidates, book, (host, port)))
         return transfer
 
     def _candidates(self, requested: str, dtype: torch.dtype) -> list[str]:
@@ -266,7 +251,7 @@ class Engine:
             if not names:
                 raise UnknownCodec("no lossless codec handles this dtype")
             return names
-        codec = self._codec(requested)
+        codec = self.codec_named(requested)
         if not codec.supports(dtype):
             raise UnknownCodec(f"codec {requested!r} does not handle {dtype}")
         return [requested]
@@ -280,202 +265,6 @@ class Engine:
             raise NotFound(f"no codebook named {name!r}")
         return self.codebooks[name]
 
-    async def _run_outgoing(self, t: Transfer, spec: TransferSpec, pairs: list[_Pair], candidates: list[str],
-                            book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
-        try:
-            await self._send(t, spec, pairs, candidates, book, address)
-        except asyncio.CancelledError:
-            state, kind, reason = self._aborted(t)
-            self._finish(t, state, kind, reason)
-            self._tell(t, peer.Cancel(reason))
-        except Exception as exc:
-            kind, reason = _describe(exc)
-            log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
-            self._finish(t, State.FAILED, kind, reason)
-            self._tell(t, peer.Cancel(f"{kind}: {reason}"))
-        finally:
-            self._links.pop(t.id, None)
-
-    async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[_Pair], candidates: list[str],
-                    book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
-        t.move(State.RUNNING)
-        raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
-        if len(candidates) == 1:
-            chosen, t.choice_reason = candidates[0], "requested"
-        else:
-            chosen, t.choice_reason = self.policy.choose(t.peer, raw_bytes, self.chunk_bytes, candidates)
-        t.chosen_codec = chosen
-        codec = codecs.get(chosen)
-        if book is not None and book[0] != chosen:
-            book = None
-        codebook = book[1] if book is not None else None
-        try:
-            connection = await self.pool.get(*address)
-        except transport.TransportError as exc:
-            raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
-        link = self._links[t.id] = _Link(connection)
-        plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
-        # GPU blocks may be written straight into a receiver on this host (it says in its ACCEPT),
-        # unless a transfer asked for a codec that changes the bytes.
-        offer = (ipc.available() and all(p.region.tensor.is_cuda for p in pairs)
-                 and (spec.codec == "auto" or getattr(codec, "identity", False)))
-        inline = [] if offer else await self._inline_chunks(t, plan, pairs, codec, codebook)
-        announce = peer.Announce(
-            codec=chosen, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
-            pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk)
-                        for (_, dst), p in zip(spec.pairs, pairs)),
-            codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8),
-            inline_chunks=len(inline), host=ipc.host_id() if offer else bytes(16))
-        wire_start = time.perf_counter()
-        await connection.send_message(peer.pack(peer.Message(t.id, announce)), *inline)
-        t.mark("announced")
-        if inline:
-            t.mark("first_byte")
-        if offer:
-            accept = await self._accepted(link)
-            if accept.targets:
-                await self._write_same_host(t, spec, pairs, accept.targets)
-                return
-        await self._stream(t, connection, link, plan, pairs, codec, codebook, len(inline))
-        wire_s = time.perf_counter() - wire_start
-        self.metrics.wire_seconds.inc(wire_s)
-        self.policy.observe_link(t.peer, t.bytes_wire, wire_s)
-        self.policy.observe_ratio(chosen, t.bytes_raw, t.bytes_wire)
-        # Done only when the receiver has written every block.
-        done = await self._reply(link, self.settings.transfer_timeout)
-        t.blocks_done = done.blocks
-        self._finish(t, State.DONE)
-        self.policy.observe_transfer(t.peer, chosen, raw_bytes, time.perf_counter() - t.submitted)
-
-    async def _inline_chunks(self, t: Transfer, plan: list[tuple[int, int, int]], pairs: list[_Pair],
-                             codec: codecs.Codec, codebook: Any) -> list[bytes]:
-        """The leading small chunks of host memory, encoded as CHUNK messages for the announce's write."""
-        inline, total = [], 0
-        for index, (pair_index, start, count) in enumerate(plan):
-            region = pairs[pair_index].region
-            size = codec.capacity((count, *region.block_shape), region.tensor.dtype)
-            if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total + size > peer.INLINE_TOTAL_BYTES:
-                break
-            frame = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
-            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, frame.numpy().tobytes()))))
-            total += size
-        return inline
-
-    async def _stream(self, t: Transfer, connection: transport.Connection, link: _Link,
-                      plan: list[tuple[int, int, int]], pairs: list[_Pair], codec: codecs.Codec, codebook: Any,
-                      inline: int) -> None:
-        """The chunks after the inline ones, as transport transfers: encoded while earlier ones
-        are on the wire, at most ``max_inflight_chunks`` encoded and unacknowledged."""
-        slots = asyncio.Semaphore(self.settings.max_inflight_chunks)
-        sends: list[asyncio.Task] = []
-        try:
-            for index, (pair_index, start, count) in enumerate(plan):
-                if index < inline:
-                    continue
-                await slots.acquire()
-                if link.reply.done() or any(task.done() and task.exception() for task in sends):
-                    break
-                payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
-                self.metrics.inflight_chunks.inc()
-                eager = index < inline + peer.EAGER_CHUNKS
-                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots, eager)))
-            await self._first(link, asyncio.gather(*sends))
-        finally:
-            for task in sends:
-                task.cancel()
-        t.mark("last_byte")
-
-    async def _accepted(self, link: _Link) -> peer.Accept:
-        """The receiver's ACCEPT (or its refusal, raised)."""
-        timeout = self.settings.transfer_timeout
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.wait({link.accepted, link.reply}, return_when=asyncio.FIRST_COMPLETED)
-        except TimeoutError:
-            raise PeerError(f"the receiver did not answer the announce within {timeout:g} s") from None
-        if link.reply.done() and link.reply.exception() is not None:
-            raise link.reply.exception()
-        if not link.accepted.done():
-            raise ProtocolViolation("the receiver said DONE before it accepted")
-        return link.accepted.result()
-
-    async def _write_same_host(self, t: Transfer, spec: TransferSpec, pairs: list[_Pair],
-                               targets: tuple[peer.Target, ...]) -> None:
-        """Write the blocks into the receiver's lent GPU memory, then tell it (WRITTEN) and wait
-        for its DONE."""
-        if len(targets) != len(pairs):
-            raise ProtocolViolation(f"{len(targets)} targets for {len(pairs)} region pairs")
-        link = self._links[t.id]
-        identity = next(c.name for c in codecs.lossless() if getattr(c, "identity", False))
-        t.chosen_codec = identity
-        t.choice_reason = "same host: written straight into the receiver's GPU memory (CUDA IPC)"
-        raw = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
-
-        def write() -> None:
-            resolved: dict[tuple[int, str], torch.Tensor] = {}
-            for pair, target in zip(pairs, targets):
-                region = pair.region
-                remote = self._mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
-                key = (target.num_blocks, str(remote.device))
-                if key not in resolved:
-                    resolved[key] = spec.dst_blocks.resolve(target.num_blocks, remote.device)
-                bits = codecs.layout_by_name(region.dtype).int_dtype
-                blocks = region.tensor.view(bits).index_select(0, pair.ids).to(remote.device, non_blocking=True)
-                remote.view(bits).index_copy_(0, resolved[key], blocks)
-
-        try:
-            await self.codec.call("encode", pairs[0].region.tensor.device, raw, write)
-        except (RuntimeError, EngineError) as exc:
-            raise PeerError(f"cannot write into the receiver's GPU memory: {exc}") from exc
-        t.bytes_raw = raw
-        t.mark("first_byte")
-        t.mark("last_byte")
-        await link.connection.send_message(peer.pack(peer.Message(t.id, peer.Written(len(spec.dst_blocks)))))
-        done = await self._reply(link, self.settings.transfer_timeout)
-        t.blocks_done = done.blocks
-        self._finish(t, State.DONE)
-
-    async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: _Pair, start: int, count: int,
-                            codebook: Any, index: int) -> torch.Tensor:
-        nbytes = count * pair.region.block_bytes
-        payload = await self.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], codebook, nbytes)
-        if index == self.settings.fault_corrupt_chunk:
-            payload = payload.clone()
-            payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
-        t.bytes_raw += nbytes
-        t.bytes_wire += payload.numel()
-        return payload
-
-    async def _first(self, link: _Link, work: asyncio.Future) -> None:
-        """Await ``work``, but stop at once with the peer's refusal if that comes first."""
-        await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
-        if link.reply.done() and link.reply.exception() is not None:
-            work.cancel()  # the peer's own word says more than a chunk it refused
-            raise link.reply.exception()
-        # DONE can be read before the sends wake up to their acknowledgements, which precede it.
-        await work
-
-    async def _reply(self, link: _Link, timeout: float) -> peer.Done:
-        if not link.reply.done():
-            try:
-                async with asyncio.timeout(timeout):
-                    await asyncio.shield(link.reply)
-            except TimeoutError:
-                if not link.reply.done():
-                    raise PeerError(f"the receiver did not confirm within {timeout:g} s") from None
-        return link.reply.result()
-
-    async def _send_chunk(self, connection: transport.Connection, t: Transfer, index: int, payload: torch.Tensor,
-                          slots: asyncio.Semaphore, eager: bool) -> None:
-        try:
-            t.mark("first_byte")
-            await connection.send(peer.chunk_tag(t.id, index), payload, eager=eager)
-        except transport.TransportError as exc:
-            raise PeerError(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self.metrics.inflight_chunks.dec()
-            slots.release()
-
     # ---- receiving ----------------------------------------------------------------------------
     def _on_message(self, connection: transport.Connection, payload: bytes) -> None:
         """A peer message (called from the connection's reader, so never awaits)."""
@@ -487,9 +276,9 @@ class Engine:
             return
         body = message.body
         if isinstance(body, peer.Announce):
-            self._accept(connection, message.transfer_id, body)
+            self.admission.accept(connection, message.transfer_id, body)
             return
-        link = self._links.get(message.transfer_id)
+        link = self.links.get(message.transfer_id)
         if link is None or link.connection is not connection:
             return  # finished already, or not this peer's to speak for: nothing to do
         t = self.transfers.find(message.transfer_id)
@@ -498,7 +287,7 @@ class Engine:
                 self._abort_protocol(t, connection, f"unexpected inline chunk {body.index}")
         elif isinstance(body, peer.Cancel):
             if t is not None:
-                self._abort(t, State.CANCELLED, "Cancelled", f"cancelled by the peer: {body.reason}")
+                self.abort(t, State.CANCELLED, "Cancelled", f"cancelled by the peer: {body.reason}")
         elif isinstance(body, peer.Accept):
             if t is not None:
                 t.mark("accepted")
@@ -515,86 +304,16 @@ class Engine:
                 link.reply.set_exception(PeerError(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
                 link.reply.exception()
 
-    def _accept(self, connection: transport.Connection, transfer_id: str, announce: peer.Announce) -> None:
-        """Validate an announced transfer and post its first receives, or refuse it."""
-        plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs))
-        tags = [peer.chunk_tag(transfer_id, i) for i in range(len(plan))]
-        try:
-            t, pairs, codec, book = self._check_announce(connection, transfer_id, announce)
-        except EngineError as exc:
-            kind, reason = _describe(exc)
-            self.metrics.errors.labels(kind).inc()
-            self.listener.mailbox.refuse(tags, f"{kind}: {reason}")
-            connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
-            return
-        targets = self._lend(announce, pairs)
-        incoming = _Incoming(self, t, pairs, plan, tags, codec, book, announce.inline_chunks, bool(targets))
-        link = self._links[t.id] = _Link(connection, incoming=incoming)
-        connection.on_close(lambda c, exc: self._lost(t, link, exc))
-        t.move(State.RUNNING)
-        if not targets:
-            incoming.post_ahead()
-        if targets or announce.host != bytes(16) or announce.inline_chunks < len(plan):
-            connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
-        t.task = asyncio.create_task(incoming.run())
-
-    def _lend(self, announce: peer.Announce, pairs: list[_Pair]) -> tuple[peer.Target, ...]:
-        """IPC targets for a sender on this host that offered to write our GPU regions itself."""
-        if announce.host != ipc.host_id() or not ipc.available():
-            return ()
-        if not all(p.region.tensor.is_cuda for p in pairs):
-            return ()
-        targets = []
-        try:
-            for p in pairs:
-                region = p.region
-                if region.ipc_export is None:  # owned GPU memory: exported once, lent on
-                    handle, offset, _ = ipc.export(region.tensor)
-                    region.ipc_export = (handle, offset)
-                handle, offset = region.ipc_export
-                targets.append(peer.Target(handle, offset, ipc.device_uuid(region.tensor.device.index),
-                                           region.num_blocks))
-        except RuntimeError as exc:
-            log.info("streaming instead of lending GPU memory: %s", exc)
-            return ()
-        return tuple(targets)
-
     def _abort_protocol(self, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
         self.metrics.errors.labels("ProtocolViolation").inc()
         log.warning("peer %s broke the protocol: %s", connection.peer, reason)
         if t is not None and not t.state.terminal:
-            self._abort(t, State.FAILED, "ProtocolViolation", reason)
+            self.abort(t, State.FAILED, "ProtocolViolation", reason)
 
-    def _check_announce(self, connection: transport.Connection, transfer_id: str, a: peer.Announce):
-        codec = self._codec(a.codec)
-        book = None
-        if a.codebook:
-            entry = self.codebooks.get(a.codebook)
-            if entry is not None and peer.codebook_digest(entry[2]) == a.codebook_digest:
-                book = entry[1]
-            elif getattr(codec, "decode_needs_codebook", False):
-                raise UnknownCodec(f"no codebook {a.codebook!r} with the sender's digest here")
-        pairs, cache = [], {}
-        for layout in a.pairs:
-            region = self.regions.get(layout.dst_region)
-            if region.dtype != a.dtype or region.block_shape != layout.block_shape:
-                raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
-                                 f"the transfer carries {a.dtype}{list(layout.block_shape)}")
-            key = (region.num_blocks, str(region.tensor.device))
-            if key not in cache:
-                cache[key] = region.resolve(a.dst_blocks)
-            pairs.append(_Pair(region, cache[key], layout.blocks_per_chunk))
-        t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
-                     pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
-                     chosen_codec=a.codec, choice_reason="the sender's")
-        self.transfers.add(t)
-        for p in pairs:
-            p.region.busy.add(t.id)
-        return t, pairs, codec, book
-
-    def _lost(self, t: Transfer, link: _Link, exc: Exception) -> None:
+    def lost(self, t: Transfer, link: PeerLink, exc: Exception) -> None:
+        """A transfer's connection failed: whichever side waits fails at once."""
         if not t.state.terminal:
-            self._abort(t, State.FAILED, "PeerError", f"lost the peer: {type(exc).__name__}: {exc}")
+            self.abort(t, State.FAILED, "PeerError", f"lost the peer: {type(exc).__name__}: {exc}")
         if not link.reply.done():
             link.reply.set_exception(PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
             link.reply.exception()  # retrieved: a receiver's link has nobody awaiting it
@@ -624,33 +343,33 @@ class Engine:
         t = self.transfers.get(transfer_id)
         if t.state.terminal:
             raise Conflict(f"transfer {transfer_id} is already {t.state.value}")
-        self._abort(t, State.CANCELLED, "Cancelled", "cancelled by request")
+        self.abort(t, State.CANCELLED, "Cancelled", "cancelled by request")
         return t.public()
 
-    def _abort(self, t: Transfer, state: State, kind: str, reason: str) -> None:
+    def abort(self, t: Transfer, state: State, kind: str, reason: str) -> None:
         """End ``t`` from outside its task: the task's cancellation handler finishes it as told."""
         if t.abort is None:
             t.abort = (state.value, kind, reason)
         if t.task is not None and not t.task.done():
             t.task.cancel()
         else:
-            self._finish(t, state, kind, reason)
+            self.finish(t, state, kind, reason)
 
-    def _aborted(self, t: Transfer) -> tuple[State, str, str]:
+    def aborted(self, t: Transfer) -> tuple[State, str, str]:
         state, kind, reason = t.abort or ("cancelled", "Cancelled", "cancelled")
         return State(state), kind, reason
 
-    def _tell(self, t: Transfer, body: peer.Cancel | peer.Error | peer.Done) -> None:
+    def tell(self, t: Transfer, body: peer.Cancel | peer.Error | peer.Done) -> None:
         """Best effort: the peer learns why we stopped (it times out on its own otherwise)."""
-        link = self._links.get(t.id)
+        link = self.links.get(t.id)
         if link is not None and not link.connection.closed:
             link.connection.post_message(peer.pack(peer.Message(t.id, body)))
 
-    def _finish(self, t: Transfer, state: State, kind: str | None = None, error: str | None = None) -> None:
+    def finish(self, t: Transfer, state: State, kind: str | None = None, error: str | None = None) -> None:
         if t.move(state, error, kind):
-            self._account(t)
+            self.account(t)
 
-    def _account(self, t: Transfer) -> None:
+    def account(self, t: Transfer) -> None:
         """Bookkeeping once ``t`` is terminal: history, metrics, regions no longer busy."""
         state, kind = t.state, t.error_kind
         self.transfers.retire(t)
@@ -670,135 +389,6 @@ class Engine:
             self.metrics.active.labels(direction).set(len(self.transfers.active(direction)))
 
 
-class _Incoming:
-    """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
-
-    def __init__(self, engine: Engine, t: Transfer, pairs: list[_Pair], plan: list[tuple[int, int, int]],
-                 tags: list[int], codec: codecs.Codec, book: Any, inline_chunks: int = 0, lent: bool = False):
-        self.engine, self.t, self.pairs, self.plan, self.tags = engine, t, pairs, plan, tags
-        self.codec, self.book = codec, book
-        loop = asyncio.get_running_loop()
-        self.written: asyncio.Future | None = loop.create_future() if lent else None
-        self.inline: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(min(inline_chunks, len(plan)))}
-        self.receives: dict[int, transport.Receive] = {}
-        self.ahead = max(engine.settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS)
-        self.completed = 0
-
-    def written_by_peer(self, written: peer.Written) -> bool:
-        if self.written is None or self.written.done() or written.blocks != self.t.blocks:
-            return False
-        self.written.set_result(written.blocks)
-        return True
-
-    async def _lent(self, timeout: float) -> None:
-        """The sender writes our lent memory itself: wait for its WRITTEN."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self.written
-        except TimeoutError:
-            raise PeerError(f"the sender did not write within {timeout:g} s") from None
-        self.t.mark("last_byte")
-        self.t.blocks_done = self.t.blocks * len(self.pairs)
-        self.t.bytes_raw = sum(self.t.blocks * p.region.block_bytes for p in self.pairs)
-        self.completed = len(self.plan)
-
-    def arrived(self, chunk: peer.Chunk) -> bool:
-        """An inline chunk came; False if none such was announced (or it came twice). The
-        futures stay in ``inline`` for the transfer's life: their keys say which chunks ride inline."""
-        future = self.inline.get(chunk.index)
-        if future is None or future.done():
-            return False
-        future.set_result(chunk.frame)
-        return True
-
-    async def _next_frame(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
-        if i in self.inline:
-            try:
-                async with asyncio.timeout(timeout):
-                    data = await self.inline[i]
-            except TimeoutError:
-                raise PeerError(f"inline chunk {i} did not come within {timeout:g} s") from None
-            frame = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            region = self.pairs[self.plan[i][0]].region
-            return (frame.to(region.tensor.device) if region.tensor.is_cuda else frame), len(data)
-        # No progress for ``timeout`` fails it (the transport's watch), and so does a whole chunk
-        # not arriving within ``timeout``: a peer that drips a byte now and then cannot hold it open.
-        try:
-            async with asyncio.timeout(timeout):
-                nbytes = await self.receives[i].wait(timeout)
-        except TimeoutError as exc:
-            if isinstance(exc, transport.TransportError):
-                raise
-            raise PeerError(f"chunk {i} did not arrive within {timeout:g} s") from None
-        return self.receives[i].buffer.obj[:nbytes], nbytes
-
-    def post(self, i: int) -> None:
-        if i < len(self.plan) and i not in self.receives and i not in self.inline:
-            pair_index, _, count = self.plan[i]
-            region = self.pairs[pair_index].region
-            capacity = self.codec.capacity((count, *region.block_shape), region.tensor.dtype)
-            buffer = self.engine.buffers.take(capacity, region.tensor.device)
-            self.receives[i] = self.engine.listener.expect(self.tags[i], buffer)
-
-    def post_ahead(self) -> None:
-        """Receives for the first transport chunks, before the next message is read (the sender
-        sends the first ``EAGER_CHUNKS`` of them without waiting)."""
-        first = len(self.inline)
-        for i in range(first, first + self.ahead):
-            self.post(i)
-
-    async def run(self) -> None:
-        engine, t = self.engine, self.t
-        timeout = engine.settings.transfer_timeout
-        try:
-            if self.written is not None:
-                await self._lent(timeout)
-            for i, (pair_index, start, count) in enumerate(self.plan if self.written is None else ()):
-                frame, nbytes = await self._next_frame(i, timeout)
-                if i == 0:
-                    t.mark("first_byte")
-                self.post(i + self.ahead)
-                pair = self.pairs[pair_index]
-                raw = count * pair.region.block_bytes
-                try:
-                    await engine.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
-                                              self.book, raw)
-                except codecs.CodecError as exc:
-                    raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
-                if i in self.receives:
-                    engine.buffers.give(self.receives.pop(i).buffer.obj)
-                t.bytes_wire += nbytes
-                t.bytes_raw += raw
-                t.blocks_done += count
-                self.completed += 1
-            t.mark("last_byte")
-            if t.move(State.DONE):  # every block is written: done here, and say so at once
-                try:
-                    link = engine._links.get(t.id)
-                    if link is not None:
-                        with contextlib.suppress(transport.TransportError):
-                            await link.connection.send_message(
-                                peer.pack(peer.Message(t.id, peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))))
-                finally:
-                    engine._account(t)
-        except asyncio.CancelledError:
-            state, kind, reason = engine._aborted(t)
-            engine._finish(t, state, kind, reason)
-            if kind != "PeerError":
-                engine._tell(t, peer.Cancel(reason))
-        except Exception as exc:
-            kind, reason = _describe(exc)
-            log.warning("incoming transfer %s failed: %s: %s", t.id, kind, reason)
-            engine._finish(t, State.FAILED, kind, reason)
-            engine._tell(t, peer.Error(kind, reason))
-        finally:
-            for receive in self.receives.values():
-                receive.cancel()
-            if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
-                engine.listener.mailbox.refuse(self.tags[self.completed:], f"transfer {t.id} ended {t.state.value}")
-            engine._links.pop(t.id, None)
-
-
 def _address(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     host = host.strip("[]")
@@ -807,6 +397,3 @@ def _address(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _describe(exc: BaseException) -> tuple[str, str]:
-    """(error kind, reason): the kind is the class name, which metrics label and peers report."""
-    return type(exc).__name__, str(exc)

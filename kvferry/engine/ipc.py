@@ -41,7 +41,7 @@ def available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import cupy  # noqa: F401
+        import cupy  # noqa: F401  (a probe)
     except Exception:
         return False
     return True

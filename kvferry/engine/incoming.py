@@ -1,0 +1,232 @@
+"""The receiving side: admitting an announced transfer (validated once: regions, blocks, codec;
+receives posted before the next message is read, or GPU memory lent to a sender on this host),
+then taking its chunks in order and decoding each straight into the destination blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvferry import codec as codecs, transport
+
+from . import ipc, peer
+from .errors import BadRequest, EngineError, PeerError, UnknownCodec
+from .links import Pair, PeerLink, describe
+from .transfers import State, Transfer
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("kvferry.engine")
+
+
+class Admission:
+    """Admits announced transfers for an engine."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def accept(self, connection: transport.Connection, transfer_id: str, announce: peer.Announce) -> None:
+        """Validate an announced transfer and post its first receives, or refuse it."""
+        plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs))
+        tags = [peer.chunk_tag(transfer_id, i) for i in range(len(plan))]
+        try:
+            t, pairs, codec, book = self._check(connection, transfer_id, announce)
+        except EngineError as exc:
+            kind, reason = describe(exc)
+            self.engine.metrics.errors.labels(kind).inc()
+            self.engine.listener.mailbox.refuse(tags, f"{kind}: {reason}")
+            connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
+            return
+        targets = self._lend(announce, pairs)
+        incoming = Incoming(self.engine, t, pairs, plan, tags, codec, book, announce.inline_chunks, bool(targets))
+        link = self.engine.links[t.id] = PeerLink(connection, incoming=incoming)
+        connection.on_close(lambda c, exc: self.engine.lost(t, link, exc))
+        t.move(State.RUNNING)
+        if not targets:
+            incoming.post_ahead()
+        if targets or announce.host != bytes(16) or announce.inline_chunks < len(plan):
+            connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
+        t.task = asyncio.create_task(incoming.run())
+
+    def _lend(self, announce: peer.Announce, pairs: list[Pair]) -> tuple[peer.Target, ...]:
+        """IPC targets for a sender on this host that offered to write our GPU regions itself."""
+        if announce.host != ipc.host_id() or not ipc.available():
+            return ()
+        if not all(p.region.tensor.is_cuda for p in pairs):
+            return ()
+        targets = []
+        try:
+            for p in pairs:
+                region = p.region
+                if region.ipc_export is None:  # owned GPU memory: exported once, lent on
+                    handle, offset, _ = ipc.export(region.tensor)
+                    region.ipc_export = (handle, offset)
+                handle, offset = region.ipc_export
+                targets.append(peer.Target(handle, offset, ipc.device_uuid(region.tensor.device.index),
+                                           region.num_blocks))
+        except RuntimeError as exc:
+            log.info("streaming instead of lending GPU memory: %s", exc)
+            return ()
+        return tuple(targets)
+
+    def _check(self, connection: transport.Connection, transfer_id: str, a: peer.Announce):
+        codec = self.engine.codec_named(a.codec)
+        book = None
+        if a.codebook:
+            entry = self.engine.codebooks.get(a.codebook)
+            if entry is not None and peer.codebook_digest(entry[2]) == a.codebook_digest:
+                book = entry[1]
+            elif getattr(codec, "decode_needs_codebook", False):
+                raise UnknownCodec(f"no codebook {a.codebook!r} with the sender's digest here")
+        pairs, cache = [], {}
+        for layout in a.pairs:
+            region = self.engine.regions.get(layout.dst_region)
+            if region.dtype != a.dtype or region.block_shape != layout.block_shape:
+                raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
+                                 f"the transfer carries {a.dtype}{list(layout.block_shape)}")
+            key = (region.num_blocks, str(region.tensor.device))
+            if key not in cache:
+                cache[key] = region.resolve(a.dst_blocks)
+            pairs.append(Pair(region, cache[key], layout.blocks_per_chunk))
+        t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
+                     pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
+                     chosen_codec=a.codec, choice_reason="the sender's")
+        self.engine.transfers.add(t)
+        for p in pairs:
+            p.region.busy.add(t.id)
+        return t, pairs, codec, book
+
+
+
+class Incoming:
+    """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
+
+    def __init__(self, engine: Engine, t: Transfer, pairs: list[Pair], plan: list[tuple[int, int, int]],
+                 tags: list[int], codec: codecs.Codec, book: Any, inline_chunks: int = 0, lent: bool = False):
+        self.engine, self.t, self.pairs, self.plan, self.tags = engine, t, pairs, plan, tags
+        self.codec, self.book = codec, book
+        loop = asyncio.get_running_loop()
+        self.written: asyncio.Future | None = loop.create_future() if lent else None
+        self.inline: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(min(inline_chunks, len(plan)))}
+        self.receives: dict[int, transport.Receive] = {}
+        self.ahead = max(engine.settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS)
+        self.completed = 0
+
+    def written_by_peer(self, written: peer.Written) -> bool:
+        if self.written is None or self.written.done() or written.blocks != self.t.blocks:
+            return False
+        self.written.set_result(written.blocks)
+        return True
+
+    async def _lent(self, timeout: float) -> None:
+        """The sender writes our lent memory itself: wait for its WRITTEN."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.written
+        except TimeoutError:
+            raise PeerError(f"the sender did not write within {timeout:g} s") from None
+        self.t.mark("last_byte")
+        self.t.blocks_done = self.t.blocks * len(self.pairs)
+        self.t.bytes_raw = sum(self.t.blocks * p.region.block_bytes for p in self.pairs)
+        self.completed = len(self.plan)
+
+    def arrived(self, chunk: peer.Chunk) -> bool:
+        """An inline chunk came; False if none such was announced (or it came twice). The
+        futures stay in ``inline`` for the transfer's life: their keys say which chunks ride inline."""
+        future = self.inline.get(chunk.index)
+        if future is None or future.done():
+            return False
+        future.set_result(chunk.frame)
+        return True
+
+    async def _next_frame(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
+        if i in self.inline:
+            try:
+                async with asyncio.timeout(timeout):
+                    data = await self.inline[i]
+            except TimeoutError:
+                raise PeerError(f"inline chunk {i} did not come within {timeout:g} s") from None
+            frame = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            region = self.pairs[self.plan[i][0]].region
+            return (frame.to(region.tensor.device) if region.tensor.is_cuda else frame), len(data)
+        # No progress for ``timeout`` fails it (the transport's watch), and so does a whole chunk
+        # not arriving within ``timeout``: a peer that drips a byte now and then cannot hold it open.
+        try:
+            async with asyncio.timeout(timeout):
+                nbytes = await self.receives[i].wait(timeout)
+        except TimeoutError as exc:
+            if isinstance(exc, transport.TransportError):
+                raise
+            raise PeerError(f"chunk {i} did not arrive within {timeout:g} s") from None
+        return self.receives[i].buffer.obj[:nbytes], nbytes
+
+    def post(self, i: int) -> None:
+        if i < len(self.plan) and i not in self.receives and i not in self.inline:
+            pair_index, _, count = self.plan[i]
+            region = self.pairs[pair_index].region
+            capacity = self.codec.capacity((count, *region.block_shape), region.tensor.dtype)
+            buffer = self.engine.buffers.take(capacity, region.tensor.device)
+            self.receives[i] = self.engine.listener.expect(self.tags[i], buffer)
+
+    def post_ahead(self) -> None:
+        """Receives for the first transport chunks, before the next message is read (the sender
+        sends the first ``EAGER_CHUNKS`` of them without waiting)."""
+        first = len(self.inline)
+        for i in range(first, first + self.ahead):
+            self.post(i)
+
+    async def run(self) -> None:
+        engine, t = self.engine, self.t
+        timeout = engine.settings.transfer_timeout
+        try:
+            if self.written is not None:
+                await self._lent(timeout)
+            for i, (pair_index, start, count) in enumerate(self.plan if self.written is None else ()):
+                frame, nbytes = await self._next_frame(i, timeout)
+                if i == 0:
+                    t.mark("first_byte")
+                self.post(i + self.ahead)
+                pair = self.pairs[pair_index]
+                raw = count * pair.region.block_bytes
+                try:
+                    await engine.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
+                                              self.book, raw)
+                except codecs.CodecError as exc:
+                    raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
+                if i in self.receives:
+                    engine.buffers.give(self.receives.pop(i).buffer.obj)
+                t.bytes_wire += nbytes
+                t.bytes_raw += raw
+                t.blocks_done += count
+                self.completed += 1
+            t.mark("last_byte")
+            if t.move(State.DONE):  # every block is written: done here, and say so at once
+                try:
+                    link = engine.links.get(t.id)
+                    if link is not None:
+                        with contextlib.suppress(transport.TransportError):
+                            await link.connection.send_message(
+                                peer.pack(peer.Message(t.id, peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))))
+                finally:
+                    engine.account(t)
+        except asyncio.CancelledError:
+            state, kind, reason = engine.aborted(t)
+            engine.finish(t, state, kind, reason)
+            if kind != "PeerError":
+                engine.tell(t, peer.Cancel(reason))
+        except Exception as exc:
+            kind, reason = describe(exc)
+            log.warning("incoming transfer %s failed: %s: %s", t.id, kind, reason)
+            engine.finish(t, State.FAILED, kind, reason)
+            engine.tell(t, peer.Error(kind, reason))
+        finally:
+            for receive in self.receives.values():
+                receive.cancel()
+            if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
+                engine.listener.mailbox.refuse(self.tags[self.completed:], f"transfer {t.id} ended {t.state.value}")
+            engine.links.pop(t.id, None)

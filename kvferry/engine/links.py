@@ -1,0 +1,37 @@
+"""What both sides of a transfer hold: its validated region pairs and its peer link."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvferry import transport
+
+from .regions import Region
+
+
+@dataclass
+class Pair:
+    """A validated region pair with its block ids resolved once (the hot path only slices them)."""
+
+    region: Region
+    ids: torch.Tensor
+    blocks_per_chunk: int
+
+
+@dataclass
+class PeerLink:
+    """The peer-protocol side of a transfer: its connection, and what the peer said last."""
+
+    connection: transport.Connection
+    reply: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    incoming: Any = None  # the receiving side's pipeline (incoming.Incoming)
+
+
+def describe(exc: BaseException) -> tuple[str, str]:
+    """(error kind, reason): the kind is the class name, which metrics label and peers report."""
+    return type(exc).__name__, str(exc)
