@@ -298,7 +298,7 @@ class Producer:
         if held and now - self._last_poll >= self.config.poll_seconds:
             self._last_poll = now
             try:
-                present = {r["name"] for r in self.cache.client._call("GET", "/v1/regions").json()}
+                present = {r["name"] for r in self.cache.client.list_regions()}
             except (EngineError, httpx.HTTPError) as exc:
                 log.warning("kvferry: cannot poll the sidecar for leases: %s", exc)
                 present = None
