@@ -373,7 +373,7 @@ class Engine:
         """Bookkeeping once ``t`` is terminal: history, metrics, regions no longer busy."""
         state, kind = t.state, t.error_kind
         self.transfers.retire(t)
-        self.metrics.finished(state.value, t.direction, t.bytes_raw, t.bytes_wire, t.seconds)
+        self.metrics.finished(state.value, t.direction, t.chosen_codec, t.bytes_raw, t.bytes_wire, t.seconds)
         if state == State.FAILED:
             self.metrics.errors.labels(kind or "EngineError").inc()
         for _, name in t.pairs if t.direction == "in" else [(None, s) for s, _ in t.pairs]:
