@@ -100,6 +100,7 @@ class Engine:
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
         self.links: dict[str, PeerLink] = {}  # transfer id -> its peer link, while it runs
         self.mapper = ipc.Mapper()  # receivers' GPU memory lent to us, opened once
+        self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
         self.outgoing = Outgoing(self)
         self.admission = Admission(self)
         self.ready = False
@@ -309,6 +310,29 @@ class Engine:
         log.warning("peer %s broke the protocol: %s", connection.peer, reason)
         if t is not None and not t.state.terminal:
             self.abort(t, State.FAILED, "ProtocolViolation", reason)
+
+    def link(self, t: Transfer, link: PeerLink) -> PeerLink:
+        """Tie ``t`` to its connection: messages about it are taken from there only, and losing
+        the connection fails it. One close callback per connection, not per transfer (a pooled
+        connection outlives millions of transfers)."""
+        self.links[t.id] = link
+        watched = self._watched.get(link.connection)
+        if watched is None:
+            watched = self._watched[link.connection] = {}
+            link.connection.on_close(self._connection_lost)
+        watched[t.id] = t
+        return link
+
+    def unlink(self, t: Transfer) -> None:
+        link = self.links.pop(t.id, None)
+        if link is not None:
+            self._watched.get(link.connection, {}).pop(t.id, None)
+
+    def _connection_lost(self, connection: transport.Connection, exc: Exception) -> None:
+        for t in list(self._watched.pop(connection, {}).values()):
+            link = self.links.get(t.id)
+            if link is not None:
+                self.lost(t, link, exc)
 
     def lost(self, t: Transfer, link: PeerLink, exc: Exception) -> None:
         """A transfer's connection failed: whichever side waits fails at once."""

@@ -44,8 +44,7 @@ class Admission:
             return
         targets = self._lend(announce, pairs)
         incoming = Incoming(self.engine, t, pairs, plan, tags, codec, book, announce.inline_chunks, bool(targets))
-        link = self.engine.links[t.id] = PeerLink(connection, incoming=incoming)
-        connection.on_close(lambda c, exc: self.engine.lost(t, link, exc))
+        self.engine.link(t, PeerLink(connection, incoming=incoming))
         t.move(State.RUNNING)
         if not targets:
             incoming.post_ahead()
@@ -229,4 +228,4 @@ class Incoming:
                 receive.cancel()
             if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
                 engine.listener.mailbox.refuse(self.tags[self.completed:], f"transfer {t.id} ended {t.state.value}")
-            engine.links.pop(t.id, None)
+            engine.unlink(t)

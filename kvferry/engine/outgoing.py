@@ -45,7 +45,7 @@ class Outgoing:
             self.engine.finish(t, State.FAILED, kind, reason)
             self.engine.tell(t, peer.Cancel(f"{kind}: {reason}"))
         finally:
-            self.engine.links.pop(t.id, None)
+            self.engine.unlink(t)
 
     async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
@@ -64,8 +64,7 @@ class Outgoing:
             connection = await self.engine.pool.get(*address)
         except transport.TransportError as exc:
             raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
-        link = self.engine.links[t.id] = PeerLink(connection)
-        connection.on_close(lambda c, exc: self.engine.lost(t, link, exc))
+        link = self.engine.link(t, PeerLink(connection))
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
         # GPU blocks may be written straight into a receiver on this host (it says in its ACCEPT),
         # unless a transfer asked for a codec that changes the bytes.
