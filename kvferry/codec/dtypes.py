@@ -72,6 +72,11 @@ def layout_for(dtype: torch.dtype) -> FloatLayout:
         raise UnsupportedTensor(f"dtype {dtype} is not supported (supported: {supported})") from None
 
 
+def supported(dtype: torch.dtype) -> bool:
+    """Whether the codecs' float layouts cover ``dtype``."""
+    return any(layout.dtype == dtype for layout in LAYOUTS)
+
+
 def layout_by_name(name: str) -> FloatLayout:
     """Layout from torch's dtype name (``"bfloat16"``, ``"float8_e5m2"``, ...).
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .dtypes import layout_by_name, layout_for
+from .dtypes import layout_by_name, layout_for, supported
 from .errors import CodebookMismatch, CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
 from .frames import decode, encode_stored, read_header
@@ -59,11 +59,7 @@ class RawCodec:
     identity = True  # blocks go as they are: a same-host write may replace its frames
 
     def supports(self, dtype: torch.dtype) -> bool:
-        try:
-            layout_for(dtype)
-        except Exception:
-            return False
-        return True
+        return supported(dtype)
 
     def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         numel = 1

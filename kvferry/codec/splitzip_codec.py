@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .codebook import Codebook, calibrate
-from .dtypes import layout_for
+from .dtypes import supported
 from .format import FrameCodec
 from .frames import decode, decode_blocks, encode, encode_blocks, frame_capacity
 
@@ -22,11 +22,7 @@ class SplitZipCodec:
     standalone = True
 
     def supports(self, dtype: torch.dtype) -> bool:
-        try:
-            layout_for(dtype)
-        except Exception:
-            return False
-        return True
+        return supported(dtype)
 
     def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         return frame_capacity(tuple(shape), dtype)

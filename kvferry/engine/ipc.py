@@ -16,9 +16,10 @@ import hashlib
 import socket
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
+
+from . import peer
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _OPEN_LIMIT = 64
@@ -45,16 +46,6 @@ def available() -> bool:
     except Exception:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a receiver's region lies, for a sender on the same host."""
-
-    handle: bytes
-    offset: int
-    device_uuid: bytes
-    num_blocks: int
 
 
 @functools.cache
@@ -90,7 +81,7 @@ class Mapper:
         self._open: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # handle -> (base pointer, device)
         self._views: dict[tuple, torch.Tensor] = {}  # (handle, offset, shape, dtype) -> tensor
 
-    def tensor(self, target: Target, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def tensor(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The receiver's region as a tensor here.
 
         Raises:
