@@ -243,7 +243,8 @@ class Engine:
         self.transfers.add(transfer)
         for p in pairs:
             p.region.busy.add(transfer.id)  # a shm/IPC mapping must outlive the reads of this transfer
-        transfer.task = asyncio.create_task(self.outgoing.run(transfer, spec, pairs, candidates, book, (host, port)))
+        if not self.outgoing.start_inline(transfer, spec, pairs, candidates, book, (host, port)):
+            transfer.task = asyncio.create_task(self.outgoing.run(transfer, spec, pairs, candidates, book, (host, port)))
         return transfer
 
     def _candidates(self, requested: str, dtype: torch.dtype) -> list[str]:
@@ -376,6 +377,10 @@ class Engine:
             t.abort = (state.value, kind, reason)
         if t.task is not None and not t.task.done():
             t.task.cancel()
+        elif t.task is None and t.id in self.links:  # an inline transfer: no task to end it
+            self.finish(t, state, kind, reason)
+            self.tell(t, peer.Cancel(reason))
+            self.unlink(t)
         else:
             self.finish(t, state, kind, reason)
 
@@ -396,6 +401,8 @@ class Engine:
     def account(self, t: Transfer) -> None:
         """Bookkeeping once ``t`` is terminal: history, metrics, regions no longer busy."""
         state, kind = t.state, t.error_kind
+        if t.deadline is not None:
+            t.deadline.cancel()
         self.transfers.retire(t)
         self.metrics.finished(state.value, t.direction, t.chosen_codec, t.bytes_raw, t.bytes_wire, t.seconds)
         if state == State.FAILED:

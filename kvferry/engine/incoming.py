@@ -46,6 +46,11 @@ class Admission:
         incoming = Incoming(self.engine, t, pairs, plan, tags, codec, book, announce.inline_chunks, bool(targets))
         self.engine.link(t, PeerLink(connection, incoming=incoming))
         t.move(State.RUNNING)
+        if incoming.now:  # decoded as its chunks are read, right behind this announce
+            timeout = self.engine.settings.transfer_timeout
+            t.deadline = asyncio.get_running_loop().call_later(
+                timeout, self.engine.abort, t, State.FAILED, "PeerError", f"inline chunks did not come within {timeout:g} s")
+            return
         if not targets:
             incoming.post_ahead()
         if targets or announce.host != bytes(16) or announce.inline_chunks < len(plan):
@@ -115,6 +120,10 @@ class Incoming:
         self.receives: dict[int, transport.Receive] = {}
         self.ahead = max(engine.settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS)
         self.completed = 0
+        # Every chunk inline and small, into host memory: each is decoded as the reader hands it
+        # over (no task, no thread hop), and the last one's DONE goes out at once.
+        self.now = (not lent and len(self.inline) == len(plan)
+                    and not any(p.region.tensor.is_cuda for p in pairs))
 
     def written_by_peer(self, written: peer.Written) -> bool:
         if self.written is None or self.written.done() or written.blocks != self.t.blocks:
@@ -140,8 +149,62 @@ class Incoming:
         future = self.inline.get(chunk.index)
         if future is None or future.done():
             return False
-        future.set_result(chunk.frame)
+        if not self.now:
+            future.set_result(chunk.frame)
+            return True
+        if chunk.index != self.completed or self.t.state.terminal:
+            return False  # they are written in order on one connection
+        future.set_result(None)
+        try:
+            self._decode(chunk.index, torch.frombuffer(bytearray(chunk.frame), dtype=torch.uint8), len(chunk.frame))
+        except Exception as exc:
+            self._failed(exc)
+            self.engine.unlink(self.t)
+            return True
+        if self.completed == len(self.plan):
+            self._done()
+            self.engine.unlink(self.t)
         return True
+
+    def _decode(self, i: int, frame: torch.Tensor, nbytes: int) -> None:
+        """Chunk ``i`` into its blocks (on this thread: ``now`` chunks are small)."""
+        pair_index, start, count = self.plan[i]
+        pair, t = self.pairs[pair_index], self.t
+        if i == 0:
+            t.mark("first_byte")
+        raw = count * pair.region.block_bytes
+        try:
+            self.engine.codec.decode_now(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
+                                         self.book, raw)
+        except codecs.CodecError as exc:
+            raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
+        self._count(nbytes, raw, count)
+
+    def _count(self, nbytes: int, raw: int, blocks: int) -> None:
+        t = self.t
+        t.bytes_wire += nbytes
+        t.bytes_raw += raw
+        t.blocks_done += blocks
+        self.completed += 1
+
+    def _done(self) -> None:
+        """Every block is written: done here, and the sender is told at once."""
+        t, engine = self.t, self.engine
+        t.mark("last_byte")
+        if t.move(State.DONE):
+            try:
+                link = engine.links.get(t.id)
+                if link is not None:
+                    link.connection.post_message(
+                        peer.pack(peer.Message(t.id, peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))))
+            finally:
+                engine.account(t)
+
+    def _failed(self, exc: Exception) -> None:
+        kind, reason = describe(exc)
+        log.warning("incoming transfer %s failed: %s: %s", self.t.id, kind, reason)
+        self.engine.finish(self.t, State.FAILED, kind, reason)
+        self.engine.tell(self.t, peer.Error(kind, reason))
 
     async def _next_frame(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
         if i in self.inline:
@@ -187,11 +250,11 @@ class Incoming:
                 await self._lent(timeout)
             for i, (pair_index, start, count) in enumerate(self.plan if self.written is None else ()):
                 frame, nbytes = await self._next_frame(i, timeout)
-                if i == 0:
-                    t.mark("first_byte")
                 self.post(i + self.ahead)
                 pair = self.pairs[pair_index]
                 raw = count * pair.region.block_bytes
+                if i == 0:
+                    t.mark("first_byte")
                 try:
                     await engine.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
                                               self.book, raw)
@@ -199,30 +262,15 @@ class Incoming:
                     raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
                 if i in self.receives:
                     engine.buffers.give(self.receives.pop(i).buffer.obj)
-                t.bytes_wire += nbytes
-                t.bytes_raw += raw
-                t.blocks_done += count
-                self.completed += 1
-            t.mark("last_byte")
-            if t.move(State.DONE):  # every block is written: done here, and say so at once
-                try:
-                    link = engine.links.get(t.id)
-                    if link is not None:
-                        with contextlib.suppress(transport.TransportError):
-                            await link.connection.send_message(
-                                peer.pack(peer.Message(t.id, peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))))
-                finally:
-                    engine.account(t)
+                self._count(nbytes, raw, count)
+            self._done()
         except asyncio.CancelledError:
             state, kind, reason = engine.aborted(t)
             engine.finish(t, state, kind, reason)
             if kind != "PeerError":
                 engine.tell(t, peer.Cancel(reason))
         except Exception as exc:
-            kind, reason = describe(exc)
-            log.warning("incoming transfer %s failed: %s: %s", t.id, kind, reason)
-            engine.finish(t, State.FAILED, kind, reason)
-            engine.tell(t, peer.Error(kind, reason))
+            self._failed(exc)
         finally:
             for receive in self.receives.values():
                 receive.cancel()

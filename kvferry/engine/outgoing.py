@@ -5,6 +5,7 @@ wire) or write them straight into a receiver's lent GPU memory, and wait for the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,19 +48,81 @@ class Outgoing:
         finally:
             self.engine.unlink(t)
 
-    async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
-                    book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
+    def start_inline(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
+                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> bool:
+        """Send a transfer of host memory whose every chunk rides inline, here and now, on an open
+        pooled connection: no task and no waiting; the receiver's DONE (or its refusal, the loss of
+        the connection, or the deadline) ends it. False, with nothing done, if it does not qualify."""
+        if any(p.region.tensor.is_cuda for p in pairs):
+            return False
+        connection = self.engine.pool.ready(*address)
+        if connection is None:
+            return False
+        codec, codebook, book = self._choose(t, spec, pairs, candidates, book)
+        plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
+        if self._inline_count(plan, pairs, codec) < len(plan):
+            return False
         t.move(State.RUNNING)
+        link = self.engine.link(t, PeerLink(connection))
+        try:
+            inline = self._inline_chunks(t, plan, pairs, codec, codebook, len(plan))
+        except Exception as exc:  # the codec's own failure: the transfer's, not the engine's
+            self._replied(t, 0, _failed(exc))
+            return True
+        connection.post_message(self._announce(t, spec, pairs, book, len(inline), False), *inline)
+        for stage in ("announced", "first_byte", "last_byte"):
+            t.mark(stage)
+        timeout = self.engine.settings.transfer_timeout
+        t.deadline = asyncio.get_running_loop().call_later(
+            timeout, self.engine.abort, t, State.FAILED, "PeerError", f"the receiver did not confirm within {timeout:g} s")
+        raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
+        link.reply.add_done_callback(functools.partial(self._replied, t, raw_bytes))
+        return True
+
+    def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future) -> None:
+        """An inline transfer's end: the receiver's DONE, or why there is none."""
+        self.engine.unlink(t)
+        if t.state.terminal:
+            return  # cancelled or timed out first
+        if reply.exception() is not None:
+            kind, reason = describe(reply.exception())
+            log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
+            self.engine.finish(t, State.FAILED, kind, reason)
+            return
+        t.blocks_done = reply.result().blocks
+        self.engine.finish(t, State.DONE)
+        self.engine.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
+        self.engine.policy.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - t.submitted)
+
+    def _choose(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
+                book: tuple[str, Any, str] | None) -> tuple[codecs.Codec, Any, tuple[str, Any, str] | None]:
+        """The codec for ``t`` (recorded on it, with why), its codebook, and the named codebook
+        entry if that is the chosen codec's."""
         raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
         if len(candidates) == 1:
             chosen, t.choice_reason = candidates[0], "requested"
         else:
             chosen, t.choice_reason = self.engine.policy.choose(t.peer, raw_bytes, self.engine.chunk_bytes, candidates)
         t.chosen_codec = chosen
-        codec = codecs.get(chosen)
         if book is not None and book[0] != chosen:
             book = None
-        codebook = book[1] if book is not None else None
+        return codecs.get(chosen), (book[1] if book is not None else None), book
+
+    def _announce(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], book: tuple[str, Any, str] | None,
+                  inline: int, offer: bool) -> bytes:
+        announce = peer.Announce(
+            codec=t.chosen_codec, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
+            pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk)
+                        for (_, dst), p in zip(spec.pairs, pairs)),
+            codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8),
+            inline_chunks=inline, host=ipc.host_id() if offer else bytes(16))
+        return peer.pack(peer.Message(t.id, announce))
+
+    async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
+                    book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
+        t.move(State.RUNNING)
+        raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
+        codec, codebook, book = self._choose(t, spec, pairs, candidates, book)
         try:
             connection = await self.engine.pool.get(*address)
         except transport.TransportError as exc:
@@ -70,15 +133,10 @@ class Outgoing:
         # unless a transfer asked for a codec that changes the bytes.
         offer = (ipc.available() and all(p.region.tensor.is_cuda for p in pairs)
                  and (spec.codec == "auto" or getattr(codec, "identity", False)))
-        inline = [] if offer else await self._inline_chunks(t, plan, pairs, codec, codebook)
-        announce = peer.Announce(
-            codec=chosen, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
-            pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk)
-                        for (_, dst), p in zip(spec.pairs, pairs)),
-            codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8),
-            inline_chunks=len(inline), host=ipc.host_id() if offer else bytes(16))
+        inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, codebook,
+                                                      self._inline_count(plan, pairs, codec))
         wire_start = time.perf_counter()
-        await connection.send_message(peer.pack(peer.Message(t.id, announce)), *inline)
+        await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer), *inline)
         t.mark("announced")
         if inline:
             t.mark("first_byte")
@@ -87,29 +145,43 @@ class Outgoing:
             if accept.targets:
                 await self._write_same_host(t, spec, pairs, accept.targets)
                 return
-        await self._stream(t, connection, link, plan, pairs, codec, codebook, len(inline))
+        if len(inline) < len(plan):
+            await self._stream(t, connection, link, plan, pairs, codec, codebook, len(inline))
+        t.mark("last_byte")
         wire_s = time.perf_counter() - wire_start
         self.engine.metrics.wire_seconds.inc(wire_s)
         self.engine.policy.observe_link(t.peer, t.bytes_wire, wire_s)
-        self.engine.policy.observe_ratio(chosen, t.bytes_raw, t.bytes_wire)
+        self.engine.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
         # Done only when the receiver has written every block.
         done = await self._reply(link, self.engine.settings.transfer_timeout)
         t.blocks_done = done.blocks
         self.engine.finish(t, State.DONE)
-        self.engine.policy.observe_transfer(t.peer, chosen, raw_bytes, time.perf_counter() - t.submitted)
+        self.engine.policy.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - t.submitted)
 
-    async def _inline_chunks(self, t: Transfer, plan: list[tuple[int, int, int]], pairs: list[Pair],
-                             codec: codecs.Codec, codebook: Any) -> list[bytes]:
-        """The leading small chunks of host memory, encoded as CHUNK messages for the announce's write."""
-        inline, total = [], 0
-        for index, (pair_index, start, count) in enumerate(plan):
+    @staticmethod
+    def _inline_count(plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec) -> int:
+        """How many leading chunks of ``plan`` may ride inline (host memory, each and all small)."""
+        total = 0
+        for index, (pair_index, _, blocks) in enumerate(plan):
             region = pairs[pair_index].region
-            size = codec.capacity((count, *region.block_shape), region.tensor.dtype)
-            if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total + size > peer.INLINE_TOTAL_BYTES:
-                break
-            frame = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
-            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, frame.numpy().tobytes()))))
+            size = codec.capacity((blocks, *region.block_shape), region.tensor.dtype)
             total += size
+            if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total > peer.INLINE_TOTAL_BYTES:
+                return index
+        return len(plan)
+
+    def _inline_chunks(self, t: Transfer, plan: list[tuple[int, int, int]], pairs: list[Pair],
+                       codec: codecs.Codec, codebook: Any, count: int) -> list[bytes]:
+        """The first ``count`` chunks (small, of host memory: see ``_inline_count``), encoded on
+        the event loop as CHUNK messages for the announce's write."""
+        inline = []
+        for index, (pair_index, start, blocks) in enumerate(plan[:count]):
+            pair = pairs[pair_index]
+            nbytes = blocks * pair.region.block_bytes
+            frame = self.engine.codec.encode_now(codec, pair.region.tensor, pair.ids[start:start + blocks], codebook,
+                                                 nbytes)
+            frame = self._account_chunk(t, frame, nbytes, index)
+            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, frame.numpy().tobytes()))))
         return inline
 
     async def _stream(self, t: Transfer, connection: transport.Connection, link: PeerLink,
@@ -134,7 +206,6 @@ class Outgoing:
         finally:
             for task in sends:
                 task.cancel()
-        t.mark("last_byte")
 
     async def _accepted(self, link: PeerLink) -> peer.Accept:
         """The receiver's ACCEPT (or its refusal, raised)."""
@@ -190,6 +261,9 @@ class Outgoing:
                             codebook: Any, index: int) -> torch.Tensor:
         nbytes = count * pair.region.block_bytes
         payload = await self.engine.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], codebook, nbytes)
+        return self._account_chunk(t, payload, nbytes, index)
+
+    def _account_chunk(self, t: Transfer, payload: torch.Tensor, nbytes: int, index: int) -> torch.Tensor:
         if index == self.engine.settings.fault_corrupt_chunk:
             payload = payload.clone()
             payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
@@ -226,3 +300,9 @@ class Outgoing:
         finally:
             self.engine.metrics.inflight_chunks.dec()
             slots.release()
+
+
+def _failed(exc: Exception) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(exc)
+    return future

@@ -40,6 +40,17 @@ class CodecRunner:
                      book: Any, raw_bytes: int) -> None:
         await self._run("decode", codec, cache, raw_bytes, codec.decode_blocks, frame, cache, ids, book)
 
+    def encode_now(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
+                   raw_bytes: int) -> torch.Tensor:
+        """``encode`` on the caller's thread, for a chunk of at most ``INLINE_BYTES`` (which
+        ``encode`` would code inline too) from a caller that cannot await."""
+        return self._timed("encode", codec, cache, raw_bytes, codec.encode_blocks, cache, ids, book)
+
+    def decode_now(self, codec: codecs.Codec, frame: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor,
+                   book: Any, raw_bytes: int) -> None:
+        """``decode`` on the caller's thread, likewise."""
+        self._timed("decode", codec, cache, raw_bytes, codec.decode_blocks, frame, cache, ids, book)
+
     async def call(self, direction: str, device: torch.device, raw_bytes: int, work: Callable[[], Any]) -> Any:
         """Run GPU work that is not a codec's (a same-host write) on the direction's stream."""
         def timed() -> Any:

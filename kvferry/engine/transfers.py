@@ -54,7 +54,8 @@ class Transfer:
     stages: dict[str, float] = field(default_factory=dict)
     abort: tuple[str, str, str] | None = field(default=None, repr=False)  # (state, kind, reason) to end with
     _finished: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    task: asyncio.Task | None = field(default=None, repr=False)
+    task: asyncio.Task | None = field(default=None, repr=False)  # None: an inline transfer, ended by callbacks
+    deadline: asyncio.TimerHandle | None = field(default=None, repr=False)  # an inline transfer's timeout
 
     def move(self, state: State, error: str | None = None, kind: str | None = None) -> bool:
         """Go to ``state`` if legal; returns False (and changes nothing) from a terminal state.

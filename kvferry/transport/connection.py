@@ -287,11 +287,33 @@ class Connection:
                 raise ProtocolError(f"message of {len(payload)} bytes is over {wire.MAX_MESSAGE_BYTES}")
         await self._write_many([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads])
 
-    def post_message(self, payload: bytes) -> None:
-        """Queue one MSG without waiting (from callbacks that cannot await); dropped if closed."""
-        if self._error is None:
-            self._control.put_nowait(Message(MessageType.MSG, length=len(payload)))
-            self._control.put_nowait(bytes(payload))
+    def post_message(self, *payloads: bytes) -> None:
+        """Send MSGs without waiting (from callbacks that cannot await): written here and now when
+        nothing is queued or being written before them, else queued behind it; dropped if closed."""
+        if self._error is not None:
+            return
+        if not self._control.empty() or not self._try_lock():
+            for payload in payloads:
+                self._control.put_nowait(Message(MessageType.MSG, length=len(payload)))
+                self._control.put_nowait(bytes(payload))
+            return
+        try:
+            self._write_locked(self._parts([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads]))
+        except TransportError as exc:
+            asyncio.ensure_future(self._fail(exc))
+
+    def _try_lock(self) -> bool:
+        """Take the write lock without suspending, if it is free (``asyncio.Lock.acquire`` returns
+        at once then: its coroutine finishes on the first step)."""
+        if self._write_lock.locked():
+            return False
+        acquire = self._write_lock.acquire()
+        try:
+            acquire.send(None)
+        except StopIteration:
+            return True
+        acquire.close()  # not reached: a free lock is taken without waiting
+        return False
 
     # ---- sending -------------------------------------------------------------------------
     async def send(self, tag: int, payload: Any, *, timeout: float | None = None, eager: bool = False) -> None:
@@ -377,6 +399,17 @@ class Connection:
         except TransportError:
             self._write_lock.release()
             raise
+        try:
+            write = self._write_locked(self._parts(messages))
+        except TransportError as exc:
+            await self._fail(exc)
+            raise
+        if write is not None:
+            await asyncio.shield(write)
+
+    def _parts(self, messages: list[tuple[Message, Any]]) -> list[Any]:
+        """Headers and payloads in order, host payloads checksummed (device ones staged first
+        where the backend stages them anyway)."""
         self.last_activity = time.monotonic()
         parts = []
         for message, payload in messages:
@@ -389,18 +422,22 @@ class Connection:
             parts.append(message.pack())
             if payload is not None and len(payload):
                 parts.append(payload)
+        return parts
+
+    def _write_locked(self, parts: list[Any]) -> asyncio.Future | None:
+        """Write ``parts`` holding the write lock, which this releases when they are all out: here
+        and now if the socket takes them (None), else by the future returned."""
         try:
             rest = self.link.send_now(parts)  # most writes go out whole, here and now
-        except TransportError as exc:
+        except TransportError:
             self._write_lock.release()
-            await self._fail(exc)
             raise
         if not rest:
             self._write_lock.release()
-            return
+            return None
         write = asyncio.ensure_future(self._send_message(rest))
         write.add_done_callback(lambda _: self._write_lock.release())
-        await asyncio.shield(write)
+        return write
 
     async def _send_message(self, parts: list[Any]) -> None:
         try:

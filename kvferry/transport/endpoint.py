@@ -139,15 +139,26 @@ class Pool:
         key = (host, port)
         async with self._locks.setdefault(key, asyncio.Lock()):
             connection = self._connections.get(key)
-            stale = (connection is not None and connection.idle
-                     and time.monotonic() - connection.last_activity > self._config.idle_timeout / 2)
-            if stale:  # the listener may be closing it just now: start afresh rather than race it
+            if connection is not None and self._stale(connection):  # start afresh rather than race the listener
                 await connection.close()
             if connection is None or connection.closed:
                 connection = await connect(host, port, self._config, backend=self._backend,
                                            on_message=self._on_message)
                 self._connections[key] = connection
             return connection
+
+    def ready(self, host: str, port: int) -> Connection | None:
+        """The open connection to ``host:port`` if there is one that ``get`` would return as it
+        is (so a caller that cannot wait may use it), else None."""
+        connection = self._connections.get((host, port))
+        if connection is None or connection.closed or self._closed or self._stale(connection):
+            return None
+        lock = self._locks.get((host, port))
+        return None if lock is not None and lock.locked() else connection
+
+    def _stale(self, connection: Connection) -> bool:
+        """Idle for half the listener's idle timeout: it may be closing it just now."""
+        return connection.idle and time.monotonic() - connection.last_activity > self._config.idle_timeout / 2
 
     async def discard(self, connection: Connection) -> None:
         """Close ``connection`` and forget it (after an error the caller cannot recover from)."""

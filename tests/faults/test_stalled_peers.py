@@ -5,6 +5,7 @@ and the daemon keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -68,5 +69,82 @@ def test_a_dripping_or_stalled_sender_fails_within_the_timeout(stop_after):
         assert state["state"] == "failed" and state["error"], state
         assert took < 3 + 3  # the timeout, plus the polling's own second
         b.client.delete_region("dst")  # no longer busy
+    finally:
+        stop(b)
+
+
+def test_inline_chunks_that_never_come_fail_the_receiver_within_the_timeout():
+    """A small transfer's chunks ride right behind its announce and are decoded as the reader
+    takes them (no task waits for them): an announce promising one that never comes still fails."""
+    b = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "2", "KVFERRY_PEER_SECRET": SECRET})
+    try:
+        b.client.create_region("dst", 2, [512], "bfloat16")
+        transfer_id = uuid.uuid4().hex
+
+        async def main():
+            host, port = b.data.rsplit(":", 1)
+            config = TransportConfig(backend="tcp", secret=SECRET.encode())
+            link = await tcp.connect(host, int(port), config)
+            await handshake.connector(link, config.secret, 5)
+            announce = peer.pack(peer.Message(transfer_id, peer.Announce(
+                "raw", "bfloat16", Blocks(ids=(0,)), (peer.PairLayout("dst", (512,), 1),), inline_chunks=1)))
+            await link.send(Message(MessageType.MSG, length=len(announce)).pack(), memoryview(announce))
+            started = time.monotonic()
+            try:
+                while True:
+                    try:
+                        state = await asyncio.to_thread(b.client.transfer, transfer_id, 1)
+                    except errors.NotFound:
+                        assert time.monotonic() - started < 10
+                        await asyncio.sleep(0.05)
+                        continue
+                    if state["state"] != "running" or time.monotonic() - started > 20:
+                        return state, time.monotonic() - started
+            finally:
+                await link.close()
+
+        state, took = asyncio.run(main())
+        assert state["state"] == "failed" and "did not come" in state["error"], state
+        assert took < 2 + 3
+        b.client.delete_region("dst")  # no longer busy
+    finally:
+        stop(b)
+
+
+def test_a_receiver_that_never_confirms_an_inline_transfer_fails_it_within_the_timeout():
+    """The sender's side of a small transfer ends on the receiver's DONE, which a stalled peer
+    never sends: its deadline fails it, and its region is free again."""
+    b = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "2", "KVFERRY_PEER_SECRET": SECRET})
+    try:
+        b.client.create_region("src", 2, [512], "bfloat16")
+
+        async def main():
+            config = TransportConfig(backend="tcp", secret=SECRET.encode())
+            silent = []
+
+            async def take(link):  # authenticates, then reads everything and answers nothing
+                silent.append(link)
+                await handshake.acceptor(link, config.secret, 5)
+                with contextlib.suppress(Exception):
+                    while True:
+                        await link.recv_header(wire.HEADER_SIZE)
+
+            listener = await tcp.listen("127.0.0.1", 0, take, config)
+            try:
+                address = f"127.0.0.1:{listener.port}"
+                # The first transfer opens the pooled connection; the second goes inline on it.
+                for _ in range(2):
+                    transfer = await asyncio.to_thread(b.client.submit, "src", [0], address, "dst", [0], codec="raw")
+                    started = time.monotonic()
+                    with pytest.raises(errors.TransferFailed, match="did not confirm"):
+                        await asyncio.to_thread(b.client.wait, transfer, 10)
+                    assert time.monotonic() - started < 2 + 2
+            finally:
+                await listener.close()
+                for link in silent:
+                    await link.close()
+
+        asyncio.run(main())
+        b.client.delete_region("src")  # no longer busy
     finally:
         stop(b)
