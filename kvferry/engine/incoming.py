@@ -5,7 +5,6 @@ then taking its chunks in order and decoding each straight into the destination 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
