@@ -298,13 +298,24 @@ class Engine:
         elif isinstance(body, peer.Written):
             if link.incoming is None or not link.incoming.written_by_peer(body):
                 self._abort_protocol(t, connection, "WRITTEN for a transfer that lent no memory")
-        elif not link.reply.done():
-            if isinstance(body, peer.Done):
-                link.reply.set_result(body)
-            else:  # Reject or Error
-                verb = "refused" if isinstance(body, peer.Reject) else "failed"
-                link.reply.set_exception(PeerError(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
-                link.reply.exception()
+        elif isinstance(body, peer.Done):
+            self._settle(link, body)
+        else:  # Reject or Error
+            verb = "refused" if isinstance(body, peer.Reject) else "failed"
+            self._settle(link, error=PeerError(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
+
+    @staticmethod
+    def _settle(link: PeerLink, done: peer.Done | None = None, error: Exception | None = None) -> None:
+        """Set a link's reply once: the peer's DONE, or why there will be none."""
+        if link.reply.done():
+            return
+        if error is None:
+            link.reply.set_result(done)
+        else:
+            link.reply.set_exception(error)
+            link.reply.exception()  # retrieved: a receiver's link has nobody awaiting it
+        if link.settle is not None:
+            link.settle(link.reply)
 
     def _abort_protocol(self, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
         self.metrics.errors.labels("ProtocolViolation").inc()
@@ -339,9 +350,7 @@ class Engine:
         """A transfer's connection failed: whichever side waits fails at once."""
         if not t.state.terminal:
             self.abort(t, State.FAILED, "PeerError", f"lost the peer: {type(exc).__name__}: {exc}")
-        if not link.reply.done():
-            link.reply.set_exception(PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
-            link.reply.exception()  # retrieved: a receiver's link has nobody awaiting it
+        self._settle(link, error=PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
 
     # ---- waiting, cancelling, state -----------------------------------------------------------
     async def wait(self, transfer_id: str, timeout: float) -> dict[str, Any]:

@@ -155,7 +155,7 @@ class Incoming:
             return False  # they are written in order on one connection
         future.set_result(None)
         try:
-            self._decode(chunk.index, torch.frombuffer(bytearray(chunk.frame), dtype=torch.uint8), len(chunk.frame))
+            self._decode(chunk.index, _frame(chunk.frame), len(chunk.frame))
         except Exception as exc:
             self._failed(exc)
             self.engine.unlink(self.t)
@@ -212,7 +212,7 @@ class Incoming:
                     data = await self.inline[i]
             except TimeoutError:
                 raise PeerError(f"inline chunk {i} did not come within {timeout:g} s") from None
-            frame = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            frame = _frame(data)
             region = self.pairs[self.plan[i][0]].region
             return (frame.to(region.tensor.device) if region.tensor.is_cuda else frame), len(data)
         # No progress for ``timeout`` fails it (the transport's watch), and so does a whole chunk
@@ -276,3 +276,9 @@ class Incoming:
             if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
                 engine.listener.mailbox.refuse(self.tags[self.completed:], f"transfer {t.id} ended {t.state.value}")
             engine.unlink(t)
+
+
+def _frame(data: bytes | memoryview) -> torch.Tensor:
+    """An inline chunk's frame as a tensor, without a copy where the bytes are writable."""
+    writable = isinstance(data, memoryview) and not data.readonly
+    return torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +30,7 @@ class PeerLink:
     reply: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     incoming: Any = None  # the receiving side's pipeline (incoming.Incoming)
+    settle: Callable[[asyncio.Future], None] | None = None  # called with ``reply`` once it is set (inline sends)
 
 
 def describe(exc: BaseException) -> tuple[str, str]:

@@ -76,7 +76,7 @@ class Outgoing:
         t.deadline = asyncio.get_running_loop().call_later(
             timeout, self.engine.abort, t, State.FAILED, "PeerError", f"the receiver did not confirm within {timeout:g} s")
         raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
-        link.reply.add_done_callback(functools.partial(self._replied, t, raw_bytes))
+        link.settle = functools.partial(self._replied, t, raw_bytes)
         return True
 
     def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future) -> None:
@@ -181,7 +181,7 @@ class Outgoing:
             frame = self.engine.codec.encode_now(codec, pair.region.tensor, pair.ids[start:start + blocks], codebook,
                                                  nbytes)
             frame = self._account_chunk(t, frame, nbytes, index)
-            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, frame.numpy().tobytes()))))
+            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, memoryview(frame.numpy())))))
         return inline
 
     async def _stream(self, t: Transfer, connection: transport.Connection, link: PeerLink,

@@ -110,7 +110,7 @@ class Written:
 @dataclass(frozen=True)
 class Chunk:
     index: int
-    frame: bytes
+    frame: bytes | memoryview  # parsed: a view into the message's own buffer (no copy)
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ class _Reader:
         raise ProtocolViolation(f"unknown block list form {form}")
 
 
-def unpack(data: bytes) -> Message:
+def unpack(data: bytes | bytearray) -> Message:
     """Parse one peer message.
 
     Raises:
@@ -321,7 +321,8 @@ def unpack(data: bytes) -> Message:
         body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, r.take(16))
     elif kind == Kind.CHUNK:
         (index,) = r.unpack("I")
-        body = Chunk(index, r.take(len(data) - r.at))
+        body = Chunk(index, memoryview(data)[r.at:])
+        r.at = len(data)
     elif kind == Kind.ACCEPT:
         (count,) = r.unpack("H")
         if count > MAX_PAIRS:

@@ -228,7 +228,7 @@ class _Pacer:
         await asyncio.sleep(self._free_at - now)
 
 
-OnMessage = Callable[["Connection", bytes], None]
+OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep
 
 
 class Connection:
@@ -554,7 +554,7 @@ class Connection:
             if self._on_message is None:
                 raise ProtocolError("MSG on a connection that takes none")
             try:
-                self._on_message(self, bytes(payload))
+                self._on_message(self, payload)
             except Exception:  # the layer above's bug must not take the connection down
                 log.exception("message handler failed on connection %s", self.peer)
         elif m.type == MessageType.GOODBYE:
