@@ -4,6 +4,7 @@ other, raw and SplitZip-compressed, and is checked bit for bit."""
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -19,10 +20,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The sidecars one process starts are one deployment: they share a peer secret, made here.
+_PEER_SECRET = secrets.token_hex(16)
+
+
 def start_sidecar(port: int, data_port: int, backend: str, token: str = "", extra: list[str] | None = None,
                   env: dict | None = None, device: str = "cpu", log: Path | None = None) -> subprocess.Popen:
-    """Start ``kvferry serve`` as a child process; its stderr goes to a pipe, or to ``log``
-    for long runs (an unread pipe would eventually block the daemon)."""
+    """Start ``kvferry serve`` as a child process, with this process's peer secret unless ``env``
+    names one; its stderr goes to a pipe, or to ``log`` for long runs (an unread pipe would
+    eventually block the daemon)."""
     command = [sys.executable, "-m", "kvferry.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--data-host", "127.0.0.1", "--data-port", str(data_port), "--advertise-host", "127.0.0.1",
                "--transport-backend", backend, "--device", device, "--log-level", "warning", *(extra or [])]
@@ -30,6 +36,7 @@ def start_sidecar(port: int, data_port: int, backend: str, token: str = "", extr
         command += ["--token", token]
     environment = dict(os.environ, **(env or {}))
     environment.setdefault("UCX_TLS", "tcp")
+    environment.setdefault("KVFERRY_PEER_SECRET", _PEER_SECRET)
     environment["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), environment.get("PYTHONPATH", "")])
     stderr = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 (the child owns it)
     return subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=stderr, text=True)

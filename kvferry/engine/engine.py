@@ -95,6 +95,10 @@ class Engine:
             idle_timeout=settings.idle_timeout,
             ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options})
         self.backend = transport.resolve_backend(self.transport_config)
+        if self.backend == "ucxx" and not settings.peer_secret:
+            # ucxx's listener binds every interface: without a secret only tcp keeps it on data_host.
+            log.warning("transport: tcp, not ucxx (ucxx would listen on every interface; set a peer secret to use it)")
+            self.backend = "tcp"
         self.listener: transport.Listener | None = None
         self.pool: transport.Pool | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))

@@ -75,6 +75,9 @@ class Settings:
         if not _loopback(self.host) and not self.token:
             raise ValueError(f"the control API would listen on {self.host} without a token: set KVFERRY_TOKEN "
                              "(or bind it to 127.0.0.1)")
+        if self.transport_backend == "ucxx" and not self.peer_secret:
+            raise ValueError("transport_backend: ucxx listens on every interface whatever data_host says (ucxx 0.52 "
+                             "binds no address): set KVFERRY_PEER_SECRET on every sidecar, or use tcp")
         if not _loopback(self.data_host) and not self.peer_secret:
             raise ValueError(f"the data port would listen on {self.data_host} without a peer secret: set "
                              "KVFERRY_PEER_SECRET on every sidecar (or bind it to 127.0.0.1)")

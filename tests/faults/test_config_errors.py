@@ -3,11 +3,17 @@ traceback (issue 15: finding 11), and nothing listens beyond loopback without it
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvferry.client import Client
+from kvferry.demo import free_port, wait_ready
 
 
 def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -24,9 +30,49 @@ def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     ((), {"KVFERRY_TRANSFER_TIMEOUT": "soon"}, "transfer_timeout"),
     (("--host", "0.0.0.0"), {}, "KVFERRY_TOKEN"),
     (("--data-host", "0.0.0.0"), {}, "KVFERRY_PEER_SECRET"),
+    (("--transport-backend", "ucxx"), {}, "KVFERRY_PEER_SECRET"),  # its listener binds every interface
 ])
 def test_one_line_exit_2(args, env, named):
     result = _serve(*args, env=env)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and named in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def _outward_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_without_a_peer_secret_the_data_port_stays_on_loopback_whatever_the_backend():
+    """``auto`` would pick ucxx where it imports, whose listener binds every interface: without a
+    secret the daemon takes tcp on ``data_host`` instead, and says so."""
+    outward = _outward_address()
+    if outward is None:
+        pytest.skip("no address beyond loopback to probe from")
+    port, data_port = free_port(), free_port()
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_")}
+    process = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "serve", "--port", str(port),
+                                "--data-port", str(data_port), "--transport-backend", "auto", "--device", "cpu"],
+                               env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}")
+        wait_ready(client, process)
+        info = {s.labels.get("transport_backend") for f in text_string_to_metric_families(client.metrics())
+                for s in f.samples if f.name == "kvferry_build_info"}
+        assert info == {"tcp"}, info
+        socket.create_connection(("127.0.0.1", data_port), timeout=5).close()
+        with pytest.raises(OSError):
+            socket.create_connection((outward, data_port), timeout=5).close()
+        client.close()
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    if importlib.util.find_spec("ucxx") is not None:  # auto would have taken it: the log says why not
+        assert "tcp, not ucxx" in stderr, stderr
