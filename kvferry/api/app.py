@@ -13,8 +13,9 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry import __version__, codec
 from kvferry.engine.engine import Engine, TransferSpec
@@ -64,14 +65,15 @@ async def readyz(e: EngineDep) -> Response:
     return JSONResponse({"status": "ready", "backend": e.backend, "data_address": e.data_address})
 
 
-@health.get("/v1/health", dependencies=[Depends(authorized)])
+@health.get("/v1/health", dependencies=[Depends(authorized)], responses={401: ERRORS[401]})
 async def health_v1(e: EngineDep) -> dict:
     """What a peer needs to send here (``data_address``), and what this sidecar runs."""
     return {"status": "ready" if e.ready else "starting", "version": __version__, "backend": e.backend,
             "device": str(e.device), "data_address": e.data_address, "codecs": codec.names()}
 
 
-@health.get("/metrics")
+@health.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text exposition", "content": {"text/plain": {}}}})
 @health.get("/v1/metrics", include_in_schema=False)
 async def metrics(e: EngineDep) -> Response:
     """Prometheus exposition."""
@@ -111,7 +113,9 @@ async def put_block(name: str, index: int, request: Request, e: EngineDep) -> Re
     return Response(status_code=204)
 
 
-@regions.get("/{name}/blocks/{index}")
+@regions.get("/{name}/blocks/{index}", response_class=Response, responses={200: {
+    "description": "the block's raw bytes", "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                                "format": "binary"}}}}})
 async def get_block(name: str, index: int, e: EngineDep) -> Response:
     """One block's raw bytes."""
     return Response(e.read_block(name, index), media_type="application/octet-stream")
@@ -204,6 +208,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, exc: EngineError) -> JSONResponse:
         return errors.response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return errors.http_response(exc.status_code, str(exc.detail), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

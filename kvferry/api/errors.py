@@ -20,6 +20,12 @@ STATUS: dict[type[errors.EngineError], int] = {
 }
 
 
+# Statuses Starlette raises itself (a body that is not JSON, an unknown path or method), named in
+# the same body shape so that every error the API answers matches its documented model.
+STARLETTE_NAMES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed",
+                   413: "PayloadTooLarge"}
+
+
 def status_of(exc: errors.EngineError) -> int:
     for cls in type(exc).__mro__:  # the most specific class that has a status
         if cls in STATUS:
@@ -32,3 +38,9 @@ def response(exc: errors.EngineError) -> JSONResponse:
     if isinstance(exc, errors.TransferFailed):
         body["state"] = exc.state
     return JSONResponse(body, status_code=status_of(exc))
+
+
+def http_response(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """Starlette's own HTTP errors in the error model."""
+    return JSONResponse({"error": STARLETTE_NAMES.get(status, "HTTPError"), "detail": detail}, status_code=status,
+                        headers=headers)
