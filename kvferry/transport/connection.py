@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import wire
+from . import checksum, wire
 from .buffers import Buffer
 from .config import TransportConfig
 from .errors import (CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
@@ -416,9 +416,12 @@ class Connection:
             if payload is not None and len(payload) and message.type in (MessageType.DATA, MessageType.MSG):
                 if getattr(payload, "is_cuda", False) and self.link.stages_device_payloads:
                     payload = memoryview(payload.cpu().numpy())  # staged here, so it is checksummed too
-                if not getattr(payload, "is_cuda", False):
+                if getattr(payload, "is_cuda", False):  # it goes GPU to GPU: checksummed on the GPU
+                    message = dataclasses.replace(message, flags=message.flags | wire.FLAG_PAYLOAD_CRC
+                                                  | wire.FLAG_SEGMENTED, crc=checksum.device_segmented_crc(payload))
+                else:
                     message = dataclasses.replace(message, flags=message.flags | wire.FLAG_PAYLOAD_CRC,
-                                                  crc=wire.payload_crc(payload))
+                                                  crc=checksum.crc(payload))
             parts.append(message.pack())
             if payload is not None and len(payload):
                 parts.append(payload)
@@ -589,8 +592,8 @@ class Connection:
             receive._unacked = 0
 
     @staticmethod
-    def _crc(m: Message) -> int | None:
-        return m.crc if m.flags & wire.FLAG_PAYLOAD_CRC else None
+    def _crc(m: Message) -> tuple[int, bool] | None:
+        return (m.crc, bool(m.flags & wire.FLAG_SEGMENTED)) if m.flags & wire.FLAG_PAYLOAD_CRC else None
 
     async def _discard(self, n: int) -> None:
         scratch = bytearray(min(n, _DISCARD_CHUNK))

@@ -50,9 +50,10 @@ class Link(ABC):
     stages_device_payloads = False
 
     @abstractmethod
-    async def recv_payload(self, region: Any, crc: int | None = None) -> bool:
+    async def recv_payload(self, region: Any, check: tuple[int, bool] | None = None) -> bool:
         """Receive exactly ``len(region)`` payload bytes into ``region`` (host or device); with
-        ``crc``, False (and a device region left untouched) if they do not match it."""
+        ``check`` (the header's CRC, and whether it is the segmented one: ``checksum.verify``),
+        False if they do not match it (a region a backend stages is left untouched then)."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import socket
 from typing import Any
 
-from . import wire
+from . import checksum
 from .config import TransportConfig
 from .errors import ConnectError, PeerLost, TransportClosed
 from .link import Link, ListenerHandle, OnLink, log
@@ -77,18 +77,18 @@ class TcpLink(Link):
 
     stages_device_payloads = True
 
-    async def recv_payload(self, region: Any, crc: int | None = None) -> bool:
+    async def recv_payload(self, region: Any, check: tuple[int, bool] | None = None) -> bool:
         if getattr(region, "is_cuda", False):
             staging = bytearray(region.numel())
             await self._recv_exactly(memoryview(staging))
-            if crc is not None and wire.payload_crc(staging) != crc:
+            if check is not None and not checksum.verify(staging, *check):
                 return False  # checked before it reaches the device
             import torch
 
             region.copy_(torch.frombuffer(staging, dtype=torch.uint8))
             return True
         await self._recv_exactly(region)
-        return crc is None or wire.payload_crc(region) == crc
+        return check is None or checksum.verify(region, *check)
 
     async def _recv_exactly(self, view: memoryview) -> None:
         """Fill ``view``: from what was read ahead, then small rests through the read-ahead buffer

@@ -26,7 +26,7 @@ os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 import ucxx  # noqa: E402
 from ucxx.exceptions import UCXCanceled, UCXCloseError, UCXError
 
-from . import wire
+from . import checksum
 from .config import TransportConfig
 from .errors import ConnectError, PeerLost, TransportClosed
 from .link import Link, ListenerHandle, OnLink, log
@@ -92,14 +92,13 @@ class UcxLink(Link):
         await self._recv(buf)
         return buf.tobytes()
 
-    async def recv_payload(self, region: Any, crc: int | None = None) -> bool:
-        host = isinstance(region, memoryview)
-        if host:
+    async def recv_payload(self, region: Any, check: tuple[int, bool] | None = None) -> bool:
+        view = region
+        if isinstance(region, memoryview):
             region = np.frombuffer(region, dtype=np.uint8)
         await self._recv(region)
-        # Device payloads over UCX carry no CRC (the sender sets none): RDMA and CUDA IPC check
-        # their own links, and a GPU checksum kernel is not written yet.
-        return crc is None or not host or wire.payload_crc(region) == crc
+        # A device payload is checked on its GPU (the segmented CRC32C), a host one on the CPU.
+        return check is None or checksum.verify(view, *check)
 
     async def _recv(self, buf: Any) -> None:
         try:

@@ -7,12 +7,13 @@ and MSG only, by ``length`` payload bytes:
          0    4 magic b"KVFT"
          4    1 version (2)
          5    1 type (MessageType)
-         6    2 flags (bit 0: DONE on ACK; bit 1: EAGER on RTS; bit 2: PAYLOAD_CRC on DATA and MSG)
+         6    2 flags (bit 0: DONE on ACK; bit 1: EAGER on RTS; bit 2: PAYLOAD_CRC on DATA and MSG;
+                      bit 3: SEGMENTED, with bit 2: the CRC is checksum.py's segmented CRC32C)
          8    8 tag: the transfer this message belongs to
         16    8 offset: DATA: byte offset of the payload in the transfer
         24    8 length: HELLO/AUTH/REJECT/DATA/MSG: payload bytes that follow; ACK: bytes acknowledged
         32    8 total: RTS/CTS/DATA: the transfer's size in bytes
-        40    4 payload CRC32C (with flag bit 2; else 0)
+        40    4 payload CRC32C, or with bit 3 its segmented CRC32C (device payloads; with bit 2, else 0)
         44    4 CRC32C of bytes 0..43
 
 A connection starts with the handshake (both ends prove they hold the peer secret; nothing else
@@ -42,14 +43,16 @@ from enum import IntEnum
 
 import google_crc32c
 
+from . import checksum
 from .errors import ProtocolError
 
 MAGIC = b"KVFT"
 VERSION = 2
 FLAG_DONE = 0x1  # on ACK: the last byte is written
 FLAG_EAGER = 0x2  # on RTS: DATA follows at once, without waiting for CTS (the receive must be posted)
-FLAG_PAYLOAD_CRC = 0x4  # on DATA/MSG: the payload's CRC32C is in the header (host payloads; checked
-                        # before the bytes are used: a mismatch fails that transfer, not the connection)
+FLAG_PAYLOAD_CRC = 0x4  # on DATA/MSG: the payload's CRC32C is in the header (checked before the bytes
+                        # are used: a mismatch fails that transfer, not the connection)
+FLAG_SEGMENTED = 0x8  # with PAYLOAD_CRC: the segmented CRC32C, computed on the GPU (device payloads)
 _LAYOUT = struct.Struct("<4sBBHQQQQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _LAYOUT.size + _CRC.size
@@ -87,10 +90,7 @@ class Message:
         return body + _CRC.pack(google_crc32c.value(body))
 
 
-def payload_crc(data: bytes | bytearray | memoryview) -> int:
-    """CRC32C of a payload (google-crc32c takes only immutable bytes: others are copied, which at
-    ~7 GB/s on one core stays well ahead of the TCP path that checksums them)."""
-    return google_crc32c.value(data if isinstance(data, bytes) else bytes(data))
+payload_crc = checksum.crc  # a host payload's CRC32C
 
 
 def unpack(data: bytes | bytearray | memoryview) -> Message:
@@ -113,7 +113,8 @@ def unpack(data: bytes | bytearray | memoryview) -> Message:
         message_type = MessageType(kind)
     except ValueError:
         raise ProtocolError(f"unknown message type {kind}") from None
-    if flags & ~(FLAG_DONE | FLAG_EAGER | FLAG_PAYLOAD_CRC) or (crc and not flags & FLAG_PAYLOAD_CRC):
+    if (flags & ~(FLAG_DONE | FLAG_EAGER | FLAG_PAYLOAD_CRC | FLAG_SEGMENTED)
+            or (crc and not flags & FLAG_PAYLOAD_CRC) or (flags & FLAG_SEGMENTED and not flags & FLAG_PAYLOAD_CRC)):
         raise ProtocolError("reserved bits set")
     if flags & FLAG_PAYLOAD_CRC and message_type not in (MessageType.DATA, MessageType.MSG):
         raise ProtocolError(f"payload CRC on {message_type.name}")

@@ -1,0 +1,115 @@
+"""Payload checksums: the segmented CRC32C that device payloads carry, its CPU reference and the
+GPU kernel, bit for bit; and that a device payload whose bytes changed on the way is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import google_crc32c
+import pytest
+import torch
+
+from kvferry import transport
+from kvferry.transport import checksum, wire
+from kvferry.transport.wire import Message, MessageType
+from tests.transport.conftest import config, run
+
+
+def _bytewise(data: bytes) -> int:
+    """CRC32C one byte at a time through ``checksum``'s table: the GPU kernel's arithmetic."""
+    table = checksum._table()
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = int(table[(crc ^ byte) & 0xFF]) ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_the_kernels_table_is_crc32c():
+    data = os.urandom(997)
+    assert _bytewise(data) == google_crc32c.value(data)
+    assert _bytewise(b"123456789") == 0xE3069283  # the CRC32C check value
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_segmented_crc_is_the_crc_of_the_segments_crcs(size):
+    data = os.urandom(size)
+    segments = [data[i:i + 4096] for i in range(0, size, 4096)]
+    expected = google_crc32c.value(b"".join(google_crc32c.value(s).to_bytes(4, "little") for s in segments))
+    assert checksum.segmented_crc(data) == expected
+
+
+def test_golden_segmented_crc():
+    data = bytes(range(256)) * 40  # 10,240 bytes: two whole segments and a short one
+    assert checksum.segmented_crc(data) == 0xAD324F0D
+    assert checksum.verify(memoryview(data), 0xAD324F0D, True)
+    assert not checksum.verify(memoryview(data), checksum.crc(data), True)
+    assert checksum.verify(memoryview(data), checksum.crc(data), False)
+
+
+def test_golden_segmented_flag_and_its_rules():
+    message = Message(MessageType.DATA, tag=7, length=3, total=3, flags=wire.FLAG_PAYLOAD_CRC | wire.FLAG_SEGMENTED,
+                      crc=checksum.segmented_crc(b"abc"))
+    packed = message.pack()
+    assert packed[6:8] == (12).to_bytes(2, "little")
+    assert wire.unpack(packed) == message
+    with pytest.raises(wire.ProtocolError, match="reserved"):  # segmented without a CRC
+        wire.unpack(Message(MessageType.DATA, tag=7, length=3, total=3, flags=wire.FLAG_SEGMENTED).pack())
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("size, offset", [(1, 0), (4095, 0), (4096, 0), (4097, 3), (10 << 20, 1), (64 << 20, 0)])
+def test_gpu_segmented_crc_equals_the_reference(size, offset):
+    generator = torch.Generator(device="cuda").manual_seed(size)
+    data = torch.randint(0, 256, (size + offset,), dtype=torch.uint8, device="cuda", generator=generator)[offset:]
+    assert checksum.device_segmented_crc(data) == checksum.segmented_crc(data.cpu().numpy())
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_device_payload_changed_on_the_way_is_refused(backend):
+    """A device payload sent GPU to GPU carries the segmented CRC; the receiver checks it on its
+    GPU. The bytes are changed between the check's computation and the send (as a faulty link
+    would), so the receive fails with CorruptPayload and the connection goes on."""
+    async def main():
+        cfg = config(backend, chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        connection = await transport.connect("127.0.0.1", listener.port, cfg)
+        payload = torch.arange(1 << 20, device="cuda").to(torch.uint8)
+        # UCX sends the device bytes (segmented CRC, on the GPU); TCP stages them (host CRC).
+        name = "device_segmented_crc" if backend == "ucxx" else "crc"
+        real = getattr(checksum, name)
+        calls = []
+
+        def stale(region):  # the sender's checksum, of the bytes before one of them flipped
+            value = real(region)
+            if not calls:
+                region[12345] ^= 0xFF
+            calls.append(value)
+            return value
+
+        setattr(checksum, name, stale)
+        try:
+            receive = listener.expect(7, torch.zeros_like(payload))
+            sent = asyncio.ensure_future(connection.send(7, payload))
+            with pytest.raises(transport.TransportError, match="CRC|checksum"):
+                await receive.wait(cfg.op_timeout)
+            with pytest.raises(transport.TransportError):
+                await sent
+        finally:
+            setattr(checksum, name, real)
+        payload = torch.arange(1 << 20, device="cuda").to(torch.uint8)  # and the next one is fine
+        target = torch.zeros_like(payload)
+        receive = listener.expect(8, target)
+        await connection.send(8, payload)
+        await receive.wait(cfg.op_timeout)
+        torch.cuda.synchronize()
+        assert torch.equal(target, payload)
+        await connection.close()
+        await listener.close()
+
+    run(main(), timeout=60)
