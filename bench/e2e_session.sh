@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the end-to-end benchmark (see /work/.library/device); carry .whl-svc and
-# .carry (bench/device_setup.sh). Runs bench/e2e.py over ucxx (CUDA buffers moved by UCX), then
+# .whl-ucx (bench/make_device_bundles.sh, bench/device_setup.sh). Runs bench/e2e.py over ucxx (CUDA buffers moved by UCX), then
 # over TCP (staged through the host) for comparison.
 # Usage there: bash bench/e2e_session.sh   (writes logs, JSON, PNG under $OUT)
 set -uo pipefail

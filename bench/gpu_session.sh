@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (see /work/.library/device) for the GPU codec: carry .whl (nvCOMP, pytest,
-# hypothesis), .whl-svc and .carry (bench/device_setup.sh). Runs every GPU test (codec, CUDA
+# hypothesis), .whl-svc and .whl-ucx (bench/make_device_bundles.sh, bench/device_setup.sh). Runs every GPU test (codec, CUDA
 # buffers over both transports, the daemon on a GPU), the GPU codec benchmark, then the host
 # profile of the sidecar's 64 MiB block calls.
 # Usage there: bash bench/gpu_session.sh [codec_gpu.py options]   (logs and JSON under $OUT)

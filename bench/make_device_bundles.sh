@@ -2,9 +2,10 @@
 # Packs what a device call needs that the GPU image lacks (its Python is 3.12, x86-64) into
 # git-ignored folders a `run` call carries (64 MiB per call in all), and prints their sizes:
 #   .whl-svc/  the daemon's pure-Python and small binary wheels (FastAPI stack, google-crc32c, ...)
+#   .whl-ucx/  ucxx with its UCX libraries (the ucxx backend: CUDA IPC / RDMA between GPUs), ~47 MiB
 # The GPU image already holds torch, CuPy, numpy, httpx, anyio, h11, click, pyyaml,
 # prometheus-client, uvloop (KINDS.md); the versions below match this repository's CPU venv.
-# Usage: bash bench/make_device_bundles.sh   then in the call: carry [".whl-svc"] and
+# Usage: bash bench/make_device_bundles.sh   then in the call: carry [".whl-svc", ".whl-ucx"] and
 #   . bench/device_setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +14,13 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 SVC=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0
      typing-inspection==0.4.5 uvicorn==0.54.0 google-crc32c==1.9.0 opentelemetry-api==1.45.2
      annotated-doc==0.0.7)
-mkdir -p .whl-svc .git/info
-grep -qxF '/.whl-svc/' .git/info/exclude 2>/dev/null || echo '/.whl-svc/' >> .git/info/exclude
+UCX=(ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.22.0 rapids-logger==0.3.0)
+mkdir -p .whl-svc .whl-ucx .git/info
+for folder in .whl-svc .whl-ucx; do
+    grep -qxF "/$folder/" .git/info/exclude 2>/dev/null || echo "/$folder/" >> .git/info/exclude
+done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d .whl-svc "${SVC[@]}"
-du -sh .whl-svc
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${PLATFORMS[@]}" -d .whl-ucx "${UCX[@]}"
+du -sh .whl-svc .whl-ucx

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: which UCX transport list moves CUDA buffers between two processes here
 # (python -m kvferry.transport.bench --device cuda:0 per UCX_TLS), then bench/e2e.py over ucxx with the
-# fastest list that worked. Carry .whl-svc and .carry (bench/device_setup.sh).
+# fastest list that worked. Carry .whl-svc and .whl-ucx (bench/make_device_bundles.sh, bench/device_setup.sh).
 # Usage there: bash bench/ucx_gpu_session.sh   (writes probe.log, e2e_* and sidecars.log under $OUT)
 set -uo pipefail
 . bench/device_setup.sh
