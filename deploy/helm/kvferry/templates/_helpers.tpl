@@ -18,6 +18,30 @@ app.kubernetes.io/name: {{ include "kvferry.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/*
+Labels of every pod that carries the sidecar: the headless Service, the PodMonitor and the
+NetworkPolicy select these, so your own worker pod carries them too (injection path):
+  metadata:
+    labels:
+      app: my-engine
+      {{- include "kvferry.sidecarLabels" .Subcharts.kvferry | nindent 6 }}
+They name no app.kubernetes.io/* key, so they never clash with your pod's own labels.
+*/}}
+{{- define "kvferry.sidecarLabels" -}}
+kvferry.io/sidecar: "true"
+kvferry.io/release: {{ .Release.Name | quote }}
+{{- end -}}
+
+{{/* A component of this chart: its Deployment's selector (and the labels of its pods). */}}
+{{- define "kvferry.componentLabels" -}}
+{{ include "kvferry.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvferry.componentName" -}}
+{{ printf "%s-%s" (include "kvferry.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end -}}
+
 {{- define "kvferry.tokenSecret" -}}
 {{- if .Values.token.existingSecret -}}{{ .Values.token.existingSecret }}{{- else -}}{{ include "kvferry.fullname" . }}-token{{- end -}}
 {{- end -}}
@@ -27,11 +51,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/*
-The sidecar container. Include it in your worker pod's containers:
+The sidecar container. Include it in your worker pod's containers (from a chart that depends on
+this one; within this chart the context is `.`), with the pod's labels from
+"kvferry.sidecarLabels", its volumes from "kvferry.volumes" and shareProcessNamespace: true:
   containers:
     - name: worker
       ...
-    {{- include "kvferry.sidecar" . | nindent 4 }}
+    {{- include "kvferry.sidecar" .Subcharts.kvferry | nindent 4 }}
 */}}
 {{- define "kvferry.sidecar" -}}
 - name: kvferry
@@ -97,6 +123,35 @@ The sidecar container. Include it in your worker pod's containers:
     {{- end }}
     {{- toYaml $security | nindent 4 }}
   volumeMounts:
-    - {name: dshm, mountPath: /dev/shm}
+    - {name: {{ .Values.shm.volume }}, mountPath: /dev/shm}  # the worker mounts it too: CPU KV regions are shm segments
     - {name: kvferry-tmp, mountPath: /tmp}
+{{- end -}}
+
+{{/*
+The volumes the sidecar mounts, for the pod's volumes (the worker mounts the shm volume at
+/dev/shm too):
+  volumes:
+    {{- include "kvferry.volumes" .Subcharts.kvferry | nindent 4 }}
+With shm.defineVolume false it leaves out the shm volume (your pod already defines one named
+shm.volume).
+*/}}
+{{- define "kvferry.volumes" -}}
+{{- if .Values.shm.defineVolume -}}
+{{ include "kvferry.shmVolume" . }}
+{{ end -}}
+- name: kvferry-tmp
+  emptyDir: {}
+{{- end -}}
+
+{{- define "kvferry.shmVolume" -}}
+- name: {{ .Values.shm.volume }}
+  emptyDir: {medium: Memory, sizeLimit: {{ .Values.shm.sizeLimit }}}
+{{- end -}}
+
+{{/* The volumes of this chart's own pods: the shm volume whatever shm.defineVolume says. */}}
+{{- define "kvferry.podVolumes" -}}
+{{ include "kvferry.volumes" . }}
+{{- if not .Values.shm.defineVolume }}
+{{ include "kvferry.shmVolume" . }}
+{{- end }}
 {{- end -}}
