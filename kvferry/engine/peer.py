@@ -298,6 +298,8 @@ def unpack(data: bytes | bytearray) -> Message:
         kind = Kind(kind)
     except ValueError:
         raise ProtocolViolation(f"unknown peer message kind {kind}") from None
+    if kind != Kind.CHUNK:
+        data = bytes(data)  # fields taken from it are bytes (hashable), whatever buffer it came in
     r = _Reader(data)
     r.at = HEADER_SIZE
     body: Body

@@ -86,3 +86,17 @@ def test_tags_and_plan_follow_from_the_announce():
 def test_unpackable_ids_are_refused():
     with pytest.raises(ProtocolViolation):
         peer.pack(peer.Message("not-hex", peer.Accept()))
+
+
+def test_messages_parse_the_same_from_the_transports_bytearray():
+    """The transport hands each message over in its own bytearray: fields come out as bytes (an
+    IPC handle keys the mapper's cache), and a chunk's frame is a view of that buffer, not a copy."""
+    for name, (message, _) in GOLDEN.items():
+        parsed = peer.unpack(bytearray(peer.pack(message)))
+        assert parsed == message, name
+        if isinstance(parsed.body, peer.Accept):
+            assert all(hash(t.handle) is not None and isinstance(t.device_uuid, bytes) for t in parsed.body.targets)
+    buffer = bytearray(peer.pack(peer.Message(TID, peer.Chunk(3, b"frame"))))
+    chunk = peer.unpack(buffer).body
+    buffer[-1] = ord("E")
+    assert bytes(chunk.frame) == b"framE"
