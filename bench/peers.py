@@ -1,0 +1,342 @@
+"""kvferry beside NIXL, same machine, same run, same KV layout: a Llama-3-8B-shaped paged cache
+(blocks of ``[32, 2, 16, 8, 128]`` bf16 = 2 MiB, real KV tiled) moved between two processes to
+random destination blocks.
+
+    python bench/peers.py [--device cuda|cpu] [--backend ucxx|tcp] [--sizes 2M,64M,256M,1G,4G]
+                          [--codecs raw,splitzip,auto] [--repeats 5] [--no-nixl] [--json FILE]
+
+- kvferry: two real sidecars (``kvferry serve``); this process owns both caches and lends them
+  (CUDA IPC on a GPU, POSIX shared memory on the CPU); one transfer per request, timed from
+  submit to done (the receiver has written every block: the sender's record).
+- NIXL (``nixl-cu13``), driven as vLLM's NixlConnector drives it: an initiator and a target
+  process, memory registered once, descriptor lists prepped once, then a WRITE of block indices
+  with a notification; timed from posting to the notification's arrival at the target (one
+  host, one monotonic clock). Two layouts: one descriptor per block, and vLLM's per-layer layout
+  (a block is 64 descriptors of 32 KiB, one per layer and K/V, at scattered addresses).
+
+Every request zeroes its sampled destination blocks first and compares them bit for bit after.
+Per size: median and p90 seconds, GB/s of KV moved. Prints a table; ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BLOCK_SHAPE = (32, 2, 16, 8, 128)  # layers, K/V, tokens, heads, head dim
+BLOCK_BYTES = 32 * 2 * 16 * 8 * 128 * 2
+PIECES, PIECE_BYTES = 64, BLOCK_BYTES // 64  # vLLM's layout: per layer and K/V, 32 KiB a block
+SAMPLES = 4  # destination blocks checked per request
+
+
+def _size(text: str) -> int:
+    return int(float(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1].upper()])
+
+
+def tiled_cache(blocks: int, device: str):
+    """``blocks`` blocks of real KV (the package's SmolLM2 sample, tiled), the same in every process."""
+    import torch
+
+    from kvferry.demo import load_kv
+
+    sample = load_kv(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz").reshape(-1)
+    per_block = BLOCK_BYTES // 2
+    cache = torch.empty(blocks * per_block, dtype=torch.bfloat16, device=device)
+    flat = sample.to(device)
+    for start in range(0, cache.numel(), flat.numel()):
+        n = min(flat.numel(), cache.numel() - start)
+        cache[start:start + n] = flat[:n]
+    return cache.view(blocks, *BLOCK_SHAPE)
+
+
+def plan(blocks_total: int, count: int, seed: int) -> tuple[list[int], list[int]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    src = torch.randperm(blocks_total, generator=generator)[:count].tolist()
+    dst = torch.randperm(blocks_total, generator=generator)[:count].tolist()
+    return src, dst
+
+
+def _bits(x):
+    import torch
+
+    return x.contiguous().view(-1).view(torch.int16)
+
+
+# ---- kvferry -----------------------------------------------------------------------------------
+def run_kvferry(args, sizes: list[int], blocks_total: int) -> list[dict]:
+    import torch
+
+    from kvferry.client import Client
+    from kvferry.demo import free_port, start_sidecar, wait_ready
+
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls}
+    processes = [start_sidecar(p, d, args.backend, env=env, device=args.device) for p, d in ports]
+    rows, keep = [], []
+    try:
+        sender, receiver = (Client(f"http://127.0.0.1:{p}", timeout=300) for p, _ in ports)
+        for client, process in zip((sender, receiver), processes):
+            wait_ready(client, process, timeout=180)
+        kind = "cuda_ipc" if args.device == "cuda" else "shm"
+        src = tiled_cache(blocks_total, args.device)
+        dst = torch.zeros_like(src)
+        _, handle = sender.region_from_tensor("src", src, kind=kind)
+        _, dst_handle = receiver.region_from_tensor("dst", dst, kind=kind)
+        keep += [handle, dst_handle]
+        if kind == "shm":  # the receiver writes the segment: read the blocks back from it
+            dst = torch.frombuffer(dst_handle.buf, dtype=torch.bfloat16).view(blocks_total, *BLOCK_SHAPE)
+        peer = receiver.data_address()
+        for codec in args.codecs.split(","):
+            for size in sizes:
+                count = max(1, size // BLOCK_BYTES)
+                seconds, exact, ratio, chosen = [], True, 0.0, ""
+                for repeat in range(args.repeats + 1):  # the first is a warm-up
+                    src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
+                    for d in dst_ids[:SAMPLES]:
+                        dst[d].zero_()
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
+                    record = sender._call("POST", "/v1/transfers", params={"wait": 300}, json={
+                        "src_region": "src", "dst_region": "dst", "src_blocks": src_ids, "dst_blocks": dst_ids,
+                        "peer": peer, "codec": codec}).json()
+                    if record.get("state") != "done":
+                        raise RuntimeError(f"kvferry {codec} {size}: {record}")
+                    exact &= all(torch.equal(_bits(dst[d]), _bits(src[s])) for s, d in
+                                 zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
+                    if repeat:
+                        seconds.append(record["seconds"])
+                        ratio = record["bytes_raw"] / max(1, record["bytes_wire"]) if record["bytes_wire"] else 1.0
+                        chosen = record.get("chosen_codec") or codec
+                rows.append(_row("kvferry", f"{codec}" + (f" ({chosen})" if codec == "auto" else ""),
+                                 count, seconds, exact, ratio))
+                print(_line(rows[-1]), flush=True)
+        sender.close()
+        receiver.close()
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+        for handle in keep:
+            if handle is not None and hasattr(handle, "unlink"):
+                handle.close()
+                handle.unlink()
+    return rows
+
+
+# ---- NIXL --------------------------------------------------------------------------------------
+def _descs(base: int, blocks: int, layout: str, device_id: int):
+    """(address, length, device) per descriptor: one per block, or vLLM's 64 per block."""
+    import numpy as np
+
+    if layout == "block":
+        addresses = base + np.arange(blocks, dtype=np.int64) * BLOCK_BYTES
+        lengths = np.full(blocks, BLOCK_BYTES, dtype=np.int64)
+    else:  # piece i of block b at (i * blocks + b) * 32 KiB: descriptor index i * blocks + b
+        addresses = base + np.arange(PIECES * blocks, dtype=np.int64) * PIECE_BYTES
+        lengths = np.full(PIECES * blocks, PIECE_BYTES, dtype=np.int64)
+    return np.stack([addresses, lengths, np.full_like(addresses, device_id)], axis=1)
+
+
+def _indices(ids: list[int], blocks: int, layout: str):
+    import numpy as np
+
+    ids = np.asarray(ids, dtype=np.int32)
+    if layout == "block":
+        return ids
+    return (np.arange(PIECES, dtype=np.int32)[:, None] * blocks + ids[None, :]).reshape(-1)
+
+
+def _pieces(cache, blocks: int, layout: str, block: int):
+    """Block ``block``'s bytes as the layout places them (for the bit check)."""
+    flat = cache.reshape(-1).view(__import__("torch").uint8)
+    if layout == "block":
+        return flat[block * BLOCK_BYTES:(block + 1) * BLOCK_BYTES]
+    return flat.view(PIECES, blocks, PIECE_BYTES)[:, block]
+
+
+def _nixl_agent(name: str, cache, device: str):
+    from nixl_cu13 import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    agent.register_memory(agent.get_reg_descs([cache]))
+    return agent
+
+
+def nixl_target(conn, args, blocks_total: int) -> None:
+    import torch
+
+    cache = tiled_cache(blocks_total, args.device).zero_()
+    device_id = cache.device.index or 0
+    agent = _nixl_agent("target", cache, args.device)
+    mem = "VRAM" if args.device == "cuda" else "DRAM"
+    descs = {layout: agent.get_serialized_descs(agent.get_xfer_descs(_descs(cache.data_ptr(), blocks_total, layout,
+                                                                           device_id), mem))
+             for layout in ("block", "vllm")}
+    conn.send((agent.get_agent_metadata(), descs))
+    expected = tiled_cache(blocks_total, args.device)
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        layout, tag, src_ids, dst_ids = job
+        for d in dst_ids[:SAMPLES]:
+            _pieces(cache, blocks_total, layout, d).zero_()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        conn.send("ready")
+        deadline = time.monotonic() + 120
+        arrived = None
+        while arrived is None and time.monotonic() < deadline:
+            for messages in agent.get_new_notifs().values():
+                if tag.encode() in messages:
+                    arrived = time.perf_counter()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        exact = arrived is not None and all(
+            torch.equal(_pieces(cache, blocks_total, layout, d), _pieces(expected, blocks_total, layout, s))
+            for s, d in zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
+        conn.send((arrived, exact))
+
+
+def nixl_initiator(conn, args, blocks_total: int, sizes: list[int]) -> None:
+    cache = tiled_cache(blocks_total, args.device)
+    device_id = cache.device.index or 0
+    agent = _nixl_agent("initiator", cache, args.device)
+    mem = "VRAM" if args.device == "cuda" else "DRAM"
+    target = conn.recv()
+    metadata, remote = target
+    peer = agent.add_remote_agent(metadata)
+    prepped = {}
+    for layout in ("block", "vllm"):
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(cache.data_ptr(), blocks_total, layout, device_id), mem)
+        far = agent.prep_xfer_dlist(peer, agent.deserialize_descs(remote[layout]))
+        prepped[layout] = (local, far)
+    rows = []
+    for layout in ("block", "vllm"):
+        local, far = prepped[layout]
+        for size in sizes:
+            count = max(1, size // BLOCK_BYTES)
+            seconds, posted_s, exact = [], [], True
+            for repeat in range(args.repeats + 1):
+                src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
+                tag = f"{layout}-{count}-{repeat}"
+                conn.send(("job", layout, tag, src_ids, dst_ids))
+                assert conn.recv() == "ready"
+                handle = agent.make_prepped_xfer("WRITE", local, _indices(src_ids, blocks_total, layout), far,
+                                                 _indices(dst_ids, blocks_total, layout), tag.encode())
+                start = time.perf_counter()
+                state = agent.transfer(handle)
+                while state == "PROC":
+                    state = agent.check_xfer_state(handle)
+                done = time.perf_counter()
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL transfer {tag}: {state}")
+                arrived, ok = conn.recv()
+                agent.release_xfer_handle(handle)
+                exact &= ok
+                if repeat:
+                    seconds.append((arrived or done) - start)
+                    posted_s.append(done - start)
+            row = _row("nixl", f"WRITE, {'1 desc/block' if layout == 'block' else '64 x 32 KiB/block (vLLM)'}",
+                       count, seconds, exact, 1.0)
+            row["initiator_done_median_s"] = statistics.median(posted_s)
+            rows.append(row)
+            print(_line(row), flush=True)
+    conn.send(("rows", rows))
+
+
+def run_nixl(args, sizes: list[int], blocks_total: int) -> list[dict]:
+    context = mp.get_context("spawn")
+    to_target, target_end = context.Pipe()
+    to_initiator, initiator_end = context.Pipe()
+    target = context.Process(target=_target_main, args=(target_end, args, blocks_total))
+    initiator = context.Process(target=nixl_initiator, args=(initiator_end, args, blocks_total, sizes))
+    target.start()
+    initiator.start()
+    try:
+        to_initiator.send(to_target.recv())  # the target's metadata and descriptors
+        while True:
+            if not to_initiator.poll(300):
+                raise RuntimeError("the NIXL initiator stalled")
+            message = to_initiator.recv()
+            if message[0] == "rows":
+                return message[1]
+            to_target.send(message[1:])  # a job
+            to_initiator.send(to_target.recv())  # ready
+            to_initiator.send(to_target.recv())  # (arrived, exact)
+    finally:
+        try:
+            to_target.send(None)
+        except OSError:
+            pass
+        for process in (initiator, target):
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
+def _target_main(conn, args, blocks_total: int) -> None:
+    nixl_target(conn, args, blocks_total)
+
+
+# ---- report ------------------------------------------------------------------------------------
+def _row(system: str, how: str, blocks: int, seconds: list[float], exact: bool, ratio: float) -> dict:
+    median = statistics.median(seconds)
+    ordered = sorted(seconds)
+    return {"system": system, "how": how, "blocks": blocks, "bytes": blocks * BLOCK_BYTES, "median_s": median,
+            "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "gbps": blocks * BLOCK_BYTES / median / 1e9,
+            "ratio": ratio, "bit_exact": exact, "n": len(seconds)}
+
+
+def _line(row: dict) -> str:
+    size = row["bytes"]
+    label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB"
+    return (f"| {row['system']} | {row['how']} | {label} | {row['median_s'] * 1e3:.3f} | {row['p90_s'] * 1e3:.3f} | "
+            f"{row['gbps']:.2f} | {row['ratio']:.3f} | {'yes' if row['bit_exact'] else 'NO'} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--backend", default="ucxx", help="kvferry's transport: ucxx or tcp")
+    parser.add_argument("--ucx-tls", default="tcp,cuda_copy,cuda_ipc")
+    parser.add_argument("--sizes", default="2M,64M,256M,1G,4G")
+    parser.add_argument("--codecs", default="raw,splitzip,auto")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--no-kvferry", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sizes = [_size(s) for s in args.sizes.split(",")]
+    blocks_total = max(max(1, s // BLOCK_BYTES) for s in sizes) + 8
+    device_name = "CPU"
+    if args.device == "cuda":
+        import torch
+
+        device_name = torch.cuda.get_device_name()
+    print(f"kvferry vs NIXL, {time.strftime('%Y-%m-%d')}, {device_name}, two processes on one host; "
+          f"blocks {list(BLOCK_SHAPE)} bf16 (2 MiB), real KV tiled\n`{' '.join(sys.argv)}`\n")
+    print("| system | how | size | median ms | p90 ms | GB/s | ratio | bit-exact |\n|---|---|---:|---:|---:|---:|---:|---|")
+    rows = [] if args.no_kvferry else run_kvferry(args, sizes, blocks_total)
+    if not args.no_nixl:
+        rows += run_nixl(args, sizes, blocks_total)
+    if args.json:
+        args.json.write_text(json.dumps({"device": device_name, "host": platform.node(), "command": " ".join(sys.argv),
+                                         "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+    return 0 if all(r["bit_exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
