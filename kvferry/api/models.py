@@ -30,9 +30,9 @@ class RegionBody(BaseModel):
 class RangeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    start: StrictInt = Field(ge=0)
+    start: StrictInt = Field(ge=0, lt=2 ** 32)  # the peer protocol's fields (peer.py)
     count: StrictInt = Field(gt=0, le=MAX_BLOCKS)
-    stride: StrictInt = Field(default=1)
+    stride: StrictInt = Field(default=1, gt=-2 ** 31, lt=2 ** 31)
 
     @field_validator("stride")
     @classmethod

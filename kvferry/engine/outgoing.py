@@ -66,10 +66,11 @@ class Outgoing:
         link = self.engine.link(t, PeerLink(connection))
         try:
             inline = self._inline_chunks(t, plan, pairs, codec, codebook, len(plan))
-        except Exception as exc:  # the codec's own failure: the transfer's, not the engine's
+            announce = self._announce(t, spec, pairs, book, len(inline), False)
+        except Exception as exc:  # the codec's or the layout's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(exc))
             return True
-        connection.post_message(self._announce(t, spec, pairs, book, len(inline), False), *inline)
+        connection.post_message(announce, *inline)
         for stage in ("announced", "first_byte", "last_byte"):
             t.mark(stage)
         timeout = self.engine.settings.transfer_timeout

@@ -39,19 +39,26 @@ def device_segmented_crc(payload: Any) -> int:
         import cupy
     except ImportError:  # correct, if slow: the bytes go to the host once
         return segmented_crc(payload.cpu().numpy())
+    import torch
+
     segments = -(-n // SEGMENT_BYTES)
-    with cupy.cuda.Device(payload.device.index):
+    device = payload.device.index if payload.device.index is not None else torch.cuda.current_device()
+    # On torch's current stream (not CuPy's legacy default, which would wait for every stream).
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device)
+    with cupy.cuda.Device(device), stream:
         data = cupy.asarray(payload)  # no copy: CUDA array interface
         out = cupy.empty(segments, dtype=cupy.uint32)
         threads = 128
-        _kernel()((-(-segments // threads),), (threads,), (data, np.uint64(n), out, _table_on_device()))
-        return google_crc32c.value(out.get().astype("<u4").tobytes())
+        _kernel(device)((-(-segments // threads),), (threads,), (data, np.uint64(n), out, _table_on_device(device)))
+        return google_crc32c.value(out.get(stream=stream).astype("<u4").tobytes())
 
 
 def verify(region: Any, expected: int, segmented: bool) -> bool:
     """Whether a received payload (host memoryview or CUDA tensor) matches its header's check."""
     if getattr(region, "is_cuda", False):
-        return segmented and device_segmented_crc(region) == expected  # a device payload has no plain CRC
+        if segmented:
+            return device_segmented_crc(region) == expected
+        return crc(region.cpu().numpy()) == expected  # a host sender's payload received into the GPU
     return (segmented_crc(region) if segmented else crc(region)) == expected
 
 
@@ -68,17 +75,19 @@ def _table() -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def _table_on_device() -> Any:
+def _table_on_device(device: int) -> Any:
     import cupy
 
-    return cupy.asarray(_table())
+    with cupy.cuda.Device(device):
+        return cupy.asarray(_table())
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel() -> Any:
+@functools.lru_cache(maxsize=None)
+def _kernel(device: int) -> Any:
     import cupy
 
-    return cupy.RawKernel(_SOURCE, "segment_crc32c")
+    with cupy.cuda.Device(device):
+        return cupy.RawKernel(_SOURCE, "segment_crc32c")
 
 
 # One thread per segment, the table in shared memory; aligned words are taken four bytes at a time.

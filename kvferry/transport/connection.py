@@ -298,9 +298,10 @@ class Connection:
                 self._control.put_nowait(bytes(payload))
             return
         try:
-            self._write_locked(self._parts([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads]))
-        except TransportError as exc:
-            asyncio.ensure_future(self._fail(exc))
+            self._write_locked([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads])
+        except Exception as exc:  # nobody awaits this: the connection fails (and says why) instead
+            failure = exc if isinstance(exc, TransportError) else ProtocolError(f"cannot write a message: {exc!r}")
+            asyncio.ensure_future(self._fail(failure))
 
     def _try_lock(self) -> bool:
         """Take the write lock without suspending, if it is free (``asyncio.Lock.acquire`` returns
@@ -312,7 +313,7 @@ class Connection:
             acquire.send(None)
         except StopIteration:
             return True
-        acquire.close()  # not reached: a free lock is taken without waiting
+        acquire.close()  # a waiter woken but not yet run holds the turn: queue behind it
         return False
 
     # ---- sending -------------------------------------------------------------------------
@@ -400,7 +401,7 @@ class Connection:
             self._write_lock.release()
             raise
         try:
-            write = self._write_locked(self._parts(messages))
+            write = self._write_locked(messages)
         except TransportError as exc:
             await self._fail(exc)
             raise
@@ -427,12 +428,13 @@ class Connection:
                 parts.append(payload)
         return parts
 
-    def _write_locked(self, parts: list[Any]) -> asyncio.Future | None:
-        """Write ``parts`` holding the write lock, which this releases when they are all out: here
-        and now if the socket takes them (None), else by the future returned."""
+    def _write_locked(self, messages: list[tuple[Message, Any]]) -> asyncio.Future | None:
+        """Write ``messages`` holding the write lock, which this releases when they are all out:
+        here and now if the socket takes them (None), else by the future returned; and at once on
+        any error (a checksum that cannot be computed writes nothing: the framing holds)."""
         try:
-            rest = self.link.send_now(parts)  # most writes go out whole, here and now
-        except TransportError:
+            rest = self.link.send_now(self._parts(messages))  # most writes go out whole, here and now
+        except BaseException:
             self._write_lock.release()
             raise
         if not rest:

@@ -4,6 +4,7 @@ StreamReader copies). Device buffers are staged through host memory."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from typing import Any
 
@@ -16,6 +17,7 @@ _SOCKET_BUFFER = 4 << 20
 # Reads take what the socket has, up to this much: a header and its small payload, and the
 # messages behind them, cost one system call rather than one each. Large payloads bypass it.
 _READ_AHEAD = 64 << 10
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one sendmsg takes
 
 
 class TcpLink(Link):
@@ -44,22 +46,24 @@ class TcpLink(Link):
             raise self._lost(exc) from exc
 
     def send_now(self, parts: list[Any]) -> list[Any]:
-        """One non-blocking ``sendmsg`` of every part; what did not fit is returned."""
+        """Non-blocking ``sendmsg`` of every part (at most ``IOV_MAX`` buffers a call); what did
+        not fit is returned."""
         parts = [memoryview(_host_bytes(part)).cast("B") for part in parts]
-        try:
-            sent = self._sock.sendmsg(parts)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            raise self._lost(exc) from exc
-        rest = []
-        for part in parts:
-            if sent >= len(part):
-                sent -= len(part)
-            else:
-                rest.append(part[sent:])
+        done = 0
+        while done < len(parts):
+            batch = parts[done:done + _IOV_MAX]
+            try:
+                sent = self._sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
                 sent = 0
-        return rest
+            except OSError as exc:
+                raise self._lost(exc) from exc
+            for part in batch:
+                if sent < len(part):
+                    return [part[sent:], *parts[done + 1:]]
+                sent -= len(part)
+                done += 1
+        return []
 
     async def send_rest(self, parts: list[Any]) -> None:
         try:

@@ -71,6 +71,15 @@ def test_gpu_segmented_crc_equals_the_reference(size, offset):
 
 @pytest.mark.gpu
 @gpu
+def test_a_host_senders_plain_crc_is_checked_on_a_device_receive():
+    """A CPU sidecar's payload carries the plain CRC32C; a GPU receiver checks it (on the host)."""
+    data = torch.randint(0, 256, (100_000,), dtype=torch.uint8)
+    assert checksum.verify(data.cuda(), checksum.crc(data.numpy()), False)
+    assert not checksum.verify(data.cuda(), checksum.crc(data.numpy()) ^ 1, False)
+
+
+@pytest.mark.gpu
+@gpu
 def test_a_device_payload_changed_on_the_way_is_refused(backend):
     """A device payload sent GPU to GPU carries the segmented CRC; the receiver checks it on its
     GPU. The bytes are changed between the check's computation and the send (as a faulty link

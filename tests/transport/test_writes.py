@@ -1,0 +1,67 @@
+"""How messages are written: many at once (more buffers than one sendmsg takes), and a write
+whose payload checksum cannot be computed leaves the connection usable (the write lock is not
+held forever)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvferry import transport
+from kvferry.transport import checksum
+from tests.transport.conftest import config, run
+
+
+async def _pair(backend: str, received: list[bytes]):
+    cfg = config(backend)
+    listener = await transport.listen("127.0.0.1", 0, cfg, on_message=lambda c, p: received.append(bytes(p)))
+    connection = await transport.connect("127.0.0.1", listener.port, cfg)
+    return cfg, listener, connection
+
+
+async def _arrived(received: list[bytes], count: int) -> None:
+    async with asyncio.timeout(10):
+        while len(received) < count:
+            await asyncio.sleep(0.01)
+
+
+def test_more_messages_in_one_write_than_sendmsg_takes(backend):
+    """1,500 messages are 3,000 buffers: over IOV_MAX (1,024), they must still all arrive, in order."""
+    async def main():
+        received: list[bytes] = []
+        _, listener, connection = await _pair(backend, received)
+        payloads = [f"message {i}".encode() for i in range(1500)]
+        await connection.send_message(*payloads)
+        connection.post_message(*payloads)
+        await _arrived(received, 3000)
+        assert received == payloads + payloads
+        await connection.close()
+        await listener.close()
+
+    run(main(), timeout=60)
+
+
+def test_a_checksum_that_fails_does_not_hold_the_write_lock(monkeypatch):
+    async def main():
+        received: list[bytes] = []
+        _, listener, connection = await _pair("tcp", received)
+        real, calls = checksum.crc, []
+
+        def failing_once(data):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("checksum unit on fire")
+            return real(data)
+
+        monkeypatch.setattr(checksum, "crc", failing_once)
+        with pytest.raises(RuntimeError, match="on fire"):
+            await connection.send_message(b"first")
+        async with asyncio.timeout(5):  # the lock was released: the next write goes out
+            await connection.send_message(b"second")
+        await _arrived(received, 1)
+        assert received == [b"second"] and not connection.closed
+        await connection.close()
+        await listener.close()
+
+    run(main(), timeout=30)
