@@ -44,13 +44,20 @@ def device_segmented_crc(payload: Any) -> int:
     segments = -(-n // SEGMENT_BYTES)
     device = payload.device.index if payload.device.index is not None else torch.cuda.current_device()
     # On torch's current stream (not CuPy's legacy default, which would wait for every stream).
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device)
+    stream = _cupy_stream(cupy, torch.cuda.current_stream(device), device)
     with cupy.cuda.Device(device), stream:
         data = cupy.asarray(payload)  # no copy: CUDA array interface
         out = cupy.empty(segments, dtype=cupy.uint32)
         threads = 128
         _kernel(device)((-(-segments // threads),), (threads,), (data, np.uint64(n), out, _table_on_device(device)))
         return google_crc32c.value(out.get(stream=stream).astype("<u4").tobytes())
+
+
+def _cupy_stream(cupy: Any, stream: Any, device: int) -> Any:
+    """A torch stream as CuPy's (``Stream.from_external`` where this CuPy has it)."""
+    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
+        return cupy.cuda.Stream.from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, device)
 
 
 def verify(region: Any, expected: int, segmented: bool) -> bool:
