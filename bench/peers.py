@@ -3,7 +3,8 @@
 random destination blocks.
 
     python bench/peers.py [--device cuda|cpu] [--backend ucxx|tcp] [--sizes 2M,64M,256M,1G,4G]
-                          [--codecs raw,splitzip,auto] [--repeats 5] [--no-nixl] [--json FILE]
+                          [--codecs raw,splitzip,auto] [--repeats 5] [--links 12.5,25,50]
+                          [--no-nixl] [--json FILE]
 
 - kvferry: two real sidecars (``kvferry serve``); this process owns both caches and lends them
   (CUDA IPC on a GPU, POSIX shared memory on the CPU); one transfer per request, timed from
@@ -13,6 +14,10 @@ random destination blocks.
   with a notification; timed from posting to the notification's arrival at the target (one
   host, one monotonic clock). Two layouts: one descriptor per block, and vLLM's per-layer layout
   (a block is 64 descriptors of 32 KiB, one per layer and K/V, at scattered addresses).
+
+``--links``: kvferry again with its sidecars pacing what they send to each rate (an emulated link:
+no same-host shortcut), at sizes from ``--link-min-bytes``; NIXL cannot be paced, so its rows on
+those links are modelled as max(its unpaced time, raw bytes / link) and say so.
 
 Every request zeroes its sampled destination blocks first and compares them bit for bit after.
 Per size: median and p90 seconds, GB/s of KV moved. Prints a table; ``--json`` writes the rows.
@@ -74,14 +79,14 @@ def _bits(x):
 
 
 # ---- kvferry -----------------------------------------------------------------------------------
-def run_kvferry(args, sizes: list[int], blocks_total: int) -> list[dict]:
+def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.0) -> list[dict]:
     import torch
 
     from kvferry.client import Client
     from kvferry.demo import free_port, start_sidecar, wait_ready
 
     ports = [(free_port(), free_port()) for _ in range(2)]
-    env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls}
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_LINK_GBPS": str(link_gbps)}
     processes = [start_sidecar(p, d, args.backend, env=env, device=args.device) for p, d in ports]
     rows, keep = [], []
     try:
@@ -119,7 +124,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int) -> list[dict]:
                         ratio = record["bytes_raw"] / max(1, record["bytes_wire"]) if record["bytes_wire"] else 1.0
                         chosen = record.get("chosen_codec") or codec
                 rows.append(_row("kvferry", f"{codec}" + (f" ({chosen})" if codec == "auto" else ""),
-                                 count, seconds, exact, ratio))
+                                 count, seconds, exact, ratio, link_gbps))
                 print(_line(rows[-1]), flush=True)
         sender.close()
         receiver.close()
@@ -292,18 +297,33 @@ def _target_main(conn, args, blocks_total: int) -> None:
 
 
 # ---- report ------------------------------------------------------------------------------------
-def _row(system: str, how: str, blocks: int, seconds: list[float], exact: bool, ratio: float) -> dict:
+def _row(system: str, how: str, blocks: int, seconds: list[float], exact: bool, ratio: float,
+         link_gbps: float = 0.0) -> dict:
     median = statistics.median(seconds)
     ordered = sorted(seconds)
     return {"system": system, "how": how, "blocks": blocks, "bytes": blocks * BLOCK_BYTES, "median_s": median,
             "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "gbps": blocks * BLOCK_BYTES / median / 1e9,
-            "ratio": ratio, "bit_exact": exact, "n": len(seconds)}
+            "ratio": ratio, "bit_exact": exact, "n": len(seconds), "link_gbps": link_gbps}
+
+
+def nixl_on_links(rows: list[dict], links: list[float]) -> list[dict]:
+    """NIXL cannot be paced: on a link of L GB/s its time is modelled as the larger of its unpaced
+    time here and raw bytes / L (it moves every byte), labelled as modelled."""
+    out = []
+    for link in links:
+        for row in rows:
+            if row["system"] == "nixl" and "1 desc" in row["how"]:
+                seconds = max(row["median_s"], row["bytes"] / (link * 1e9))
+                out.append({**row, "how": row["how"] + " (modelled: max(unpaced, bytes / link))", "link_gbps": link,
+                            "median_s": seconds, "p90_s": seconds, "gbps": row["bytes"] / seconds / 1e9})
+    return out
 
 
 def _line(row: dict) -> str:
     size = row["bytes"]
     label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB"
-    return (f"| {row['system']} | {row['how']} | {label} | {row['median_s'] * 1e3:.3f} | {row['p90_s'] * 1e3:.3f} | "
+    link = f"{row['link_gbps']:g} GB/s" if row.get("link_gbps") else "unpaced"
+    return (f"| {row['system']} | {row['how']} | {link} | {label} | {row['median_s'] * 1e3:.3f} | {row['p90_s'] * 1e3:.3f} | "
             f"{row['gbps']:.2f} | {row['ratio']:.3f} | {'yes' if row['bit_exact'] else 'NO'} |")
 
 
@@ -315,6 +335,8 @@ def main() -> int:
     parser.add_argument("--sizes", default="2M,64M,256M,1G,4G")
     parser.add_argument("--codecs", default="raw,splitzip,auto")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--links", default="", help="emulated links in GB/s for kvferry (e.g. 12.5,25,50)")
+    parser.add_argument("--link-min-bytes", type=_size, default="1G", help="sizes run on emulated links")
     parser.add_argument("--no-nixl", action="store_true")
     parser.add_argument("--no-kvferry", action="store_true")
     parser.add_argument("--json", type=Path)
@@ -328,10 +350,19 @@ def main() -> int:
         device_name = torch.cuda.get_device_name()
     print(f"kvferry vs NIXL, {time.strftime('%Y-%m-%d')}, {device_name}, two processes on one host; "
           f"blocks {list(BLOCK_SHAPE)} bf16 (2 MiB), real KV tiled\n`{' '.join(sys.argv)}`\n")
-    print("| system | how | size | median ms | p90 ms | GB/s | ratio | bit-exact |\n|---|---|---:|---:|---:|---:|---:|---|")
+    print("| system | how | link | size | median ms | p90 ms | GB/s | ratio | bit-exact |\n"
+          "|---|---|---|---:|---:|---:|---:|---:|---|")
+    links = [float(x) for x in args.links.split(",")] if args.links else []
     rows = [] if args.no_kvferry else run_kvferry(args, sizes, blocks_total)
+    if not args.no_kvferry:
+        for link in links:  # emulated links: the sidecars pace what they send
+            rows += run_kvferry(args, [s for s in sizes if s >= args.link_min_bytes], blocks_total, link)
     if not args.no_nixl:
-        rows += run_nixl(args, sizes, blocks_total)
+        nixl = run_nixl(args, sizes, blocks_total)
+        modelled = [r for r in nixl_on_links(nixl, links) if r["bytes"] >= args.link_min_bytes]
+        for row in modelled:
+            print(_line(row), flush=True)
+        rows += nixl + modelled
     if args.json:
         args.json.write_text(json.dumps({"device": device_name, "host": platform.node(), "command": " ".join(sys.argv),
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))

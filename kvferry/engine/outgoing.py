@@ -131,8 +131,9 @@ class Outgoing:
         link = self.engine.link(t, PeerLink(connection))
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
         # GPU blocks may be written straight into a receiver on this host (it says in its ACCEPT),
-        # unless a transfer asked for a codec that changes the bytes.
-        offer = (ipc.available() and all(p.region.tensor.is_cuda for p in pairs)
+        # unless a transfer asked for a codec that changes the bytes, or the link is emulated
+        # (``link_gbps``: the peer stands for a remote one, which only the paced wire reaches).
+        offer = (ipc.available() and all(p.region.tensor.is_cuda for p in pairs) and not self.engine.settings.link_gbps
                  and (spec.codec == "auto" or getattr(codec, "identity", False)))
         inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, codebook,
                                                       self._inline_count(plan, pairs, codec))

@@ -39,7 +39,7 @@ class Settings:
     transport_window_bytes: int = 128 * MiB
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     log_level: str = "info"
-    link_gbps: float = 0.0  # benchmarks only: pace outgoing data to this many GB/s (0 = off)
+    link_gbps: float = 0.0  # benchmarks only: pace outgoing data to this many GB/s, no same-host shortcut (0 = off)
     assumed_link_gbps: float = 12.5  # link speed ``auto`` assumes until it has measured a peer
     fault_corrupt_chunk: int = -1  # testing only: flip a byte of this chunk index on the wire
 

@@ -19,12 +19,16 @@ pytestmark = pytest.mark.slow
 def test_peers_on_a_cpu_without_nixl(tmp_path):
     out = tmp_path / "peers.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--device", "cpu", "--backend", "tcp",
-                          "--no-nixl", "--sizes", "2M,6M", "--repeats", "1", "--json", str(out)],
+                          "--no-nixl", "--sizes", "2M,6M", "--repeats", "1", "--links", "0.05",
+                          "--link-min-bytes", "6M", "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["how"].split()[0], r["blocks"]) for r in rows] == [
-        (codec, blocks) for codec in ("raw", "splitzip", "auto") for blocks in (1, 3)]
+    assert [(r["how"].split()[0], r["blocks"], r["link_gbps"]) for r in rows] == [
+        (codec, blocks, 0.0) for codec in ("raw", "splitzip", "auto") for blocks in (1, 3)] + [
+        (codec, 3, 0.05) for codec in ("raw", "splitzip", "auto")]
     assert all(r["bit_exact"] and r["median_s"] > 0 for r in rows)
     assert all(r["ratio"] > 1.2 for r in rows if r["how"] == "splitzip")  # real KV compresses
-    assert "| kvferry | splitzip | 6 MiB |" in run.stdout
+    for row in rows[6:]:  # paced at 50 MB/s: the wire bytes need at least their time on the link
+        assert row["median_s"] >= 0.9 * row["bytes"] / row["ratio"] / 0.05e9, row
+    assert "| kvferry | splitzip | unpaced | 6 MiB |" in run.stdout and "| 0.05 GB/s | 6 MiB |" in run.stdout
