@@ -22,16 +22,36 @@ pytestmark = pytest.mark.slow
 SECRET = "drip-test"
 
 
-async def _drip(address: str, transfer_id: str, block_bytes: int, stop_after: int | None) -> None:
-    """Announce a one-block raw transfer, then send its chunk as one-byte DATA messages, one
-    every 0.5 s (each one is progress to the transport), or stop after a few."""
+async def _announce(address: str, transfer_id: str, elements: int, inline_chunks: int = 0) -> tcp.TcpLink:
+    """An authenticated link to ``address`` that has announced a one-block raw transfer."""
     host, port = address.rsplit(":", 1)
     config = TransportConfig(backend="tcp", secret=SECRET.encode())
     link = await tcp.connect(host, int(port), config)
     await handshake.connector(link, config.secret, 5)
     announce = peer.pack(peer.Message(transfer_id, peer.Announce(
-        "raw", "bfloat16", Blocks(ids=(0,)), (peer.PairLayout("dst", (block_bytes // 2,), 1),))))
+        "raw", "bfloat16", Blocks(ids=(0,)), (peer.PairLayout("dst", (elements,), 1),), inline_chunks=inline_chunks)))
     await link.send(Message(MessageType.MSG, length=len(announce)).pack(), memoryview(announce))
+    return link
+
+
+async def _until_ended(client, transfer_id: str) -> tuple[dict, float]:
+    """Poll the receiver's record until it is no longer running: (record, seconds it took)."""
+    started = time.monotonic()
+    while True:
+        try:
+            state = await asyncio.to_thread(client.transfer, transfer_id, 1)
+        except errors.NotFound:  # not announced yet
+            assert time.monotonic() - started < 10
+            await asyncio.sleep(0.05)
+            continue
+        if state["state"] != "running" or time.monotonic() - started > 20:
+            return state, time.monotonic() - started
+
+
+async def _drip(address: str, transfer_id: str, block_bytes: int, stop_after: int | None) -> None:
+    """Announce a one-block raw transfer, then send its chunk as one-byte DATA messages, one
+    every 0.5 s (each one is progress to the transport), or stop after a few."""
+    link = await _announce(address, transfer_id, block_bytes // 2)
     total = block_bytes + 160
     tag = peer.chunk_tag(transfer_id, 0)
     await link.send(Message(MessageType.RTS, tag, total=total, flags=wire.FLAG_EAGER).pack())
@@ -51,17 +71,8 @@ def test_a_dripping_or_stalled_sender_fails_within_the_timeout(stop_after):
 
         async def main():
             sender = asyncio.create_task(_drip(b.data, transfer_id, 1024, stop_after))
-            started = time.monotonic()
             try:
-                while True:
-                    try:
-                        state = await asyncio.to_thread(b.client.transfer, transfer_id, 1)
-                    except errors.NotFound:  # not announced yet
-                        assert time.monotonic() - started < 10
-                        await asyncio.sleep(0.05)
-                        continue
-                    if state["state"] != "running" or time.monotonic() - started > 20:
-                        return state, time.monotonic() - started
+                return await _until_ended(b.client, transfer_id)
             finally:
                 sender.cancel()
 
@@ -82,24 +93,9 @@ def test_inline_chunks_that_never_come_fail_the_receiver_within_the_timeout():
         transfer_id = uuid.uuid4().hex
 
         async def main():
-            host, port = b.data.rsplit(":", 1)
-            config = TransportConfig(backend="tcp", secret=SECRET.encode())
-            link = await tcp.connect(host, int(port), config)
-            await handshake.connector(link, config.secret, 5)
-            announce = peer.pack(peer.Message(transfer_id, peer.Announce(
-                "raw", "bfloat16", Blocks(ids=(0,)), (peer.PairLayout("dst", (512,), 1),), inline_chunks=1)))
-            await link.send(Message(MessageType.MSG, length=len(announce)).pack(), memoryview(announce))
-            started = time.monotonic()
+            link = await _announce(b.data, transfer_id, 512, inline_chunks=1)
             try:
-                while True:
-                    try:
-                        state = await asyncio.to_thread(b.client.transfer, transfer_id, 1)
-                    except errors.NotFound:
-                        assert time.monotonic() - started < 10
-                        await asyncio.sleep(0.05)
-                        continue
-                    if state["state"] != "running" or time.monotonic() - started > 20:
-                        return state, time.monotonic() - started
+                return await _until_ended(b.client, transfer_id)
             finally:
                 await link.close()
 
