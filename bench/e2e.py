@@ -27,7 +27,6 @@ import math
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import torch  # noqa: E402
 
 from kvferry import codec  # noqa: E402
 from kvferry.client import Client  # noqa: E402
-from kvferry.demo import free_port, load_kv, start_sidecar, wait_ready  # noqa: E402
+from kvferry.demo import free_port, load_kv, start_sidecar, stop_sidecars, wait_ready  # noqa: E402
 from kvferry.engine.engine import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
 
 KV_SAMPLE = ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
@@ -152,13 +151,7 @@ class Rig:
         return self.client("receiver").data_address()
 
     def close(self) -> None:
-        for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_sidecars(self.processes)
 
 
 def block_bytes(cache: torch.Tensor, index: int) -> bytes:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvferry.client import Client  # noqa: E402
-from kvferry.demo import free_port, start_sidecar, wait_ready  # noqa: E402
+from kvferry.demo import free_port, start_sidecar, stop_sidecars, wait_ready  # noqa: E402
 
 STAGES = ("announced", "accepted", "first_byte", "last_byte", "done")
 
@@ -110,10 +110,7 @@ def main() -> int:
         sender.close()
         receiver.close()
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
+        stop_sidecars(processes)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -83,7 +83,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
     import torch
 
     from kvferry.client import Client
-    from kvferry.demo import free_port, start_sidecar, wait_ready
+    from kvferry.demo import free_port, start_sidecar, stop_sidecars, wait_ready
 
     ports = [(free_port(), free_port()) for _ in range(2)]
     env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_LINK_GBPS": str(link_gbps)}
@@ -129,10 +129,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
         sender.close()
         receiver.close()
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
+        stop_sidecars(processes)
         for handle in keep:
             if handle is not None and hasattr(handle, "unlink"):
                 handle.close()

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvferry.client import Client  # noqa: E402
-from kvferry.demo import free_port, load_kv, start_sidecar, wait_ready  # noqa: E402
+from kvferry.demo import free_port, load_kv, start_sidecar, stop_sidecars, wait_ready  # noqa: E402
 
 
 def main() -> None:
@@ -55,10 +55,7 @@ def main() -> None:
                   flush=True)
             b.delete_region(f"kv-{name}")
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
+        stop_sidecars(processes)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main() -> int:
 
     from kvferry.client import Client
     from kvferry.client.vllm_core import ConnectorConfig, Consumer, KvCache, LoadSpec, Producer, remote_params
-    from kvferry.demo import free_port, start_sidecar, wait_ready
+    from kvferry.demo import free_port, start_sidecar, stop_sidecars, wait_ready
 
     def sync() -> None:
         if args.device == "cuda":
@@ -97,10 +97,7 @@ def main() -> int:
         p_cache.close()
         d_cache.close()
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
+        stop_sidecars(processes)
     wait = statistics.median(r["wait_seconds"] for r in rows)
     transfer = statistics.median(r["transfer_seconds"] for r in rows)
     overhead = statistics.median(r["wait_seconds"] - r["transfer_seconds"] for r in rows)

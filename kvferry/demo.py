@@ -42,6 +42,18 @@ def start_sidecar(port: int, data_port: int, backend: str, token: str = "", extr
     return subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
+def stop_sidecars(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGTERM every sidecar (they end their transfers and exit), then kill any still there after
+    ``timeout`` seconds."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def wait_ready(client: Client, process: subprocess.Popen, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -104,10 +116,4 @@ def run_demo(data: Path, backend: str) -> int:
                   f"  {'yes' if exact else 'NO: ' + str(result.get('error'))}")
         return 0 if ok else 1
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_sidecars(processes)
