@@ -76,8 +76,7 @@ class Outgoing:
         timeout = self.engine.settings.transfer_timeout
         t.deadline = asyncio.get_running_loop().call_later(
             timeout, self.engine.abort, t, State.FAILED, "PeerError", f"the receiver did not confirm within {timeout:g} s")
-        raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
-        link.settle = functools.partial(self._replied, t, raw_bytes)
+        link.settle = functools.partial(self._replied, t, _raw_bytes(spec, pairs))
         return True
 
     def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future) -> None:
@@ -99,11 +98,11 @@ class Outgoing:
                 book: tuple[str, Any, str] | None) -> tuple[codecs.Codec, Any, tuple[str, Any, str] | None]:
         """The codec for ``t`` (recorded on it, with why), its codebook, and the named codebook
         entry if that is the chosen codec's."""
-        raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
         if len(candidates) == 1:
             chosen, t.choice_reason = candidates[0], "requested"
         else:
-            chosen, t.choice_reason = self.engine.policy.choose(t.peer, raw_bytes, self.engine.chunk_bytes, candidates)
+            chosen, t.choice_reason = self.engine.policy.choose(t.peer, _raw_bytes(spec, pairs), self.engine.chunk_bytes,
+                                                                candidates)
         t.chosen_codec = chosen
         if book is not None and book[0] != chosen:
             book = None
@@ -122,7 +121,7 @@ class Outgoing:
     async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
         t.move(State.RUNNING)
-        raw_bytes = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
+        raw_bytes = _raw_bytes(spec, pairs)
         codec, codebook, book = self._choose(t, spec, pairs, candidates, book)
         try:
             connection = await self.engine.pool.get(*address)
@@ -233,7 +232,7 @@ class Outgoing:
         identity = next(c.name for c in codecs.lossless() if getattr(c, "identity", False))
         t.chosen_codec = identity
         t.choice_reason = "same host: written straight into the receiver's GPU memory (CUDA IPC)"
-        raw = len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
+        raw = _raw_bytes(spec, pairs)
 
         def write() -> None:
             resolved: dict[tuple[int, str], torch.Tensor] = {}
@@ -308,3 +307,8 @@ def _failed(exc: Exception) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
     future.set_exception(exc)
     return future
+
+
+def _raw_bytes(spec: TransferSpec, pairs: list[Pair]) -> int:
+    """The KV bytes a transfer moves: its blocks of every region pair."""
+    return len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)
