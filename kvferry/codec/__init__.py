@@ -17,7 +17,8 @@ from .format import DEFAULT_CHUNK, HEADER_SIZE, VERSION, FrameCodec, Header
 from .frames import (decode, decode_blocks, encode, encode_blocks, encode_blocks_into, encode_into,
                      encode_stored, frame_capacity, read_header)
 from .raw import RawCodec
-from .registry import Codec, UnknownCodec, codec_of, get, lossless, names, register
+from .layout import AXIS_NAMES, BlockLayout
+from .registry import Codec, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
 from .splitzip_codec import SplitZipCodec
 from .entropy import EntropyCodec
 
@@ -27,7 +28,7 @@ register(SplitZipCodec())
 register(EntropyCodec())
 
 __all__ = [
-    "Codec", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
+    "Codec", "PositionFree", "BlockLayout", "AXIS_NAMES", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
     "Codebook", "calibrate", "encode", "decode", "encode_blocks", "decode_blocks", "encode_into",
     "encode_blocks_into", "encode_stored", "frame_capacity", "read_header", "Header", "FrameCodec",
     "CodecError", "CorruptFrame", "UnsupportedTensor", "CodebookMismatch", "OutputMismatch",

@@ -16,6 +16,7 @@ from .dtypes import layout_by_name, layout_for, supported
 from .errors import CodebookMismatch, CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
 from .frames import decode, encode_stored, read_header
+from .registry import PositionFree
 
 
 @functools.lru_cache(maxsize=256)
@@ -58,7 +59,7 @@ class RawCodebook:
         return cls()
 
 
-class RawCodec:
+class RawCodec(PositionFree):
     """The identity codec: a copy of the blocks behind a 160-byte header."""
 
     name = "raw"

@@ -13,7 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import CodecError, CorruptFrame
+from .errors import CodebookMismatch, CodecError, CorruptFrame
+from .layout import BlockLayout
 
 # The frame prefix every codec writes: magic b"KVFZ", u16 version, u8 codec id (FORMAT.md).
 FRAME_MAGIC = b"KVFZ"
@@ -41,7 +42,8 @@ class Codec(Protocol):
     ``frame_id`` is the codec byte of its frames. ``lossless`` codecs reproduce every bit; only
     lossless codecs are candidates for ``auto``, and only if ``standalone`` (they need nothing
     but the data and a codebook they can calibrate from it). A codec may also say
-    ``identity = True`` (its frames hold the blocks as they are; ``raw``).
+    ``identity = True`` (its frames hold the blocks as they are; ``raw``). A codec whose
+    receiver must hold the sender's codebook says ``decode_needs_codebook = True``.
     """
 
     name: str
@@ -61,6 +63,14 @@ class Codec(Protocol):
     def codebook_from_json(self, text: str | bytes) -> Any:
         """Parse a codebook document; raises ``CodebookMismatch`` if it is not one of ours."""
 
+    def bind(self, codebook: Any, layout: BlockLayout | None, reference: torch.Tensor | None = None) -> Any:
+        """What ``encode_blocks``/``decode_blocks`` of this region's blocks take as their codebook.
+
+        Called once per transfer and region, before anything is sent: a codec that models KV by
+        position checks the codebook against the block layout here (``reference`` is the region
+        holding a predictor's KV for codecs that code against one). Raises ``CodebookMismatch``.
+        """
+
     def encode(self, x: torch.Tensor, codebook: Any = None) -> torch.Tensor:
         """One self-describing frame (1-D uint8 on ``x.device``)."""
 
@@ -73,6 +83,15 @@ class Codec(Protocol):
     def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: Any = None) -> None:
         """Write the frame's blocks into ``cache[block_ids]``; nothing is written if it is bad."""
+
+
+class PositionFree:
+    """Mixin for codecs that code every element alike: any block layout will do, no reference."""
+
+    def bind(self, codebook: Any, layout: BlockLayout | None, reference: torch.Tensor | None = None) -> Any:
+        if reference is not None:
+            raise CodebookMismatch(f"{getattr(self, 'name', 'this codec')} codes without a reference region")
+        return codebook
 
 
 _BY_NAME: dict[str, Codec] = {}

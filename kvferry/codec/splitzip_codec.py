@@ -10,10 +10,11 @@ import torch
 from .codebook import Codebook, calibrate
 from .dtypes import supported
 from .format import FrameCodec
+from .registry import PositionFree
 from .frames import decode, decode_blocks, encode, encode_blocks, frame_capacity
 
 
-class SplitZipCodec:
+class SplitZipCodec(PositionFree):
     """Lossless exponent coding (top-16 exponents, escapes); stores a frame that would not shrink."""
 
     name = "splitzip"

@@ -20,7 +20,7 @@ from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, Unsupported
 from ..format import FrameCodec, stored_size
 from ..frames import decode as decode_frame
 from ..frames import encode_stored
-from ..registry import FRAME_MAGIC
+from ..registry import FRAME_MAGIC, PositionFree
 from . import reference
 from .codebook import DEFAULT_TABLES, EntropyCodebook, calibrate
 from .format import (DEFAULT_CHUNK, FRAME_ID, HEADER_SIZE, LANES, MAX_CHUNK, EntropyHeader, Stream, check_counts,
@@ -231,7 +231,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     cache.view(bits).index_copy_(0, ids, blocks.to(cache.device).view(bits))
 
 
-class EntropyCodec:
+class EntropyCodec(PositionFree):
     """Channel-aware static rANS: sign+exponent (BF16/FP16) or the whole byte (FP8) coded with
     a table chosen per position in the block, the mantissa raw; a stored frame when that does
     not pay. Frames carry their tables, so decode needs no codebook."""
