@@ -128,7 +128,8 @@ async def submit(body: TransferBody, e: EngineDep,
     """Send blocks of local regions to a peer sidecar's regions; returns at once, or with ``wait``
     once the transfer is done (200) or failed (409, with the reason)."""
     spec = TransferSpec(peer=body.peer, pairs=body.pairs(), src_blocks=to_blocks(body.src_blocks),
-                        dst_blocks=to_blocks(body.dst_blocks), codec=body.codec, codebook=body.codebook)
+                        dst_blocks=to_blocks(body.dst_blocks), codec=body.codec, codebook=body.codebook,
+                        references=body.references())
     t = e.submit(spec)
     if wait:
         try:
@@ -182,7 +183,7 @@ async def calibrate(name: str, body: CalibrateBody, e: EngineDep) -> dict:
     """Calibrate a codebook for ``codec`` on blocks of a region and store it under ``name``."""
     if not re.match(NAME, name):
         raise BadRequest("bad codebook name")
-    return e.calibrate_codebook(name, body.codec, body.region, to_blocks(body.blocks), body.token_axis)
+    return e.calibrate_codebook(name, body.codec, body.region, to_blocks(body.blocks), body.token_axis, body.options)
 
 
 def create_app(settings: Settings) -> FastAPI:

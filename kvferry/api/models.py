@@ -56,9 +56,21 @@ def to_blocks(value: BlockList) -> Blocks:
     return Blocks(ids=tuple(value))
 
 
+CODEC = r"^[a-z0-9_-]{1,32}$"
+REFERENCE = "region holding a predictor's KV for the same blocks (codec=predictive), on the"
+
+
 class PairBody(BaseModel):
     src: str = Field(pattern=NAME)
     dst: str = Field(pattern=NAME)
+    src_reference: str | None = Field(default=None, pattern=NAME, description=f"{REFERENCE} sender")
+    dst_reference: str | None = Field(default=None, pattern=NAME, description=f"{REFERENCE} receiver")
+
+    @model_validator(mode="after")
+    def _both_references(self) -> PairBody:
+        if (self.src_reference is None) != (self.dst_reference is None):
+            raise ValueError("src_reference and dst_reference go together")
+        return self
 
 
 class TransferBody(BaseModel):
@@ -71,8 +83,12 @@ class TransferBody(BaseModel):
     regions: list[PairBody] | None = Field(default=None, min_length=1, max_length=4096)
     src_blocks: BlockList = Field(description="block ids, or {ranges: [{start, count, stride}]}")
     dst_blocks: BlockList
-    codec: str = Field(default="auto", pattern=r"^[a-z0-9_]{1,32}$", description="auto or a registered codec")
+    codec: str = Field(default="auto", pattern=CODEC,
+                       description="auto (lossless, chosen per transfer) or a registered codec; lossy codecs "
+                                   "(k8v4, k4v2, lowrank) only when named")
     codebook: str | None = Field(default=None, pattern=NAME)
+    src_reference: str | None = Field(default=None, pattern=NAME, description=f"{REFERENCE} sender")
+    dst_reference: str | None = Field(default=None, pattern=NAME, description=f"{REFERENCE} receiver")
 
     @field_validator("peer")
     @classmethod
@@ -95,6 +111,12 @@ class TransferBody(BaseModel):
             raise ValueError("give src_region and dst_region, or regions, not both")
         if single and (self.src_region is None or self.dst_region is None):
             raise ValueError("src_region and dst_region go together")
+        if (self.src_reference is None) != (self.dst_reference is None):
+            raise ValueError("src_reference and dst_reference go together")
+        if not single and self.src_reference is not None:
+            raise ValueError("with regions, give each pair its references")
+        if self.regions is not None and len({p.src_reference is None for p in self.regions}) > 1:
+            raise ValueError("give references for every pair or for none")
         return self
 
     def pairs(self) -> tuple[tuple[str, str], ...]:
@@ -102,12 +124,21 @@ class TransferBody(BaseModel):
             return tuple((p.src, p.dst) for p in self.regions)
         return ((self.src_region, self.dst_region),)
 
+    def references(self) -> tuple[tuple[str, str], ...] | None:
+        if self.regions is not None:
+            refs = tuple((p.src_reference, p.dst_reference) for p in self.regions)
+            return refs if refs[0][0] is not None else None
+        return None if self.src_reference is None else ((self.src_reference, self.dst_reference),)
+
 
 class CalibrateBody(BaseModel):
     region: str = Field(pattern=NAME)
     blocks: BlockList
-    codec: str = Field(default="splitzip", pattern=r"^[a-z0-9_]{1,32}$")
+    codec: str = Field(default="splitzip", pattern=CODEC)
     token_axis: int | None = Field(default=None, ge=0, le=6, description="block dimension that is the token axis")
+    options: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], float | int | str | None] = Field(
+        default_factory=dict, max_length=16,
+        description="the codec's calibration options, e.g. lowrank: {energy: 0.99} or {rank_budget: 4096}")
 
 
 class ErrorBody(BaseModel):

@@ -70,20 +70,23 @@ class Client:
                 "dtype": dtype, **kind_fields}
         return self._call("POST", "/v1/regions", json=body).json()
 
-    def region_from_tensor(self, name: str, tensor, kind: str = "owned") -> tuple[dict, Any]:
+    def region_from_tensor(self, name: str, tensor, kind: str = "owned",
+                           axes: Sequence[str] | None = None) -> tuple[dict, Any]:
         """Register a region shaped like ``tensor`` (blocks along dim 0) holding its contents.
 
         ``owned``: the sidecar allocates and the blocks are uploaded; ``shm``: a POSIX shared
         memory segment is created, filled and mapped by the sidecar (keep the returned handle
         alive; close and unlink it when done); ``cuda_ipc``: the sidecar maps ``tensor`` itself,
-        no copy (same GPU host). Returns (region description, handle or None).
+        no copy (same GPU host). ``axes`` names the block dimensions (codecs that model KV by
+        position need kv/head/channel). Returns (region description, handle or None).
         """
         import torch
 
+        named = {"axes": list(axes)} if axes is not None else {}
         dtype = str(tensor.dtype).removeprefix("torch.")
         shape = list(tensor.shape)
         if kind == "owned":
-            info = self.create_region(name, shape[0], shape[1:], dtype)
+            info = self.create_region(name, shape[0], shape[1:], dtype, **named)
             raw = tensor.contiguous().view(-1).view(torch.uint8).cpu().view(shape[0], -1)
             for i in range(shape[0]):
                 self.put_block(name, i, raw[i].numpy().tobytes())
@@ -98,11 +101,12 @@ class Client:
             view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
             view.copy_(tensor.contiguous().view(-1).view(torch.uint8).cpu())
             del view
-            return self.create_region(name, shape[0], shape[1:], dtype, kind="shm", shm_name=shm.name), shm
+            return self.create_region(name, shape[0], shape[1:], dtype, kind="shm", shm_name=shm.name, **named), shm
         if kind == "cuda_ipc":
             from .memory import cuda_ipc_handle
 
-            return self.create_region(name, shape[0], shape[1:], dtype, kind="cuda_ipc", **cuda_ipc_handle(tensor)), None
+            return self.create_region(name, shape[0], shape[1:], dtype, kind="cuda_ipc", **cuda_ipc_handle(tensor),
+                                      **named), None
         raise ValueError(f"unknown region kind {kind!r}")
 
     def region(self, name: str) -> dict:
@@ -123,17 +127,19 @@ class Client:
 
     # ---- transfers ---------------------------------------------------------------------------
     def submit(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
-               codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
+               codec: str = "auto", codebook: str | None = None, *, wait: float = 0,
+               references: tuple[str, str] | None = None) -> str:
         """Send ``src_blocks`` of ``src_region`` to ``dst_blocks`` of the peer's ``dst_region``;
-        ``peer`` is the receiving sidecar's data address (its ``data_address()``). Returns the id."""
-        body = {"src_region": src_region, "dst_region": dst_region}
+        ``peer`` is the receiving sidecar's data address (its ``data_address()``). ``references``:
+        (sender's, receiver's) regions of predictor KV, for ``codec="predictive"``. Returns the id."""
+        body = _pair_json((src_region, dst_region, *(references or ())), "src_region", "dst_region")
         return self._submit(body, src_blocks, peer, dst_blocks, codec, codebook, wait)
 
-    def submit_regions(self, pairs: Sequence[tuple[str, str]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
+    def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
                        codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
         """One transfer of the same blocks of several (source, destination) region pairs, e.g.
-        every layer of a request."""
-        body = {"regions": [{"src": s, "dst": d} for s, d in pairs]}
+        every layer of a request; a pair may name its references too: (src, dst, src_ref, dst_ref)."""
+        body = {"regions": [_pair_json(p) for p in pairs]}
         return self._submit(body, src_blocks, peer, dst_blocks, codec, codebook, wait)
 
     def _submit(self, body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
@@ -172,8 +178,11 @@ class Client:
         return self._call("PUT", f"/v1/codebooks/{name}", content=codebook_json, params={"codec": codec}).json()
 
     def calibrate(self, name: str, region: str, blocks: Blocks, codec: str = "splitzip",
-                  token_axis: int | None = None) -> dict:
-        body = {"region": region, "blocks": blocks_json(blocks), "codec": codec, "token_axis": token_axis}
+                  token_axis: int | None = None, **options: Any) -> dict:
+        """Calibrate codebook ``name`` on blocks of a region; ``options`` are the codec's (lowrank:
+        ``energy=0.99``)."""
+        body = {"region": region, "blocks": blocks_json(blocks), "codec": codec, "token_axis": token_axis,
+                "options": options}
         return self._call("POST", f"/v1/codebooks/{name}/calibrate", json=body).json()
 
     def health(self) -> dict:
@@ -224,16 +233,17 @@ class AsyncClient:
         return _checked(await self._http.request(method, path, **kwargs), method, path)
 
     async def submit(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
-                     codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
-        body = _transfer_body({"src_region": src_region, "dst_region": dst_region}, src_blocks, peer, dst_blocks,
-                              codec, codebook)
+                     codec: str = "auto", codebook: str | None = None, *, wait: float = 0,
+                     references: tuple[str, str] | None = None) -> str:
+        body = _transfer_body(_pair_json((src_region, dst_region, *(references or ())), "src_region", "dst_region"),
+                              src_blocks, peer, dst_blocks, codec, codebook)
         return (await self._call("POST", "/v1/transfers", json=body,
                                  params={"wait": wait} if wait else None)).json()["id"]
 
-    async def submit_regions(self, pairs: Sequence[tuple[str, str]], src_blocks: Blocks, peer: str,
+    async def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str,
                              dst_blocks: Blocks, codec: str = "auto", codebook: str | None = None, *,
                              wait: float = 0) -> str:
-        body = _transfer_body({"regions": [{"src": s, "dst": d} for s, d in pairs]}, src_blocks, peer, dst_blocks,
+        body = _transfer_body({"regions": [_pair_json(p) for p in pairs]}, src_blocks, peer, dst_blocks,
                               codec, codebook)
         return (await self._call("POST", "/v1/transfers", json=body,
                                  params={"wait": wait} if wait else None)).json()["id"]
@@ -271,6 +281,16 @@ def _checked(response: httpx.Response, method: str, path: str) -> httpx.Response
     if cls is TransferFailed:
         raise TransferFailed(str(detail), body.get("state", "failed"))
     raise cls(f"{response.status_code} {method} {path}: {detail}")
+
+
+def _pair_json(pair: Sequence[str], src: str = "src", dst: str = "dst") -> dict:
+    """(src, dst) or (src, dst, src_reference, dst_reference) as the API's fields."""
+    if len(pair) not in (2, 4):
+        raise ValueError(f"a region pair is (src, dst) or (src, dst, src_reference, dst_reference), not {pair!r}")
+    body = {src: pair[0], dst: pair[1]}
+    if len(pair) == 4:
+        body.update(src_reference=pair[2], dst_reference=pair[3])
+    return body
 
 
 def _transfer_body(body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,

@@ -77,7 +77,7 @@ class RawCodec(PositionFree):
             numel *= dim
         return stored_size(layout_for(dtype), numel)
 
-    def calibrate(self, samples: Any, *, token_axis: int | None = None) -> RawCodebook:
+    def calibrate(self, samples: Any, *, token_axis: int | None = None, axes: Sequence[str] | None = None) -> RawCodebook:
         return RawCodebook()
 
     def codebook_from_json(self, text: str | bytes) -> RawCodebook:

@@ -57,8 +57,10 @@ class Codec(Protocol):
     def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         """Worst-case frame bytes for a tensor of this shape and dtype (receive buffers)."""
 
-    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None) -> Any:
-        """A codebook fitted to ``samples`` (or None for codecs that need none)."""
+    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None,
+                  axes: Sequence[str] | None = None) -> Any:
+        """A codebook fitted to ``samples``; ``axes`` names their dimensions (``layout.py``) for
+        codecs that model KV by position. Codec-specific options are further keywords."""
 
     def codebook_from_json(self, text: str | bytes) -> Any:
         """Parse a codebook document; raises ``CodebookMismatch`` if it is not one of ours."""

@@ -28,7 +28,8 @@ class SplitZipCodec(PositionFree):
     def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         return frame_capacity(tuple(shape), dtype)
 
-    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None) -> Codebook:
+    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None,
+                  axes: Sequence[str] | None = None) -> Codebook:
         # One global exponent table: the token axis does not change it.
         return calibrate(samples)
 

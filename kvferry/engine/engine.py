@@ -57,6 +57,9 @@ class TransferSpec:
     dst_blocks: Blocks
     codec: str = "auto"
     codebook: str | None = None
+    # Per pair, the (source, destination) regions holding a predictor's KV for the same blocks,
+    # for codecs that code against it ("predictive"); None: no references.
+    references: tuple[tuple[str, str], ...] | None = None
 
 
 class Engine:
@@ -185,17 +188,19 @@ class Engine:
         return self._keep_codebook(name, codec, book)
 
     def calibrate_codebook(self, name: str, codec_name: str, region_name: str, blocks: Blocks | list[int],
-                           token_axis: int | None = None) -> dict[str, Any]:
-        """Calibrate a codebook on blocks of a region and store it. Raises: NotFound, UnknownCodec, BadRequest."""
+                           token_axis: int | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Calibrate a codebook on blocks of a region (the region's axis names and ``options`` go to
+        the codec) and store it. Raises: NotFound, UnknownCodec, BadRequest."""
         codec = self.codec_named(codec_name)
         region = self.regions.get(region_name)
         ids = region.resolve(blocks)
         bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
         sample = region.tensor.view(bits).index_select(0, ids).view(region.tensor.dtype)
         try:
-            book = codec.calibrate(sample, token_axis=None if token_axis is None else token_axis + 1)
-        except codecs.CodecError as exc:
-            raise BadRequest(f"cannot calibrate {codec_name}: {exc}") from exc
+            book = codec.calibrate(sample, token_axis=None if token_axis is None else token_axis + 1,
+                                   axes=("block", *region.axes) if region.axes else None, **(options or {}))
+        except (codecs.CodecError, TypeError, ValueError) as exc:  # TypeError: an option the codec lacks
+            raise BadRequest(f"cannot calibrate {codec_name}: {exc}") from None
         return self._keep_codebook(name, codec, book)
 
     def codebook_json(self, name: str) -> str:
@@ -240,16 +245,60 @@ class Engine:
         dtypes = {p.region.dtype for p in pairs}
         if len(dtypes) != 1:
             raise BadRequest(f"the source regions mix dtypes {sorted(dtypes)}")
+        if spec.references is not None:
+            if len(spec.references) != len(pairs):
+                raise BadRequest(f"{len(spec.references)} reference pairs for {len(pairs)} region pairs")
+            for p, (src_ref, _) in zip(pairs, spec.references):
+                p.reference = self.reference_for(p.region, src_ref, spec.src_blocks)
         candidates = self._candidates(spec.codec, pairs[0].region.tensor.dtype)
         book = self._named_codebook(spec.codebook, candidates)
+        if len(candidates) == 1:  # a codec asked for by name: refuse what it cannot code before sending
+            entry = book if book is not None and book[0] == candidates[0] else None
+            self.bind(codecs.get(candidates[0]), entry[1] if entry else None, pairs)
+        elif spec.references is not None:
+            raise BadRequest("reference regions are for a codec that codes against them: name it (codec=predictive)")
         transfer = Transfer(id=uuid.uuid4().hex, direction="out", peer=spec.peer, pairs=list(spec.pairs),
-                            blocks=len(spec.src_blocks), codec=spec.codec)
+                            blocks=len(spec.src_blocks), codec=spec.codec,
+                            references=[p.reference.name for p in pairs if p.reference is not None])
         self.transfers.add(transfer)
         for p in pairs:
             p.region.busy.add(transfer.id)  # a shm/IPC mapping must outlive the reads of this transfer
+            if p.reference is not None:
+                p.reference.busy.add(transfer.id)
         if not self.outgoing.start_inline(transfer, spec, pairs, candidates, book, (host, port)):
             transfer.task = asyncio.create_task(self.outgoing.run(transfer, spec, pairs, candidates, book, (host, port)))
         return transfer
+
+    def reference_for(self, region: Region, name: str, blocks: Blocks) -> Region:
+        """The region ``name`` as the reference of ``region``: the same blocks, layout and device.
+
+        Raises:
+            NotFound, InvalidBlocks, BadRequest.
+        """
+        ref = self.regions.get(name)
+        if ref is region:
+            raise BadRequest(f"region {name!r} cannot be its own reference")
+        if (ref.dtype, ref.block_shape, ref.axes, ref.tensor.device) != (
+                region.dtype, region.block_shape, region.axes, region.tensor.device):
+            raise BadRequest(f"reference {name!r} holds {ref.dtype}{list(ref.block_shape)} blocks (axes {ref.axes}) on "
+                             f"{ref.tensor.device}; region {region.name!r} holds {region.dtype}"
+                             f"{list(region.block_shape)} (axes {region.axes}) on {region.tensor.device}")
+        ref.resolve(blocks)
+        return ref
+
+    def bind(self, codec: codecs.Codec, codebook: Any, pairs: list[Pair]) -> None:
+        """Bind ``codec`` and its codebook to each pair's block layout and reference (``pair.bound``).
+
+        Raises:
+            BadRequest: the codec needs a codebook or layout it was not given, or refuses them.
+        """
+        if getattr(codec, "decode_needs_codebook", False) and codebook is None:
+            raise BadRequest(f"codec {codec.name!r} needs a codebook: name one (PUT /v1/codebooks/{{name}})")
+        for p in pairs:
+            try:
+                p.bound = codec.bind(codebook, p.region.layout, None if p.reference is None else p.reference.tensor)
+            except codecs.CodecError as exc:
+                raise BadRequest(f"codec {codec.name!r} cannot code region {p.region.name!r}: {exc}") from None
 
     def _candidates(self, requested: str, dtype: torch.dtype) -> list[str]:
         if requested == "auto":
@@ -418,9 +467,12 @@ class Engine:
             t.deadline.cancel()
         self.transfers.retire(t)
         self.metrics.finished(state.value, t.direction, t.chosen_codec, t.bytes_raw, t.bytes_wire, t.seconds)
+        if t.lossy and state == State.DONE:
+            self.metrics.lossy_bytes.labels(t.direction, t.chosen_codec).inc(t.bytes_raw)
         if state == State.FAILED:
             self.metrics.errors.labels(kind or "EngineError").inc()
-        for _, name in t.pairs if t.direction == "in" else [(None, s) for s, _ in t.pairs]:
+        names = [d for _, d in t.pairs] if t.direction == "in" else [s for s, _ in t.pairs]
+        for name in names + t.references:
             try:  # the region may be deleted again once no transfer uses it
                 self.regions.get(name).busy.discard(t.id)
             except NotFound:

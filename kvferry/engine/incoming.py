@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,7 +34,7 @@ class Admission:
         plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs))
         tags = [peer.chunk_tag(transfer_id, i) for i in range(len(plan))]
         try:
-            t, pairs, codec, book = self._check(connection, transfer_id, announce)
+            t, pairs, codec = self._check(connection, transfer_id, announce)
         except EngineError as exc:
             kind, reason = describe(exc)
             self.engine.metrics.errors.labels(kind).inc()
@@ -42,7 +42,7 @@ class Admission:
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
         targets = self._lend(announce, pairs)
-        incoming = Incoming(self.engine, t, pairs, plan, tags, codec, book, announce.inline_chunks, bool(targets))
+        incoming = Incoming(self.engine, t, pairs, plan, tags, codec, announce.inline_chunks, bool(targets))
         self.engine.link(t, PeerLink(connection, incoming=incoming))
         t.move(State.RUNNING)
         if incoming.now:  # decoded as its chunks are read, right behind this announce
@@ -86,6 +86,8 @@ class Admission:
                 book = entry[1]
             elif getattr(codec, "decode_needs_codebook", False):
                 raise UnknownCodec(f"no codebook {a.codebook!r} with the sender's digest here")
+        elif getattr(codec, "decode_needs_codebook", False):
+            raise UnknownCodec(f"codec {a.codec!r} needs a codebook and the sender named none")
         pairs, cache = [], {}
         for layout in a.pairs:
             region = self.engine.regions.get(layout.dst_region)
@@ -95,14 +97,19 @@ class Admission:
             key = (region.num_blocks, str(region.tensor.device))
             if key not in cache:
                 cache[key] = region.resolve(a.dst_blocks)
-            pairs.append(Pair(region, cache[key], layout.blocks_per_chunk))
+            reference = self.engine.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
+            pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
+        self.engine.bind(codec, book, pairs)
         t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
                      pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
-                     chosen_codec=a.codec, choice_reason="the sender's")
+                     chosen_codec=a.codec, choice_reason="the sender's", lossy=not codec.lossless,
+                     references=[p.reference.name for p in pairs if p.reference is not None])
         self.engine.transfers.add(t)
         for p in pairs:
             p.region.busy.add(t.id)
-        return t, pairs, codec, book
+            if p.reference is not None:
+                p.reference.busy.add(t.id)
+        return t, pairs, codec
 
 
 
@@ -110,9 +117,9 @@ class Incoming:
     """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
 
     def __init__(self, engine: Engine, t: Transfer, pairs: list[Pair], plan: list[tuple[int, int, int]],
-                 tags: list[int], codec: codecs.Codec, book: Any, inline_chunks: int = 0, lent: bool = False):
+                 tags: list[int], codec: codecs.Codec, inline_chunks: int = 0, lent: bool = False):
         self.engine, self.t, self.pairs, self.plan, self.tags = engine, t, pairs, plan, tags
-        self.codec, self.book = codec, book
+        self.codec = codec
         loop = asyncio.get_running_loop()
         self.written: asyncio.Future | None = loop.create_future() if lent else None
         self.inline: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(min(inline_chunks, len(plan)))}
@@ -174,7 +181,7 @@ class Incoming:
         raw = count * pair.region.block_bytes
         try:
             self.engine.codec.decode_now(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
-                                         self.book, raw)
+                                         pair.bound, raw)
         except codecs.CodecError as exc:
             raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
         self._count(nbytes, raw, count)
@@ -256,7 +263,7 @@ class Incoming:
                     t.mark("first_byte")
                 try:
                     await engine.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
-                                              self.book, raw)
+                                              pair.bound, raw)
                 except codecs.CodecError as exc:
                     raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
                 if i in self.receives:

@@ -20,6 +20,8 @@ class Pair:
     region: Region
     ids: torch.Tensor
     blocks_per_chunk: int
+    reference: Region | None = None  # a predictor's KV for the same blocks (codecs that code against it)
+    bound: Any = None  # the codec's codebook bound to this region's layout (``Codec.bind``)
 
 
 @dataclass

@@ -17,6 +17,9 @@ class Metrics:
         self.bytes_raw = Counter("kvferry_bytes_raw", "Uncompressed KV bytes moved", ["direction", "codec"], registry=r)
         self.bytes_wire = Counter("kvferry_bytes_wire", "Bytes put on or taken off the wire", ["direction", "codec"],
                                   registry=r)
+        # Lossy codecs are only ever asked for by name; what went through one is counted apart.
+        self.lossy_bytes = Counter("kvferry_lossy_bytes_raw", "Uncompressed KV bytes moved through a lossy codec",
+                                   ["direction", "codec"], registry=r)
         self.ratio = Histogram("kvferry_compression_ratio", "Raw / wire bytes per finished transfer",
                                buckets=(1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.6, 2.0), registry=r)
         self.codec_seconds = Counter("kvferry_codec_seconds", "Time in the codec", ["op"], registry=r)

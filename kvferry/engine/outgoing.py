@@ -58,14 +58,14 @@ class Outgoing:
         connection = self.engine.pool.ready(*address)
         if connection is None:
             return False
-        codec, codebook, book = self._choose(t, spec, pairs, candidates, book)
+        codec, book = self._choose(t, spec, pairs, candidates, book)
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
         if self._inline_count(plan, pairs, codec) < len(plan):
             return False
         t.move(State.RUNNING)
         link = self.engine.link(t, PeerLink(connection))
         try:
-            inline = self._inline_chunks(t, plan, pairs, codec, codebook, len(plan))
+            inline = self._inline_chunks(t, plan, pairs, codec, len(plan))
             announce = self._announce(t, spec, pairs, book, len(inline), False)
         except Exception as exc:  # the codec's or the layout's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(exc))
@@ -95,9 +95,9 @@ class Outgoing:
         self.engine.policy.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - t.submitted)
 
     def _choose(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
-                book: tuple[str, Any, str] | None) -> tuple[codecs.Codec, Any, tuple[str, Any, str] | None]:
-        """The codec for ``t`` (recorded on it, with why), its codebook, and the named codebook
-        entry if that is the chosen codec's."""
+                book: tuple[str, Any, str] | None) -> tuple[codecs.Codec, tuple[str, Any, str] | None]:
+        """The codec for ``t`` (recorded on it, with why, and bound to each pair), and the named
+        codebook entry if that is the chosen codec's."""
         if len(candidates) == 1:
             chosen, t.choice_reason = candidates[0], "requested"
         else:
@@ -106,14 +106,17 @@ class Outgoing:
         t.chosen_codec = chosen
         if book is not None and book[0] != chosen:
             book = None
-        return codecs.get(chosen), (book[1] if book is not None else None), book
+        codec = codecs.get(chosen)
+        t.lossy = not codec.lossless
+        self.engine.bind(codec, book[1] if book is not None else None, pairs)  # sets each pair's ``bound``
+        return codec, book
 
     def _announce(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], book: tuple[str, Any, str] | None,
                   inline: int, offer: bool) -> bytes:
         announce = peer.Announce(
             codec=t.chosen_codec, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
-            pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk)
-                        for (_, dst), p in zip(spec.pairs, pairs)),
+            pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk, ref)
+                        for (_, dst), p, (_, ref) in zip(spec.pairs, pairs, spec.references or [("", "")] * len(pairs))),
             codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8),
             inline_chunks=inline, host=ipc.host_id() if offer else bytes(16))
         return peer.pack(peer.Message(t.id, announce))
@@ -122,7 +125,7 @@ class Outgoing:
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
         t.move(State.RUNNING)
         raw_bytes = _raw_bytes(spec, pairs)
-        codec, codebook, book = self._choose(t, spec, pairs, candidates, book)
+        codec, book = self._choose(t, spec, pairs, candidates, book)
         try:
             connection = await self.engine.pool.get(*address)
         except transport.TransportError as exc:
@@ -134,8 +137,7 @@ class Outgoing:
         # (``link_gbps``: the peer stands for a remote one, which only the paced wire reaches).
         offer = (ipc.available() and all(p.region.tensor.is_cuda for p in pairs) and not self.engine.settings.link_gbps
                  and (spec.codec == "auto" or getattr(codec, "identity", False)))
-        inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, codebook,
-                                                      self._inline_count(plan, pairs, codec))
+        inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, self._inline_count(plan, pairs, codec))
         wire_start = time.perf_counter()
         await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer), *inline)
         t.mark("announced")
@@ -147,7 +149,7 @@ class Outgoing:
                 await self._write_same_host(t, spec, pairs, accept.targets)
                 return
         if len(inline) < len(plan):
-            await self._stream(t, connection, link, plan, pairs, codec, codebook, len(inline))
+            await self._stream(t, connection, link, plan, pairs, codec, len(inline))
         t.mark("last_byte")
         wire_s = time.perf_counter() - wire_start
         self.engine.metrics.wire_seconds.inc(wire_s)
@@ -172,22 +174,21 @@ class Outgoing:
         return len(plan)
 
     def _inline_chunks(self, t: Transfer, plan: list[tuple[int, int, int]], pairs: list[Pair],
-                       codec: codecs.Codec, codebook: Any, count: int) -> list[bytes]:
+                       codec: codecs.Codec, count: int) -> list[bytes]:
         """The first ``count`` chunks (small, of host memory: see ``_inline_count``), encoded on
         the event loop as CHUNK messages for the announce's write."""
         inline = []
         for index, (pair_index, start, blocks) in enumerate(plan[:count]):
             pair = pairs[pair_index]
             nbytes = blocks * pair.region.block_bytes
-            frame = self.engine.codec.encode_now(codec, pair.region.tensor, pair.ids[start:start + blocks], codebook,
+            frame = self.engine.codec.encode_now(codec, pair.region.tensor, pair.ids[start:start + blocks], pair.bound,
                                                  nbytes)
             frame = self._account_chunk(t, frame, nbytes, index)
             inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, memoryview(frame.numpy())))))
         return inline
 
     async def _stream(self, t: Transfer, connection: transport.Connection, link: PeerLink,
-                      plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec, codebook: Any,
-                      inline: int) -> None:
+                      plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec, inline: int) -> None:
         """The chunks after the inline ones, as transport transfers: encoded while earlier ones
         are on the wire, at most ``max_inflight_chunks`` encoded and unacknowledged."""
         slots = asyncio.Semaphore(self.engine.settings.max_inflight_chunks)
@@ -199,7 +200,7 @@ class Outgoing:
                 await slots.acquire()
                 if link.reply.done() or any(task.done() and task.exception() for task in sends):
                     break
-                payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, codebook, index)
+                payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, index)
                 self.engine.metrics.inflight_chunks.inc()
                 eager = index < inline + peer.EAGER_CHUNKS
                 sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots, eager)))
@@ -259,9 +260,10 @@ class Outgoing:
         self.engine.finish(t, State.DONE)
 
     async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: Pair, start: int, count: int,
-                            codebook: Any, index: int) -> torch.Tensor:
+                            index: int) -> torch.Tensor:
         nbytes = count * pair.region.block_bytes
-        payload = await self.engine.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], codebook, nbytes)
+        payload = await self.engine.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], pair.bound,
+                                                 nbytes)
         return self._account_chunk(t, payload, nbytes, index)
 
     def _account_chunk(self, t: Transfer, payload: torch.Tensor, nbytes: int, index: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The peer protocol between sidecars (version 1): the one place that knows its byte layout.
+"""The peer protocol between sidecars (version 2): the one place that knows its byte layout.
 
 Peer messages ride as MSG payloads on the authenticated transport connection (``transport/wire.py``),
 in order with the chunks they describe; sidecars never call each other over HTTP. All integers are
@@ -6,7 +6,7 @@ little-endian. Every message starts with a 24-byte header:
 
     offset size field
          0    4 magic b"KVFP"
-         4    1 version (1)
+         4    1 version (2; version 1 had no reference regions)
          5    1 type (Kind)
          6    2 reserved (0)
          8   16 transfer id (the 16 bytes of its 32-hex-digit id)
@@ -17,8 +17,9 @@ u32 count, i32 stride)).
 
     ANNOUNCE  str8 codec, str8 dtype, str8 codebook ("" = none), 8 bytes codebook digest,
               blocks dst_blocks, u16 pairs, per pair: str8 dst region, u8 ndim, ndim × u32
-              block shape, u32 blocks per chunk; then u32 inline chunks, 16 bytes host id (all 0:
-              no same-host write offered)
+              block shape, u32 blocks per chunk, str8 reference region ("" = none: the receiver's
+              region of predictor KV for the same blocks); then u32 inline chunks, 16 bytes host id
+              (all 0: no same-host write offered)
     CHUNK     u32 chunk index, then the chunk's frame (the rest of the message)
     ACCEPT    u16 targets (0, or one per pair: the receiver takes the same-host write offer), per
               target: 64 bytes CUDA IPC handle, u64 offset, 16 bytes GPU UUID, u32 region blocks
@@ -49,7 +50,7 @@ from .blocks import Blocks, Range
 from .errors import ProtocolViolation
 
 MAGIC = b"KVFP"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
@@ -78,6 +79,7 @@ class PairLayout:
     dst_region: str
     block_shape: tuple[int, ...]
     blocks_per_chunk: int
+    reference: str = ""  # the receiver's region of predictor KV for these blocks ("" = none)
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,7 @@ def pack(message: Message) -> bytes:
             for pair in body.pairs:
                 out += [_str(pair.dst_region, 1), struct.pack(f"<B{len(pair.block_shape)}I", len(pair.block_shape),
                                                               *pair.block_shape),
-                        struct.pack("<I", pair.blocks_per_chunk)]
+                        struct.pack("<I", pair.blocks_per_chunk), _str(pair.reference, 1)]
             if len(body.host) != 16:
                 raise ProtocolViolation("a host id is 16 bytes")
             out += [struct.pack("<I", body.inline_chunks), bytes(body.host)]
@@ -318,7 +320,7 @@ def unpack(data: bytes | bytearray) -> Message:
             (per_chunk,) = r.unpack("I")
             if per_chunk == 0:
                 raise ProtocolViolation("zero blocks per chunk")
-            pairs.append(PairLayout(name, tuple(shape), per_chunk))
+            pairs.append(PairLayout(name, tuple(shape), per_chunk, r.text(1)))
         (inline,) = r.unpack("I")
         body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, r.take(16))
     elif kind == Kind.CHUNK:

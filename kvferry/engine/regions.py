@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kvferry.codec import BlockLayout, CodebookMismatch
+
 from .blocks import Blocks
 from .errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 
@@ -50,6 +52,11 @@ class Region:
     axes: tuple[str, ...] | None = None
     ipc_export: tuple[bytes, int] | None = None  # cuda_ipc: the worker's (handle, offset), to lend on
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
+
+    @property
+    def layout(self) -> BlockLayout | None:
+        """What the block's axes mean, for codecs that model KV by position (None: not named)."""
+        return BlockLayout.of(self.block_shape, self.axes)
 
     @property
     def block_bytes(self) -> int:
@@ -131,8 +138,10 @@ class RegionTable:
             raise BadRequest(f"dtype must be one of {sorted(DTYPES)}, not {spec.dtype!r}")
         if spec.num_blocks <= 0 or not spec.block_shape or min(spec.block_shape) <= 0:
             raise BadRequest("a region needs at least one block of a non-empty shape")
-        if spec.axes is not None and len(spec.axes) != len(spec.block_shape):
-            raise BadRequest(f"axes {list(spec.axes)} do not name the {len(spec.block_shape)} block dimensions")
+        try:
+            BlockLayout.of(spec.block_shape, spec.axes)
+        except CodebookMismatch as exc:
+            raise BadRequest(f"axes {list(spec.axes or ())}: {exc}") from None
         dtype = DTYPES[spec.dtype]
         shape = (spec.num_blocks, *spec.block_shape)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

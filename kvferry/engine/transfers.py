@@ -42,6 +42,8 @@ class Transfer:
     codec: str  # what was asked: auto or a registered name
     chosen_codec: str = ""
     choice_reason: str = ""
+    lossy: bool = False  # the chosen codec changes the values (asked for by name, never by auto)
+    references: list[str] = field(default_factory=list)  # regions of predictor KV this side reads
     state: State = State.QUEUED
     bytes_raw: int = 0
     bytes_wire: int = 0
@@ -102,6 +104,7 @@ class Transfer:
             "src_region": self.pairs[0][0], "dst_region": self.pairs[0][1],
             "blocks": self.blocks * len(self.pairs), "blocks_done": self.blocks_done,
             "codec": self.codec, "chosen_codec": self.chosen_codec, "choice_reason": self.choice_reason,
+            "lossy": self.lossy,
             "bytes_raw": self.bytes_raw, "bytes_wire": self.bytes_wire,
             "ratio": self.bytes_raw / self.bytes_wire if self.bytes_wire else None,
             "seconds": self.seconds, "stages": dict(self.stages), "error": self.error, "error_kind": self.error_kind,

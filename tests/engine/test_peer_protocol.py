@@ -11,19 +11,19 @@ from kvferry.engine.blocks import Blocks, Range
 from kvferry.engine.errors import ProtocolViolation
 
 TID = "00112233445566778899aabbccddeeff"
-HEAD = "4b56465001{kind:02x}000000112233445566778899aabbccddeeff"
+HEAD = "4b56465002{kind:02x}000000112233445566778899aabbccddeeff"
 GOLDEN = {
     "announce": (peer.Message(TID, peer.Announce(
         "splitzip", "bfloat16", Blocks(ranges=(Range(4, 3, 2),)),
         (peer.PairLayout("l0", (2, 16), 8), peer.PairLayout("l1", (2, 16), 8)), "kb", bytes(range(8)))),
         HEAD.format(kind=1) + "0873706c69747a69700862666c6f61743136026b620001020304050607010100000004000000030000"
-        "00020000000200026c3002020000001000000008000000026c310202000000100000000800000000000000"
+        "00020000000200026c300202000000100000000800000000026c31020200000010000000080000000000000000"
         + "00" * 16),
     "announce_ids": (peer.Message(TID, peer.Announce("raw", "float16", Blocks(ids=(5, 1)),
-                                                      (peer.PairLayout("d", (4,), 1),), inline_chunks=1,
+                                                      (peer.PairLayout("d", (4,), 1, "r"),), inline_chunks=1,
                                                       host=bytes(range(16)))),
                      HEAD.format(kind=1) + "0372617707666c6f617431360000000000000000000002000000050000000100000001"
-                     "00016401040000000100000001000000000102030405060708090a0b0c0d0e0f"),
+                     "000164010400000001000000017201000000000102030405060708090a0b0c0d0e0f"),
     "chunk": (peer.Message(TID, peer.Chunk(3, b"KVFZ\x01")), HEAD.format(kind=7) + "030000004b56465a01"),
     "accept": (peer.Message(TID, peer.Accept()), HEAD.format(kind=2) + "0000"),
     "accept_ipc": (peer.Message(TID, peer.Accept((peer.Target(bytes(range(64)), 4096, bytes([9] * 16), 80),))),
@@ -50,7 +50,7 @@ def test_header_fields():
     raw = bytes.fromhex(GOLDEN["written"][1])
     assert len(raw) == peer.HEADER_SIZE + 4 and peer.HEADER_SIZE == 24 and raw[:4] == b"KVFP" and raw[4] == peer.VERSION
     with pytest.raises(ProtocolViolation, match="version"):
-        peer.unpack(raw[:4] + b"\x02" + raw[5:])
+        peer.unpack(raw[:4] + b"\x01" + raw[5:])  # version 1 had no reference regions
     with pytest.raises(ProtocolViolation, match="magic"):
         peer.unpack(b"XXXX" + raw[4:])
     with pytest.raises(ProtocolViolation, match="kind"):

@@ -253,6 +253,7 @@ class EntropyCodec(PositionFree):
         return stored_size(layout_for(dtype), int(np.prod(tuple(shape), dtype=np.int64)))
 
     def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None,
+                  axes: Sequence[str] | None = None,
                   tables: int = DEFAULT_TABLES) -> EntropyCodebook:
         return calibrate(samples, token_axis=token_axis, tables=tables)
 
