@@ -24,7 +24,7 @@ from kvferry.engine.regions import RegionSpec
 from kvferry.engine.settings import Settings
 
 from . import errors
-from .models import ERRORS, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
+from .models import CODEC, ERRORS, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
 
 log = logging.getLogger("kvferry.api")
 
@@ -165,7 +165,7 @@ async def cancel(transfer_id: str, e: EngineDep) -> dict:
 
 @codebooks.put("/{name}")
 async def put_codebook(name: str, request: Request, e: EngineDep,
-                       codec_name: Annotated[str, Query(alias="codec", pattern=r"^[a-z0-9_]{1,32}$")] = "splitzip"
+                       codec_name: Annotated[str, Query(alias="codec", pattern=CODEC)] = "splitzip"
                        ) -> dict:
     """Store a codebook document (the codec's ``to_json``)."""
     if not re.match(NAME, name):
