@@ -21,11 +21,14 @@ from .layout import AXIS_NAMES, BlockLayout
 from .registry import Codec, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
 from .splitzip_codec import SplitZipCodec
 from .entropy import EntropyCodec
+from .quant import K4V2, K8V4
 
 # The registry: one line per codec.
 register(RawCodec())
 register(SplitZipCodec())
 register(EntropyCodec())
+register(K8V4)
+register(K4V2)
 
 __all__ = [
     "Codec", "PositionFree", "BlockLayout", "AXIS_NAMES", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
