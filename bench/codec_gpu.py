@@ -294,6 +294,68 @@ def bench_nvcomp(x: torch.Tensor, repeats: int) -> list[dict]:
     return rows
 
 
+SEED_AXES = ("layer", "kv", "token", "head", "channel")
+SEED_CODECS = [  # (label, codec, calibration options or None: calibrated only where the codec needs it)
+    ("splitzip", "splitzip", None), ("entropy", "entropy", None), ("tca-tbe", "tca-tbe", None),
+    ("k8v4 (lossy)", "k8v4", None), ("k4v2 (lossy)", "k4v2", None),
+    ("lowrank e=0.99 (lossy)", "lowrank", {"energy": 0.99}),
+    ("lowrank e=0.99 +k8v4 (lossy)", "lowrank", {"energy": 0.99, "quantize": "k8v4"}),
+]
+
+
+def seed_blocks(chunk: int, block_tokens: int = 16) -> torch.Tensor:
+    """Real KV of one chunk as blocks of every layer's K and V for ``block_tokens`` tokens:
+    [block, layer, kv, token, head, channel] (a vLLM request's blocks, all layers in one)."""
+    import numpy as np
+
+    z = np.load(codec.bench.SAMPLE)
+    kv = torch.stack([torch.stack([torch.from_numpy(z[f"c{chunk}_l{l}_{k}"].view(np.int16)).view(torch.bfloat16)
+                                   for k in "kv"]) for l in range(30)])  # [layer, kv, head, token, channel]
+    n = kv.shape[3] // block_tokens
+    kv = kv[:, :, :, :n * block_tokens].reshape(*kv.shape[:3], n, block_tokens, kv.shape[4])
+    return kv.permute(3, 0, 1, 4, 2, 5).contiguous()
+
+
+def bench_seed_codecs(size: int, repeats: int) -> list[dict]:
+    """The registered codecs on real KV blocks tiled to ``size`` bytes, all blocks in one call:
+    GPU frames byte-compared with the CPU reference's on a sample of blocks, GPU decode
+    compared with the CPU's (bit-exact to the input for lossless codecs), then timed."""
+    calib, data = seed_blocks(0), seed_blocks(1)
+    layout = codec.BlockLayout(tuple(data.shape[1:]), SEED_AXES)
+    count = max(1, size // (data[0].numel() * 2))
+    x = data.repeat((count + data.shape[0] - 1) // data.shape[0], 1, 1, 1, 1, 1)[:count].cuda()
+    ids = torch.arange(count, device="cuda")
+    sample = torch.arange(min(4, count))
+    raw = x.numel() * 2
+    t_copy = cuda_time(lambda: x.clone(), repeats)
+    rows = [row(f"device copy (roofline), {raw >> 20} MiB", raw, None, t_copy, t_copy, "bytes moved = 2x")]
+    for label, name, options in SEED_CODECS:
+        if name not in codec.names():
+            rows.append(row(label, raw, None, None, None, "not registered"))
+            continue
+        c = codec.get(name)
+        book = c.calibrate(calib, axes=("block", *SEED_AXES), **options) if options is not None else None
+        bound = c.bind(book, layout)
+        frame = c.encode_blocks(x, ids, bound)
+        out = torch.zeros_like(x)
+        c.decode_blocks(frame, out, ids, bound)
+        cpu_frame = c.encode_blocks(x[:len(sample)].cpu(), sample, bound)
+        gpu_frame = c.encode_blocks(x[:len(sample)], sample.cuda(), bound).cpu()
+        cpu_out = torch.zeros_like(x[:len(sample)].cpu())
+        c.decode_blocks(cpu_frame, cpu_out, sample, bound)
+        same_bytes = torch.equal(cpu_frame, gpu_frame)
+        same_values = torch.equal(cpu_out.view(torch.int16), out[:len(sample)].cpu().view(torch.int16))
+        exact = torch.equal(out.view(torch.int16), x.view(torch.int16))
+        assert same_bytes and same_values, f"{label}: GPU and CPU differ (frame {same_bytes}, values {same_values})"
+        assert exact or not c.lossless, f"{label}: lossless codec not bit-exact on the GPU"
+        t_enc = cuda_time(lambda: c.encode_blocks(x, ids, bound), repeats)
+        t_dec = cuda_time(lambda: c.decode_blocks(frame, out, ids, bound), repeats)
+        err = "" if c.lossless else f"; max |err| {float((out.float() - x.float()).abs().max()):.3g}"
+        rows.append(row(label, raw, frame.numel(), t_enc, t_dec,
+                        f"GPU == CPU on {len(sample)} blocks; {'bit-exact' if exact else 'lossy'}{err}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elements", default="256M")
@@ -303,6 +365,8 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="profile the host side of 64 MiB block calls, then stop")
     parser.add_argument("--sweep", action="store_true", help="time the kernel variants in SWEEP, then stop")
     parser.add_argument("--skip-cpu-check", action="store_true", help="skip the full-size CPU byte comparison")
+    parser.add_argument("--seed-codecs", metavar="BYTES",
+                        help="only the registered codecs on real KV blocks of all layers, this much (e.g. 1G)")
     args = parser.parse_args()
     n = parse_size(args.elements)
     device = torch.device("cuda")
@@ -315,6 +379,9 @@ def main() -> None:
     except ImportError:
         pass
     print(json.dumps(env))
+    if args.seed_codecs:
+        report(bench_seed_codecs(parse_size(args.seed_codecs), args.repeats), env, args.json)
+        return
     book = codec.calibrate([calib.to(torch.bfloat16)])
     x = tile(data, n).to(torch.bfloat16).to(device)
     rows = []
@@ -366,14 +433,17 @@ def main() -> None:
         b = codec.calibrate([calib.to(dtype)])
         rows.append(bench_splitzip(x.to(dtype), b, args.repeats, f"splitzip {codec.layout_for(dtype).name}"))
     rows.extend(bench_nvcomp(x, args.repeats))
+    report(rows, env, args.json)
 
+
+def report(rows: list[dict], env: dict, path: Path | None) -> None:
     print(f"\n{'codec':<44}{'ratio':>8}{'enc GB/s':>11}{'dec GB/s':>11}  note")
     for r in rows:
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
         print(f"{r['codec']:<44}{fmt(r['ratio'], '.3f'):>8}{fmt(r['encode_gbps'], '.1f'):>11}"
               f"{fmt(r['decode_gbps'], '.1f'):>11}  {r['note']}")
-    if args.json:
-        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+    if path:
+        path.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
