@@ -22,6 +22,7 @@ from .registry import Codec, PositionFree, UnknownCodec, codec_of, get, lossless
 from .splitzip_codec import SplitZipCodec
 from .entropy import EntropyCodec
 from .quant import K4V2, K8V4
+from .tcatbe import TcaTbeCodec
 
 # The registry: one line per codec.
 register(RawCodec())
@@ -29,6 +30,7 @@ register(SplitZipCodec())
 register(EntropyCodec())
 register(K8V4)
 register(K4V2)
+register(TcaTbeCodec())
 
 __all__ = [
     "Codec", "PositionFree", "BlockLayout", "AXIS_NAMES", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",

@@ -1,0 +1,111 @@
+"""tca-tbe's Triton kernels against the numpy reference, byte for byte, both ways. Plain
+asserts and no pytest, so it also runs in a venv that has triton but no pytest:
+
+    TRITON_INTERPRET=1 PYTHONPATH=. python -c \
+        "from tests.codec.tcatbe_kernel_checks import check_kernels; check_kernels('cpu')"
+
+``test_tcatbe_gpu.py`` calls it on CUDA, and on the CPU under the interpreter.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+
+from kvferry.codec import CorruptFrame, FrameCodec
+from kvferry.codec.tcatbe import gpu
+from kvferry.codec.tcatbe.codec import encode_reference, finish, read_header
+from kvferry.codec.tcatbe.format import FRAME_ID, GROUP_TILES, Stream, padding_ranges
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.cpu().reshape(-1).view(torch.int16), b.cpu().reshape(-1).view(torch.int16)))
+
+
+def bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(bits, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
+def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    """What the kernels must agree with the reference on: every BF16 pattern among KV over two
+    groups of tiles, specials, both ends of the exponent range, odd sizes, random bits."""
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(150_000, generator=g) * 0.6).to(torch.bfloat16)
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    patterns = patterns[torch.randperm(1 << 16, generator=g)].view(torch.bfloat16)
+    specials = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0xFF81, 0x0001, 0x807F, 0x7F7F], dtype=np.uint16)
+    body = kv[:4000].view(torch.int16).numpy().view(np.uint16).copy()
+    body[::13] = np.resize(specials, body[::13].size)
+    return {
+        "patterns_in_kv": torch.cat([kv[:9000], patterns, kv[9000:]]).view(-1, 8),  # 3368 tiles
+        "specials": bf16(body).view(40, 100),
+        "window_at_0": bf16(np.resize(np.array([0, 0x8000, 1, 0x80FF, 0x0300, 0x037F], np.uint16), 333)),
+        "window_at_249": bf16(np.resize(np.array([0x7F80, 0xFFC1, 0x7FFF, 0x7C00, 0xFE7F], np.uint16), 333)),
+        "one": kv[:1].clone(),
+        "tile_plus_one": kv[:65].clone(),
+        "empty": kv[:0].clone().view(0, 4),
+        "random_bits": torch.randint(-(1 << 15), 1 << 15, (5000,), dtype=torch.int16, generator=g).view(torch.bfloat16),
+    }
+
+
+STORED = {"random_bits", "one"}  # inputs whose tca-tbe frame would not be smaller
+
+
+def _restream(frame: torch.Tensor, stream: int, index: int, fmt: str, value: int) -> torch.Tensor:
+    header = read_header(frame)
+    buf = bytearray(frame.cpu().numpy().tobytes())
+    struct.pack_into(fmt, buf, header.offsets[stream] + index * struct.calcsize(fmt), value)
+    return finish(torch.frombuffer(buf, dtype=torch.uint8), header, False)
+
+
+def corruptions(frame: torch.Tensor) -> list[torch.Tensor]:
+    """Frames whose header is fine but whose streams contradict each other."""
+    h = read_header(frame)
+    cases = [_restream(frame, Stream.TILES, 5, "<H", 0), _restream(frame, Stream.TILES, h.tiles - 1, "<H", 0xFFFF),
+             _restream(frame, Stream.TILES, GROUP_TILES, "<H", 2), _restream(frame, Stream.GROUPS, 1, "<Q", 1 << 40),
+             _restream(frame, Stream.GROUPS, 0, "<Q", 64), _restream(frame, Stream.BITMAPS, 21, "<Q", 0),
+             _restream(frame, Stream.BITMAPS, 3 * (h.tiles - 1) + 1, "<Q", 1 << 63)]
+    start, _ = padding_ranges(h)[0]
+    padded = frame.clone()
+    padded[start] = 9
+    return cases + [padded]
+
+
+def check_kernels(device: str) -> None:
+    """Assert that the kernels on ``device`` write and read exactly the reference's bytes."""
+    for name, x in inputs().items():
+        for checksum in (False, True):
+            cpu = encode_reference(x, checksum=checksum)
+            dev = gpu.encode(x.to(device), checksum=checksum)
+            assert dev.device.type == torch.device(device).type
+            assert torch.equal(dev.cpu(), cpu), f"{name}: kernel frame != reference frame"
+        coded = cpu[6].item() == FRAME_ID
+        assert coded == (name not in STORED), name
+        if coded:
+            out = torch.full(x.shape, 5.0, dtype=torch.bfloat16, device=device)
+            gpu.decode_into(cpu.to(device), read_header(cpu), out)
+            assert same_bits(out, x), f"{name}: kernel decode differs"
+        else:
+            assert cpu[6].item() == int(FrameCodec.STORED)
+    frame = encode_reference(inputs()["patterns_in_kv"], checksum=False)
+    shifted = torch.zeros(frame.numel() + 3, dtype=torch.uint8, device=device)[3:]  # not 16-byte aligned
+    shifted.copy_(frame.to(device))
+    out = torch.empty(inputs()["patterns_in_kv"].shape, dtype=torch.bfloat16, device=device)
+    assert same_bits(gpu.decode_into(shifted, read_header(frame), out), inputs()["patterns_in_kv"])
+    for i, bad in enumerate(corruptions(frame)):
+        out = torch.full((26942, 8), 5.0, dtype=torch.bfloat16, device=device)
+        try:
+            gpu.decode_into(bad.to(device), read_header(bad), out)
+        except CorruptFrame:
+            pass
+        else:
+            raise AssertionError(f"corruption {i} decoded")
+        assert bool((out.cpu() == 5.0).all()), f"corruption {i}: out was written"
+    print("tca-tbe kernels match the reference on", device)
+
+
+if __name__ == "__main__":
+    check_kernels("cuda" if torch.cuda.is_available() else "cpu")
