@@ -141,7 +141,7 @@ def test_registry_entry_and_codebook():
     c = codec.get("tca-tbe")
     assert "tca-tbe" in codec.names() and c in codec.lossless()
     assert c.supports(torch.bfloat16) and not c.supports(torch.float16) and not c.supports(torch.float8_e4m3fn)
-    book = c.codebook_from_json(c.calibrate([kv_like(100)]).to_json())
+    book = c.codebook_from_json(c.calibrate([kv_like(100)], axes=("block", "channel")).to_json())
     assert c.bind(book, None) is book
     with pytest.raises(codec.CodebookMismatch):
         c.codebook_from_json('{"format": "kvferry-codebook", "codec": "raw"}')

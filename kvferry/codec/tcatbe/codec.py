@@ -271,8 +271,8 @@ class TcaTbeCodec(PositionFree):
         # A tca-tbe frame is written only if it is smaller than the stored one.
         return stored_size(layout_for(dtype), int(np.prod(tuple(shape), dtype=np.int64)))
 
-    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *,
-                  token_axis: int | None = None) -> TcaTbeCodebook:
+    def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None,
+                  axes: Sequence[str] | None = None) -> TcaTbeCodebook:
         first = samples if isinstance(samples, torch.Tensor) else next(iter(samples), None)
         if first is not None:
             _check_tensor(first)
