@@ -32,9 +32,17 @@ from kvferry.codec.tcatbe import gpu  # noqa: E402
 
 
 def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` between CUDA events on the current stream (host waits included)."""
+    """Median seconds of ``fn`` between CUDA events on the current stream (host waits included);
+    wall clock on a machine without CUDA (``--device cpu``: a smoke run of this script)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     torch.cuda.synchronize()
     times = []
@@ -64,13 +72,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--configs", default="16x4,32x4,32x8,64x8",
                         help="kernel configurations to time: tiles per program x warps")
     parser.add_argument("--skip-reference", action="store_true", help="skip the full-size CPU byte comparison")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run (TRITON_INTERPRET=1, tiny --gib)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    assert gpu.available(), "needs CUDA and triton"
     import triton
 
-    dev = torch.device("cuda")
-    print(f"device {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}, "
+    dev = torch.device(args.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+    assert dev.type != "cuda" or gpu.available(), "needs CUDA and triton"
+    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}, "
           f"python {platform.python_version()}", flush=True)
     calib, data, source = kv_source()
     n = int(args.gib * (1 << 30)) // 2 // 64 * 64
@@ -82,9 +92,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # 1. Bit-exactness: small edge cases, then the full tensor against the numpy reference.
     from tests.codec.tcatbe_kernel_checks import check_kernels
 
-    check_kernels("cuda")
-    frame = tcatbe.encode(x, checksum=False)
-    assert frame.is_cuda and frame[6].item() == tcatbe.FRAME_ID
+    check_kernels(args.device)
+    frame = gpu.encode(x, checksum=False) if dev.type == "cpu" else tcatbe.encode(x, checksum=False)
+    assert frame.device == x.device and frame[6].item() == tcatbe.FRAME_ID
     out = torch.empty_like(x)
     tcatbe.decode(frame, out=out)
     assert torch.equal(out.view(torch.int16), x.view(torch.int16)), "GPU round trip is not bit-exact"
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     t_dec = cuda_time(lambda: sz.decode(sz_frame, book, out=out), args.repeats)
     rows.append(row("splitzip (same run)", raw, sz_frame.numel(), t_enc, t_dec))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+        Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__,
                                                "triton": triton.__version__, "elements": n, "rows": rows}, indent=1))
     return rows
 
