@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="only arrays whose name matches, e.g. '_k$' for a K-only codebook")
     cal.add_argument("--codec", default="splitzip", help="registered codec to calibrate (default splitzip)")
     cal.add_argument("--token-axis", type=int, help="which axis of each array is the token axis")
+    cal.add_argument("--axes", help="comma-separated names of each array's axes (layer, kv, token, head, channel), "
+                                    "e.g. head,token,channel; arrays named ..._l<N>_<k|v> are then stacked into "
+                                    "[layer, kv, ...] per name prefix (lowrank)")
+    cal.add_argument("--energy", type=float, help="lowrank: fraction of each head's energy to keep (default 0.99)")
+    cal.add_argument("--rank-budget", type=int, help="lowrank: total rank over all heads (instead of --energy)")
+    cal.add_argument("--quantize", choices=("k8v4",), help="lowrank: quantize coefficients (8-bit K, 4-bit V)")
     cal.set_defaults(run=_calibrate)
 
     serve = sub.add_parser("serve", help="run the sidecar daemon (control API + data listener)")
@@ -98,6 +104,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    import inspect
+
     from kvferry import codec
 
     from .kvfiles import load_tensors
@@ -107,16 +115,53 @@ def _calibrate(args: argparse.Namespace) -> int:
     except codec.UnknownCodec as exc:
         print(f"kvferry calibrate: {exc}", file=sys.stderr)
         return 2
-    tensors = [t for path in args.files for _, t in load_tensors(path, args.dtype, args.select)]
+    named = [(name, t) for path in args.files for name, t in load_tensors(path, args.dtype, args.select)]
+    tensors = [t for _, t in named]
     if not tensors:
         print("kvferry calibrate: no arrays matched", file=sys.stderr)
         return 2
-    book = chosen.calibrate(tensors, token_axis=args.token_axis)
+    options = {k: v for k, v in (("energy", args.energy), ("rank_budget", args.rank_budget),
+                                 ("quantize", args.quantize)) if v is not None}
+    unknown = [k for k in options if k not in inspect.signature(chosen.calibrate).parameters]
+    if unknown:
+        print(f"kvferry calibrate: {args.codec} does not take {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    try:
+        if args.axes:
+            tensors, options["axes"] = _stack_layers(named, tuple(a.strip() for a in args.axes.split(",")))
+        book = chosen.calibrate(tensors, token_axis=args.token_axis, **options)
+    except (codec.CodecError, ValueError) as exc:
+        print(f"kvferry calibrate: {exc}", file=sys.stderr)
+        return 2
     args.output.write_text(book.to_json() + "\n")
     detail = (f": coverage {book.coverage:.4%}, exponents {list(book.exponents)}"
-              if isinstance(book, codec.Codebook) else "")
-    print(f"{args.codec} codebook from {len(tensors)} arrays{detail} -> {args.output}")
+              if isinstance(book, codec.Codebook) else f": {book.summary()}" if hasattr(book, "summary") else "")
+    print(f"{args.codec} codebook from {len(named)} arrays{detail} -> {args.output}")
     return 0
+
+
+def _stack_layers(named: list, axes: tuple[str, ...]) -> tuple[list, tuple[str, ...]]:
+    """Per-layer K/V arrays (named ``<prefix>_l<N>_<k|v>``, the way KV dumps name them) stacked
+    into one ``[layer, kv, *axes]`` tensor per prefix; arrays as they are if ``axes`` already name
+    layer or kv, or if their names do not follow that pattern."""
+    import re
+
+    import torch
+
+    pattern = re.compile(r"^(.*?)_?l(\d+)_([kv])$")
+    matches = [pattern.match(name) for name, _ in named]
+    if "layer" in axes or "kv" in axes or not all(matches):
+        return [t for _, t in named], axes
+    groups: dict[str, dict[tuple[int, int], object]] = {}
+    for m, (_, t) in zip(matches, named):
+        groups.setdefault(m.group(1), {})[(int(m.group(2)), "kv".index(m.group(3)))] = t
+    stacked = []
+    for prefix, parts in groups.items():
+        layers = 1 + max(layer for layer, _ in parts)
+        if len(parts) != 2 * layers:
+            raise ValueError(f"arrays {prefix}_l*_k/v do not hold K and V of layers 0..{layers - 1}")
+        stacked.append(torch.stack([torch.stack([parts[(layer, kv)] for kv in (0, 1)]) for layer in range(layers)]))
+    return stacked, ("layer", "kv", *axes)
 
 
 def _codec_demo(args: argparse.Namespace) -> int:
