@@ -1,10 +1,10 @@
 """k8v4 / k4v2 on a GPU, one device call: bit-exactness against the CPU reference, then timings.
 
-    python bench/quant_gpu_check.py [--gib 1.0] [--repeats 20] [--json results.json]
+    python bench/quant_gpu_check.py [--gib 1.0] [--check-mib 16] [--repeats 20] [--json results.json]
 
 Data: the real SmolLM2 KV sample (K and V of all 30 layers, [layers, kv, heads, tokens, 64]
 bf16) tiled along the layer axis to about ``--gib`` GiB. Bit-exactness: the GPU frame's streams
-for the first and last 64 MiB of vectors equal the CPU reference's frame of those slices, byte for
+for the first and last ``--check-mib`` MiB of layers equal the CPU reference's frame of those slices, byte for
 byte, and the GPU reconstruction of the whole frame equals the reference's there. GB/s counts
 BF16 input bytes (for the copy roofline too: a copy moves twice that). Times are medians of CUDA
 events: ``kernel`` rows are the two Triton launches alone (into preallocated buffers), ``codec``
@@ -18,6 +18,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,24 +68,30 @@ def stream_slices(header: QuantHeader, first: int, count: int) -> list[tuple[int
     return out
 
 
-def check_exact(x: torch.Tensor, frame: torch.Tensor, y: torch.Tensor, c, slab: int) -> None:
-    """GPU frame and reconstruction against the CPU reference on the first and last ``slab`` layers."""
+def check_exact(x: torch.Tensor, frame: torch.Tensor, y: torch.Tensor, c, slab: int) -> float:
+    """GPU frame and reconstruction against the CPU reference on the first and last ``slab``
+    layers; returns the reference encoder's seconds per layer."""
     header = qcodec.read_header(frame)
     per_layer = header.vectors // x.shape[0]
+    seconds = 0.0
     for start in (0, x.shape[0] - slab):
         part = x[start:start + slab].cpu()
+        t0 = time.perf_counter()
         ref = qcodec.encode(part, LAYOUT, c.frame_id, checksum=False)
+        seconds += time.perf_counter() - t0
         ref_header = qcodec.read_header(ref)
         for (a, b), (ra, rb) in zip(stream_slices(header, start * per_layer, slab * per_layer),
                                     stream_slices(ref_header, 0, slab * per_layer)):
             assert torch.equal(frame[a:b].cpu(), ref[ra:rb]), f"{c.name}: GPU bytes differ at layer {start}"
         assert torch.equal(y[start:start + slab].cpu().view(torch.int16), qcodec.decode(ref).view(torch.int16)), \
             f"{c.name}: GPU values differ at layer {start}"
+    return seconds / (2 * slab)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--check-mib", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -108,14 +115,15 @@ def main() -> None:
         print(f"\n{name} input {list(x.shape)} = {nbytes / 2**30:.2f} GiB")
         out = torch.empty_like(x)
         row(f"copy roofline {name}", cuda_time(lambda: out.copy_(x), args.repeats), nbytes)
-        slab = max(1, (64 << 20) // (base[0].numel() * 2))
+        slab = max(1, int(args.check_mib * 2**20) // (base[0].numel() * 2))
         for c in (K8V4, K4V2):
             frame = qcodec.encode(x, LAYOUT, c.frame_id, checksum=True)
             header = qcodec.read_header(frame)
             y = c.decode(frame)
-            check_exact(x, frame, y, c, slab)
+            per_layer = check_exact(x, frame, y, c, slab)
             ratio = nbytes / frame.numel()
             print(f"{c.name}: bit-exact against the CPU reference (first and last {slab} layers), ratio {ratio:.3f}")
+            row(f"{c.name} {name} reference encode (CPU)", per_layer, nbytes // x.shape[0], ratio=round(ratio, 3))
             buf = torch.empty_like(frame)
             for tile, warps in CONFIGS:
                 enc = cuda_time(lambda: gpu.encode_into(x, buf, header, tile=tile, num_warps=warps), args.repeats)

@@ -129,8 +129,7 @@ def test_constant_vectors():
         y = c.decode(c.encode(x, layout))
         assert torch.equal(y[:, 1:].float(), x[:, 1:].float()) and torch.equal(y[0, 0].float(), x[0, 0].float())
         assert (y[1, 0] == 0).all()
-        z = read_header(c.encode(x, layout))
-        assert z.vectors == 6
+        assert read_header(c.encode(x, layout)).vectors == 6
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 65536.0, -7e4])
