@@ -127,15 +127,26 @@ def finish(frame: torch.Tensor, header: TcaTbeHeader, checksum: bool) -> torch.T
     return frame
 
 
-def _codec_byte(frame: Any) -> int:
+def _prefix(frame: Any) -> bytes:
+    """The frame's first bytes, up to a header's worth, in one device read; magic checked.
+
+    Raises:
+        CorruptFrame: not a 1-D uint8 tensor, no codec id, or the wrong magic.
+    """
     if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
         raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
     if frame.numel() < 7:
         raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
-    prefix = frame[:7].cpu().numpy().tobytes()
+    prefix = frame[:HEADER_SIZE].cpu().numpy().tobytes()
     if prefix[:4] != FRAME_MAGIC:
         raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
-    return prefix[6]
+    return prefix
+
+
+def _parse(prefix: bytes, frame: torch.Tensor) -> TcaTbeHeader:
+    if prefix[6] != FRAME_ID:
+        raise CorruptFrame("not a tca-tbe frame")
+    return parse_header(prefix, frame.numel(), _WIRE_IDS)
 
 
 def read_header(frame: torch.Tensor) -> TcaTbeHeader:
@@ -144,9 +155,7 @@ def read_header(frame: torch.Tensor) -> TcaTbeHeader:
     Raises:
         CorruptFrame: not a tca-tbe frame, or a header that fails validation.
     """
-    if _codec_byte(frame) != FRAME_ID:
-        raise CorruptFrame("not a tca-tbe frame")
-    return parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), frame.numel(), _WIRE_IDS)
+    return _parse(_prefix(frame), frame)
 
 
 def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,12 +166,12 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Ten
         CorruptFrame: the frame is malformed, truncated, or fails a checksum.
         OutputMismatch: ``out`` has the wrong dtype or element count.
     """
-    codec_id = _codec_byte(frame)
-    if codec_id == int(FrameCodec.STORED):
+    prefix = _prefix(frame)
+    if prefix[6] == int(FrameCodec.STORED):
         return decode_stored(frame, out=out)
-    if codec_id != FRAME_ID:
-        raise CorruptFrame(f"codec id {codec_id} is not a tca-tbe (or stored) frame")
-    header = read_header(frame)
+    if prefix[6] != FRAME_ID:
+        raise CorruptFrame(f"codec id {prefix[6]} is not a tca-tbe (or stored) frame")
+    header = _parse(prefix, frame)
     dtype = layout_for(DTYPES[0]).dtype
     if out is not None and (out.dtype != dtype or out.numel() != header.numel):
         raise OutputMismatch(f"out is {out.dtype}[{out.numel()}], frame holds {dtype}[{header.numel}]")
@@ -236,8 +245,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         raise OutputMismatch(f"cache must be a torch.Tensor, got {type(cache).__name__}")
     ids = _block_ids(block_ids, cache, unique=True)
     expected = (ids.numel(), *cache.shape[1:])
-    codec_id = _codec_byte(frame)
-    if codec_id == FRAME_ID:
+    if _prefix(frame)[6] == FRAME_ID:
         header = read_header(frame)
         if cache.dtype not in DTYPES or header.shape != expected:
             raise OutputMismatch(f"frame holds bfloat16{list(header.shape)}, blocks need "
