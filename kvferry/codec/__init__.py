@@ -21,6 +21,7 @@ from .layout import AXIS_NAMES, BlockLayout
 from .registry import Codec, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
 from .splitzip_codec import SplitZipCodec
 from .entropy import EntropyCodec
+from .predictive import PredictiveCodec
 from .lowrank import LowRankCodec
 from .quant import K4V2, K8V4
 from .tcatbe import TcaTbeCodec
@@ -29,6 +30,7 @@ from .tcatbe import TcaTbeCodec
 register(RawCodec())
 register(SplitZipCodec())
 register(EntropyCodec())
+register(PredictiveCodec())
 register(LowRankCodec())
 register(K8V4)
 register(K4V2)

@@ -1,0 +1,167 @@
+"""The standard normal CDF as data: the one table both sides of a predictive frame read.
+
+``PHI[j] = round(Phi(-8 + j / 256) * 2**30)`` for j in 0..4096, computed once with
+``math.erfc`` and frozen here, so no machine's libm can make encoder and decoder disagree.
+``PHI[0] == 0`` and ``PHI[4096] == 2**30`` exactly (the clamped tails).
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+
+import numpy as np
+
+from ..checksum import crc32c
+
+PHI_STEPS_PER_UNIT = 256
+PHI_Z_MAX = 8
+PHI_SCALE_BITS = 30
+PHI_CRC32C = 0xf026f246
+
+_PHI_B64 = (
+    "eNrt2HdMVF+38PF1ptF7771L78PMLCtg79gFFRVBUVBUbKBiA7GDKBbsBRsoCthFRARFUFBAxQKKiKIgKG3Ou/LGP355cp/c"
+    "3Jvc3NzEk3wygTnM2Wfvfb6TAPD3+Hv8Pf4ef4+/x9/jf+tg/g/i/A/h/jfx/gv4/wnBf0Lm35D9N+T+hfx/QOFfKP4LpX9Q"
+    "/geVf1D9B7V/UP9D4w/Nf9D6Q/sPnT90/9D7Q58Y/GH4hxEx/sOEmP5hRsyJxR+WxIpYE5s/bIkdsScOpA9xJE7EmbgQV+JG"
+    "3IkH8SRexIf4EiHxI2IiIUj6kf5kABlE/EkgGUyGkuFkBBlFxpCxZDyZQCaRKWQaCSYzyCwym8wl80gEiSSLSDSJIcvICrKK"
+    "xJF1JIFsIokkmewgu0kq2UcOkAxyjJwkZ8kFkkVySB65Qe6Q++QheUzKSSWpIW/IB/KJNJMfpIN0/4mKgCgQVaJNDIk5sSVO"
+    "xIMIST8SQEaQ8WQKmUXCSRSJJfFkM9lB0kgGOUOySD4pIKWkktSRz6SV9BAZerDViCGxJq5ETALJOBJC5pPlZAPZRQ6TcySf"
+    "FJEqUk/aCIceeDViSlxIXzKazCDRJIGkkFMkn5SSOtJGZCgABsSZDCSTyEKygRwgl8kj8p50EQ0KQh8yiISQFSSFZJHH5DMR"
+    "UBQsSX8yg8STDHKXvCc8ioM1GUzmk53kKqklDAXClowiy8kRUkI6iBnFYjhZQU6TF0RAsfAmYWQ/eUwYCoYniSBHSQ1Rp2gM"
+    "I5vIPcISMcVjFblBpKQvBSSBFBMVCkgQOUwaiQdFJJ48IUYUkUhyh2hQSMLILaJNMVlIHhEbiskG0kD8KShniQoFJYa8IYEU"
+    "lSvEnKKyi/AoKsvIVzKb4lJHplBcqskkikstCaHAfCKLKDA9JJEio0+BOU/6U2RqSAyFRp0ik0XGUWg6yRGKzTCKTRc5S7GZ"
+    "TrHRpNg8IUkUnKEUHGUKTiU5TNGZT9ERUXRUKTqNpIDCc5TCs4HCE0HhGU/hGUDh8fSmVlF8rCg+lhQfa4qPo4h6RAEKoABN"
+    "oQAt7kvPCEUomyJUTRHiUYQ8KELzAuhZpxC9pxDZUIiihtF8Uow0R9LcUoyejKbOUYwOj6NxBNG6UZB4FKRNk+nnqbSfKEpe"
+    "FKVnIQBLZ9LeD6UWUJi2UJgCKUzKFKba+QAXKU5JFKeFFKfJS2j/LKX3l9M9U6CCKFDha+i+4mleKFIvKFKKFKmhW6hNSfR8"
+    "UagkFKoju+jzUui8vbTf9tN+pVhZHwYoPEJjPU5reArg3RmAzHO0Ry7SOmXTfFO0BuTS2l+ndbhF179LraNwFRfRd14JXfsJ"
+    "wCWKlw7FK+klXfcVPW911HEKWP1HgENNAHO+0R5tpe8MiphuF/VCSs83h4GxFLJN8gw8UmbARIOBBB0GOg0YiDdlQM+KgQI7"
+    "BuIoaMPdGXD0YcBUzIB1fwaQohYxjIFzoylCExgIm8pAwwwGls5lwGgBA9XRDGQuZ2D3GgZ2JjBwIpGBcgqcxl4GIg8y8PYY"
+    "A+FnGVCkyBVdY+DALQYSCxnYRaG78oyB7zUMBLxnIJ9iF/iDgdbfDHWbAwdkiSoH8nU50GHKgVF2HCim6M0QckB3AAdahnLg"
+    "E4WPncYB37kc2LOIA2orOJC1ngNLkjkweS8HQo9wYFcmBz7mcCD4Dgd6H3HgXiUHzr/lwJ0vHOju4MB0CmGTEhcO63FhjRUX"
+    "Nrty4aaYC0ZDuHAmiAszZ3EhcBEXpq6mcxK5oJrGhawTXFh3mQsJd7mQW0bnvuFCTjMX1nZzIV6eB1f0eGBkx4MbPjzYFciD"
+    "wxN5UB/Gg5mxPNBL5IFCOg+8z9Hvb/JgQBkPLN/RaxsPMvh8EOvyQd+BDz4SPuwdzQff2XwwjuVDYDIfrh7hQ8RVPswp4cPp"
+    "t3xw7+CDjKIArMwFsN1HAANHCsB/jgBSVwvAM0UAFucFMLNQAG2vBVDVIQAlVRlIs5OB2AEykDVNBvoulwHb3TIw74IM8B/J"
+    "gLRBBsZyZEFgIgu6IllInCQL05fJwp4UWXC6IguOz2RhZ6ssTFOXg51ucuA8Vg58lsjB+RQ52H5NDuqq5eBwjxyUm8hDzAB5"
+    "2DpXHvS2yoNhljzsrZKHpB556DRXgA+DFWBolAK47lOAvXcVIK5JAZo0FKFarAgjwxRh2G5FqLilCO+bFCFORwnODlSCWdFK"
+    "cCFDCZLKlKCHwstxVoaMYGV4uUMZzt5TBt12ZbC0VYHyKSpgskMFVAtV4FSXCjS4qELJXFWYdlgV9r9QhY2qamAxRA2iEtRg"
+    "yW01cOxWg4Pe6vBwiTpczFaHsT/UIddFA+oWaUBxlgasaNOAn56a4B2rCYE3NcGGowUvArRg8jYtyK7UgvdG2tA8RxsqLmlD"
+    "arc2+AXoQMFuHXB9pwMbnXXhwRpdaH2iC0qmeqAfrQcGhXqgoacP3Eh9aCnQhxp9AyiMNoDLJQZw2soQTsQbwoVXhnDf1wia"
+    "9xqBzS8jiJ1gDB9yjSHcwARU4kyg6oMJ3BtsCpWXTEFdzwxWrzMD3a9m8GmiOTQXmoO9hwWcOGYBIZqWMH2jJRyhoDtFWoFM"
+    "vRU4T7GGzGfWsGq4DZx6aAPOg2xBp8AWZvW3A+0CO3AfZA+3HtpD/nAHcHjuAFpT+8DKhj4QssgRinscIS/RCTz0nUGU6Qwv"
+    "xC4gW+ECz+a6gh/rCoPS3OCnmzsMK3OH0Qs8QFbJE5Zc8IS00V6wssMLjA96w6ZBPpDfQtJ9IXmwEDw7hZB31g8MpotghoYY"
+    "tj0Sw6n1ErgkQbjYjXAyvy8cWNkP9kj6w27uADj0aADk7R4In6cPAvc+/pDe7Q82jwOgJiMQri8dDI9HDAFtu6Gwnz8MQuqH"
+    "QXjhcLhzegTM3jYSgpeOgssho2Hu8DGwRkRfFE7j4LvZeBinGwRuahNgu+JEiJKfBK/kJ0OV0hSYozEVthtMg0nW0+GhezB8"
+    "GBACF4NmgOv8mbAwYRYsOhwKvjdnw9PXc8CPCYN4m3lwfFQ4XFwVAScy50Py6wWwQH0hDB2yCJw2RIFBQTTo85aAc2AMzNy+"
+    "FPKrl4GfTSx8XbYCXpSsBKn5aghfvQZMa+PATrQWtmSsg8GyCRC5eAOw7zYCf9xmSCjeAgn9k0Dx9lawxG1Qfm87GAzZCfKV"
+    "u+DYrD3Q0p4CP5P2wnWrfTC4YD+cCj0AtXKH4Fv2YWgIPgKPVI/B8cLjELvmJIzxOw2ePWegz91MECeeh0UTLsJj2yyYKs0G"
+    "q5dXwOnqVViblgtWcflgEX4D1k66BYOH34H1g+6BZ//7MG/AA7Ad/BCWj30EM2eWQkvME7DZ9hQ0Misgv/Q5WLVVwXTjaogY"
+    "UQtB61+D7c06+Nz9Do5gPUze/BEMqxrhu+0XeBP/FX68bgHnvq1w/NRPCNL8BaM2dsL+3m6QrJDCwB5grq7nMgdVBQznmCzz"
+    "TajARLxUYtatVGX8LDWYoxVazK2Nusz+vgaMBIyZnEJTRnanBdNvpjUT5mvHbNbuw2R2OjHV710Z4woPZl2RN6NSIGSe3hcz"
+    "T0r7Muq1A5jTLf5MmvwQ5qvDcCZr7Cjm69qxzPmrQUzXj0nMa/dpzMxVIczukllMrNlcxmRNOLPj3QKmcmgU8/vGEobvuZzh"
+    "X1nJ8IRxjELROsZyykZmSscWJj8tmRnafyej17aHcc5MY/aGH2CmuGYwm9hjjHXlKaZfdibzIfUio7v+MtO09BoTGn2d2RFz"
+    "m1kRX8A47i5iss+XMNpPy5hZXc+Y431eMvVzXjFOZ94yyW31jIL/ZyYn4yuTwm1lrkZ2MBbvu5hP01hG+T2XcyxSlnOJq8Tp"
+    "d0SNMyNAm2PQoc9Zed6Ek7TAkjPBy47TJOPEGfnejbO70JtzO0vEqTvZjyM97s+xOzeUM+/GKE5J5XjO5N+TOaaWIRz7SbM5"
+    "6/eGc7zqFnJGuMRwXiSu4Lz+FscJn7qBk/gskRM4bgfn0psUzuPodE6m6hHO+NyTnKp55zi+VtmcpKZrnKq8mxyb3QWcTUuL"
+    "OdzQMs7JKZWcVdNqOdvnveM0x33iHMz4yrlQ0saxZ7o4Rv2AuytJwN3zVpHr1FeDu+CsHneKiSmXe9iaG23nyM265c59PF3I"
+    "fSrXj/vgdgA3P34EN3fYeO4ji6ncHv4s7sS2edymL4u4t1qWcd9I13DH623kOmEyN2bRHq7H+XTusvaj3MDBZ7nZp7O4dzXy"
+    "uHGJd7i/FR9yPdPLuP09X3Dta99wf2/9yM0Z8o0bqdnBdWzq5XaX8HkNeUq89staPI98I97FUivewi+OvDXaXrzG4RLe1Z3+"
+    "vJ/vRvDOSibwGk4F884bhfGUMxbx1JxjeXcereVZL07kDbfdzZM0pfN4ecd5Z/ac53mtvsq7Gn2b5xbzkHcloZw36EgN7/uj"
+    "D7xbzFde7qAO3udUljexXZavNkOdb1hjwF8fYsUf8dOJvznFh+87sD8/HIbxLR+N50cdCeZP2jiP37B8Md84djVfadMmfv7R"
+    "nXyn0nR+FPckPznwEn9Lej4/suc+f2BEGV+jsZpfH13Pv63Qws/M7uRnzeUJqu1VBPY9eoJztZaCucXOglmFQsGpskECYeMo"
+    "gaXKVMH8gXMF+pujBZ41qwUFwi2C0jN7BEE2GYLwy5kCxRHXBIN+3RPoX3wi2BVTI7gy5KNgo1OrQMVMKhhrLi8zxU1bxmG0"
+    "uUzxGicZ0XWhTKIgQOZayFiZ4uJgmQf95stcebhcJm36Bpml3F0y464dkvFekSljNSxXxsyxUMbVqEJmomGdzEH7ZhluYKfM"
+    "tiUC2YGXNGRtuk1lxeOdZDff8pNV8h4s+/RWkGzl+FBZ454o2YtZcbLJS5Nl84aky3o5nZGVN7sm62FRKJvv8Uz24Ph3su82"
+    "tMhuLOyV3ampKMddrC/35q2tnNV0b7mXTYPkujeOk9vuNksu5WuUnEpuvJx053a50JWH5PotOS+3d9UNubl7SuQuXa+Ri2n9"
+    "LJfj0ykXtU1W/kybjvz0MBv57c1e8qJ4f/k5FkHyClWz5fukxcg/nLdB/s2QFPlIvxPyS/1y5NuHFMp/mVcpH5TWIO9R1S6/"
+    "wUKg4B+vrRDTbK2gFuatoNsWoLApeaLCVO95CinfYxWc8xIVbHamK6xcfk7BduFNBfuYJwprEusUzC5+V1D5wCj6W2so3llu"
+    "qbiyxlMxemiAYkbJREXulHDFlM6ViqNPJSt6hB5W9HHJUpyoUKC4o/25Ys23j4ouv34rJisrKDV7GCkFhDsrpV3op1TNjFPi"
+    "hs5RUqtcrtQ9LknpxoeDSsPXXlI66VigdLexUmlvdqOSWVK3UlC0srJLmJnyyfkeytlxAcpDj0xWDitfoMxVXausNm2P8tbc"
+    "U8rh5teVj+5/otzH7L2yNKddWXWSnMoEeSOVkmIXlZl7B6qoL56oUjF1vkrquHiVoMl7VGQiT6sc2n5DRe32U5XxPfUqwQGd"
+    "KlYZSqrpAnPVqyu8VCN6hqieTwpWjbZdonqhYrPq+MSDqpNHZqtmmRWpjmReqdp8+67q0MhXG9Wir7aZ66JWZDlIDcZOVrPc"
+    "tlDNpipBrdt+v9rurRfV3nbdV6uKqVGb3duiFreTr67jZqBuVOeinpDmry6aPlXd2yVafY7yZvW83wfVzVouq+/4Uazeztap"
+    "99PvUJ/dV1FjZLS5xo+LPhp+nSM0DEbM1lh/YaVGiP4ujWM7T2uING9r6B6t1LDxa9aYVMfRTN+mp/k60EVTSTlAU+/NNM0f"
+    "uUs01x5K0szbdlRz45Y8zaptTzX3HvqkeTVXqmn2WkurUMFRa8fAgVoLN03RGvE8WsvQIVHrftIRLfeOXK0J4U+1DBo/aS1Y"
+    "yGp5g4522H4n7c9if+0zTdO0d2XEaO8MTtbeYXNCe9XvG9r9Kp5rF19p1oYMns7T3YY6Njs8dL7uGaajfDRUZ+m1VTrKlXt0"
+    "7nad01lhW6hjMf21zun0dp0fb5V0Pzta665YJ9Hd/iZIV63/Qt2mc5t0uSYZugFpuboZuuW6HYc/67o5cfT6FujryQS76y1i"
+    "hunNORuqVz5ptd5+lVS9syUX9D4nF+n1D3qrl27Zqffmt5r+zwp7/cLsAfq+aVP1fdfH6J9bvE1/1bxT+jtD7+hXhFbr24S3"
+    "6scuUTC4uN7SIHuv2GDepSCDG48XGuxu2WxQqXXUILzvdQPhwucGDke/GlhXCwzVNU0Nq8b4Gk5OGWOYUBthKLbaYBgRfciw"
+    "4941w/va5YY3FzQZFhVxjR5ZGhmdT/AymvBppNGFYfOM9l1ZZwQmB4yKk3KMarueGBnObzRaUscYF48zMGZKPYx5g0YY592e"
+    "a8wTrTUuy9tvLPW5Yrw877Gxld8n46abYHKxn77JpAfuJmVDh5v8Lp9jkj8x3qSnbp/JsbmXTdJaSk1uL/v4//9l22+znmmY"
+    "qrvptLRhpjzTOab+p+JMZZ32mbpeyTY95VtqOvpWg6l2f9a09r6u2WZ/NzNO0VAzV//ZZj0Fa8wC+qaZ9eRnmbHuJWbemfVm"
+    "W02lZvW7dcyt+K7m3kuGmMO7WeZzh642H3M51fyM7iXzsSuLzb1q35v7+vSYD9ilZSH67GQhLw60SEmeYVFQs8JileUei5Ph"
+    "5y3szz+w+PalzqLGutOicpq65YMdDpaptwdaOjRNs1ygusxyoNsOy70jz1iOCLtnOXpVreWmpJ+W1SlKVk7p1lYL09EqIXWi"
+    "1bitUVZFqxKtiuYes/IbfsNK0bHSylzmm9XsWoH1rTMm1jrRPtZBHqOt53yfZ+18cp31/vHp1jukl607M0qt74garJ+U91rL"
+    "h2jbhHxyssmbG2DT+zbYRnvscpuWmztsoszO2GxcfddGp6LaRsWk1WZiqLzt6yPmthtfCG2RP9a21T7CNjFwvW3rtHRbjYjL"
+    "ttULS2xd5n+whZBuW++hGna3HR3sEmQG2C16OdluYUa0XWRwot0EraN2Ovfy7NJml9sVs412u3eAfYOOrv2ZFGf7x3IB9qIl"
+    "0+3rn8fYZzsk2+9cftx+0fXr9n60WevMm+yHBDAO82boOthHOTusWOrvEBA1zSFuxhIHlYAkh09mRx3afuQ6WFwrc5gd9dHh"
+    "lGmvQ/V9jT6N0+z73P/St8+0yAl9MhoW9Fk9OqFPQ9b+PoWCrD4qo4r6ZCW/7pN+u63P7QY5RwUwdVyk7OVYpzrMMUBmpuP+"
+    "H8sci8uSHe8fOea4am6e4wfTMsfPj+sd10Z2OaZzVJ3sE62cTPl+TgsWj3LiV852qrZb6fQqaocTnD/h5Fub77S8p8zpkmqD"
+    "U6VOl1O1mopzltTCeeQbH+eTl4Y7Z8bMdB7juMx524sk57FLMpxTuDnOQzYUO8/ufO1cG9zqfCRX4JLJNXBp6evsMnPRAJfO"
+    "nRNczp6IcAnPjHNxOrbb5dvWUy6Hwq67eHqVuZxpf+/y/WSHC2eIvOvzN0au02e7uqa+Hui6JGCia8vRCNfeljWuaU67XHOm"
+    "n3AdEZ/rOnl3ievTvW9czyb/cK1bwnObN1zHDXXs3SZXiNwurxnpNtBwphs/c4lbi/0mt970fW420ky3sNG33PJSnrpplrx3"
+    "W/zjp9tTWRl3azU990XyDu6nf4rcH5aNcC9ND3G/ODHaPUKQ4N57PMU9xOOU+7Yrue4brB65991U655f3ez+w1DqXjdKxWNd"
+    "jKlHVaKrx8sd/T02bBrrUR0Z6lHuH+MRobLR4/jDVI/Y6FMejYq5Hi17H3okaVR75Md99lj5qtOj1E7e8+xcfU+tVHtPhRyh"
+    "Z+L9IZ677k/2NM8J9/RJXeH5fG6iZ7vdfs/9r8543o/L84zSKPY8uvel5wTFRs/tUb88hxYJvJKUtL1GDbTy2hfh4TVv/QCv"
+    "20ljvA4kzPDiRC7y+hEQ5xWhvs0r6vEBL35sppetVr5X7ZGHXuYmL7x6tzZ4LfzS5rVCyPE2WaHqPeussbd/SR/v0ldC7443"
+    "gd6PyoO8A3JCvRdvifYePSLe+z13m7fD2XRvl35nvNseXvVe3u++d8HZcu9qXp33jZHN3tFJnd691wQ+syo1fE5/MPUpe+/o"
+    "U1ch9Km9HOBTvGGcz7nAGT6JPQt8wo6s8BnmvclHeGu3j7dXhs/gw+d8lnbm+twfWOjjvbbcp/LCa58Tjz/7nH/d7vPjDeO7"
+    "olzJd1iOnm9kopXvx1Guvtdlxb4/swJ9U4eN8z37MtjXIyjCV1y41LfEap3vx2XJvnuup/m++n7M94HORd9JLvm+B4WFvvu8"
+    "nvqOs6z1reJ+9LWp/O47Mq3bd/xwgbDfT1WhYbKB8KuOtfDGHhfhLq6fcFnoIOHiayOF23smCSvcQ4X+0yKFbcuXC99vXCc0"
+    "2LRVeCo2Vbh9eobwledZYSp7WVh0/aZweXiRMFuhXLj6cI2w3qpe2HLoq/C0/C+hzjzwC8yX8+svVfdT9TT0uz7dym/YSie/"
+    "J4nefkOS+/o9WjfYb0LEGL8e/yl+97RC/S6/mO9XszXGr6/nGr+Wpxv9WoO3+419v9fPYGKGX9Dd036Kxll+QyLz/HSz7/qt"
+    "+1zst1Ozwm+0e41f6aD3fgrDmvwM/Fv9+B5dfs+0OKJdX+REQ3PURLKL9URVlmaiW49sRSWhLiLZNm/R2hgUYbO/aMSEEaLc"
+    "q+NFW+SniUrHhIqStkeIKu5EizI/xorMmbWi/qqbRdqa20WnFVNFvK4DIq9Xx0SBl8+K/OOyRMK+uSKXjlsi9yOFopH9SkXb"
+    "qipEvSHVohNv60S7x38UVdxuFs03aRNFLukUfbjFiqqkfPEYD0XxrGB1sWa8rjgq1ViccNRSPPm4vbg33UUcu8VLXD1fJLb3"
+    "7y+O0QoUF9UMF9unjhVnBkwSj2+ZLnZPDhWPMgsX52YuFC/tEyNOPbZCbKEWL7aL2SDOLksUPzLdIV4dliKuOrlf/Lb2sPik"
+    "zAmxp/1Z8d4BF8Uvxl4Rc6bkic0m3RL3G1EgXiB8KM4yeizW/l0uPlNcJY7ZVSveMOatuEGuQXw497P49vRv4lE9reJpO3+J"
+    "W416xHpHQfLaiC8ZslNOEtGjJBkarC5pz9OWLFY0kFQEmUgM91lIpj6zkRzk95E0ObtIRozxkDyb7yPZGCeSLErsKzmQPFCi"
+    "vSVQ0rhqmMRo3ijJ7eHjJDX2EyWxMFVy4kmwZF7KLEn5uLmST4oRkpybkRL/udGSE3JLJa+Ox0rafVZLegrjJd1DEyTdjzZJ"
+    "ZAckSRyubJMsMt4lebc2RbLpTZpkgccByaH1hyUWpUclAuWTkrGDz0g01pyTjDx3UaLxPFsS1p4jmaiaJ/lmeUPi5n5b4uJ3"
+    "T/JDVChZ4/NQ8t6xRGJj9EQyXlAuWf75mSTtQZXk9sFqye/IV5KhwjrJPfadZM7tekn/2E+S6Y5NksLaZsmahBZJik2rRL3w"
+    "p0Q69ZdkVkunZMiqHskNLiu5t4HBORweXooV4Nkvsjh1ogKW31ZCFXNVNI9TR9UXmlhvp4Mnl+lh8B0D1OEZ48v+pnh2lTmm"
+    "ZFni0XfWWKtoh/7uDvh1nCNWRzmjWqIrHjrojpvPeeLLq96494Yvltz0w9X5YryWjRh3sh++ThmAtfGDMG5uAFYMHoy1NkPx"
+    "ODMc3V+MwB2nR2FBzBh8LhmHJdwgvHB/Am5aOwmnCqegV8tUNMiYjurDQ9CqYwZOSp+F10SzcVDNHFRcEoZq8uE47UAEdtgv"
+    "wIacSHQWL8JXd6LwZ9/FuOrmElzltRS7M5chYxyLu7auwGu/VuKy4NX4omANvrWMx9R1a5Hzeh3aeSSgxuYNWPhyI/pbb8ZD"
+    "i7Zg+bVE/NidhA2iZKxYsQ1zcrbj7q87cLH5LpwybjeOXr8Hp15MwfiXqVgo3Ysu5vuwqP9+3BGSjjtXHsCy3Qdx9JlDaHTj"
+    "MPqUZuCp6iMYVX8U9zcfQ/vW42jZfgK3t5/EqLZT+OTbaTz36QyqvjmLUJGJ6wrO4b7s8zj88AU8suUipkddwr4TsjBVmI0Z"
+    "BpdxTtdlbKq6gu5ZOThoy1W0Dr6G1W65OJuXh4+f5aHOkXwMmH8dZ3rewAU9N3D+3ZsYmnALJw+6jaN5d3DU3Ts4adVdjPa8"
+    "h4eb72HDkQIMGH8fSwSFuPhqIfqHPkB/1SKMzS/C9zMf4ga5Ygy7UIxbRz/C362P8OKuErziUoqKj0vx+tzHWAhP0DHtCf52"
+    "LEO7e2V4f9xTLG14igEx5ejNrcCM7RW4Qf8Zfjn2DCsdnqN/9nPs712Jj/MrsUlUhQdvVuFn0Qssz3+Bk7xfYkL2SxzfpxrL"
+    "j1djp0ENVuyswWBBLR6NrcWML7U4ZeorrCp5hZrC16h36jU2qr/B9avf4LePb9BhZB1KrtahveFb/BH/FlPr36JRwDvcdPod"
+    "Vsu+R82w9yh68B7HWHzAKXEfcGLNBxzuUY9+yfVo3VCPaqIG7N3ZgF8/NmCD8CN+TP6IbXUfUdn1EwrXfsIVTz9hmXEjiuc3"
+    "YmFuI4bzPqPTyM+oue8zGr//jCPsm/BkVBPa5TZhdW8T5vb/gsUbv6Dioy+4UbEZvUc0o9n2Zgwsa8bzyl9x9PCv6JP0FWc9"
+    "/IrPeN9wa99vuH3lN3yd8w1XtHzDObYteCykBT3TWtCgrAUn8b/jd+F3fLfwOzof/46vXnzHRvkfGCT+gbYLf2BIxg+UPv2B"
+    "PKYVY1xacUxwKx5MbsWg6624trEVjbXa0KlfG16Z34ZZe9vQ5l4baje34VqtnzhP8hPL5vzEnG0/0ejqT5R5/RNjuO04z64d"
+    "60e046fF7bgkrR2TbrSj89t2nMHtQDPrDowK7MCx4R34MKkDy8914MLHHXjsK70q/cJnfX5hxdBfOD/8Fx7d/AuXnvyFjQW/"
+    "sOvtLzzf+ws5+r+x2/M37h39G1/O/413Nv3GkUd/46YbvzGs6je2tfxGe7lOVDLvxEPCTnw9phNLwjsxfF0n5u/rxBuXOjGq"
+    "qBNrX3diZ1snPpbrwokmXbjfowtTBnfhkOldmBvdhe83dmHR/i6cd6ELH97two/Pu7DgUxeGdHXhTcVufGXcjTddunFG/24s"
+    "HtuN7aHd+CmmGw9t7EbDvfT7U90Yea0bBxZ144eqbhz2sRvj27sxjteDQzV68INZDwa69OAqSQ+uGdaDIyf34Pe5PTgjpgeP"
+    "r+vB3O09eOhAD044Q+fm9OCAez24/EkPrquhcz72oHZrDx7t7UG+XC/21ezFsSa9KLHvRa5nLx7BXtQf0ouR43rxwPRePBnW"
+    "i1uje3Hkql5s2dCL87f3YlFaLzJHe1EvsxfVrvRi441ePFzYi95PevFSVS/K1/Wi/6deDG0hv3oxgO1FZRkp5ipL0V9binlG"
+    "UlS1kuKwPlKMdJfiUqEUQ/tJ0TdQij9HSDF1vBRNp0px10wpfg2TovNCKU6JkeLClVJcsFaK4zdJ0SZZih92STExTYoGh6SY"
+    "dkyKcEaK4y5IMeWyFO/mSrHmphTf3pPisyIpXi6V4tpyKYqrpPipRorxdVKUqZfiqkYpvmuWotcPKca2S/F8pxSf9kqxnmGx"
+    "kc/iazkWC5RY3K/G4kwtFg31WCwyZDHUlMWfFizG2LD42Z7FUU4snnVl8ZcHi94+LIb7sbhTwuK5fizmD2TxZgCLV4awmDGc"
+    "xfhRLI4fy6JJEItvJrK4awqLftNZrAlhceEsFrtms7gyjMXWcBaDF7B4byFdN5rFBUtYzFlK113Oot1KFoNW03lxLKaupWuv"
+    "p/c2sJi7icXLW1g8mUTXT6bxbWdx9E4WrXbT5+2h91NZXJbGovN+Ft+ms5h4kEXHwyw+ymAx5CiL34+xGHuCxZ6T9Hqafj7D"
+    "4oxMFh+fY9HtAo31IovNl1jsm83i9sssVl9h0fgqi9Ousbg3l8XSPPrbfBZtbrA44iaLi26xmHybxRN3WMy7y+LDeyw+K6B7"
+    "vc/iq0IWax+wWFnEYslDmqNiFjMfsZhSQvdVyuL0xyyKn7CoW0bjIPefsrinnMZTwaLDM7ofkvOc7rGSxlZF4yJHX9C8vGRR"
+    "UE3zTYJrWJSppXUgI1+x+I0kvWbR+g2Lt8jYOhY/kqVvWeS9Y3EH0XtP60SsPrB4itjU0/iJWQOL6UTjI4tbSA+J/ERrSIY1"
+    "0twS88/0+eQHCWqitScGX+h+SDXxaqZ1IU2k/1cW08hX0vcbzS35QNxaaI+QUqL7ne6XnCU/iPcPFleRO4TTyuJAkkAKCNPG"
+    "ooTEkivkG7H+SfNIUkgJYYl7O4tzSBopJl3EroPFiWQjuUzqiPwvFj1JMNlMLpGXhCVWv1kcQhaSPeQaqSE9xLiTRSQhJJ4c"
+    "JrfIK9JFdLpoDGQkiSAbSQa5Tp6Tr0TQTZ9DvMhwEkpWkp3kFLlBykkD6SRKPbQ+xIP4k0kkgqwi28hhcpHcIU/JW9JCpESp"
+    "l54vYk98iT8ZR2aQSLKSbCZ7SAY5R3JJASkjNaSetJBOwpOyqEx0iBlxIB5ETPzJSDKBhJAwsogsJ/FkE9lOUslBcoJkkmyS"
+    "R26TB6SUVJCX5A2pJ03kO2knXQRYFvlEnqgQTaJHjIg5sSYOxJm4Ex8iIn3JQBJAhpKRZAwJIpPJNBJCQslcEk4WkEVkMVlK"
+    "YskqsoasJQlkI9lCksg2soPsIilkL9lH0slBcpgcIcfICXKKnCGZ5Dy5QC6RbHKZ5JBrJJfkk+vkJrlFbpO75B4pIIXkASki"
+    "D8kjUkJKyWPyhJSRp6ScVJBn5DmpJFXkBXlJqv+oIbXkFXn9xxtSR97+8Y68/+MDqf+j4Y+P5NMfjX98/qPpjy9/NP/D1z++"
+    "/dHyD9//4cc/tP5D2z/8/Bft/6LjP/DrX/z+Nzr/ja7/RPd/oue/oPe/Sfo/hP0/CAD6/vXXX3/99ddf/zv+HyZLQvk="
+)
+
+
+def _load() -> np.ndarray:
+    raw = zlib.decompress(base64.b64decode("".join(_PHI_B64)))
+    if crc32c(raw) != PHI_CRC32C:  # a damaged install must not write frames nobody can read
+        raise RuntimeError("predictive codec's normal-CDF table is damaged")
+    return np.frombuffer(raw, dtype="<u4").astype(np.int64)
+
+
+PHI = _load()
