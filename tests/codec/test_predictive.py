@@ -217,3 +217,17 @@ def test_phi_table_is_the_normal_cdf():
         z = -8 + j / 256
         assert abs(int(PHI[j]) - 0.5 * math.erfc(-z / math.sqrt(2)) * 2 ** 30) <= 1.0
     assert PHI[0] == 0 and PHI[-1] == 1 << 30 and (np.diff(PHI) >= 0).all()
+
+
+def test_per_layer_region_names_its_layer(setup):
+    book, layout, region, reference = setup
+    axes = ("kv", "head", "token", "channel")
+    x, ref = region[:, 1].contiguous(), reference[:, 1].contiguous()  # layer 1 of the table, alone
+    per_layer = BlockLayout(tuple(x.shape[1:]), axes)
+    with pytest.raises(codec.CodebookMismatch, match="layer"):
+        bind(book, per_layer, ref)
+    bound = bind(book, per_layer, ref, layer=1)
+    assert np.array_equal(bound.sigma[0, 0, 0], book.sigma[1, 0, 0].astype(np.float64))
+    assert bits_equal(decode(encode(x, bound), bound), x)
+    with pytest.raises(codec.CodebookMismatch, match="outside"):
+        bind(book, per_layer, ref, layer=3)
