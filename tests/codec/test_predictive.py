@@ -231,3 +231,19 @@ def test_per_layer_region_names_its_layer(setup):
     assert bits_equal(decode(encode(x, bound), bound), x)
     with pytest.raises(codec.CodebookMismatch, match="outside"):
         bind(book, per_layer, ref, layer=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2], ids=["fp16", "e5m2"])
+def test_other_dtypes_round_trip(dtype):
+    g = torch.Generator().manual_seed(7)
+    shape = (2, 2, 2, 16, 8)  # [layer, kv, head, token, channel]
+    ref = torch.randn(shape, generator=g).to(torch.bfloat16)
+    target = (ref.float() + 0.05 * torch.randn(shape, generator=g)).to(dtype)
+    book = calibrate_predictive(target, ref, AXES)
+    x, r = target.unsqueeze(0), ref.unsqueeze(0)
+    bound = bind(book, BlockLayout(shape, AXES), r)
+    frame = encode(x, bound)
+    assert codec.codec_of(frame).name == "predictive"
+    assert bits_equal(decode(frame, bound), x)
+    with pytest.raises(codec.OutputMismatch):
+        decode(frame, bound, out=torch.empty(3, dtype=dtype))
