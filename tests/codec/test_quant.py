@@ -13,6 +13,7 @@ import torch
 
 from kvferry import codec
 from kvferry.codec.checksum import crc32c
+from kvferry.codec import quant
 from kvferry.codec.quant import HEADER_SIZE, K4V2, K8V4, QuantLayout, quant_layout, read_header
 from kvferry.codec.quant.format import Stream
 from tests.conftest import bits_equal, from_bytes
@@ -245,8 +246,9 @@ def test_golden_frames(name, dtype):
     c = CODECS[name]
     x = golden_input(dtype)
     golden = (GOLDEN / f"k8v4_frame.{name}.{dtype}.bin").read_bytes()
-    frame = c.encode(x, QuantLayout(0, 3))
+    frame = quant.encode(x, QuantLayout(0, 3), c.frame_id)  # the module's frame: with the stream CRC
     assert frame.numpy().tobytes() == golden
+    assert read_header(c.encode(x, QuantLayout(0, 3))).stream_crc is None  # the registry entry's: without
     y = c.decode(torch.frombuffer(bytearray(golden), dtype=torch.uint8))
     assert bits_equal(y, oracle(x, QuantLayout(0, 3), (c.k_bits, c.v_bits))[0])
     assert golden[:7] == b"KVFZ\x01\x00" + bytes([c.frame_id])

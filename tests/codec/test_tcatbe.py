@@ -318,6 +318,8 @@ def test_blocks_round_trip_and_mismatches():
     ids = torch.tensor([6, 1, 3])
     frame = c.encode_blocks(cache, ids)
     assert torch.equal(frame, c.encode(cache[ids]))
+    assert tcatbe.read_header(frame).stream_crc is None  # the engine's frames: the transport checks payloads
+    frame = tcatbe.encode_blocks(cache, ids)  # the module's: with the stream CRC, so a flipped bit is caught
     target = torch.zeros_like(cache)
     c.decode_blocks(frame, target, torch.tensor([0, 4, 7]))
     assert bits_equal(target[[0, 4, 7]], cache[ids]) and not target[[1, 2, 3, 5, 6]].view(torch.int16).any()
