@@ -21,23 +21,25 @@ from .layout import AXIS_NAMES, BlockLayout
 from .registry import Codec, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
 from .splitzip_codec import SplitZipCodec
 from .entropy import EntropyCodec
-from .predictive import PredictiveCodec
-from .lowrank import LowRankCodec
-from .quant import K4V2, K8V4
 from .tcatbe import TcaTbeCodec
+from .predictive import PredictiveCodec
+from .quant import K4V2, K8V4, QuantCodec
+from .lowrank import LowRankCodec
 
-# The registry: one line per codec.
+# The registry: one line per codec. Lossless first (``auto`` breaks ties by this order), then
+# the lossy ones, which only a transfer that names them gets.
 register(RawCodec())
 register(SplitZipCodec())
 register(EntropyCodec())
+register(TcaTbeCodec())
 register(PredictiveCodec())
-register(LowRankCodec())
 register(K8V4)
 register(K4V2)
-register(TcaTbeCodec())
+register(LowRankCodec())
 
 __all__ = [
     "Codec", "PositionFree", "BlockLayout", "AXIS_NAMES", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
+    "EntropyCodec", "TcaTbeCodec", "PredictiveCodec", "QuantCodec", "K8V4", "K4V2", "LowRankCodec",
     "Codebook", "calibrate", "encode", "decode", "encode_blocks", "decode_blocks", "encode_into",
     "encode_blocks_into", "encode_stored", "frame_capacity", "read_header", "Header", "FrameCodec",
     "CodecError", "CorruptFrame", "UnsupportedTensor", "CodebookMismatch", "OutputMismatch",
