@@ -353,6 +353,7 @@ def bench_seed_codecs(size: int, repeats: int) -> list[dict]:
         err = "" if c.lossless else f"; max |err| {float((out.float() - x.float()).abs().max()):.3g}"
         rows.append(row(label, raw, frame.numel(), t_enc, t_dec,
                         f"GPU == CPU on {len(sample)} blocks; {'bit-exact' if exact else 'lossy'}{err}"))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

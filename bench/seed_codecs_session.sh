@@ -13,7 +13,7 @@ for part in $parts; do
   case $part in
     tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/codec/test_quant_gpu.py \
              tests/codec/test_tcatbe_gpu.py tests/codec/test_lowrank_gpu.py 2>&1 | tee "$OUT/seed_gpu_tests.log" | tail -25 ;;
-    rows) timeout 200 python3 bench/codec_gpu.py --seed-codecs 1G --repeats 10 --json "$OUT/seed_codecs.json" 2>&1 \
+    rows) timeout 200 python3 bench/codec_gpu.py --seed-codecs 1G --repeats 5 --json "$OUT/seed_codecs.json" 2>&1 \
              | tee "$OUT/seed_codecs.log" | tail -14 ;;
     quant) timeout 150 python3 bench/quant_gpu_check.py --gib 1 --json "$OUT/quant_gpu.json" 2>&1 | tee "$OUT/quant.log" | tail -30 ;;
     tcatbe) timeout 150 python3 bench/tcatbe_gpu_check.py --gib 1 --repeats 20 --skip-reference --json "$OUT/tcatbe_gpu.json" 2>&1 \
