@@ -153,3 +153,47 @@ def test_lowrank_with_a_codebook_both_sides_hold(daemons, kv):
     a.client.region_from_tensor(other, narrow, axes=AXES)
     with pytest.raises(errors.BadRequest, match="lowrank"):
         a.client.submit(other, [0], b.data, dst, [0], codec="lowrank", codebook=book)
+
+
+def test_predictive_codes_against_reference_regions_on_each_side(daemons):
+    """Lossless against a predictor's KV: each side names its region holding it; bit-exact."""
+    import numpy as np
+
+    from kvferry.codec.predictive import calibrate_predictive
+    from tests.conftest import DATA
+
+    z = np.load(DATA / "predictive_pair.npz")
+    target, predictor = (torch.from_numpy(z[k].view(np.int16)).view(torch.bfloat16) for k in ("target", "predictor"))
+    axes = ("layer", "kv", "head", "token", "channel")
+    book = calibrate_predictive(target[..., :32, :], predictor[..., :32, :], axes)
+
+    def paged(x: torch.Tensor) -> torch.Tensor:  # [layer, 2, head, 32 tokens, ch] -> 4 blocks of 8 tokens
+        return x.reshape(3, 2, 3, 4, 8, 64).permute(3, 0, 1, 2, 4, 5).contiguous()
+
+    region, reference = paged(target[..., 32:, :]), paged(predictor[..., 32:, :])
+    a, b = daemons
+    src, src_ref, dst, dst_ref, name = _name(), _name(), _name(), _name(), _name()
+    a.client.region_from_tensor(src, region, axes=axes)
+    a.client.region_from_tensor(src_ref, reference, axes=axes)
+    b.client.create_region(dst, 6, list(region.shape[1:]), "bfloat16", axes=list(axes))
+    rx_ref = torch.zeros(6, *reference.shape[1:], dtype=reference.dtype)
+    rx_ref[[5, 1, 2]] = reference[[3, 0, 2]]  # the receiver's predictor ran on the same prompt
+    b.client.region_from_tensor(dst_ref, rx_ref, axes=axes)
+    for daemon in (a, b):
+        httpx.put(f"{daemon.url}/v1/codebooks/{name}", params={"codec": "predictive"}, content=book.to_json(),
+                  headers={"Authorization": f"Bearer {TOKEN}"}).raise_for_status()
+
+    with pytest.raises(errors.BadRequest, match="reference"):  # the codec refuses to code without one
+        a.client.submit(src, [3, 0, 2], b.data, dst, [5, 1, 2], codec="predictive", codebook=name)
+    tid = a.client.submit(src, [3, 0, 2], b.data, dst, [5, 1, 2], codec="predictive", codebook=name,
+                          references=(src_ref, dst_ref))
+    result = a.client.wait(tid, timeout=60)
+    assert result["state"] == "done" and result["lossy"] is False and result["ratio"] > 1.5
+    assert bits_equal(_received(b.client, dst, [5, 1, 2], region), region[[3, 0, 2]])
+    assert b.client.region(dst_ref)["busy_transfers"] == []  # released once done
+
+    # A receiver whose reference region is missing refuses the announce: the transfer fails.
+    failed = a.client.submit(src, [0], b.data, dst, [0], codec="predictive", codebook=name,
+                             references=(src_ref, "nowhere"))
+    with pytest.raises(errors.TransferFailed, match="nowhere"):
+        a.client.wait(failed, timeout=60)
