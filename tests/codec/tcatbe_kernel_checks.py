@@ -85,9 +85,15 @@ def check_kernels(device: str) -> None:
         coded = cpu[6].item() == FRAME_ID
         assert coded == (name not in STORED), name
         if coded:
-            out = torch.full(x.shape, 5.0, dtype=torch.bfloat16, device=device)
-            gpu.decode_into(cpu.to(device), read_header(cpu), out)
-            assert same_bits(out, x), f"{name}: kernel decode differs"
+            default = gpu.DECODE_BYTES
+            for by_bytes in (True, False):  # both decode kernels
+                gpu.DECODE_BYTES = by_bytes
+                try:
+                    out = torch.full(x.shape, 5.0, dtype=torch.bfloat16, device=device)
+                    gpu.decode_into(cpu.to(device), read_header(cpu), out)
+                finally:
+                    gpu.DECODE_BYTES = default
+                assert same_bits(out, x), f"{name}: kernel decode differs (bytes kernel: {by_bytes})"
         else:
             assert cpu[6].item() == int(FrameCodec.STORED)
     frame = encode_reference(inputs()["patterns_in_kv"], checksum=False)
