@@ -234,7 +234,11 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
 class EntropyCodec(PositionFree):
     """Channel-aware static rANS: sign+exponent (BF16/FP16) or the whole byte (FP8) coded with
     a table chosen per position in the block, the mantissa raw; a stored frame when that does
-    not pay. Frames carry their tables, so decode needs no codebook."""
+    not pay. Frames carry their tables, so decode needs no codebook.
+
+    The registry entry (the engine's calls) writes frames without the stream CRC: the transport
+    checks every payload already, and a host CRC of a GPU frame costs a device-to-host copy of
+    it. The module-level ``encode`` still adds one by default."""
 
     name = "entropy"
     frame_id = FRAME_ID
@@ -261,14 +265,14 @@ class EntropyCodec(PositionFree):
         return EntropyCodebook.from_json(text)
 
     def encode(self, x: torch.Tensor, codebook: EntropyCodebook | None = None) -> torch.Tensor:
-        return encode(x, codebook)
+        return encode(x, codebook, checksum=False)
 
     def decode(self, frame: torch.Tensor, codebook: Any = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         return decode(frame, out=out)
 
     def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: EntropyCodebook | None = None) -> torch.Tensor:
-        return encode_blocks(cache, block_ids, codebook)
+        return encode_blocks(cache, block_ids, codebook, checksum=False)
 
     def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: Any = None) -> None:
