@@ -296,7 +296,7 @@ def bench_nvcomp(x: torch.Tensor, repeats: int) -> list[dict]:
 
 SEED_AXES = ("layer", "kv", "token", "head", "channel")
 SEED_CODECS = [  # (label, codec, calibration options or None: calibrated only where the codec needs it)
-    ("splitzip", "splitzip", None), ("entropy", "entropy", {"token_axis": 3}), ("tca-tbe", "tca-tbe", None),
+    ("splitzip", "splitzip", None), ("entropy", "entropy", {"token_axis": 2}), ("tca-tbe", "tca-tbe", None),
     ("k8v4 (lossy)", "k8v4", None), ("k4v2 (lossy)", "k4v2", None),
     ("lowrank e=0.99 (lossy)", "lowrank", {"energy": 0.99}),
     ("lowrank e=0.99 +k8v4 (lossy)", "lowrank", {"energy": 0.99, "quantize": "k8v4"}),
@@ -334,7 +334,9 @@ def bench_seed_codecs(size: int, repeats: int) -> list[dict]:
             rows.append(row(label, raw, None, None, None, "not registered"))
             continue
         c = codec.get(name)
-        book = c.calibrate(calib, axes=("block", *SEED_AXES), **options) if options is not None else None
+        # entropy's contexts are the positions of one block off its token axis: it takes blocks one by one
+        samples = list(calib) if name == "entropy" else calib
+        book = c.calibrate(samples, axes=("block", *SEED_AXES), **options) if options is not None else None
         bound = c.bind(book, layout)
         frame = c.encode_blocks(x, ids, bound)
         out = torch.zeros_like(x)
