@@ -1,6 +1,17 @@
 """k8v4 / k4v2 on a GPU, one device call: bit-exactness against the CPU reference, then timings.
 
     python bench/quant_gpu_check.py [--gib 1.0] [--check-mib 16] [--repeats 20] [--json results.json]
+    python bench/quant_gpu_check.py --blocks [--gib 1.0] [--repeats 20] [--json results.json]
+
+``--blocks``: the engine's path, ``encode_blocks``/``decode_blocks`` of the registry entries
+(no stream CRC) on every block of a cache in two layouts: all layers of 16 tokens per block
+(``[block, layer=30, kv, token=16, head=3, channel=64]``, the real sample as ``bench/codec_gpu.py
+--seed-codecs`` lays it out) and a vLLM-like per-layer region (``[block, kv, token=16, head=8,
+channel=128]``, random bf16). GPU frames and reconstructions equal the CPU reference's on the
+first and last 4 blocks, byte for byte; ``kernel`` rows time the kernels alone for several
+(elements per program, warps); where ``kvferry/codec/quant/_before_codec.py`` exists (an
+untracked copy of the previous implementation), its calls are timed beside, and its whole frames
+and reconstructions must equal the new ones.
 
 Data: the real SmolLM2 KV sample (K and V of all 30 layers, [layers, kv, heads, tokens, 64]
 bf16) tiled along the layer axis to about ``--gib`` GiB. Bit-exactness: the GPU frame's streams
@@ -88,11 +99,144 @@ def check_exact(x: torch.Tensor, frame: torch.Tensor, y: torch.Tensor, c, slab: 
     return seconds / (2 * slab)
 
 
+BLOCK_CONFIGS = [(2048, 4), (4096, 4), (8192, 8), (16384, 8)]
+
+
+def block_layouts(gib: float) -> list[tuple[str, torch.Tensor, QuantLayout]]:
+    """(name, cache on the GPU, bound layout) of the two block layouts, about ``gib`` GiB each."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from codec_gpu import seed_blocks
+
+    data = seed_blocks(1)  # [block, layer, kv, token, head, channel]
+    count = max(1, round(gib * 2**30 / (data[0].numel() * 2)))
+    seed = data.repeat((count + data.shape[0] - 1) // data.shape[0], 1, 1, 1, 1, 1)[:count].cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    per_layer = (2, 16, 8, 128)
+    n = max(1, round(gib * 2**30 / (2 * 16 * 8 * 128 * 2)))
+    vllm = (torch.randn((n, *per_layer), generator=g, device="cuda") * 2).to(torch.bfloat16)
+    return [("all-layer [b,30,2,16,3,64]", seed, QuantLayout(1, 4)),
+            ("per-layer [b,2,16,8,128]", vllm, QuantLayout(0, 3))]
+
+
+def blocks_main(args, results: dict, row) -> None:
+    try:
+        from kvferry.codec.quant import _before_codec as before
+    except ImportError:
+        before = None
+    for lname, x, bound in block_layouts(args.gib):
+        try:
+            one_layout(args, row, before, lname, x, bound)
+        except Exception:  # report, and go on with the next layout
+            import traceback
+            traceback.print_exc()
+        del x
+        torch.cuda.empty_cache()
+    whole_tensor(args, row, before)
+
+
+def one_layout(args, row, before, lname: str, x: torch.Tensor, bound: QuantLayout) -> None:
+    from kvferry import codec
+
+    nbytes = x.numel() * 2
+    ids = torch.arange(x.shape[0], device="cuda")
+    print(f"\n{lname}: {x.shape[0]} blocks, {nbytes / 2**30:.2f} GiB")
+    out = torch.empty_like(x)
+    row(f"{lname} copy roofline", cuda_time(lambda: out.copy_(x), args.repeats), nbytes)
+    for name in ("k8v4", "k4v2"):
+        c = codec.get(name)
+        frame = c.encode_blocks(x, ids, bound)
+        header = qcodec.read_header(frame)
+        out.zero_()
+        c.decode_blocks(frame, out, ids, bound)
+        vb = header.vectors // x.shape[0]
+        k = min(4, x.shape[0])
+        for first in sorted({0, x.shape[0] - k}):
+            part = x[first:first + k].cpu()
+            ref = qcodec.encode_blocks(part, torch.arange(k), bound, c.frame_id, checksum=False)
+            ref_header = qcodec.read_header(ref)
+            for (a, b), (ra, rb) in zip(stream_slices(header, first * vb, k * vb),
+                                        stream_slices(ref_header, 0, k * vb)):
+                assert torch.equal(frame[a:b].cpu(), ref[ra:rb]), f"{name} {lname}: bytes differ at block {first}"
+            want = torch.zeros_like(part)
+            qcodec.decode_blocks(ref, want, torch.arange(k), bound)
+            assert torch.equal(out[first:first + k].cpu().view(torch.int16), want.view(torch.int16)), \
+                f"{name} {lname}: values differ at block {first}"
+        note = "== CPU reference (first/last 4 blocks)"
+        if before is not None:
+            old_bound = before.QuantLayout(bound.kv_axis, bound.channel_axis)
+            old = before.encode_blocks(x, ids, old_bound, c.frame_id, checksum=False)
+            assert torch.equal(old, frame), f"{name} {lname}: frame differs from the previous implementation"
+            old_out = torch.zeros_like(x)
+            before.decode_blocks(frame, old_out, ids, old_bound)
+            assert torch.equal(old_out.view(torch.int16), out.view(torch.int16)), f"{name} {lname}: values differ"
+            del old_out
+            note += "; == previous code (whole frame and cache)"
+        print(f"{name}: {note}, ratio {nbytes / frame.numel():.3f}")
+        defaults = gpu.ENCODE_TILE, gpu.ENCODE_WARPS, gpu.DECODE_TILE, gpu.DECODE_WARPS
+        for tile, warps in BLOCK_CONFIGS:  # the public calls with each configuration as the default
+            gpu.ENCODE_TILE, gpu.ENCODE_WARPS, gpu.DECODE_TILE, gpu.DECODE_WARPS = tile, warps, tile, warps
+            row(f"{lname} {name} encode_blocks t{tile} w{warps}",
+                cuda_time(lambda: c.encode_blocks(x, ids, bound), args.repeats), nbytes)
+            row(f"{lname} {name} decode_blocks t{tile} w{warps}",
+                cuda_time(lambda: c.decode_blocks(frame, out, ids, bound), args.repeats), nbytes)
+        gpu.ENCODE_TILE, gpu.ENCODE_WARPS, gpu.DECODE_TILE, gpu.DECODE_WARPS = defaults
+        assert torch.equal(c.encode_blocks(x, ids, bound), frame)
+        c.decode_blocks(frame, out, ids, bound)
+        assert torch.equal(out[x.shape[0] - k:].cpu().view(torch.int16), want.view(torch.int16))
+        if before is not None:
+            row(f"{lname} {name} encode_blocks BEFORE", cuda_time(
+                lambda: before.encode_blocks(x, ids, old_bound, c.frame_id, checksum=False), args.repeats), nbytes)
+            row(f"{lname} {name} decode_blocks BEFORE", cuda_time(
+                lambda: before.decode_blocks(frame, out, ids, old_bound), args.repeats), nbytes)
+        buf = torch.empty_like(frame)
+        for tile, warps in BLOCK_CONFIGS:
+            enc = cuda_time(lambda: gpu.encode_into(x, buf, header, ids, tile=tile, num_warps=warps), args.repeats)
+            dec = cuda_time(lambda: gpu.decode_into(frame, out, header, ids, tile=tile, num_warps=warps),
+                            args.repeats)
+            assert torch.equal(buf[header.offsets[0]:], frame[header.offsets[0]:])
+            row(f"{lname} {name} encode kernel t{tile} w{warps}", enc, nbytes)
+            row(f"{lname} {name} decode kernel t{tile} w{warps}", dec, nbytes)
+        flag = gpu.check_frame(frame, header, ids, x.shape[0])
+        row(f"{lname} {name} check_frame kernel", cuda_time(lambda: gpu.check_frame(frame, header, ids, x.shape[0]),
+                                                            args.repeats), nbytes)
+        assert int(flag.item()) == 0
+
+
+def whole_tensor(args, row, before) -> None:
+    """The whole-tensor path (encode/decode): new kernels against the previous ones."""
+    x = real_kv().repeat(max(1, round(args.gib * 2**30 / (real_kv().numel() * 2))), 1, 1, 1, 1).cuda()
+    nbytes = x.numel() * 2
+    out = torch.empty_like(x)
+    print(f"\nwhole tensor {list(x.shape)}")
+    for c in (K8V4, K4V2):
+        frame = c.encode(x, LAYOUT)
+        header = qcodec.read_header(frame)
+        buf = torch.empty_like(frame)
+        for tile, warps in CONFIGS[:2]:
+            row(f"tensor {c.name} encode kernel t{tile} w{warps}",
+                cuda_time(lambda: gpu.encode_into(x, buf, header, tile=tile, num_warps=warps), args.repeats), nbytes)
+            assert torch.equal(buf[header.offsets[0]:], frame[header.offsets[0]:])
+            row(f"tensor {c.name} decode kernel t{tile} w{warps}",
+                cuda_time(lambda: gpu.decode_into(frame, out, header, tile=tile, num_warps=warps), args.repeats),
+                nbytes)
+            assert torch.equal(out.view(torch.int16), c.decode(frame).view(torch.int16))
+        if before is not None:
+            from kvferry.codec.quant import _before_gpu as old_gpu
+            for tile, warps in CONFIGS[:2]:
+                row(f"tensor {c.name} encode kernel BEFORE t{tile} w{warps}",
+                    cuda_time(lambda: old_gpu.encode_into(x, buf, header, tile=tile, num_warps=warps), args.repeats),
+                    nbytes)
+                row(f"tensor {c.name} decode kernel BEFORE t{tile} w{warps}",
+                    cuda_time(lambda: old_gpu.decode_into(frame, out, header, tile=tile, num_warps=warps),
+                              args.repeats), nbytes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--check-mib", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--blocks", action="store_true", help="the engine's block path (see above)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     import triton
@@ -106,7 +250,13 @@ def main() -> None:
     def row(name: str, seconds: float, nbytes: int, **extra) -> None:
         r = {"name": name, "ms": seconds * 1e3, "GB/s": nbytes / seconds / 1e9, **extra}
         results["rows"].append(r)
-        print(f"{name:<44} {r['ms']:9.3f} ms {r['GB/s']:9.1f} GB/s" + "".join(f"  {k}={v}" for k, v in extra.items()))
+        print(f"{name:<58} {r['ms']:9.3f} ms {r['GB/s']:9.1f} GB/s" + "".join(f"  {k}={v}" for k, v in extra.items()))
+
+    if args.blocks:
+        blocks_main(args, results, row)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return
 
     for dtype in (torch.bfloat16, torch.float16):
         x = base.to(dtype).repeat(reps, 1, 1, 1, 1).cuda()

@@ -62,9 +62,10 @@ def kernel_checks(device: str) -> None:
                 if gpu.supports_in_place(y, kv, ch, False):
                     gpu.decode_into(ref.to(device), y, header)
                     assert bits_equal(y.cpu(), quant.decode(ref)), (c.name, dtype, shape)
-            # Blocks: gathered and scattered by the kernels, or gathered by one copy (kv axis first).
-            for block_axes in ((0, 3), (0, 1)):
-                block_shape = (2, 3, 5, 64) if block_axes == (0, 3) else (2, 64, 3)
+            # Blocks: gathered and scattered by the kernels, or gathered by one copy (kv axis first);
+            # (1, 4): several slabs per block (layers before kv), tiles spanning blocks.
+            for block_axes, block_shape in (((0, 3), (2, 3, 5, 64)), ((0, 1), (2, 64, 3)),
+                                            ((1, 4), (3, 2, 5, 3, 64)), ((1, 3), (2, 2, 3, 128))):
                 cache = with_specials(kv_like((6, *block_shape), dtype, 10), block_axes[1] + 1)
                 ids = torch.tensor([3, 0, 5])
                 bound = QuantLayout(*block_axes)
@@ -77,11 +78,34 @@ def kernel_checks(device: str) -> None:
                 if gpu.supports_in_place(target, header.kv_axis, header.channel_axis, True):
                     gpu.decode_into(ref.to(device), target, header, torch.tensor([4, 1, 2], device=device))
                     assert bits_equal(target.cpu(), expected)
+                    dev = ref.to(device)
+                    flag = gpu.check_frame(dev, header, torch.tensor([4, 1, 2], device=device), 6)
+                    assert int(flag.item()) == 0
+                    for bad_ids, bit in (([4, 6, 2], gpu.BAD_ID), ([4, -1, 2], gpu.BAD_ID),
+                                         ([4, 1, 4], gpu.REPEATED_ID)):
+                        flag = gpu.check_frame(dev, header, torch.tensor(bad_ids, device=device), 6)
+                        assert int(flag.item()) == bit, bad_ids
+                    bad = dev.clone()
+                    bad[header.offsets[2] + 1] = 0x7C  # the first K scale: infinite
+                    flag = gpu.check_frame(bad, header, torch.tensor([0, 1, 2], device=device), 6)
+                    assert int(flag.item()) == gpu.BAD_PARAMS
+                    untouched = torch.zeros_like(target)
+                    gpu.decode_into(bad, untouched, header, torch.tensor([0, 1, 2], device=device), flag=flag)
+                    assert not untouched.view(torch.int16).any()
+                    with pytest.raises(IndexError):
+                        kernel_frame(cache.to(device), header, torch.tensor([3, 6, 5], device=device))
     x = kv_like((2, 4, 64), torch.bfloat16, 20)
     x[1, 3, 7] = float("nan")
     header = QuantHeader(3, torch.bfloat16, (2, 4, 64), 0, 2)
     with pytest.raises(codec.UnsupportedTensor, match="fp16 range"):
         kernel_frame(x.to(device), header)
+    # Padding: 3 vectors of 6 bytes leave K's stream padded.
+    frame = quant.encode(kv_like((2, 3, 6), torch.bfloat16, seed=9), QuantLayout(0, 2), 3, checksum=False)
+    header = read_header(frame)
+    assert int(gpu.check_frame(frame.to(device), header).item()) == 0
+    bad = frame.clone()
+    bad[header.offsets[0] + header.lengths[0]] = 1
+    assert int(gpu.check_frame(bad.to(device), header).item()) == gpu.BAD_PADDING
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton does not import")
@@ -121,7 +145,7 @@ def test_gpu_codec_bytes_equal_cpu_bytes(real_kv, dtype):
         c.decode_blocks(frame, target, torch.tensor([0, 1, 2], device="cuda"), bound)
         assert bits_equal(target[:3].cpu(), c.decode(frame.cpu())) and not target[3:].view(torch.int16).any()
         bad = frame.clone()
-        bad[-1] ^= 1
+        bad[-3] = 0x7C  # the last V scale: infinite (the registry's frames carry no stream CRC)
         with pytest.raises(codec.CorruptFrame):
             c.decode_blocks(bad, target, torch.tensor([5, 6, 7], device="cuda"), bound)
         assert not target[3:].view(torch.int16).any()

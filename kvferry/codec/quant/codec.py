@@ -3,6 +3,9 @@
 CPU tensors go through the torch reference (``reference.py``); CUDA tensors through the Triton
 kernels (``gpu.py``) when triton imports, otherwise through the reference by way of host copies.
 Either way the bytes are the reference's. The stream CRC is computed on a host copy of the frame.
+On the GPU a call synchronizes with the host little: reading a frame's header, and once at the
+end to raise what the kernels flagged (bad values, bad or repeated block ids, a corrupt frame);
+block ids already on the device are checked there.
 """
 
 from __future__ import annotations
@@ -105,14 +108,29 @@ def _layout(codebook: Any, name: str) -> QuantLayout:
     return codebook
 
 
-def _ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, unique: bool = False) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
-    if ids.numel():
-        if int(ids.min()) < 0 or int(ids.max()) >= cache.shape[0]:
+def _ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Block ids as int64 on the cache's device, and whether they are still to be checked: ids
+    already on a CUDA cache's device are left to the kernels (no host synchronization);
+    ``_check_ids`` checks the others here."""
+    ids = torch.as_tensor(block_ids).reshape(-1)
+    if ids.is_cuda and ids.device == cache.device and _gpu() is not None:
+        return ids.to(torch.int64), True
+    return ids.to(torch.int64), False
+
+
+def _check_ids(ids: torch.Tensor, cache: torch.Tensor, unique: bool = False) -> torch.Tensor:
+    """``ids`` checked (on the host) and moved to the cache's device.
+
+    Raises:
+        IndexError: an id outside the cache; OutputMismatch: ids repeat (when ``unique``).
+    """
+    host = ids.cpu()
+    if host.numel():
+        if int(host.min()) < 0 or int(host.max()) >= cache.shape[0]:
             raise IndexError(f"block ids must be in 0..{cache.shape[0] - 1}")
-        if unique and torch.unique(ids).numel() != ids.numel():
+        if unique and torch.unique(host).numel() != host.numel():
             raise OutputMismatch("block ids repeat")
-    return ids
+    return ids.to(cache.device)
 
 
 def _finish(frame: torch.Tensor, header: QuantHeader, checksum: bool) -> torch.Tensor:
@@ -125,12 +143,17 @@ def _finish(frame: torch.Tensor, header: QuantHeader, checksum: bool) -> torch.T
     return frame
 
 
-def _encode(src: torch.Tensor, header: QuantHeader, ids: torch.Tensor | None, checksum: bool) -> torch.Tensor:
+def _encode(src: torch.Tensor, header: QuantHeader, ids: torch.Tensor | None, checksum: bool,
+            unchecked: bool = False) -> torch.Tensor:
     gpu = _gpu() if src.is_cuda else None
     if gpu is not None:
         frame = torch.empty(header.total, dtype=torch.uint8, device=src.device)
-        gpu.encode_into(src, frame, header, ids)
-        return _finish(frame, header, checksum)
+        if not checksum:  # header and padding first, while the device is idle: one sync, at the end
+            _finish(frame, header, False)
+        gpu.encode_into(src, frame, header, ids, check_ids=unchecked)
+        return _finish(frame, header, True) if checksum else frame
+    if unchecked:
+        ids = _check_ids(ids, src)
     x = src if ids is None else src.index_select(0, ids)
     streams = reference.encode_streams(x.detach().cpu(), header.kv_axis, header.channel_axis, header.bits)
     buf = bytearray(header.total)
@@ -167,11 +190,13 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
     name = _NAMES[frame_id]
     _check_tensor(cache, name)
     layout = _layout(codebook, name).shifted(1)
-    ids = _ids(block_ids, cache)
+    ids, unchecked = _ids(block_ids, cache)
+    if not unchecked:
+        ids = _check_ids(ids, cache)
     shape = (ids.numel(), *cache.shape[1:])
     check_geometry(shape, layout.kv_axis, layout.channel_axis, BITS[frame_id])
     header = QuantHeader(frame_id, cache.dtype, shape, layout.kv_axis, layout.channel_axis)
-    return _encode(cache, header, ids, checksum)
+    return _encode(cache, header, ids, checksum, unchecked)
 
 
 def read_header(frame: torch.Tensor) -> QuantHeader:
@@ -185,11 +210,10 @@ def read_header(frame: torch.Tensor) -> QuantHeader:
     return parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), frame.numel())
 
 
-def _checked(frame: torch.Tensor) -> QuantHeader:
+def _checked(frame: torch.Tensor, header: QuantHeader | None = None) -> QuantHeader:
     """The header of a frame whose every byte has been checked: CRC, padding, scales and zeros."""
-    header = read_header(frame)
-    if header.stream_crc is not None and crc32c(memoryview(frame[HEADER_SIZE:].cpu().numpy())) != header.stream_crc:
-        raise CorruptFrame("stream checksum mismatch")
+    header = header if header is not None else read_header(frame)
+    _check_crc(frame, header)
     for (o, n), nxt in zip(zip(header.offsets, header.lengths), header.offsets[1:]):
         if frame[o + n:nxt].any():
             raise CorruptFrame("padding between streams is not zero")
@@ -199,20 +223,45 @@ def _checked(frame: torch.Tensor) -> QuantHeader:
     # Scales are positive finite fp16 (>= 2**-24), zeros finite fp16: anything else is not ours.
     if ((scale & 0x7C00) == 0x7C00).any() or (scale & 0x8000).any() or (scale == 0).any() \
             or ((zero & 0x7C00) == 0x7C00).any():
-        raise CorruptFrame("a scale or zero point is not a finite fp16 (scales positive)")
+        raise CorruptFrame(BAD_PARAMS_TEXT)
     return header
 
 
+BAD_PARAMS_TEXT = "a scale or zero point is not a finite fp16 (scales positive)"
+
+
+def _check_crc(frame: torch.Tensor, header: QuantHeader) -> None:
+    if header.stream_crc is not None and crc32c(memoryview(frame[HEADER_SIZE:].cpu().numpy())) != header.stream_crc:
+        raise CorruptFrame("stream checksum mismatch")
+
+
 def _reconstruct(frame: torch.Tensor, header: QuantHeader, dst: torch.Tensor | None,
-                 ids: torch.Tensor | None) -> torch.Tensor | None:
-    """Write a checked frame's values into ``dst`` (``dst[ids]``) or return them as a new tensor."""
+                 ids: torch.Tensor | None, unchecked: bool = False) -> torch.Tensor | None:
+    """Check a frame (its header already valid) and write its values into ``dst`` (``dst[ids]``;
+    ``unchecked``: ids still to be checked) or return them as a new tensor. Nothing is written
+    when anything is wrong. On the GPU one kernel checks the frame (and ids) and the decode
+    kernels write only if it found nothing: one host synchronization, at the end."""
     target = dst if dst is not None else torch.empty(header.shape, dtype=header.dtype, device=frame.device)
     gpu = _gpu() if frame.is_cuda and target.is_cuda else None
     if gpu is not None and gpu.supports_in_place(target, header.kv_axis, header.channel_axis, ids is not None):
+        _check_crc(frame, header)
         if frame.storage_offset() % 16:
             frame = frame.clone()
-        gpu.decode_into(frame, target, header, ids)
+        flag = gpu.check_frame(frame, header, ids if unchecked else None, target.shape[0])
+        gpu.decode_into(frame, target, header, ids, flag=flag)
+        code = int(flag.item())
+        if code & gpu.BAD_ID:
+            raise IndexError(f"block ids must be in 0..{target.shape[0] - 1}")
+        if code & gpu.REPEATED_ID:
+            raise OutputMismatch("block ids repeat")
+        if code & gpu.BAD_PADDING:
+            raise CorruptFrame("padding between streams is not zero")
+        if code:
+            raise CorruptFrame(BAD_PARAMS_TEXT)
         return target
+    if unchecked:
+        ids = _check_ids(ids, target, unique=True)
+    _checked(frame, header)
     host = frame.cpu()
     streams = [host[o:o + n] for o, n in zip(header.offsets, header.lengths)]
     values = reference.decode_streams(*streams, header.shape, header.kv_axis, header.channel_axis, header.bits,
@@ -226,15 +275,16 @@ def _reconstruct(frame: torch.Tensor, header: QuantHeader, dst: torch.Tensor | N
     return target
 
 
-def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None, header: QuantHeader | None = None) -> torch.Tensor:
     """The reconstructed tensor on ``frame.device``, or written into ``out`` (same dtype and
-    element count, any shape). Everything is checked before ``out`` is touched.
+    element count, any shape). Everything is checked before ``out`` is touched. ``header``: the
+    frame's, from ``read_header`` (saves reading it again).
 
     Raises:
         CorruptFrame: the frame is malformed, truncated, or fails a checksum.
         OutputMismatch: ``out`` has the wrong dtype or element count.
     """
-    header = _checked(frame)
+    header = header if header is not None else read_header(frame)
     if out is not None:
         if out.dtype != header.dtype or out.numel() != header.numel:
             raise OutputMismatch(f"out is {out.dtype}[{out.numel()}], frame holds {header.dtype}[{header.numel}]")
@@ -245,8 +295,9 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Ten
 
 
 def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
-                  codebook: QuantLayout | None = None) -> None:
+                  codebook: QuantLayout | None = None, *, header: QuantHeader | None = None) -> None:
     """Write the frame's blocks into ``cache[block_ids]``; nothing is written if it is bad.
+    ``header``: the frame's, from ``read_header`` (saves reading it again).
 
     Raises:
         CorruptFrame: the frame is malformed (nothing written).
@@ -256,8 +307,10 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     """
     if not isinstance(cache, torch.Tensor) or cache.dtype not in DTYPE_IDS:
         raise OutputMismatch("the cache must be a bfloat16 or float16 tensor")
-    ids = _ids(block_ids, cache, unique=True)
-    header = _checked(frame)
+    ids, unchecked = _ids(block_ids, cache)
+    if not unchecked:
+        ids = _check_ids(ids, cache, unique=True)
+    header = header if header is not None else read_header(frame)
     expected = (ids.numel(), *cache.shape[1:])
     if header.dtype != cache.dtype or header.shape != expected:
         raise OutputMismatch(f"frame holds {header.dtype}{list(header.shape)}, blocks need "
@@ -266,7 +319,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
             QuantLayout(header.kv_axis, header.channel_axis):
         raise CodebookMismatch(f"frame codes kv axis {header.kv_axis - 1} and channel axis "
                                f"{header.channel_axis - 1} of a block; bound layout is {codebook}")
-    _reconstruct(frame, header, cache, ids)
+    _reconstruct(frame, header, cache, ids, unchecked)
 
 
 class QuantCodec:
@@ -360,7 +413,7 @@ class QuantCodec:
         header = read_header(frame)
         if header.frame_id != self.frame_id:
             raise CorruptFrame(f"a {_NAMES[header.frame_id]} frame given to {self.name}")
-        return decode(frame, out=out)
+        return decode(frame, out=out, header=header)
 
     def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: QuantLayout | None = None) -> torch.Tensor:
@@ -368,9 +421,10 @@ class QuantCodec:
 
     def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: QuantLayout | None = None) -> None:
-        if read_header(frame).frame_id != self.frame_id:
+        header = read_header(frame)
+        if header.frame_id != self.frame_id:
             raise CorruptFrame(f"not a {self.name} frame")
-        decode_blocks(frame, cache, block_ids, codebook)
+        decode_blocks(frame, cache, block_ids, codebook, header=header)
 
 
 _NAMES = {3: "k8v4", 4: "k4v2"}

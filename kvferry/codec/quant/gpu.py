@@ -9,10 +9,18 @@ element, rounds half-to-even by adding and subtracting 2**23 (exact for 0 <= t <
 
 Sources are read in place when they are contiguous with the channel axis last and the kv axis
 before it (a KV cache's usual layout): the vectors of a kind then lie in slabs of ``I`` (the
-product of the axes between kv and channel) consecutive vectors, slab ``o`` of kind ``k`` starting
-at element ``(o * 2 + k) * I * C``. A program takes a tile of one slab (so there is no division
-per vector), and block ids gather (or scatter) whole blocks on the fly. Any other layout goes
-through one ``movedim(...).contiguous()`` first.
+product of the axes between kv and channel) consecutive vectors, ``OB`` slabs per block (the axes
+between the block axis and kv; one slab per "block" for a whole tensor), slab ``o`` of kind ``k``
+of a block starting at element ``(o * 2 + k) * I * C`` of it. Programs take ``BLOCK_V``
+consecutive vectors of the frame wherever they fall: each row finds its block, slab and place in
+the slab with two integer divisions, and block ids gather (or scatter) whole blocks on the fly, so
+tiles stay full however small slabs are. Any other layout goes through one
+``movedim(...).contiguous()`` first.
+
+Block ids on the device are checked by the kernels themselves (an id outside the cache sets a
+flag and is never dereferenced), and a frame is checked by one kernel (padding, scales, zeros,
+ids in range and unique) whose flag the decode kernels read before writing anything: a call
+synchronizes with the host once, at its end, to raise what the flag says.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from ..errors import UnsupportedTensor
 from .format import FP16_MAX, QuantHeader, Stream
 from .reference import MIN_SCALE
 
-TILE = 4096  # elements per program
-NUM_WARPS = 4
+# Elements per program and warps, read at each call (bench/quant_gpu_check.py --blocks sweeps them).
+ENCODE_TILE, ENCODE_WARPS = 4096, 4
+DECODE_TILE, DECODE_WARPS = 4096, 4
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
@@ -52,50 +61,69 @@ def _bits_to_f32(b):
     return b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-@triton.jit
-def _slab(ptr, ids_ptr, o, I, OB, blk_stride, KIND: tl.constexpr, C: tl.constexpr, GATHER: tl.constexpr):
-    """Pointer to the first of slab ``o``'s ``I`` consecutive vectors of kind ``KIND``."""
-    if GATHER:
-        blk = tl.load(ids_ptr + o // OB).to(tl.int64)
-        start = blk * blk_stride + ((o % OB) * 2 + KIND).to(tl.int64) * I * C
-    else:
-        start = (o.to(tl.int64) * 2 + KIND) * I * C
-    return ptr + start
+# Flag bits of check_frame (and of the encode kernel's id check).
+BAD_PADDING, BAD_ID, REPEATED_ID, BAD_PARAMS = 1, 2, 4, 8
+BAD_VALUE = 16  # encode: a NaN, infinite or out-of-range element
+CHECK_BLOCK = 4096  # parameter words (and ids) per program of the check kernel
 
 
 @triton.jit
-def _tile(I, tiles, BLOCK_V: tl.constexpr):
-    """This program's slab, its vectors' indices in the slab and in the frame, and their mask.
-    One scalar division per program: no per-vector division."""
+def _vectors(ids_ptr, n, VB, I, nblocks, blk_stride, KIND: tl.constexpr, C: tl.constexpr, BLOCK_V: tl.constexpr,
+             GATHER: tl.constexpr, WIDE: tl.constexpr):
+    """This program's ``BLOCK_V`` consecutive vectors of kind ``KIND``: their frame indices, the
+    element offsets of their first channel in the source (or destination), the in-frame mask and
+    the mask of rows whose block id is valid (the same without gathering)."""
     pid = tl.program_id(0)
-    o = pid // tiles
-    i = (pid % tiles) * BLOCK_V + tl.arange(0, BLOCK_V)
-    return o, i.to(tl.int64), o.to(tl.int64) * I + i, i < I
+    if WIDE:
+        v = pid.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    else:
+        v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
+    rmask = v < n
+    b = v // VB  # block (or slab of a whole tensor)
+    r = v - b * VB
+    o = r // I  # slab of the block
+    i = r - o * I
+    inner = ((o * 2 + KIND) * I + i).to(tl.int64) * C
+    if GATHER:
+        blk = tl.load(ids_ptr + b, mask=rmask, other=0).to(tl.int64)
+        ok = rmask & (blk >= 0) & (blk < nblocks)
+        start = tl.where(ok, blk, 0) * blk_stride + inner
+    else:
+        ok = rmask
+        start = b.to(tl.int64) * blk_stride + inner
+    return v.to(tl.int64), start, rmask, ok
 
 
 @triton.jit
-def _encode_kernel(src_ptr, ids_ptr, codes_ptr, params_ptr, bad_ptr, I, tiles, OB, blk_stride,
+def _encode_kernel(src_ptr, ids_ptr, codes_ptr, params_ptr, bad_ptr, n, VB, I, nblocks, blk_stride,
                    KIND: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
-                   BITS: tl.constexpr, GATHER: tl.constexpr):
-    o, i, j, rmask = _tile(I, tiles, BLOCK_V)
+                   BITS: tl.constexpr, GATHER: tl.constexpr, WIDE: tl.constexpr):
+    j, start, rmask, ok = _vectors(ids_ptr, n, VB, I, nblocks, blk_stride, KIND, C, BLOCK_V, GATHER, WIDE)
     cols = tl.arange(0, BLOCK_C)
     PER: tl.constexpr = 8 // BITS
     BYTES: tl.constexpr = C * BITS // 8
     bcols = tl.arange(0, BLOCK_C // PER)
     if BLOCK_C == C:  # a mask constant along the row keeps loads and stores vectorized
-        mask = rmask[:, None]
+        mask = ok[:, None]
         bmask = rmask[:, None]
     else:
-        mask = rmask[:, None] & (cols < C)[None, :]
+        mask = ok[:, None] & (cols < C)[None, :]
         bmask = rmask[:, None] & (bcols < BYTES)[None, :]
-    src = _slab(src_ptr, ids_ptr, o, I, OB, blk_stride, KIND, C, GATHER)
-    x = tl.load(src + i[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    bad = ((tl.abs(x) > 65504.0) | (x != x)) & mask
-    flag = tl.max(tl.max(bad.to(tl.int32), 1), 0)
-    tl.atomic_max(bad_ptr, flag, mask=flag != 0)
+    x = tl.load(src_ptr + start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # An element that is NaN, infinite or beyond the fp16 range makes its row's hi infinite (and
+    # is reported); masked elements load as 0, within range, when the whole row is masked.
+    xr = tl.where(tl.abs(x) <= 65504.0, x, float("inf"))
+    if BLOCK_C == C:
+        lo = tl.min(x, 1)
+        hi = tl.max(xr, 1)
+    else:
+        lo = tl.min(tl.where(mask, x, float("inf")), 1)
+        hi = tl.max(tl.where(mask, xr, float("-inf")), 1)
+    flag = tl.max((hi > 65504.0).to(tl.int32), 0) * 16
+    if GATHER:
+        flag = flag | tl.max((rmask & (ok == 0)).to(tl.int32), 0) * 2
+    tl.atomic_or(bad_ptr, flag, mask=flag != 0)
 
-    lo = tl.min(tl.where(mask, x, float("inf")), 1)
-    hi = tl.max(tl.where(mask, x, float("-inf")), 1)
     lo = tl.where(lo == 0.0, 0.0, lo)
     zb = _round_down_fp16(lo)
     z = _bits_to_f32(zb)
@@ -123,21 +151,23 @@ def _encode_kernel(src_ptr, ids_ptr, codes_ptr, params_ptr, bad_ptr, I, tiles, O
 
 
 @triton.jit
-def _decode_kernel(codes_ptr, params_ptr, dst_ptr, ids_ptr, I, tiles, OB, blk_stride,
+def _decode_kernel(codes_ptr, params_ptr, dst_ptr, ids_ptr, flag_ptr, n, VB, I, nblocks, blk_stride,
                    KIND: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
-                   BITS: tl.constexpr, GATHER: tl.constexpr):
-    o, i, j, rmask = _tile(I, tiles, BLOCK_V)
+                   BITS: tl.constexpr, GATHER: tl.constexpr, WIDE: tl.constexpr, GATE: tl.constexpr):
+    j, start, rmask, ok = _vectors(ids_ptr, n, VB, I, nblocks, blk_stride, KIND, C, BLOCK_V, GATHER, WIDE)
+    if GATE:  # check_frame's flag: a bad frame writes nothing
+        ok = ok & (tl.zeros(ok.shape, tl.int32) + tl.load(flag_ptr) == 0)
     cols = tl.arange(0, BLOCK_C)
     PER: tl.constexpr = 8 // BITS
     BYTES: tl.constexpr = C * BITS // 8
     bcols = tl.arange(0, BLOCK_C // PER)
     if BLOCK_C == C:
-        mask = rmask[:, None]
-        bmask = rmask[:, None]
+        mask = ok[:, None]
+        bmask = ok[:, None]
     else:
-        mask = rmask[:, None] & (cols < C)[None, :]
-        bmask = rmask[:, None] & (bcols < BYTES)[None, :]
-    p = tl.load(params_ptr + j, mask=rmask, other=0)
+        mask = ok[:, None] & (cols < C)[None, :]
+        bmask = ok[:, None] & (bcols < BYTES)[None, :]
+    p = tl.load(params_ptr + j, mask=ok, other=0)
     s = _bits_to_f32(p & 0xFFFF)
     z = _bits_to_f32((p >> 16) & 0xFFFF)
     byte = tl.load(codes_ptr + j[:, None] * BYTES + bcols[None, :], mask=bmask, other=0).to(tl.int32)
@@ -156,8 +186,35 @@ def _decode_kernel(codes_ptr, params_ptr, dst_ptr, ids_ptr, I, tiles, OB, blk_st
         out = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         out = y.to(dst_ptr.dtype.element_ty)
-    dst = _slab(dst_ptr, ids_ptr, o, I, OB, blk_stride, KIND, C, GATHER)
-    tl.store(dst + i[:, None] * C + cols[None, :], out, mask=mask)
+    tl.store(dst_ptr + start[:, None] + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _check_kernel(frame_ptr, params_ptr, words, pad0, pad0_len, pad1, pad1_len, ids_ptr, nids, nblocks, marks_ptr,
+                  flag_ptr, BLOCK: tl.constexpr, IDS: tl.constexpr):
+    """Padding zero, every scale a positive finite fp16 and every zero a finite one, and (IDS)
+    block ids in the cache and unique: flag bits BAD_PADDING, BAD_PARAMS, BAD_ID, REPEATED_ID."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < words
+    p = tl.load(params_ptr + offs, mask=m, other=0x3C00)  # (scale 1.0, zero 0) where masked
+    s = p & 0xFFFF
+    z = (p >> 16) & 0xFFFF
+    bad = ((s & 0x7C00) == 0x7C00) | ((s & 0x8000) != 0) | (s == 0) | ((z & 0x7C00) == 0x7C00)
+    flag = tl.max(bad.to(tl.int32), 0) * 8
+    k = tl.arange(0, 16)
+    first = (pid == 0).to(tl.int32)  # program 0 reads the padding (at most 15 bytes a gap)
+    a = tl.load(frame_ptr + pad0 + k, mask=k < pad0_len * first, other=0)
+    b = tl.load(frame_ptr + pad1 + k, mask=k < pad1_len * first, other=0)
+    flag = flag | tl.max(((a != 0) | (b != 0)).to(tl.int32), 0)
+    if IDS:
+        im = offs < nids
+        blk = tl.load(ids_ptr + offs, mask=im, other=0).to(tl.int64)
+        inside = im & (blk >= 0) & (blk < nblocks)
+        flag = flag | tl.max((im & (inside == 0)).to(tl.int32), 0) * 2
+        old = tl.atomic_add(marks_ptr + tl.where(inside, blk, 0), 1, mask=inside)
+        flag = flag | tl.max((inside & (old != 0)).to(tl.int32), 0) * 4
+    tl.atomic_or(flag_ptr, flag, mask=flag != 0)
 
 
 def _in_place(t: torch.Tensor, kv_axis: int, channel_axis: int, blocks: bool) -> bool:
@@ -167,23 +224,29 @@ def _in_place(t: torch.Tensor, kv_axis: int, channel_axis: int, blocks: bool) ->
 
 
 class _Geometry:
-    """Where the vectors of each kind live: ``slabs`` runs of ``I`` consecutive vectors (``OB``
-    slabs per block when blocks are gathered), and the launch that covers them."""
+    """Where the vectors of each kind live: ``VB`` per block (``OB`` slabs of ``I``), ``n`` in
+    all, and the launch that covers them with tiles of ``block_v`` vectors."""
 
     def __init__(self, t: torch.Tensor, kv_axis: int, channel_axis: int, ids: torch.Tensor | None, tile: int):
         shape = t.shape
         self.C = shape[channel_axis]
         self.I = math.prod(shape[kv_axis + 1:channel_axis])
-        self.OB = math.prod(shape[1:kv_axis]) if ids is not None else 1
-        self.slabs = ids.numel() * self.OB if ids is not None else math.prod(shape[:kv_axis])
-        self.n = self.slabs * self.I
+        if ids is not None:
+            self.VB = math.prod(shape[1:kv_axis]) * self.I
+            self.n = ids.numel() * self.VB
+            blk_stride, nblocks = t.stride(0), shape[0]
+        else:
+            self.VB = self.I
+            self.n = math.prod(shape[:kv_axis]) * self.I
+            blk_stride, nblocks = 2 * self.I * self.C, 0
         self.block_c = triton.next_power_of_2(self.C)
-        self.block_v = min(max(1, tile // self.block_c), triton.next_power_of_2(max(self.I, 1)))
-        self.tiles = triton.cdiv(self.I, self.block_v)
-        self.grid = (self.slabs * self.tiles,)
+        self.block_v = max(1, tile // self.block_c)
+        self.grid = (triton.cdiv(self.n, self.block_v),)
         if self.grid[0] >= 1 << 31:
-            raise UnsupportedTensor(f"{self.n} vectors in slabs of {self.I}: too many programs for one launch")
-        self.args = (ids if ids is not None else t, self.I, self.tiles, self.OB, t.stride(0) if ids is not None else 0)
+            raise UnsupportedTensor(f"{self.n} vectors: too many programs for one launch")
+        # int32 vector indices unless a block (or the frame) holds too many for them
+        self.wide = self.n + self.block_v >= 1 << 31 or 2 * self.VB >= 1 << 31
+        self.args = (ids if ids is not None else t, self.n, self.VB, max(self.I, 1), nblocks, blk_stride)
 
 
 def _check(t: torch.Tensor, frame: torch.Tensor) -> None:
@@ -194,17 +257,22 @@ def _check(t: torch.Tensor, frame: torch.Tensor) -> None:
 
 
 def encode_into(src: torch.Tensor, frame: torch.Tensor, header: QuantHeader, ids: torch.Tensor | None = None,
-                *, tile: int = TILE, num_warps: int = NUM_WARPS) -> None:
+                *, check_ids: bool = True, tile: int | None = None, num_warps: int | None = None) -> None:
     """Write the code and parameter streams of ``src`` (or of ``src[ids]``, blocks along dim 0)
-    into ``frame`` (sized ``header.total``; header and padding are the caller's).
+    into ``frame`` (sized ``header.total``; header and padding are the caller's). Block ids are
+    checked on the device unless ``check_ids`` is false (the caller checked them).
 
     Raises:
         UnsupportedTensor: a non-finite or out-of-range element (streams then hold garbage).
+        IndexError: a block id outside ``src`` (likewise).
     """
     _check(src, frame)
+    tile, num_warps = tile or ENCODE_TILE, num_warps or ENCODE_WARPS
     kv, ch = header.kv_axis, header.channel_axis
     if not _in_place(src, kv, ch, ids is not None):
         if ids is not None:
+            if check_ids and ids.numel() and not bool(((ids >= 0) & (ids < src.shape[0])).all()):
+                raise IndexError(f"block ids must be in 0..{src.shape[0] - 1}")
             src, ids = src.index_select(0, ids), None
         src, kv, ch = src.movedim((kv, ch), (0, -1)).contiguous(), 0, src.dim() - 1
     geo = _Geometry(src, kv, ch, ids, tile)
@@ -216,26 +284,55 @@ def encode_into(src: torch.Tensor, frame: torch.Tensor, header: QuantHeader, ids
         _encode_kernel[geo.grid](
             src, geo.args[0], frame[header.offsets[kind]:], params[kind * geo.n:], bad, *geo.args[1:],
             KIND=kind, C=geo.C, BLOCK_C=geo.block_c, BLOCK_V=geo.block_v, BITS=header.bits[kind],
-            GATHER=ids is not None, num_warps=num_warps, enable_fp_fusion=False)
-    if bad.item():
+            GATHER=ids is not None, WIDE=geo.wide, num_warps=num_warps, enable_fp_fusion=False)
+    flag = int(bad.item())
+    if flag & BAD_ID:
+        raise IndexError(f"block ids must be in 0..{src.shape[0] - 1}")
+    if flag:
         raise UnsupportedTensor(f"a NaN, infinite or out-of-range element (|x| > {FP16_MAX:g}): quant codecs "
                                 "take finite values within the fp16 range, scales and zeros are fp16")
 
 
+def check_frame(frame: torch.Tensor, header: QuantHeader, ids: torch.Tensor | None = None,
+                nblocks: int = 0) -> torch.Tensor:
+    """Launch the check of a frame whose header is valid: its padding, scales and zeros, and
+    (given ``ids``) that the block ids lie in ``0..nblocks-1`` and do not repeat. Returns the
+    device flag (int32[1], bits ``BAD_*``/``REPEATED_ID``, 0 when good) without waiting for it;
+    ``decode_into(..., flag=)`` writes nothing unless it is 0."""
+    if frame.storage_offset() % 4:
+        raise UnsupportedTensor("the frame must start 4-byte aligned")
+    nids = ids.numel() if ids is not None else 0
+    scratch = torch.zeros(1 + (nblocks if nids else 0), dtype=torch.int32, device=frame.device)
+    flag, marks = scratch[:1], scratch[1:] if nids else scratch
+    offsets, lengths = header.offsets, header.lengths
+    pads = [(o + n, nxt - o - n) for (o, n), nxt in zip(zip(offsets, lengths), offsets[1:])]
+    words = 2 * header.vectors
+    params = frame[offsets[Stream.PARAMS]:].view(torch.int32) if words else frame.view(torch.int32)
+    grid = (max(1, triton.cdiv(max(words, nids), CHECK_BLOCK)),)
+    _check_kernel[grid](frame, params, words, pads[0][0], pads[0][1], pads[1][0], pads[1][1],
+                        ids if nids else frame, nids, nblocks, marks, flag, BLOCK=CHECK_BLOCK, IDS=nids > 0,
+                        num_warps=4)
+    return flag
+
+
 def decode_into(frame: torch.Tensor, dst: torch.Tensor, header: QuantHeader, ids: torch.Tensor | None = None,
-                *, tile: int = TILE, num_warps: int = NUM_WARPS) -> None:
+                *, flag: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None) -> None:
     """Reconstruct a checked frame into ``dst`` (the frame's shape), or into ``dst[ids]`` (the
-    frame's axes are then the cache's). ``dst`` must pass ``supports_in_place``."""
+    frame's axes are then the cache's; ids checked). ``dst`` must pass ``supports_in_place``.
+    With ``flag`` (``check_frame``'s), nothing is written unless it is 0 when the kernels run."""
     _check(dst, frame)
+    tile, num_warps = tile or DECODE_TILE, num_warps or DECODE_WARPS
     geo = _Geometry(dst, header.kv_axis, header.channel_axis, ids, tile)
     if geo.n == 0:
         return
     params = frame[header.offsets[Stream.PARAMS]:header.total].view(torch.int32)
     for kind in (0, 1):
         _decode_kernel[geo.grid](
-            frame[header.offsets[kind]:], params[kind * geo.n:], dst, *geo.args,
+            frame[header.offsets[kind]:], params[kind * geo.n:], dst, geo.args[0],
+            flag if flag is not None else params, *geo.args[1:],
             KIND=kind, C=geo.C, BLOCK_C=geo.block_c, BLOCK_V=geo.block_v, BITS=header.bits[kind],
-            GATHER=ids is not None, num_warps=num_warps, enable_fp_fusion=False)
+            GATHER=ids is not None, WIDE=geo.wide, GATE=flag is not None, num_warps=num_warps,
+            enable_fp_fusion=False)
 
 
 def supports_in_place(t: torch.Tensor, kv_axis: int, channel_axis: int, blocks: bool) -> bool:
