@@ -296,7 +296,7 @@ def bench_nvcomp(x: torch.Tensor, repeats: int) -> list[dict]:
 
 SEED_AXES = ("layer", "kv", "token", "head", "channel")
 SEED_CODECS = [  # (label, codec, calibration options or None: calibrated only where the codec needs it)
-    ("splitzip", "splitzip", None), ("entropy", "entropy", {"token_axis": 2}), ("tca-tbe", "tca-tbe", None),
+    ("splitzip", "splitzip", {}), ("splitzip, no codebook (calibrates per call)", "splitzip", None), ("entropy", "entropy", {"token_axis": 2}), ("tca-tbe", "tca-tbe", None),
     ("k8v4 (lossy)", "k8v4", None), ("k4v2 (lossy)", "k4v2", None),
     ("lowrank e=0.99 (lossy)", "lowrank", {"energy": 0.99}),
     ("lowrank e=0.99 +k8v4 (lossy)", "lowrank", {"energy": 0.99, "quantize": "k8v4"}),
