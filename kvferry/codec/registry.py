@@ -43,7 +43,9 @@ class Codec(Protocol):
     lossless codecs are candidates for ``auto``, and only if ``standalone`` (they need nothing
     but the data and a codebook they can calibrate from it). A codec may also say
     ``identity = True`` (its frames hold the blocks as they are; ``raw``). A codec whose
-    receiver must hold the sender's codebook says ``decode_needs_codebook = True``.
+    receiver must hold the sender's codebook says ``decode_needs_codebook = True``. A codec that,
+    given no codebook, learns one from each call's data may offer ``learn(sample)``: the codebook
+    it would learn, so a caller coding many chunks of the same region learns once.
     """
 
     name: str

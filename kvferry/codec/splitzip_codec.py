@@ -33,6 +33,10 @@ class SplitZipCodec(PositionFree):
         # One global exponent table: the token axis does not change it.
         return calibrate(samples)
 
+    def learn(self, sample: torch.Tensor) -> Codebook:
+        """What ``encode`` without a codebook would calibrate on ``sample``."""
+        return calibrate(sample)
+
     def codebook_from_json(self, text: str | bytes) -> Codebook:
         return Codebook.from_json(text)
 

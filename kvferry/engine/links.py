@@ -22,6 +22,7 @@ class Pair:
     blocks_per_chunk: int
     reference: Region | None = None  # a predictor's KV for the same blocks (codecs that code against it)
     bound: Any = None  # the codec's codebook bound to this region's layout (``Codec.bind``)
+    bound_for: str = ""  # the codec ``bound`` is for (submit binds a named codec once, to check it)
 
 
 @dataclass

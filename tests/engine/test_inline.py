@@ -63,3 +63,30 @@ def test_an_announce_that_cannot_be_packed_fails_the_transfer_and_frees_the_regi
         a.delete_region("src")
 
     _run(body)
+
+
+def test_a_codec_learns_its_codebook_once_per_transfer():
+    """SplitZip without a named codebook: learned from the first blocks of the transfer and bound
+    to every chunk (not recalibrated per chunk), the frames still exact."""
+    from kvferry import codec
+
+    async def body(a, b):
+        seen = []
+        learn = type(codec.get("splitzip")).learn
+
+        def counting(self, sample):
+            seen.append(sample.shape[0])
+            return learn(self, sample)
+
+        type(codec.get("splitzip")).learn = counting
+        try:
+            spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of([3, 1, 0]),
+                                dst_blocks=Blocks.of([0, 2, 3]), codec="splitzip")
+            record = await a.wait(a.submit(spec).id, 5)
+        finally:
+            type(codec.get("splitzip")).learn = learn
+        assert record["state"] == "done" and seen == [3]  # once, on the transfer's blocks (3 fit a chunk)
+        assert torch.equal(b.regions.get("dst").tensor[[0, 2, 3]].view(torch.int16),
+                           a.regions.get("src").tensor[[3, 1, 0]].view(torch.int16))
+
+    _run(body)

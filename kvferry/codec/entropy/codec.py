@@ -261,6 +261,10 @@ class EntropyCodec(PositionFree):
                   tables: int = DEFAULT_TABLES) -> EntropyCodebook:
         return calibrate(samples, token_axis=token_axis, tables=tables)
 
+    def learn(self, sample: torch.Tensor) -> EntropyCodebook:
+        """What ``encode`` without a codebook would calibrate on ``sample``."""
+        return self_codebook(sample)
+
     def codebook_from_json(self, text: str | bytes) -> EntropyCodebook:
         return EntropyCodebook.from_json(text)
 
