@@ -78,12 +78,12 @@ def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Ten
     layout = _check_tensor(cache)
     book = _codebook_for(cache, codebook, layout, chunk)
     if _blocks_on_gpu(cache, chunk):
-        ids = _block_ids(block_ids, cache, check=False)
+        ids = checked_block_ids(block_ids, cache, check=False)
         if ids.numel():
             shape = (ids.numel(), *cache.shape[1:])
             _check_buffer(out, cache.device, frame_capacity(shape, cache.dtype, chunk=chunk))
             return splitzip_gpu.encode_into(cache, ids, _block_elems(cache), shape, layout, book.exponents, chunk, out)
-    ids = _block_ids(block_ids, cache)
+    ids = checked_block_ids(block_ids, cache)
     return _encode_into(_gather(cache, ids), (ids.numel(), *cache.shape[1:]), layout, book, chunk, out)
 
 
@@ -118,7 +118,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
     layout = _check_tensor(cache)
     # The GPU kernels check the ids themselves (no wait here); calibrating reads the blocks first.
     on_gpu = _blocks_on_gpu(cache, chunk) and codebook is not None
-    ids = _block_ids(block_ids, cache, check=not on_gpu)
+    ids = checked_block_ids(block_ids, cache, check=not on_gpu)
     if codebook is None:
         codebook = calibrate(_gather(cache, ids))  # needs the data; pass a codebook to avoid it
     book = _codebook_for(cache, codebook, layout, chunk)
@@ -138,7 +138,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         IndexError: a block id outside the cache.
     """
     if _unparsed_on_gpu(frame, cache) and _blocks_on_gpu(cache, 8) and cache.dim() <= MAX_NDIM:
-        ids = _block_ids(block_ids, cache, check=False)  # checked on the device
+        ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
         shape = (ids.numel(), *cache.shape[1:])
         if ids.numel() and splitzip_gpu.decode_unparsed(
                 splitzip_gpu.check_alignment(frame), cache, layout_for(cache.dtype), shape=shape, block_ids=ids,
@@ -148,7 +148,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     # Coded frames on the GPU: the validation kernel checks the ids along with the streams.
     on_gpu = (header.codec == FrameCodec.SPLITZIP and _blocks_on_gpu(cache, header.chunk)
               and frame.device == cache.device)
-    ids = _block_ids(block_ids, cache, unique=True, check=not on_gpu)
+    ids = checked_block_ids(block_ids, cache, unique=True, check=not on_gpu)
     expected = (ids.numel(), *cache.shape[1:])
     if header.layout.dtype != cache.dtype or header.shape != expected:
         raise OutputMismatch(f"frame holds {header.layout.name}{list(header.shape)}, blocks need "
@@ -303,7 +303,7 @@ def _block_elems(cache: torch.Tensor) -> int:
     return cache.numel() // cache.shape[0] if cache.dim() and cache.shape[0] else 0
 
 
-def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False,
+def checked_block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False,
                check: bool = True) -> torch.Tensor:
     """Block ids as an int64 tensor on the cache's device; with ``check``, range-checked (and
     checked for repeats when ``unique``) with a single device-to-host read.

@@ -140,6 +140,18 @@ def codec_of(frame: torch.Tensor) -> Codec:
     Raises:
         CorruptFrame: too short, wrong magic, or a codec id nobody registered.
     """
+    codec = _BY_FRAME_ID.get(codec_id(frame))
+    if codec is None:
+        raise CorruptFrame(f"unknown codec id {codec_id(frame)}")
+    return codec
+
+
+def codec_id(frame: torch.Tensor) -> int:
+    """The codec byte of ``frame`` after checking its shape and magic.
+
+    Raises:
+        CorruptFrame: not a 1-D uint8 tensor, too short, or wrong magic.
+    """
     if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
         raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
     if frame.numel() <= _CODEC_ID_OFFSET:
@@ -147,10 +159,7 @@ def codec_of(frame: torch.Tensor) -> Codec:
     prefix = frame[:_CODEC_ID_OFFSET + 1].cpu().numpy().tobytes()
     if prefix[:4] != FRAME_MAGIC:
         raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
-    codec = _BY_FRAME_ID.get(prefix[_CODEC_ID_OFFSET])
-    if codec is None:
-        raise CorruptFrame(f"unknown codec id {prefix[_CODEC_ID_OFFSET]}")
-    return codec
+    return prefix[_CODEC_ID_OFFSET]
 
 
 def lossless() -> list[Codec]:

@@ -18,9 +18,9 @@ from ..checksum import crc32c
 from ..dtypes import layout_for
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..format import FrameCodec, stored_size
-from ..frames import decode as decode_frame
+from ..frames import decode as decode_frame, checked_block_ids
 from ..frames import encode_stored
-from ..registry import FRAME_MAGIC, PositionFree
+from ..registry import PositionFree, codec_id as frame_codec_id
 from . import reference
 from .codebook import DEFAULT_TABLES, EntropyCodebook, calibrate
 from .format import (DEFAULT_CHUNK, FRAME_ID, HEADER_SIZE, LANES, MAX_CHUNK, EntropyHeader, Stream, check_counts,
@@ -104,16 +104,6 @@ def assemble(header: EntropyHeader, streams: Sequence[bytes], checksum: bool) ->
     return torch.from_numpy(buf)
 
 
-def _codec_byte(frame: torch.Tensor) -> int:
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() < 7:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
-    prefix = frame[:7].cpu().numpy().tobytes()
-    if prefix[:4] != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
-    return prefix[6]
-
 
 def read_header(frame: torch.Tensor) -> EntropyHeader:
     """Validated header of an entropy frame.
@@ -121,7 +111,7 @@ def read_header(frame: torch.Tensor) -> EntropyHeader:
     Raises:
         CorruptFrame: not an entropy frame, or a header that fails validation.
     """
-    if _codec_byte(frame) != FRAME_ID:
+    if frame_codec_id(frame) != FRAME_ID:
         raise CorruptFrame("not an entropy frame")
     return parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), frame.numel())
 
@@ -134,7 +124,7 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Ten
         CorruptFrame: the frame is malformed, truncated, or fails a checksum.
         OutputMismatch: ``out`` has the wrong dtype or element count.
     """
-    codec_id = _codec_byte(frame)
+    codec_id = frame_codec_id(frame)
     if codec_id == int(FrameCodec.STORED):
         return decode_frame(frame, out=out)
     if codec_id != FRAME_ID:
@@ -182,23 +172,13 @@ def decode_reference(buf: np.ndarray, header: EntropyHeader) -> torch.Tensor:
     return flat.view(sym.layout.dtype).view(header.shape)
 
 
-def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
-    if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= cache.shape[0]:
-            raise IndexError(f"block ids must be in 0..{cache.shape[0] - 1}")
-        if unique and torch.unique(ids).numel() != ids.numel():
-            raise OutputMismatch("block ids repeat")
-    return ids
-
 
 def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                   codebook: EntropyCodebook | None = None, *, checksum: bool = True,
                   chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Frame of ``cache[block_ids]`` (blocks along dim 0): the same bytes as ``encode`` of them."""
     _check_tensor(cache)
-    ids = _block_ids(block_ids, cache)
+    ids = checked_block_ids(block_ids, cache)
     bits = layout_for(cache.dtype).int_dtype  # index_select lacks float8 kernels
     blocks = cache.view(bits).index_select(0, ids).view(cache.dtype)
     return encode(blocks, codebook, checksum=checksum, chunk=chunk)
@@ -213,9 +193,9 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         IndexError: a block id outside the cache.
     """
     _check_tensor(cache)
-    ids = _block_ids(block_ids, cache, unique=True)
+    ids = checked_block_ids(block_ids, cache, unique=True)
     expected = (ids.numel(), *cache.shape[1:])
-    codec_id = _codec_byte(frame)
+    codec_id = frame_codec_id(frame)
     if codec_id == int(FrameCodec.STORED):
         blocks = decode_frame(frame)
     else:

@@ -16,6 +16,7 @@ import torch
 
 from ..checksum import crc32c
 from ..dtypes import FloatLayout, layout_for
+from ..frames import checked_block_ids
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..layout import BlockLayout
 from ..registry import FRAME_MAGIC
@@ -249,21 +250,11 @@ def decode(frame: torch.Tensor, codebook: Any, *, out: torch.Tensor | None = Non
     return result if out is None else out.copy_(result.view(out.shape))
 
 
-def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
-    if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= cache.shape[0]:
-            raise IndexError(f"block ids must be in 0..{cache.shape[0] - 1}")
-        if unique and torch.unique(ids).numel() != ids.numel():
-            raise OutputMismatch("block ids repeat")
-    return ids
-
 
 def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: Any) -> torch.Tensor:
     """Frame of ``cache[block_ids]`` (blocks along dim 0): the same bytes as ``encode`` of them."""
     _check_tensor(cache)
-    ids = _block_ids(block_ids, cache)
+    ids = checked_block_ids(block_ids, cache)
     blocks = cache.view(torch.int16).index_select(0, ids).view(cache.dtype)
     return encode(blocks, codebook)
 
@@ -280,7 +271,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         IndexError: a block id outside the cache.
     """
     _check_tensor(cache)
-    ids = _block_ids(block_ids, cache, unique=True)
+    ids = checked_block_ids(block_ids, cache, unique=True)
     expected = (ids.numel(), *cache.shape[1:])
     header, book, body = _validate(frame, codebook)
     if header.layout.dtype != cache.dtype or header.shape != expected:

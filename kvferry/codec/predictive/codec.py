@@ -20,10 +20,10 @@ from ..checksum import crc32c
 from ..dtypes import layout_by_wire_id, layout_for
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..format import FrameCodec, stored_size
-from ..frames import decode as decode_stored
+from ..frames import decode as decode_stored, checked_block_ids
 from ..frames import encode_stored
 from ..layout import BlockLayout
-from ..registry import FRAME_MAGIC
+from ..registry import codec_id as frame_codec_id
 from . import rans
 from .codebook import PredictiveCodebook, calibrate_predictive
 from .format import (FRAME_ID, HEADER_SIZE, REFERENCE_IDS, PredictiveHeader, lanes_for, parse_header)
@@ -173,16 +173,6 @@ def encode(x: torch.Tensor, bound: PredictiveBound, *, checksum: bool = True) ->
     return _frame_of(x, bound.reference, bound, checksum)
 
 
-def _codec_byte(frame: torch.Tensor) -> int:
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() < 7:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
-    prefix = frame[:7].cpu().numpy().tobytes()
-    if prefix[:4] != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
-    return prefix[6]
-
 
 def read_header(frame: torch.Tensor) -> PredictiveHeader:
     """Validated header of a predictive frame.
@@ -190,7 +180,7 @@ def read_header(frame: torch.Tensor) -> PredictiveHeader:
     Raises:
         CorruptFrame: not a predictive frame, or a header that fails validation.
     """
-    if _codec_byte(frame) != FRAME_ID:
+    if frame_codec_id(frame) != FRAME_ID:
         raise CorruptFrame("not a predictive frame")
     return parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), frame.numel())
 
@@ -236,7 +226,7 @@ def decode(frame: torch.Tensor, bound: PredictiveBound, *, out: torch.Tensor | N
         CodebookMismatch: not bound, another sigma table, or a reference of another shape.
         OutputMismatch: ``out`` has the wrong dtype or element count.
     """
-    codec_id = _codec_byte(frame)
+    codec_id = frame_codec_id(frame)
     if codec_id == int(FrameCodec.STORED):
         return decode_stored(frame, out=out)
     bound = _require_bound(bound)
@@ -248,16 +238,6 @@ def decode(frame: torch.Tensor, bound: PredictiveBound, *, out: torch.Tensor | N
     result = _decode_against(frame, header, bound.reference, bound).to(frame.device)
     return result if out is None else out.copy_(result.view(out.shape))
 
-
-def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).cpu()
-    if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= cache.shape[0]:
-            raise IndexError(f"block ids must be in 0..{cache.shape[0] - 1}")
-        if unique and torch.unique(ids).numel() != ids.numel():
-            raise OutputMismatch("block ids repeat")
-    return ids
 
 
 def _gather(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -284,7 +264,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
     """
     bound = _require_bound(bound)
     _check_region(cache, bound)
-    ids = _block_ids(block_ids, cache)
+    ids = checked_block_ids(block_ids, cache).cpu()
     return _frame_of(_gather(cache, ids), _gather(bound.reference, ids), bound, checksum)
 
 
@@ -301,9 +281,9 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     """
     bound = _require_bound(bound)
     _check_region(cache, bound)
-    ids = _block_ids(block_ids, cache, unique=True)
+    ids = checked_block_ids(block_ids, cache, unique=True).cpu()
     expected = (ids.numel(), *cache.shape[1:])
-    if _codec_byte(frame) == int(FrameCodec.STORED):
+    if frame_codec_id(frame) == int(FrameCodec.STORED):
         blocks = decode_stored(frame)
     else:
         header = read_header(frame)

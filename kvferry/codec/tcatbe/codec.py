@@ -20,7 +20,7 @@ from ..checksum import crc32c
 from ..dtypes import layout_for
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..format import FrameCodec, stored_size
-from ..frames import decode as decode_stored
+from ..frames import decode as decode_stored, checked_block_ids
 from ..frames import encode_stored
 from ..registry import FRAME_MAGIC, PositionFree
 from . import reference
@@ -208,16 +208,6 @@ def decode_reference(buf: np.ndarray, header: TcaTbeHeader) -> torch.Tensor:
     return torch.from_numpy(bits.view(np.int16)).view(DTYPES[0]).view(header.shape)
 
 
-def _block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor, *, unique: bool = False) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
-    if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= cache.shape[0]:
-            raise IndexError(f"block ids must be in 0..{cache.shape[0] - 1}")
-        if unique and torch.unique(ids).numel() != ids.numel():
-            raise OutputMismatch("block ids repeat")
-    return ids
-
 
 def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                   codebook: TcaTbeCodebook | None = None, *, checksum: bool = True) -> torch.Tensor:
@@ -228,7 +218,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
         IndexError: a block id outside the cache.
     """
     _check_tensor(cache)
-    ids = _block_ids(block_ids, cache)
+    ids = checked_block_ids(block_ids, cache)
     blocks = cache.view(torch.int16).index_select(0, ids).view(cache.dtype)
     return encode(blocks, codebook, checksum=checksum)
 
@@ -243,7 +233,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     """
     if not isinstance(cache, torch.Tensor):
         raise OutputMismatch(f"cache must be a torch.Tensor, got {type(cache).__name__}")
-    ids = _block_ids(block_ids, cache, unique=True)
+    ids = checked_block_ids(block_ids, cache, unique=True)
     expected = (ids.numel(), *cache.shape[1:])
     if _prefix(frame)[6] == FRAME_ID:
         header = read_header(frame)
