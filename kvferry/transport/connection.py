@@ -216,16 +216,25 @@ class _Window:
 class _Pacer:
     """Sender-side pacing to a fixed rate: stands in for a slower link in benchmarks. A message
     leaves once a link of that rate would have finished serializing it (store and forward), so
-    even a one-message transfer takes at least its size over the rate."""
+    even a one-message transfer takes at least its size over the rate.
+
+    The time the sender then spends writing the message (the loopback's own copy) is not the
+    link's idle time: a NIC takes a posted message and the sender goes on. Counting it would add
+    every write's duration to the emulated link's time."""
 
     def __init__(self, bytes_per_s: float):
         self._rate = bytes_per_s
         self._free_at = time.monotonic()
+        self._writing = 0.0  # seconds spent in writes since the last admit
 
     async def admit(self, n: int) -> None:
         now = time.monotonic()
-        self._free_at = max(now, self._free_at) + n / self._rate
+        self._free_at = max(now - self._writing, self._free_at) + n / self._rate
+        self._writing = 0.0
         await asyncio.sleep(self._free_at - now)
+
+    def wrote(self, seconds: float) -> None:
+        self._writing += seconds
 
 
 OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep
@@ -347,7 +356,10 @@ class Connection:
                     await self._pacer.admit(n)
                 state.sent += n
                 message = (Message(MessageType.DATA, tag, offset, n, data.nbytes), data.region(offset, offset + n))
+                started = time.monotonic()
                 await self._write_many([(rts, None), message] if rts is not None else [message])
+                if self._pacer is not None:
+                    self._pacer.wrote(time.monotonic() - started)
                 rts = None  # an eager RTS leaves with the first DATA, in the same write
             if rts is not None:  # an empty eager transfer
                 await self._write(rts)

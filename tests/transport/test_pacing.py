@@ -1,0 +1,58 @@
+"""The link emulator's pacer: a message leaves once a link of the set rate has serialized it,
+and the sender's own write time (the loopback copy) is not counted as the link's idle time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvferry.transport import connection
+
+
+class _Clock:
+    """A monotonic clock the test moves: sleeping advances it by exactly the time asked for."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += max(0.0, seconds)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(connection.time, "monotonic", c.monotonic)
+    monkeypatch.setattr(connection.asyncio, "sleep", c.sleep)
+    return c
+
+
+def test_each_message_waits_for_its_serialization(clock: _Clock) -> None:
+    pacer = connection._Pacer(1000.0)  # bytes per second
+    asyncio.run(pacer.admit(500))
+    asyncio.run(pacer.admit(500))
+    assert clock.slept == pytest.approx([0.5, 0.5])
+
+
+def test_write_time_overlaps_the_next_serialization(clock: _Clock) -> None:
+    pacer = connection._Pacer(1000.0)
+    asyncio.run(pacer.admit(500))
+    clock.now += 0.2  # the loopback write of the first message
+    pacer.wrote(0.2)
+    asyncio.run(pacer.admit(500))
+    # The link finished the first message at 0.5 and serializes the second until 1.0.
+    assert clock.now == pytest.approx(100.0 + 1.0)
+
+
+def test_an_idle_sender_leaves_the_link_idle(clock: _Clock) -> None:
+    pacer = connection._Pacer(1000.0)
+    asyncio.run(pacer.admit(500))
+    clock.now += 2.0  # nothing to send for two seconds (not writing)
+    asyncio.run(pacer.admit(500))
+    assert clock.slept[-1] == pytest.approx(0.5)
