@@ -1,7 +1,7 @@
 """One-block transfer latency between two real sidecars, submit to done.
 
     python bench/latency.py [--n 1000] [--long 10000] [--block-kib 64] [--codec raw] [--device cpu|cuda]
-                            [--backend tcp|ucxx] [--json]
+                            [--backend tcp|ucxx] [--dst-kind owned|shm] [--json]
 
 Two ``kvferry serve`` processes on loopback; the sender's client submits one-block transfers one
 after another with ``POST /v1/transfers?wait=`` (one HTTP call that answers once the receiver has
@@ -10,7 +10,15 @@ written the block). Reported per run:
 - ``engine``: the sender's own record, submit to done (the receiver's DONE read back) — what the
   sidecars cost; and its stages (announced, accepted by the peer, first chunk sent, last chunk
   acknowledged, done), medians in ms since submit;
-- ``client``: the HTTP call as the caller saw it (adds the control API's own cost).
+- ``client``: the HTTP call as the caller saw it (adds the control API's own cost);
+- ``receiver``: submit at the sender to done at the receiver (one host, one clock): where a
+  standing lease lets the sender write first and announce behind the data, the receiver is done
+  one message after the write, as NIXL's target is on its notification.
+
+``--dst-kind shm``: the destination is a POSIX shared-memory segment of this process (a worker's
+host KV), which a same-host sender writes itself under a standing lease; ``owned`` (default): the
+receiver's own memory (on a GPU sidecar, lent over CUDA IPC the same way; on the CPU the bytes
+cross the data connection).
 
 Then the same over ``--long`` transfers, whose first and last thousand are compared: a transfer
 history that fills up must not make transfers slower. ``--json`` prints one JSON object.
@@ -40,8 +48,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def run(client: Client, peer: str, n: int, codec: str) -> dict:
-    engine_ms, client_ms = [], []
+def run(client: Client, peer: str, n: int, codec: str, receiver: Client | None = None) -> dict:
+    engine_ms, client_ms, receiver_ms = [], [], []
     stages: dict[str, list[float]] = {s: [] for s in STAGES}
     for i in range(n):
         started = time.perf_counter()
@@ -53,10 +61,15 @@ def run(client: Client, peer: str, n: int, codec: str) -> dict:
         if record.get("state") != "done":
             raise RuntimeError(f"transfer {i} did not finish: {record}")
         engine_ms.append(record["seconds"] * 1e3)
+        if receiver is not None:
+            incoming = receiver.transfer(record["id"])
+            if incoming.get("state") == "done":
+                receiver_ms.append((incoming["created"] + incoming["seconds"] - record["created"]) * 1e3)
         for stage in STAGES:
             if stage in record["stages"]:
                 stages[stage].append(record["stages"][stage] * 1e3)
-    return {"n": n, "engine_ms": engine_ms, "client_ms": client_ms, "path": record["choice_reason"],
+    return {"n": n, "engine_ms": engine_ms, "client_ms": client_ms, "receiver_ms": receiver_ms,
+            "path": record["choice_reason"],
             "stages_median_ms": {s: statistics.median(v) for s, v in stages.items() if v}}
 
 
@@ -73,6 +86,7 @@ def main() -> int:
     parser.add_argument("--codec", default="raw")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="tcp")
+    parser.add_argument("--dst-kind", default="owned", choices=("owned", "shm"))
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="KVFERRY_CPU_THREADS of both sidecars (0: torch's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -84,22 +98,29 @@ def main() -> int:
     ports = [(free_port(), free_port()) for _ in range(2)]
     env = {"KVFERRY_PEER_SECRET": "latency-bench", "KVFERRY_CPU_THREADS": str(args.cpu_threads)}
     processes = [start_sidecar(p, d, args.backend, env=env, device=args.device) for p, d in ports]
+    keep = []
     try:
         sender, receiver = (Client(f"http://127.0.0.1:{p}", timeout=60) for p, _ in ports)
         for client, process in zip((sender, receiver), processes):
             wait_ready(client, process, timeout=120)
         data = (torch.randn(8, elements, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
         sender.region_from_tensor("src", data)
-        receiver.create_region("dst", 8, [elements], "bfloat16")
+        if args.dst_kind == "shm":
+            _, segment = receiver.region_from_tensor("dst", torch.zeros_like(data), kind="shm")
+            keep.append(segment)
+        else:
+            receiver.create_region("dst", 8, [elements], "bfloat16")
         peer = receiver.data_address()
         run(sender, peer, 50, args.codec)  # warm-up: connection, code paths
-        first = run(sender, peer, args.n, args.codec)
+        first = run(sender, peer, args.n, args.codec, receiver)
         result = {"device": args.device, "backend": args.backend, "codec": args.codec, "block_bytes": elements * 2,
+                  "dst_kind": args.dst_kind,
                   "cpu_threads": args.cpu_threads,
                   "host": platform.node(), "cpu": platform.processor() or platform.machine(),
                   "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
                   "n": first["n"], **summary(first["engine_ms"]),
                   "client": summary(first["client_ms"]), "stages_median_ms": first["stages_median_ms"],
+                  "receiver": summary(first["receiver_ms"]) if first["receiver_ms"] else None,
                   "path": first["path"]}
         if args.long:
             long = run(sender, peer, args.long, args.codec)
@@ -111,20 +132,26 @@ def main() -> int:
         receiver.close()
     finally:
         stop_sidecars(processes)
+        for segment in keep:
+            segment.close()
+            segment.unlink()
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"kvferry one-block latency: {result['block_bytes'] >> 10} KiB {args.codec}, {args.backend}, {args.device}, "
+          f"destination {args.dst_kind}, "
           f"{result['date']}\n`{result['command']}`\n")
-    print(f"{'run':<22}{'n':>7}{'median ms':>11}{'p99 ms':>9}{'client median':>15}{'client p99':>12}")
+    print(f"{'run':<22}{'n':>7}{'median ms':>11}{'p99 ms':>9}{'client median':>15}{'client p99':>12}"
+          f"{'receiver median':>17}{'receiver p99':>14}")
     rows = [("first", result)]
     if "long" in result:
         rows += [("long", result["long"]), ("long: first 1000", result["long"]["first_1000"]),
                  ("long: last 1000", result["long"]["last_1000"])]
     for name, row in rows:
-        client = row.get("client", {})
+        client, incoming = row.get("client", {}), row.get("receiver") or {}
         print(f"{name:<22}{row.get('n', 1000):>7}{row['median_ms']:>11.3f}{row['p99_ms']:>9.3f}"
-              f"{client.get('median_ms', float('nan')):>15.3f}{client.get('p99_ms', float('nan')):>12.3f}")
+              f"{client.get('median_ms', float('nan')):>15.3f}{client.get('p99_ms', float('nan')):>12.3f}"
+              f"{incoming.get('median_ms', float('nan')):>17.3f}{incoming.get('p99_ms', float('nan')):>14.3f}")
     print(f"\npath: {result['path']}")
     print("stages, median ms since submit: " + ", ".join(f"{k} {v:.3f}" for k, v in result["stages_median_ms"].items()))
     return 0

@@ -102,7 +102,7 @@ async def get_region(name: str, e: EngineDep) -> dict:
 
 @regions.delete("/{name}", status_code=204)
 async def delete_region(name: str, e: EngineDep) -> Response:
-    e.delete_region(name)
+    await e.delete_region(name)
     return Response(status_code=204)
 
 

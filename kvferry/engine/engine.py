@@ -28,6 +28,7 @@ from . import ipc, peer
 from .blocks import Blocks
 from .errors import BadRequest, Conflict, NotFound, PeerError, ProtocolViolation, TransferFailed, UnknownCodec
 from .incoming import Admission
+from .leases import Held, Leases
 from .links import Pair, PeerLink
 from .metrics import Metrics
 from .outgoing import Outgoing
@@ -110,7 +111,8 @@ class Engine:
         self.pool: transport.Pool | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
         self.links: dict[str, PeerLink] = {}  # transfer id -> its peer link, while it runs
-        self.mapper = ipc.Mapper()  # receivers' GPU memory lent to us, opened once
+        self.mapper = ipc.Mapper()  # receivers' memory lent to us, opened once
+        self.leases = Leases()  # standing leases of same-host memory, held and lent
         self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
         self.outgoing = Outgoing(self)
         self.admission = Admission(self)
@@ -160,9 +162,20 @@ class Engine:
         """
         return self.regions.add(await asyncio.to_thread(self.regions.prepare, spec))
 
-    def delete_region(self, name: str) -> None:
-        """Raises: NotFound, Conflict (a transfer uses it)."""
-        self.regions.delete(name)
+    async def delete_region(self, name: str) -> None:
+        """Let a region go, once no peer may write into it under a standing lease.
+
+        Raises: NotFound, Conflict (a transfer uses it).
+        """
+        region = self.regions.get(name)
+        if region.busy:
+            raise Conflict(f"region {name!r} is in use by transfers {sorted(region.busy)}")
+        region.closing = True  # lent to nobody from now on
+        try:
+            await self.leases.revoke(name, self.transport_config.close_timeout)
+            self.regions.delete(name)
+        finally:
+            region.closing = False
 
     def write_block(self, name: str, index: int, data: bytes) -> None:
         """Overwrite one block with its raw bytes. Raises: NotFound, InvalidBlocks, BadRequest, Conflict."""
@@ -269,7 +282,8 @@ class Engine:
             p.region.busy.add(transfer.id)  # a shm/IPC mapping must outlive the reads of this transfer
             if p.reference is not None:
                 p.reference.busy.add(transfer.id)
-        if not self.outgoing.start_inline(transfer, spec, pairs, candidates, book, (host, port)):
+        if not (self.outgoing.start_leased(transfer, spec, pairs, candidates, (host, port))
+                or self.outgoing.start_inline(transfer, spec, pairs, candidates, book, (host, port))):
             transfer.task = asyncio.create_task(self.outgoing.run(transfer, spec, pairs, candidates, book, (host, port)))
         return transfer
 
@@ -353,6 +367,13 @@ class Engine:
         if isinstance(body, peer.Announce):
             self.admission.accept(connection, message.transfer_id, body)
             return
+        if isinstance(body, peer.Revoke):
+            self.leases.on_revoke(connection, body.region)
+            return
+        if isinstance(body, peer.Revoked):
+            if not self.leases.on_revoked(connection, body.region):
+                self._abort_protocol(None, connection, f"REVOKED of region {body.region!r}, which was not revoked")
+            return
         link = self.links.get(message.transfer_id)
         if link is None or link.connection is not connection:
             return  # finished already, or not this peer's to speak for: nothing to do
@@ -366,6 +387,11 @@ class Engine:
         elif isinstance(body, peer.Accept):
             if t is not None:
                 t.mark("accepted")
+            if link.offer is not None and body.targets:
+                self.leases.hold(connection, [Held(name, target, shape, link.offer[2]) for name, shape, target
+                                              in zip(link.offer[0], link.offer[1], body.targets)])
+            elif link.offer is not None:
+                self.leases.decline(connection, link.offer[0])
             if not link.accepted.done():
                 link.accepted.set_result(body)
         elif isinstance(body, peer.Written):
@@ -414,6 +440,7 @@ class Engine:
             self._watched.get(link.connection, {}).pop(t.id, None)
 
     def _connection_lost(self, connection: transport.Connection, exc: Exception) -> None:
+        self.leases.lost(connection)
         for t in list(self._watched.pop(connection, {}).values()):
             link = self.links.get(t.id)
             if link is not None:

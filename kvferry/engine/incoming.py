@@ -13,7 +13,7 @@ import torch
 from kvferry import codec as codecs, transport
 
 from . import ipc, peer
-from .errors import BadRequest, EngineError, PeerError, UnknownCodec
+from .errors import BadRequest, EngineError, PeerError, ProtocolViolation, UnknownCodec
 from .links import Pair, PeerLink, describe
 from .transfers import State, Transfer
 
@@ -34,6 +34,8 @@ class Admission:
         plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs))
         tags = [peer.chunk_tag(transfer_id, i) for i in range(len(plan))]
         try:
+            if announce.flags & peer.FLAG_WRITTEN:
+                self._check_lease(connection, announce)
             t, pairs, codec = self._check(connection, transfer_id, announce)
         except EngineError as exc:
             kind, reason = describe(exc)
@@ -41,40 +43,75 @@ class Admission:
             self.engine.listener.mailbox.refuse(tags, f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
-        targets = self._lend(announce, pairs)
-        incoming = Incoming(self.engine, t, pairs, plan, tags, codec, announce.inline_chunks, bool(targets))
+        if announce.flags & peer.FLAG_WRITTEN:  # the blocks are in place already: done at once
+            incoming = Incoming(self.engine, t, pairs, plan, tags, codec)
+            self.engine.link(t, PeerLink(connection, incoming=incoming))
+            t.move(State.RUNNING)
+            incoming.all_written()
+            self.engine.unlink(t)
+            return
+        targets = self._lend(connection, announce, pairs)
+        # Targets lent behind inline chunks are a lease for later transfers; this one rides inline.
+        writes_itself = bool(targets) and not announce.inline_chunks
+        incoming = Incoming(self.engine, t, pairs, plan, tags, codec, announce.inline_chunks, writes_itself)
         self.engine.link(t, PeerLink(connection, incoming=incoming))
         t.move(State.RUNNING)
         if incoming.now:  # decoded as its chunks are read, right behind this announce
+            if announce.host != bytes(16):  # the answer to an offer (a lease, or none), before the DONE
+                connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
             timeout = self.engine.settings.transfer_timeout
             t.deadline = asyncio.get_running_loop().call_later(
                 timeout, self.engine.abort, t, State.FAILED, "PeerError", f"inline chunks did not come within {timeout:g} s")
             return
-        if not targets:
+        if not writes_itself:
             incoming.post_ahead()
         if targets or announce.host != bytes(16) or announce.inline_chunks < len(plan):
             connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
         t.task = asyncio.create_task(incoming.run())
 
-    def _lend(self, announce: peer.Announce, pairs: list[Pair]) -> tuple[peer.Target, ...]:
-        """IPC targets for a sender on this host that offered to write our GPU regions itself."""
-        if announce.host != ipc.host_id() or not ipc.available():
+    def _check_lease(self, connection: transport.Connection, a: peer.Announce) -> None:
+        """A transfer written before its announce must be raw, whole, into regions lent to this
+        connection (and not taken back since).
+
+        Raises: ProtocolViolation.
+        """
+        codec = self.engine.codec_named(a.codec)
+        if not getattr(codec, "identity", False) or a.inline_chunks:
+            raise ProtocolViolation(f"a transfer written under a lease is raw and carries no chunks, not {a.codec!r}")
+        for layout in a.pairs:
+            if not self.engine.leases.lent_to(layout.dst_region, connection):
+                raise ProtocolViolation(f"written under a lease of region {layout.dst_region!r} this connection "
+                                        "does not hold")
+
+    def _lend(self, connection: transport.Connection, announce: peer.Announce,
+              pairs: list[Pair]) -> tuple[peer.Target, ...]:
+        """Targets for a sender on this host that offered to write our regions itself: CUDA IPC
+        handles of GPU regions, or the names of host shared-memory regions. They stand as a lease
+        of this connection (``leases.py``)."""
+        if announce.host != ipc.host_id() or any(p.region.closing for p in pairs):
             return ()
-        if not all(p.region.tensor.is_cuda for p in pairs):
-            return ()
+        on_gpu = [p.region.tensor.is_cuda for p in pairs]
         targets = []
         try:
             for p in pairs:
                 region = p.region
-                if region.ipc_export is None:  # owned GPU memory: exported once, lent on
-                    handle, offset, _ = ipc.export(region.tensor)
-                    region.ipc_export = (handle, offset)
-                handle, offset = region.ipc_export
-                targets.append(peer.Target(handle, offset, ipc.device_uuid(region.tensor.device.index),
-                                           region.num_blocks))
+                if all(on_gpu) and ipc.available():
+                    if region.ipc_export is None:  # owned GPU memory: exported once, lent on
+                        handle, offset, _ = ipc.export(region.tensor)
+                        region.ipc_export = (handle, offset)
+                    handle, offset = region.ipc_export
+                    targets.append(peer.Target(handle, offset, ipc.device_uuid(region.tensor.device.index),
+                                               region.num_blocks))
+                elif not any(on_gpu) and region.kind == "shm" and len(region.shm_name) <= peer.HANDLE_BYTES:
+                    targets.append(peer.Target(region.shm_name.encode().ljust(peer.HANDLE_BYTES, b"\0"), 0,
+                                               peer.HOST_MEMORY, region.num_blocks))
+                else:
+                    return ()
         except RuntimeError as exc:
             log.info("streaming instead of lending GPU memory: %s", exc)
             return ()
+        for p in pairs:
+            self.engine.leases.lend(p.region.name, connection)
         return tuple(targets)
 
     def _check(self, connection: transport.Connection, transfer_id: str, a: peer.Announce):
@@ -144,10 +181,18 @@ class Incoming:
                 await self.written
         except TimeoutError:
             raise PeerError(f"the sender did not write within {timeout:g} s") from None
+        self._count_written()
+
+    def _count_written(self) -> None:
         self.t.mark("last_byte")
         self.t.blocks_done = self.t.blocks * len(self.pairs)
         self.t.bytes_raw = sum(self.t.blocks * p.region.block_bytes for p in self.pairs)
         self.completed = len(self.plan)
+
+    def all_written(self) -> None:
+        """The sender wrote every block under its lease before it announced the transfer: done."""
+        self._count_written()
+        self._done()
 
     def arrived(self, chunk: peer.Chunk) -> bool:
         """An inline chunk came; False if none such was announced (or it came twice). The

@@ -1,8 +1,9 @@
-"""Same-host GPU writes: NIXL's model on one node. A receiver whose destination regions are on a
+"""Same-host writes: NIXL's model on one node. A receiver whose destination regions are on a
 GPU lends their CUDA IPC handles, in its ACCEPT, to the (authenticated) sender on the same host;
 the sender writes the blocks straight into that memory with one gather-scatter on its GPU and
 says WRITTEN. No staging buffer, no message per chunk, no codec: on one host the copy engine
-outruns any codec, so this path moves blocks as they are.
+outruns any codec, so this path moves blocks as they are. Regions in host shared memory (kind
+``shm``) are lent the same way, by name. The lease stands for later transfers (``leases.py``).
 
 Handles are per allocation (``cuMemGetAddressRange`` finds its base), opened once and cached by
 the sender, and meaningful only on this host: a peer elsewhere never gets one (``HOST_ID``).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import socket
 import uuid
 from collections import OrderedDict
@@ -80,6 +82,7 @@ class Mapper:
     def __init__(self) -> None:
         self._open: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # handle -> (base pointer, device)
         self._views: dict[tuple, torch.Tensor] = {}  # (handle, offset, shape, dtype) -> tensor
+        self._shm: dict[bytes, object] = {}  # shared memory opened by name, while its views live
 
     def tensor(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The receiver's region as a tensor here.
@@ -90,7 +93,11 @@ class Mapper:
         key = (target.handle, target.offset, shape, dtype)
         view = self._views.get(key)
         if view is not None:
-            self._open.move_to_end(target.handle)
+            if target.handle in self._open:
+                self._open.move_to_end(target.handle)
+            return view
+        if target.device_uuid == peer.HOST_MEMORY:
+            view = self._views[key] = self._host(target, shape, dtype)
             return view
         import cupy
 
@@ -117,8 +124,35 @@ class Mapper:
         view = self._views[key] = torch.as_tensor(array, device=f"cuda:{device}").view(dtype).view(shape)
         return view
 
+    def _host(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A receiver's shared-memory region, opened by its name."""
+        from multiprocessing import resource_tracker, shared_memory
+
+        import numpy as np
+
+        name = target.handle.rstrip(b"\0").decode(errors="replace")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        shm = self._shm.get(target.handle)
+        if shm is None:
+            try:
+                shm = shared_memory.SharedMemory(name=name, create=False)
+            except (OSError, ValueError) as exc:
+                raise RuntimeError(f"cannot open the receiver's shared memory {name!r}: {exc}") from exc
+            resource_tracker.unregister(shm._name, "shared_memory")  # the receiver's worker owns it
+            self._shm[target.handle] = shm
+        if target.offset + nbytes > shm.size:
+            raise RuntimeError(f"the receiver's shared memory {name!r} holds {shm.size} bytes, not {target.offset + nbytes}")
+        array = np.frombuffer(shm.buf, dtype=np.uint8, count=nbytes, offset=target.offset)
+        return torch.from_numpy(array).view(dtype).view(shape)
+
     def close(self) -> None:
         self._views.clear()
+        for shm in self._shm.values():
+            try:
+                shm.close()
+            except BufferError:
+                pass  # a view is still referenced somewhere: the mapping goes with the process
+        self._shm.clear()
         if not self._open:
             return
         import cupy

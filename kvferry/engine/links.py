@@ -34,6 +34,9 @@ class PeerLink:
     accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     incoming: Any = None  # the receiving side's pipeline (incoming.Incoming)
     settle: Callable[[asyncio.Future], None] | None = None  # called with ``reply`` once it is set (inline sends)
+    # A sender's same-host offer: (destination region names, block shapes, dtype), what a lease
+    # lent in the ACCEPT is for.
+    offer: tuple[list[str], list[tuple[int, ...]], str] | None = None
 
 
 def describe(exc: BaseException) -> tuple[str, str]:

@@ -1,6 +1,7 @@
 """The sending side of one transfer: choose the codec, announce, stream the chunks (small ones
 inline behind the announce, the rest as transport transfers, encoded while earlier ones are on the
-wire) or write them straight into a receiver's lent GPU memory, and wait for the receiver's DONE."""
+wire) or write them straight into a receiver's lent same-host memory (at once, where a standing
+lease of it is held), and wait for the receiver's DONE."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from kvferry import codec as codecs, transport
 
 from . import ipc, peer
 from .errors import EngineError, PeerError, ProtocolViolation
+from .leases import Held
 from .links import Pair, PeerLink, describe
+from .pipeline import runs_now
 from .transfers import State, Transfer
 
 if TYPE_CHECKING:
@@ -64,9 +67,12 @@ class Outgoing:
             return False
         t.move(State.RUNNING)
         link = self.engine.link(t, PeerLink(connection))
+        offer = self._offer(connection, spec, pairs, codec)  # the receiver may lend shared memory for later
+        if offer:
+            link.offer = ([dst for _, dst in spec.pairs], [p.region.block_shape for p in pairs], pairs[0].region.dtype)
         try:
             inline = self._inline_chunks(t, plan, pairs, codec, len(plan))
-            announce = self._announce(t, spec, pairs, book, len(inline), False)
+            announce = self._announce(t, spec, pairs, book, len(inline), offer)
         except Exception as exc:  # the codec's or the layout's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(exc))
             return True
@@ -78,6 +84,82 @@ class Outgoing:
             timeout, self.engine.abort, t, State.FAILED, "PeerError", f"the receiver did not confirm within {timeout:g} s")
         link.settle = functools.partial(self._replied, t, _raw_bytes(spec, pairs))
         return True
+
+    def start_leased(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
+                     address: tuple[str, int]) -> bool:
+        """Write a small transfer, here and now, into memory the receiver lent this sidecar's open
+        connection (a standing lease), then announce it behind the data: one message, ended by the
+        receiver's DONE. False, with nothing done, if it does not qualify."""
+        connection = self.engine.pool.ready(*address)
+        if connection is None or not runs_now(pairs[0].region.tensor.device, _raw_bytes(spec, pairs)):
+            return False
+        helds = self._leases(connection, spec, pairs, candidates)
+        if helds is None:
+            return False
+        t.move(State.RUNNING)
+        link = self.engine.link(t, PeerLink(connection))
+        self._same_host(t)
+        try:
+            announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
+            self._write_leased(connection, helds, lambda: self.engine.codec.call_now(
+                "encode", pairs[0].region.tensor.device, functools.partial(self._write_blocks, spec, pairs, helds)))
+        except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
+            self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
+                                        if isinstance(exc, RuntimeError) else exc))
+            return True
+        t.bytes_raw = _raw_bytes(spec, pairs)
+        for stage in ("first_byte", "last_byte"):
+            t.mark(stage)
+        connection.post_message(announce)
+        t.mark("announced")
+        timeout = self.engine.settings.transfer_timeout
+        t.deadline = asyncio.get_running_loop().call_later(
+            timeout, self.engine.abort, t, State.FAILED, "PeerError", f"the receiver did not confirm within {timeout:g} s")
+        link.settle = functools.partial(self._replied, t, 0)  # not a link speed: a same-host copy
+        return True
+
+    def _leases(self, connection: transport.Connection, spec: TransferSpec, pairs: list[Pair],
+                candidates: list[str]) -> list[Held] | None:
+        """The standing leases ``spec`` can be written under: it moves blocks as they are (raw
+        asked for, or ``auto``'s choice), on no emulated link, into regions all lent on this
+        connection. None otherwise."""
+        if self.engine.settings.link_gbps or spec.references is not None:
+            return None
+        if len(candidates) == 1 and not getattr(codecs.get(candidates[0]), "identity", False):
+            return None
+        return self.engine.leases.held(connection, [dst for _, dst in spec.pairs],
+                                       [p.region.block_shape for p in pairs], pairs[0].region.dtype)
+
+    def _offer(self, connection: transport.Connection, spec: TransferSpec, pairs: list[Pair],
+               codec: codecs.Codec) -> bool:
+        """Whether to offer the receiver to write its memory ourselves (it lends it in its ACCEPT,
+        for this and later transfers): blocks as they are (raw asked for, or ``auto``), all on a GPU
+        with CUDA IPC here or all in host memory, no emulated link (``link_gbps``: the peer stands
+        for a remote one, which only the paced wire reaches), and not declined on this connection."""
+        on_gpu = [p.region.tensor.is_cuda for p in pairs]
+        return ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not self.engine.settings.link_gbps
+                and (spec.codec == "auto" or getattr(codec, "identity", False)) and spec.references is None
+                and self.engine.leases.offer_wanted(connection, [dst for _, dst in spec.pairs]))
+
+    def _write_leased(self, connection: transport.Connection, helds: list[Held], write: Any) -> Any:
+        """Run ``write`` (or await what it returns) as a write under ``helds``: a REVOKE meanwhile
+        is answered once it is over."""
+        self.engine.leases.begin(helds)
+        try:
+            result = write()
+        except BaseException:
+            self.engine.leases.end(connection, helds)
+            raise
+        if not asyncio.iscoroutine(result):
+            self.engine.leases.end(connection, helds)
+            return result
+
+        async def finish() -> Any:
+            try:
+                return await result
+            finally:
+                self.engine.leases.end(connection, helds)
+        return finish()
 
     def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future) -> None:
         """An inline transfer's end: the receiver's DONE, or why there is none."""
@@ -112,31 +194,33 @@ class Outgoing:
         return codec, book
 
     def _announce(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], book: tuple[str, Any, str] | None,
-                  inline: int, offer: bool) -> bytes:
+                  inline: int, offer: bool, flags: int = 0) -> bytes:
         announce = peer.Announce(
             codec=t.chosen_codec, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
             pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk, ref)
                         for (_, dst), p, (_, ref) in zip(spec.pairs, pairs, spec.references or [("", "")] * len(pairs))),
             codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8),
-            inline_chunks=inline, host=ipc.host_id() if offer else bytes(16))
+            inline_chunks=inline, host=ipc.host_id() if offer else bytes(16), flags=flags)
         return peer.pack(peer.Message(t.id, announce))
 
     async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
         t.move(State.RUNNING)
         raw_bytes = _raw_bytes(spec, pairs)
-        codec, book = self._choose(t, spec, pairs, candidates, book)
         try:
             connection = await self.engine.pool.get(*address)
         except transport.TransportError as exc:
             raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
         link = self.engine.link(t, PeerLink(connection))
+        helds = self._leases(connection, spec, pairs, candidates)
+        if helds is not None:
+            await self._write_same_host(t, spec, pairs, helds, leased=True)
+            return
+        codec, book = self._choose(t, spec, pairs, candidates, book)
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
-        # GPU blocks may be written straight into a receiver on this host (it says in its ACCEPT),
-        # unless a transfer asked for a codec that changes the bytes, or the link is emulated
-        # (``link_gbps``: the peer stands for a remote one, which only the paced wire reaches).
-        offer = (ipc.available() and all(p.region.tensor.is_cuda for p in pairs) and not self.engine.settings.link_gbps
-                 and (spec.codec == "auto" or getattr(codec, "identity", False)))
+        offer = self._offer(connection, spec, pairs, codec)
+        if offer:
+            link.offer = ([dst for _, dst in spec.pairs], [p.region.block_shape for p in pairs], pairs[0].region.dtype)
         inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, self._inline_count(plan, pairs, codec))
         wire_start = time.perf_counter()
         await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer), *inline)
@@ -146,7 +230,12 @@ class Outgoing:
         if offer:
             accept = await self._accepted(link)
             if accept.targets:
-                await self._write_same_host(t, spec, pairs, accept.targets)
+                if len(accept.targets) != len(pairs):
+                    raise ProtocolViolation(f"{len(accept.targets)} targets for {len(pairs)} region pairs")
+                helds = self._leases(connection, spec, pairs, candidates) or [
+                    Held(dst, target, p.region.block_shape, p.region.dtype)
+                    for (_, dst), p, target in zip(spec.pairs, pairs, accept.targets)]  # lost already: this once
+                await self._write_same_host(t, spec, pairs, helds)
                 return
         if len(inline) < len(plan):
             await self._stream(t, connection, link, plan, pairs, codec, len(inline))
@@ -223,41 +312,50 @@ class Outgoing:
             raise ProtocolViolation("the receiver said DONE before it accepted")
         return link.accepted.result()
 
-    async def _write_same_host(self, t: Transfer, spec: TransferSpec, pairs: list[Pair],
-                               targets: tuple[peer.Target, ...]) -> None:
-        """Write the blocks into the receiver's lent GPU memory, then tell it (WRITTEN) and wait
-        for its DONE."""
-        if len(targets) != len(pairs):
-            raise ProtocolViolation(f"{len(targets)} targets for {len(pairs)} region pairs")
+    async def _write_same_host(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], helds: list[Held],
+                               leased: bool = False) -> None:
+        """Write the blocks into the receiver's lent memory, then tell it and wait for its DONE:
+        WRITTEN after an ACCEPT, or (``leased``: under a standing lease) the announce itself."""
         link = self.engine.links[t.id]
-        identity = next(c.name for c in codecs.lossless() if getattr(c, "identity", False))
-        t.chosen_codec = identity
-        t.choice_reason = "same host: written straight into the receiver's GPU memory (CUDA IPC)"
         raw = _raw_bytes(spec, pairs)
-
-        def write() -> None:
-            resolved: dict[tuple[int, str], torch.Tensor] = {}
-            for pair, target in zip(pairs, targets):
-                region = pair.region
-                remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
-                key = (target.num_blocks, str(remote.device))
-                if key not in resolved:
-                    resolved[key] = spec.dst_blocks.resolve(target.num_blocks, remote.device)
-                bits = codecs.layout_by_name(region.dtype).int_dtype
-                blocks = region.tensor.view(bits).index_select(0, pair.ids).to(remote.device, non_blocking=True)
-                remote.view(bits).index_copy_(0, resolved[key], blocks)
-
+        self._same_host(t)
+        announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN) if leased else None
+        device = pairs[0].region.tensor.device
         try:
-            await self.engine.codec.call("encode", pairs[0].region.tensor.device, raw, write)
+            await self._write_leased(link.connection, helds, lambda: self.engine.codec.call(
+                "encode", device, raw, functools.partial(self._write_blocks, spec, pairs, helds)))
         except (RuntimeError, EngineError) as exc:
-            raise PeerError(f"cannot write into the receiver's GPU memory: {exc}") from exc
+            raise PeerError(f"cannot write into the receiver's memory: {exc}") from exc
         t.bytes_raw = raw
         t.mark("first_byte")
         t.mark("last_byte")
-        await link.connection.send_message(peer.pack(peer.Message(t.id, peer.Written(len(spec.dst_blocks)))))
+        if announce is not None:
+            await link.connection.send_message(announce)
+            t.mark("announced")
+        else:
+            await link.connection.send_message(peer.pack(peer.Message(t.id, peer.Written(len(spec.dst_blocks)))))
         done = await self._reply(link, self.engine.settings.transfer_timeout)
         t.blocks_done = done.blocks
         self.engine.finish(t, State.DONE)
+
+    @staticmethod
+    def _same_host(t: Transfer) -> None:
+        t.chosen_codec = next(c.name for c in codecs.lossless() if getattr(c, "identity", False))
+        t.choice_reason = "same host: written straight into the receiver's memory (CUDA IPC or shared memory)"
+        t.lossy = False
+
+    def _write_blocks(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> None:
+        """The gather-scatter of every pair's blocks into the receiver's memory (one each)."""
+        resolved: dict[tuple[int, str], torch.Tensor] = {}
+        for pair, held in zip(pairs, helds):
+            region, target = pair.region, held.target
+            remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
+            key = (target.num_blocks, str(remote.device))
+            if key not in resolved:
+                resolved[key] = spec.dst_blocks.resolve(target.num_blocks, remote.device)
+            bits = codecs.layout_by_name(region.dtype).int_dtype
+            blocks = region.tensor.view(bits).index_select(0, pair.ids).to(remote.device, non_blocking=True)
+            remote.view(bits).index_copy_(0, resolved[key], blocks)
 
     async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: Pair, start: int, count: int,
                             index: int) -> torch.Tensor:

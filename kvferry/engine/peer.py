@@ -1,4 +1,4 @@
-"""The peer protocol between sidecars (version 2): the one place that knows its byte layout.
+"""The peer protocol between sidecars (version 3): the one place that knows its byte layout.
 
 Peer messages ride as MSG payloads on the authenticated transport connection (``transport/wire.py``),
 in order with the chunks they describe; sidecars never call each other over HTTP. All integers are
@@ -6,10 +6,11 @@ little-endian. Every message starts with a 24-byte header:
 
     offset size field
          0    4 magic b"KVFP"
-         4    1 version (2; version 1 had no reference regions)
+         4    1 version (3; 2 had no standing leases, 1 no reference regions)
          5    1 type (Kind)
          6    2 reserved (0)
-         8   16 transfer id (the 16 bytes of its 32-hex-digit id)
+         8   16 transfer id (the 16 bytes of its 32-hex-digit id; all 0 for REVOKE and REVOKED,
+                    which concern the connection)
 
 then a body by type, built from: u8/u16/u32/u64; ``str8``/``str16`` (u8 or u16 byte length, UTF-8);
 ``blocks`` (u8 form; form 0 = ids: u32 n, n × u32; form 1 = ranges: u32 n, n × (u32 start,
@@ -19,15 +20,19 @@ u32 count, i32 stride)).
               blocks dst_blocks, u16 pairs, per pair: str8 dst region, u8 ndim, ndim × u32
               block shape, u32 blocks per chunk, str8 reference region ("" = none: the receiver's
               region of predictor KV for the same blocks); then u32 inline chunks, 16 bytes host id
-              (all 0: no same-host write offered)
+              (all 0: no same-host write offered), u8 flags (bit 0 WRITTEN: the sender already wrote
+              every block into memory this connection holds a standing lease on)
     CHUNK     u32 chunk index, then the chunk's frame (the rest of the message)
     ACCEPT    u16 targets (0, or one per pair: the receiver takes the same-host write offer), per
-              target: 64 bytes CUDA IPC handle, u64 offset, 16 bytes GPU UUID, u32 region blocks
+              target: 64 bytes handle (CUDA IPC handle; for host shared memory its name, NUL-padded),
+              u64 offset, 16 bytes GPU UUID (all 0: host shared memory), u32 region blocks
     WRITTEN   u32 blocks: the sender wrote every block into the targets (its GPU work finished)
     REJECT    str8 error class, str16 reason     the receiver refused the announce; nothing written
     DONE      u32 blocks written, u64 raw bytes, u64 wire bytes   every block is written
     CANCEL    str16 reason                       either side gives the transfer up
     ERROR     str8 error class, str16 reason     the receiver failed mid-transfer
+    REVOKE    str8 region                        receiver to sender: stop writing this region
+    REVOKED   str8 region                        sender: no write of mine into it is under way or to come
 
 A transfer's chunks are transport transfers whose tags ``chunk_tag(id, index)`` derive from it;
 the chunk plan follows from the announce (``plan_chunks``), so it is not sent. The first
@@ -35,8 +40,13 @@ the chunk plan follows from the announce (``plan_chunks``), so it is not sent. T
 write, no transport handshake: what makes a one-block transfer one round trip); the others are
 transport transfers. A receiver that accepts an announce has posted the receives of its first
 ``EAGER_CHUNKS`` transport chunks before it reads the next message, so the sender streams those
-without waiting for the transport's CTS. ACCEPT is sent only for transfers with transport chunks:
-a transfer whose chunks all ride inline is answered by its DONE alone.
+without waiting for the transport's CTS. ACCEPT is sent only for transfers with transport chunks
+or a same-host offer: a transfer whose chunks all ride inline is answered by its DONE alone.
+
+Targets lent in an ACCEPT are a *standing lease* for the connection (NIXL's model: memory
+registered once): the sender may write later transfers into them at once and send their
+ANNOUNCE with the WRITTEN flag behind the data, one message, answered by DONE. A receiver lets a
+region go only after REVOKE has been answered by REVOKED (or the connection is gone).
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from .blocks import Blocks, Range
 from .errors import ProtocolViolation
 
 MAGIC = b"KVFP"
-VERSION = 2
+VERSION = 3
 _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
@@ -70,6 +80,13 @@ class Kind(IntEnum):
     ERROR = 6
     CHUNK = 7
     WRITTEN = 8
+    REVOKE = 9
+    REVOKED = 10
+
+
+LINK_ID = "0" * 32  # the transfer id of messages about the connection, not a transfer
+FLAG_WRITTEN = 1  # ANNOUNCE: every block is already written under a standing lease
+HOST_MEMORY = bytes(16)  # a Target's device UUID for host shared memory
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,7 @@ class Announce:
     codebook_digest: bytes = bytes(8)
     inline_chunks: int = 0
     host: bytes = bytes(16)
+    flags: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,9 +162,20 @@ class Accept:
     targets: tuple[Target, ...] = ()
 
 
-Body = Announce | Accept | Reject | Done | Cancel | Error | Chunk | Written
+@dataclass(frozen=True)
+class Revoke:
+    region: str
+
+
+@dataclass(frozen=True)
+class Revoked:
+    region: str
+
+
+Body = Announce | Accept | Reject | Done | Cancel | Error | Chunk | Written | Revoke | Revoked
 _KIND = {Announce: Kind.ANNOUNCE, Accept: Kind.ACCEPT, Reject: Kind.REJECT, Done: Kind.DONE,
-         Cancel: Kind.CANCEL, Error: Kind.ERROR, Chunk: Kind.CHUNK, Written: Kind.WRITTEN}
+         Cancel: Kind.CANCEL, Error: Kind.ERROR, Chunk: Kind.CHUNK, Written: Kind.WRITTEN,
+         Revoke: Kind.REVOKE, Revoked: Kind.REVOKED}
 HANDLE_BYTES = 64
 
 
@@ -206,7 +235,7 @@ def pack(message: Message) -> bytes:
                         struct.pack("<I", pair.blocks_per_chunk), _str(pair.reference, 1)]
             if len(body.host) != 16:
                 raise ProtocolViolation("a host id is 16 bytes")
-            out += [struct.pack("<I", body.inline_chunks), bytes(body.host)]
+            out += [struct.pack("<I", body.inline_chunks), bytes(body.host), struct.pack("<B", body.flags)]
         elif isinstance(body, Accept):
             out.append(struct.pack("<H", len(body.targets)))
             for target in body.targets:
@@ -224,6 +253,8 @@ def pack(message: Message) -> bytes:
             out.append(struct.pack("<IQQ", body.blocks, body.bytes_raw, body.bytes_wire))
         elif isinstance(body, Cancel):
             out.append(_str(body.reason, 2))
+        elif isinstance(body, (Revoke, Revoked)):
+            out.append(_str(body.region, 1))
     except struct.error as exc:
         raise ProtocolViolation(f"{message.kind.name} field out of range: {exc}") from exc
     return b"".join(out)
@@ -322,7 +353,11 @@ def unpack(data: bytes | bytearray) -> Message:
                 raise ProtocolViolation("zero blocks per chunk")
             pairs.append(PairLayout(name, tuple(shape), per_chunk, r.text(1)))
         (inline,) = r.unpack("I")
-        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, r.take(16))
+        host = r.take(16)
+        (flags,) = r.unpack("B")
+        if flags & ~FLAG_WRITTEN:
+            raise ProtocolViolation(f"unknown announce flags {flags:#x}")
+        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, host, flags)
     elif kind == Kind.CHUNK:
         (index,) = r.unpack("I")
         body = Chunk(index, memoryview(data)[r.at:])
@@ -341,6 +376,10 @@ def unpack(data: bytes | bytearray) -> Message:
         body = Error(r.text(1), r.text(2))
     elif kind == Kind.DONE:
         body = Done(*r.unpack("IQQ"))
+    elif kind == Kind.REVOKE:
+        body = Revoke(r.text(1))
+    elif kind == Kind.REVOKED:
+        body = Revoked(r.text(1))
     else:
         body = Cancel(r.text(2))
     if r.at != len(data):

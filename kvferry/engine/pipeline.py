@@ -21,6 +21,12 @@ from .policy import CodecSpeed, Policy
 INLINE_BYTES = 256 << 10
 
 
+def runs_now(device: torch.device, raw_bytes: int) -> bool:
+    """Whether copying ``raw_bytes`` of blocks costs less than a thread hop would: a GPU
+    gather-scatter of a few MiB takes microseconds, a host one about a millisecond per 4 MiB."""
+    return raw_bytes <= (INLINE_BYTES * 64 if device.type == "cuda" else INLINE_BYTES * 4)
+
+
 class CodecRunner:
     """Encodes and decodes chunks for the engine; knows no codec by name."""
 
@@ -52,18 +58,20 @@ class CodecRunner:
         self._timed("decode", codec, cache, raw_bytes, codec.decode_blocks, frame, cache, ids, book)
 
     async def call(self, direction: str, device: torch.device, raw_bytes: int, work: Callable[[], Any]) -> Any:
-        """Run GPU work that is not a codec's (a same-host write) on the direction's stream."""
-        def timed() -> Any:
-            stream = self._streams.get(direction) if device.type == "cuda" else None
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                result = work()
-                if stream is not None:
-                    stream.synchronize()
-            return result
+        """Run work that is not a codec's (a same-host write) on the direction's stream, finished
+        when this returns: on this thread if it is small (``runs_now``), else on a worker's."""
+        if runs_now(device, raw_bytes):
+            return self.call_now(direction, device, work)
+        return await asyncio.to_thread(self.call_now, direction, device, work)
 
-        if raw_bytes <= INLINE_BYTES * 64:  # a GPU gather-scatter of a few MiB is microseconds
-            return timed()
-        return await asyncio.to_thread(timed)
+    def call_now(self, direction: str, device: torch.device, work: Callable[[], Any]) -> Any:
+        """``call`` on the caller's thread."""
+        stream = self._streams.get(direction) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            result = work()
+            if stream is not None:
+                stream.synchronize()
+        return result
 
     async def _run(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
                    work: Callable, *args: Any) -> Any:

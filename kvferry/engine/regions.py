@@ -51,6 +51,8 @@ class Region:
     busy: set[str] = field(default_factory=set)  # ids of transfers reading or writing it
     axes: tuple[str, ...] | None = None
     ipc_export: tuple[bytes, int] | None = None  # cuda_ipc: the worker's (handle, offset), to lend on
+    closing: bool = False  # being deleted: lent to no sender
+    shm_name: str = ""  # shm: the segment's name (what a same-host sender is lent)
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
 
     @property
@@ -165,7 +167,8 @@ class RegionTable:
             raise BadRequest(f"unknown region kind {spec.kind!r}")
         export = ((base64.b64decode(spec.ipc_handle), spec.offset) if spec.kind == "cuda_ipc" else None)
         return Region(name, spec.kind, spec.num_blocks, tuple(spec.block_shape), spec.dtype, tensor,
-                      axes=tuple(spec.axes) if spec.axes else None, ipc_export=export, _keepalive=keepalive)
+                      axes=tuple(spec.axes) if spec.axes else None, ipc_export=export,
+                      shm_name=spec.shm_name if spec.kind == "shm" else "", _keepalive=keepalive)
 
     def delete(self, name: str) -> None:
         region = self.get(name)

@@ -96,7 +96,7 @@ def test_graceful_shutdown_fails_in_flight_and_exits(kv):
         incoming = b.client.transfer(transfer, wait=30)
         # cancelled, not failed: the sender told the receiver on its way out (an abrupt death
         # would surface as a lost peer instead)
-        assert incoming["state"] == "cancelled" and incoming["error"], incoming
+        assert incoming["state"] == "cancelled" and incoming["error"], (incoming["error_kind"], incoming["error"])
         assert incoming["blocks_done"] < len(ids)
     finally:
         stop(a, b)

@@ -46,8 +46,8 @@ def test_inline_transfers_are_task_free_and_exact():
             assert torch.equal(b.regions.get("dst").tensor[(i + 1) % 4].view(torch.int16),
                                a.regions.get("src").tensor[i % 4].view(torch.int16))
         assert not a.links and not b.links and not a.transfers.active() and not b.transfers.active()
-        a.delete_region("src")  # nothing holds it
-        b.delete_region("dst")
+        await a.delete_region("src")  # nothing holds it
+        await b.delete_region("dst")
 
     _run(body)
 
@@ -60,7 +60,7 @@ def test_an_announce_that_cannot_be_packed_fails_the_transfer_and_frees_the_regi
         t = a.submit(_spec(b, [0], Blocks(ranges=(Range(2 ** 32, 1),))))
         assert t.state == State.FAILED and "ProtocolViolation" in (t.error_kind or "")
         assert not a.links and a.transfers.active() == []
-        a.delete_region("src")
+        await a.delete_region("src")
 
     _run(body)
 

@@ -11,24 +11,35 @@ from kvferry.engine.blocks import Blocks, Range
 from kvferry.engine.errors import ProtocolViolation
 
 TID = "00112233445566778899aabbccddeeff"
-HEAD = "4b56465002{kind:02x}000000112233445566778899aabbccddeeff"
+HEAD = "4b56465003{kind:02x}000000112233445566778899aabbccddeeff"
 GOLDEN = {
     "announce": (peer.Message(TID, peer.Announce(
         "splitzip", "bfloat16", Blocks(ranges=(Range(4, 3, 2),)),
         (peer.PairLayout("l0", (2, 16), 8), peer.PairLayout("l1", (2, 16), 8)), "kb", bytes(range(8)))),
         HEAD.format(kind=1) + "0873706c69747a69700862666c6f61743136026b620001020304050607010100000004000000030000"
         "00020000000200026c300202000000100000000800000000026c31020200000010000000080000000000000000"
-        + "00" * 16),
+        + "00" * 16 + "00"),
     "announce_ids": (peer.Message(TID, peer.Announce("raw", "float16", Blocks(ids=(5, 1)),
                                                       (peer.PairLayout("d", (4,), 1, "r"),), inline_chunks=1,
                                                       host=bytes(range(16)))),
                      HEAD.format(kind=1) + "0372617707666c6f617431360000000000000000000002000000050000000100000001"
-                     "000164010400000001000000017201000000000102030405060708090a0b0c0d0e0f"),
+                     "000164010400000001000000017201000000000102030405060708090a0b0c0d0e0f00"),
+    "announce_written": (peer.Message(TID, peer.Announce("raw", "bfloat16", Blocks(ids=(2,)),
+                                                          (peer.PairLayout("d", (4,), 1),), host=bytes(range(16)),
+                                                          flags=peer.FLAG_WRITTEN)),
+                         HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "00" + "0100000002000000"
+                         "0100" "0164" "01" "04000000" "01000000" "00" "00000000" "000102030405060708090a0b0c0d0e0f" "01"),
     "chunk": (peer.Message(TID, peer.Chunk(3, b"KVFZ\x01")), HEAD.format(kind=7) + "030000004b56465a01"),
     "accept": (peer.Message(TID, peer.Accept()), HEAD.format(kind=2) + "0000"),
     "accept_ipc": (peer.Message(TID, peer.Accept((peer.Target(bytes(range(64)), 4096, bytes([9] * 16), 80),))),
                    HEAD.format(kind=2) + "0100" + bytes(range(64)).hex() + "0010000000000000" + "09" * 16 + "50000000"),
     "written": (peer.Message(TID, peer.Written(7)), HEAD.format(kind=8) + "07000000"),
+    "accept_shm": (peer.Message(TID, peer.Accept((peer.Target(b"kvferry-d".ljust(64, b"\0"), 0, peer.HOST_MEMORY, 3),))),
+                   HEAD.format(kind=2) + "0100" + b"kvferry-d".hex() + "00" * 55 + "00" * 8 + "00" * 16 + "03000000"),
+    "revoke": (peer.Message(peer.LINK_ID, peer.Revoke("dst")),
+               "4b564650030900" + "00" * 17 + "03647374"),
+    "revoked": (peer.Message(peer.LINK_ID, peer.Revoked("dst")),
+                "4b564650030a00" + "00" * 17 + "03647374"),
     "reject": (peer.Message(TID, peer.Reject("NotFound", "no region named 'x'")),
                HEAD.format(kind=3) + "084e6f74466f756e6413006e6f20726567696f6e206e616d656420277827"),
     "done": (peer.Message(TID, peer.Done(3, 1024, 900)), HEAD.format(kind=4) + "0300000000040000000000008403000000000000"),
@@ -50,7 +61,7 @@ def test_header_fields():
     raw = bytes.fromhex(GOLDEN["written"][1])
     assert len(raw) == peer.HEADER_SIZE + 4 and peer.HEADER_SIZE == 24 and raw[:4] == b"KVFP" and raw[4] == peer.VERSION
     with pytest.raises(ProtocolViolation, match="version"):
-        peer.unpack(raw[:4] + b"\x01" + raw[5:])  # version 1 had no reference regions
+        peer.unpack(raw[:4] + b"\x02" + raw[5:])  # version 2 had no standing leases
     with pytest.raises(ProtocolViolation, match="magic"):
         peer.unpack(b"XXXX" + raw[4:])
     with pytest.raises(ProtocolViolation, match="kind"):
@@ -100,3 +111,10 @@ def test_messages_parse_the_same_from_the_transports_bytearray():
     chunk = peer.unpack(buffer).body
     buffer[-1] = ord("E")
     assert bytes(chunk.frame) == b"framE"
+
+
+def test_unknown_announce_flags_are_refused():
+    raw = bytearray.fromhex(GOLDEN["announce_written"][1])
+    raw[-1] = 0x03
+    with pytest.raises(ProtocolViolation, match="flags"):
+        peer.unpack(bytes(raw))

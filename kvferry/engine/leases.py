@@ -1,0 +1,147 @@
+"""Standing leases of same-host memory (peer protocol v3, NIXL's model of memory registered once).
+
+A receiver on the same host lends a destination region's memory (CUDA IPC, or host shared
+memory) in its ACCEPT; the lease stands for that connection. The sender then writes later
+transfers into it at once and announces them with the WRITTEN flag behind the data: one message
+and its DONE, where a first transfer needs ANNOUNCE → ACCEPT → WRITTEN → DONE. Before a receiver
+lets a leased region go it sends REVOKE and waits for REVOKED, which the sender sends only once
+no write of its own into that memory is under way; a sender that does not answer in time loses
+the connection (it writes under a lease only while the connection it came on is open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from kvferry import transport
+
+from . import peer
+
+log = logging.getLogger("kvferry.engine")
+
+
+@dataclass
+class Held:
+    """A lease this sender holds: where the receiver's region lives and what its blocks are."""
+
+    name: str
+    target: peer.Target
+    block_shape: tuple[int, ...]
+    dtype: str
+    writes: int = 0  # writes under way
+    revoked: bool = False  # REVOKE came during a write: REVOKED goes after the last one
+
+
+class Leases:
+    """Both sides' leases for one engine: those it holds as a sender, those it lent as a receiver."""
+
+    def __init__(self) -> None:
+        self._held: dict[transport.Connection, dict[str, Held]] = {}
+        self._declined: dict[transport.Connection, set[str]] = {}  # regions the receiver cannot lend
+        self._lent: dict[str, set[transport.Connection]] = {}
+        self._revoking: dict[tuple[transport.Connection, str], asyncio.Future] = {}
+
+    # ---- sending ------------------------------------------------------------------------------
+    def hold(self, connection: transport.Connection, helds: list[Held]) -> None:
+        """Keep the targets a receiver lent on ``connection`` for later transfers."""
+        if not connection.closed:
+            table = self._held.setdefault(connection, {})
+            for held in helds:
+                table[held.name] = held
+
+    def held(self, connection: transport.Connection, names: list[str], shapes: list[tuple[int, ...]],
+             dtype: str) -> list[Held] | None:
+        """The leases for every destination region named, if this connection holds them all and
+        they hold blocks of the shape and dtype the transfer moves; else None."""
+        table = self._held.get(connection)
+        if not table:
+            return None
+        helds = [table.get(name) for name in names]
+        if any(h is None or h.block_shape != shape or h.dtype != dtype for h, shape in zip(helds, shapes)):
+            return None
+        return helds  # type: ignore[return-value]
+
+    def decline(self, connection: transport.Connection, names: list[str]) -> None:
+        """The receiver answered an offer without lending (its memory is not shareable): offer no
+        more for these regions on this connection."""
+        if not connection.closed:
+            self._declined.setdefault(connection, set()).update(names)
+
+    def offer_wanted(self, connection: transport.Connection, names: list[str]) -> bool:
+        declined = self._declined.get(connection)
+        return not declined or declined.isdisjoint(names)
+
+    def begin(self, helds: list[Held]) -> None:
+        for held in helds:
+            held.writes += 1
+
+    def end(self, connection: transport.Connection, helds: list[Held]) -> None:
+        """A write under these leases is over: answer a REVOKE that waited for it."""
+        for held in helds:
+            held.writes -= 1
+            if held.revoked and held.writes == 0:
+                held.revoked = False
+                _post(connection, peer.Revoked(held.name))
+
+    def on_revoke(self, connection: transport.Connection, name: str) -> None:
+        """The receiver takes a lease back: no new write starts; REVOKED once none is under way."""
+        held = self._held.get(connection, {}).pop(name, None)
+        if held is not None and held.writes:
+            held.revoked = True
+        else:
+            _post(connection, peer.Revoked(name))
+
+    # ---- receiving ----------------------------------------------------------------------------
+    def lend(self, name: str, connection: transport.Connection) -> None:
+        self._lent.setdefault(name, set()).add(connection)
+
+    def lent_to(self, name: str, connection: transport.Connection) -> bool:
+        return connection in self._lent.get(name, ())
+
+    async def revoke(self, name: str, timeout: float) -> None:
+        """Take back every lease of region ``name``: when this returns, no sender writes into it.
+        A sender silent for ``timeout`` seconds loses its connection."""
+        connections = [c for c in self._lent.pop(name, ()) if not c.closed]
+        if not connections:
+            return
+        loop = asyncio.get_running_loop()
+        waits = {}
+        for connection in connections:
+            waits[connection] = self._revoking[(connection, name)] = loop.create_future()
+            _post(connection, peer.Revoke(name))
+        try:
+            _, late = await asyncio.wait(waits.values(), timeout=timeout)
+            for connection, future in waits.items():
+                if future in late:
+                    log.warning("peer %s did not give back its lease of region %r within %g s: closing the connection",
+                                connection.peer, name, timeout)
+                    await connection.close()
+        finally:
+            for connection in connections:
+                self._revoking.pop((connection, name), None)
+
+    def on_revoked(self, connection: transport.Connection, name: str) -> bool:
+        """A sender's REVOKED; False if no revocation of that region on that connection waits."""
+        future = self._revoking.get((connection, name))
+        if future is None or future.done():
+            return False
+        future.set_result(None)
+        return True
+
+    # ---- both ---------------------------------------------------------------------------------
+    def lost(self, connection: transport.Connection) -> None:
+        """A connection is gone: its leases with it (a closed connection carries no more writes)."""
+        self._held.pop(connection, None)
+        self._declined.pop(connection, None)
+        for holders in self._lent.values():
+            holders.discard(connection)
+        for (c, _), future in list(self._revoking.items()):
+            if c is connection and not future.done():
+                future.set_result(None)
+
+
+def _post(connection: transport.Connection, body: peer.Revoke | peer.Revoked) -> None:
+    if not connection.closed:
+        connection.post_message(peer.pack(peer.Message(peer.LINK_ID, body)))

@@ -1,0 +1,240 @@
+"""Standing leases of same-host memory (peer protocol v3), with host shared memory standing in for
+a GPU's CUDA IPC (the same code path past the mapping): two real engines over TCP on loopback, in
+one process. The first transfer into a lent region is written after the receiver's ACCEPT; later
+ones are written at once and announced behind the data; deleting the region revokes the lease
+before the memory goes."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from multiprocessing import shared_memory
+
+import pytest
+import torch
+
+from kvferry.engine import Blocks, Engine, RegionSpec, Settings, State, TransferSpec, peer
+from kvferry.engine.errors import TransferFailed
+from kvferry.engine.leases import Held, Leases
+
+BLOCK = (8192,)  # bf16: 16 KiB a block
+BLOCKS = 400  # 6.25 MiB: more than rides inline, so the first transfer offers to write itself
+
+
+def _segment() -> shared_memory.SharedMemory:
+    return shared_memory.SharedMemory(name=f"kvferry-t{uuid.uuid4().hex[:12]}", create=True,
+                                      size=BLOCKS * BLOCK[0] * 2)
+
+
+def _run(body, **settings):
+    async def main():
+        engines = [Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=10,
+                                   **settings)) for _ in range(2)]
+        segments = []
+        for e in engines:
+            await e.start()
+        try:
+            a, b = engines
+            src = await a.register_region(RegionSpec("src", BLOCKS, BLOCK, "bfloat16"))
+            src.tensor.copy_(torch.randn(BLOCKS, *BLOCK).to(torch.bfloat16))
+            segments.append(_segment())
+            await b.register_region(RegionSpec("dst", BLOCKS, BLOCK, "bfloat16", kind="shm",
+                                               shm_name=segments[-1].name))
+            await body(a, b, segments)
+        finally:
+            for e in engines:
+                await e.close()
+            for segment in segments:
+                segment.close()
+                segment.unlink()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def _spec(b: Engine, src: list[int], dst: list[int], codec: str = "raw") -> TransferSpec:
+    return TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of(src),
+                        dst_blocks=Blocks.of(dst), codec=codec)
+
+
+def _landed(segment: shared_memory.SharedMemory, ids: list[int]) -> torch.Tensor:
+    view = torch.frombuffer(segment.buf, dtype=torch.int16).view(BLOCKS, *BLOCK)
+    return view[ids].clone()
+
+
+def _sent(a: Engine, ids: list[int]) -> torch.Tensor:
+    return a.regions.get("src").tensor.view(torch.int16)[ids]
+
+
+def _connection(a: Engine, b: Engine):
+    host, port = b.data_address.rsplit(":", 1)
+    return a.pool.ready(host, int(port))
+
+
+def _held(a: Engine, b: Engine) -> list[Held] | None:
+    return a.leases.held(_connection(a, b), ["dst"], [BLOCK], "bfloat16")
+
+
+async def _incoming(b: Engine, transfer_id: str) -> dict:
+    for _ in range(100):
+        record = b.status(transfer_id)
+        if record["state"] != "running":
+            return record
+        await asyncio.sleep(0.01)
+    return record
+
+
+def test_the_first_transfer_leases_the_region_and_later_ones_are_written_at_once():
+    async def body(a, b, segments):
+        first = list(range(300))
+        dst = [BLOCKS - 1 - i for i in first]
+        record = await a.wait(a.submit(_spec(b, first, dst, codec="auto")).id, 10)
+        assert record["state"] == "done" and "same host" in record["choice_reason"], record
+        assert record["chosen_codec"] == "raw" and torch.equal(_landed(segments[0], dst), _sent(a, first))
+        assert _held(a, b) is not None
+        for i in range(5):  # small: written and announced by submit itself, no task
+            src_ids, dst_ids = [i, i + 7], [3 * i + 1, 200 + i]
+            t = a.submit(_spec(b, src_ids, dst_ids))
+            assert t.task is None and t.state == State.RUNNING and "same host" in t.choice_reason
+            done = await a.wait(t.id, 5)
+            assert done["state"] == "done" and done["blocks_done"] == 2
+            assert torch.equal(_landed(segments[0], dst_ids), _sent(a, src_ids))
+            incoming = await _incoming(b, t.id)
+            assert incoming["state"] == "done" and incoming["blocks_done"] == 2
+        big = list(range(BLOCKS))  # large: the task path, still under the lease
+        t = a.submit(_spec(b, big, big[::-1]))
+        assert t.task is not None
+        record = await a.wait(t.id, 10)
+        assert record["state"] == "done" and "same host" in record["choice_reason"] and record["stages"].get("accepted") is None
+        assert torch.equal(_landed(segments[0], big[::-1]), _sent(a, big))
+        assert not a.links and not b.links and not a.transfers.active() and not b.transfers.active()
+
+    _run(body)
+
+
+def test_a_codec_asked_for_by_name_still_streams():
+    async def body(a, b, segments):
+        ids = list(range(300))
+        assert (await a.wait(a.submit(_spec(b, ids, ids)).id, 10))["state"] == "done"
+        assert _held(a, b) is not None
+        record = await a.wait(a.submit(_spec(b, ids, ids[::-1], codec="splitzip")).id, 10)
+        assert record["chosen_codec"] == "splitzip" and record["bytes_wire"] < record["bytes_raw"], record
+        assert torch.equal(_landed(segments[0], ids[::-1]), _sent(a, ids))
+
+    _run(body)
+
+
+def test_deleting_a_leased_region_revokes_the_lease_before_the_memory_goes():
+    async def body(a, b, segments):
+        ids = list(range(300))
+        assert (await a.wait(a.submit(_spec(b, ids, ids)).id, 10))["state"] == "done"
+        assert _held(a, b) is not None
+        await b.delete_region("dst")
+        assert _held(a, b) is None  # the sender gave it back (REVOKED) before delete returned
+        with pytest.raises(TransferFailed, match="NotFound"):  # the region is gone: nothing written
+            await a.wait(a.submit(_spec(b, [0], [0])).id, 10)
+        segments.append(_segment())  # a new region of that name: leased afresh, written where it now lives
+        await b.register_region(RegionSpec("dst", BLOCKS, BLOCK, "bfloat16", kind="shm", shm_name=segments[-1].name))
+        assert (await a.wait(a.submit(_spec(b, ids, ids[::-1])).id, 10))["state"] == "done"
+        assert torch.equal(_landed(segments[-1], ids[::-1]), _sent(a, ids))
+        small = a.submit(_spec(b, [5], [6]))
+        assert small.task is None and (await a.wait(small.id, 5))["state"] == "done"
+        assert torch.equal(_landed(segments[-1], [6]), _sent(a, [5]))
+
+    _run(body)
+
+
+def test_a_write_announced_without_a_lease_is_refused():
+    """A sender that claims a lease the receiver never lent (or took back) fails its transfer; the
+    receiver refuses it before taking it on. An owned region on the CPU is not shareable: the
+    receiver declines the offer, and the sender stops offering."""
+    async def body(a, b, segments):
+        await b.register_region(RegionSpec("own", BLOCKS, BLOCK, "bfloat16"))
+        spec = TransferSpec(peer=b.data_address, pairs=(("src", "own"),), src_blocks=Blocks.of([0]),
+                            dst_blocks=Blocks.of([0]), codec="raw")
+        assert (await a.wait(a.submit(spec).id, 10))["state"] == "done"  # offered, declined: inline
+        connection = _connection(a, b)
+        assert a.leases.held(connection, ["own"], [BLOCK], "bfloat16") is None
+        assert not a.leases.offer_wanted(connection, ["own"]) and a.leases.offer_wanted(connection, ["dst"])
+        target = peer.Target(segments[0].name.encode().ljust(peer.HANDLE_BYTES, b"\0"), 0, peer.HOST_MEMORY, BLOCKS)
+        a.leases.hold(connection, [Held("own", target, BLOCK, "bfloat16")])  # forged
+        t = a.submit(TransferSpec(peer=b.data_address, pairs=(("src", "own"),), src_blocks=Blocks.of([1]),
+                                  dst_blocks=Blocks.of([2]), codec="raw"))
+        assert t.task is None  # written at once, under the lease it claims
+        with pytest.raises(TransferFailed, match="ProtocolViolation"):
+            await a.wait(t.id, 10)
+        assert b.transfers.find(t.id) is None  # refused before the receiver took it on
+
+
+def test_an_emulated_link_takes_no_same_host_shortcut():
+    async def body(a, b, segments):
+        ids = list(range(300))
+        record = await a.wait(a.submit(_spec(b, ids, ids)).id, 30)
+        assert record["state"] == "done" and "same host" not in record["choice_reason"]
+        assert _held(a, b) is None and torch.equal(_landed(segments[0], ids), _sent(a, ids))
+
+    _run(body, link_gbps=1.0)
+
+
+class _Connection:
+    """What ``Leases`` needs of a connection: whether it is closed, and a way to post messages."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.posted: list[peer.Message] = []
+        self.peer = "test"
+
+    def post_message(self, *payloads: bytes) -> None:
+        self.posted += [peer.unpack(p) for p in payloads]
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_revoked_waits_for_the_writes_under_way():
+    leases, connection = Leases(), _Connection()
+    target = peer.Target(b"x" * 64, 0, peer.HOST_MEMORY, 4)
+    held = Held("dst", target, (4,), "bfloat16")
+    leases.hold(connection, [held])
+    leases.begin([held])
+    leases.on_revoke(connection, "dst")
+    assert connection.posted == []  # a write is under way
+    assert leases.held(connection, ["dst"], [(4,)], "bfloat16") is None  # and none starts now
+    leases.end(connection, [held])
+    assert connection.posted == [peer.Message(peer.LINK_ID, peer.Revoked("dst"))]
+    leases.on_revoke(connection, "other")  # nothing held: answered at once
+    assert connection.posted[-1].body == peer.Revoked("other")
+
+
+def test_a_sender_that_does_not_give_a_lease_back_loses_its_connection():
+    async def main():
+        leases, silent, prompt = Leases(), _Connection(), _Connection()
+        for c in (silent, prompt):
+            leases.lend("dst", c)
+        revoking = asyncio.ensure_future(leases.revoke("dst", 0.2))
+        await asyncio.sleep(0.01)
+        assert [m.body for m in silent.posted] == [peer.Revoke("dst")]
+        assert leases.on_revoked(prompt, "dst") and not leases.on_revoked(prompt, "dst")
+        await revoking
+        assert silent.closed and not prompt.closed
+        assert not leases.lent_to("dst", prompt)
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+
+
+@pytest.mark.parametrize("lost_first", [True, False])
+def test_a_lost_connection_ends_its_leases(lost_first):
+    async def main():
+        leases, connection = Leases(), _Connection()
+        leases.lend("dst", connection)
+        leases.hold(connection, [Held("dst", peer.Target(b"x" * 64, 0, peer.HOST_MEMORY, 4), (4,), "bfloat16")])
+        if lost_first:
+            leases.lost(connection)
+            await asyncio.wait_for(leases.revoke("dst", 5), 1)  # nobody left to ask
+        else:
+            revoking = asyncio.ensure_future(leases.revoke("dst", 5))
+            await asyncio.sleep(0.01)
+            leases.lost(connection)
+            await asyncio.wait_for(revoking, 1)
+        assert leases.held(connection, ["dst"], [(4,)], "bfloat16") is None
+
+    asyncio.run(main())
