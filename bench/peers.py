@@ -8,7 +8,9 @@ random destination blocks.
 
 - kvferry: two real sidecars (``kvferry serve``); this process owns both caches and lends them
   (CUDA IPC on a GPU, POSIX shared memory on the CPU); one transfer per request, timed from
-  submit to done (the receiver has written every block: the sender's record).
+  submit to done (the receiver has written every block: the sender's record, which waits for the
+  receiver's DONE), and from submit to the receiver's own done ("at the receiver": NIXL's rows
+  time the same, the notification's arrival at the target).
 - NIXL (``nixl-cu13``), driven as vLLM's NixlConnector drives it: an initiator and a target
   process, memory registered once, descriptor lists prepped once, then a WRITE of block indices
   with a notification; timed from posting to the notification's arrival at the target (one
@@ -105,7 +107,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
         for codec in args.codecs.split(","):
             for size in sizes:
                 count = max(1, size // BLOCK_BYTES)
-                seconds, exact, ratio, chosen = [], True, 0.0, ""
+                seconds, at_receiver, exact, ratio, chosen = [], [], True, 0.0, ""
                 for repeat in range(args.repeats + 1):  # the first is a warm-up
                     src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
                     for d in dst_ids[:SAMPLES]:
@@ -121,11 +123,17 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
                                  zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
                     if repeat:
                         seconds.append(record["seconds"])
+                        incoming = receiver.transfer(record["id"])
+                        if incoming.get("state") == "done":
+                            at_receiver.append(incoming["created"] + incoming["seconds"] - record["created"])
                         ratio = record["bytes_raw"] / max(1, record["bytes_wire"]) if record["bytes_wire"] else 1.0
                         chosen = record.get("chosen_codec") or codec
-                rows.append(_row("kvferry", f"{codec}" + (f" ({chosen})" if codec == "auto" else ""),
-                                 count, seconds, exact, ratio, link_gbps))
+                how = f"{codec}" + (f" ({chosen})" if codec == "auto" else "")
+                rows.append(_row("kvferry", how, count, seconds, exact, ratio, link_gbps))
                 print(_line(rows[-1]), flush=True)
+                if len(at_receiver) == len(seconds):
+                    rows.append(_row("kvferry", how + ", at the receiver", count, at_receiver, exact, ratio, link_gbps))
+                    print(_line(rows[-1]), flush=True)
         sender.close()
         receiver.close()
     finally:

@@ -66,3 +66,25 @@ def test_every_layer_in_one_transfer_into_the_workers_memory(gpu_pair, kv):
     for source, target in zip(sources, targets):
         assert bits_equal(target[5:20].flip(0).cpu(), source.cpu())  # in this process's own tensors
         assert not target[:5].any()
+
+
+def test_later_transfers_are_written_under_the_standing_lease(gpu_pair, kv):
+    """The first transfer into a region is answered by an ACCEPT that lends it; later ones are
+    written at once and announced behind the data (no ACCEPT stage); deleting the region takes
+    the lease back, and a region of that name made again is lent afresh."""
+    a, b = gpu_pair
+    a.client.region_from_tensor("s-lease", kv)
+    b.client.create_region("d-lease", 64, list(kv.shape[1:]), "bfloat16")
+    first = a.client.wait(a.client.submit("s-lease", range(60), b.data, "d-lease", range(60), codec="raw"), timeout=60)
+    assert "accepted" in first["stages"], first
+    for shift in (1, 2, 3):
+        dst_ids = [(7 * i + shift) % 64 for i in range(8)]
+        result = a.client.wait(a.client.submit("s-lease", range(8), b.data, "d-lease", dst_ids, codec="raw"), timeout=60)
+        assert "accepted" not in result["stages"] and "same host" in result["choice_reason"], result
+        assert bits_equal(_read(b.client, "d-lease", dst_ids, kv), kv[:8])
+        assert b.client.transfer(result["id"])["state"] == "done"
+    b.client.delete_region("d-lease")
+    b.client.create_region("d-lease", 64, list(kv.shape[1:]), "bfloat16")
+    again = a.client.wait(a.client.submit("s-lease", range(4), b.data, "d-lease", [9, 8, 7, 6], codec="raw"), timeout=60)
+    assert "accepted" in again["stages"], again
+    assert bits_equal(_read(b.client, "d-lease", [9, 8, 7, 6], kv), kv[:4])

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call after standing leases (peer protocol v3): the engine's GPU tests, one-block
+# latency on the GPU (64 KiB, 2 MiB) and on this host's CPU (owned and shared-memory
+# destinations), kvferry beside NIXL unpaced and on emulated links, and the vLLM connector's core.
+# Carry .whl-svc, .whl-ucx and .whl-nixl (bench/make_device_bundles.sh).
+# Usage there: bash bench/lease_session.sh
+set -uo pipefail
+. bench/device_setup.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/transport/test_gpu_buffers.py \
+    tests/engine/test_gpu_transfers.py tests/engine/test_gpu_service.py tests/engine/test_leases.py 2>&1 \
+    | tee "$OUT/gpu_engine_tests.log" | tail -8
+for block in 64 2048; do
+  timeout 90 python3 bench/latency.py --device cuda --block-kib $block --n 1000 --long 0 --cpu-threads 0 \
+      2>&1 | tee "$OUT/latency_gpu_${block}k.log" | tail -6
+done
+for kind in owned shm; do
+  timeout 120 python3 bench/latency.py --device cpu --n 1000 --long ${LONG:-0} --cpu-threads 1 --dst-kind $kind 2>&1 \
+      | tee "$OUT/latency_cpu_$kind.log" | tail -8
+done
+export UCX_TLS=${UCX_TLS:-tcp,cuda_copy,cuda_ipc}
+timeout 300 python3 bench/peers.py --device cuda --backend ucxx --sizes "${SIZES:-2M,64M,256M,1G,4G}" \
+    --repeats "${REPEATS:-10}" --links "${LINKS:-12.5,25,50}" --json "$OUT/peers.json" 2>&1 | grep -v "NIXL INFO" \
+    | tee "$OUT/peers.md" | tail -40
+[ "${HARNESS:-1}" = 1 ] && timeout 120 python3 bench/vllm_gpu_harness.py --tokens 4096 --requests 20 --codec raw \
+    --json "$OUT/vllm_gpu_harness_raw.json" 2>&1 | tail -3
