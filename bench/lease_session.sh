@@ -7,20 +7,24 @@
 set -uo pipefail
 . bench/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/transport/test_gpu_buffers.py \
+[ "${TESTS:-1}" = 1 ] && timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/transport/test_gpu_buffers.py \
     tests/engine/test_gpu_transfers.py tests/engine/test_gpu_service.py tests/engine/test_leases.py 2>&1 \
     | tee "$OUT/gpu_engine_tests.log" | tail -8
-for block in 64 2048; do
+[ "${LATENCY:-1}" = 1 ] && for block in 64 2048; do
   timeout 90 python3 bench/latency.py --device cuda --block-kib $block --n 1000 --long 0 --cpu-threads 0 \
       2>&1 | tee "$OUT/latency_gpu_${block}k.log" | tail -6
 done
-for kind in owned shm; do
+[ "${LATENCY_CPU:-1}" = 1 ] && for kind in owned shm; do
   timeout 120 python3 bench/latency.py --device cpu --n 1000 --long ${LONG:-0} --cpu-threads 1 --dst-kind $kind 2>&1 \
       | tee "$OUT/latency_cpu_$kind.log" | tail -8
 done
 export UCX_TLS=${UCX_TLS:-tcp,cuda_copy,cuda_ipc}
 timeout 300 python3 bench/peers.py --device cuda --backend ucxx --sizes "${SIZES:-2M,64M,256M,1G,4G}" \
-    --repeats "${REPEATS:-10}" --links "${LINKS:-12.5,25,50}" --json "$OUT/peers.json" 2>&1 | grep -v "NIXL INFO" \
+    --repeats "${REPEATS:-10}" --links "${LINKS:-12.5,25,50}" --codecs "${CODECS:-raw,splitzip,auto}" \
+    --link-min-bytes "${LINK_MIN:-1G}" --json "$OUT/peers.json" 2>&1 | grep -v "NIXL INFO" \
     | tee "$OUT/peers.md" | tail -40
+[ "${SMALL_TCP:-0}" = 1 ] && timeout 200 python3 bench/peers.py --device cuda --backend tcp --codecs raw \
+    --sizes 2M,64M,256M --repeats 30 --json "$OUT/peers_small_tcp.json" 2>&1 | grep -v "NIXL INFO" \
+    | tee "$OUT/peers_small_tcp.md" | tail -14
 [ "${HARNESS:-1}" = 1 ] && timeout 120 python3 bench/vllm_gpu_harness.py --tokens 4096 --requests 20 --codec raw \
     --json "$OUT/vllm_gpu_harness_raw.json" 2>&1 | tail -3

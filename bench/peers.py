@@ -107,7 +107,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
         for codec in args.codecs.split(","):
             for size in sizes:
                 count = max(1, size // BLOCK_BYTES)
-                seconds, at_receiver, exact, ratio, chosen = [], [], True, 0.0, ""
+                seconds, at_receiver, exact, ratio, chosen, stages = [], [], True, 0.0, "", {}
                 for repeat in range(args.repeats + 1):  # the first is a warm-up
                     src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
                     for d in dst_ids[:SAMPLES]:
@@ -123,6 +123,8 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
                                  zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
                     if repeat:
                         seconds.append(record["seconds"])
+                        for stage, at in record["stages"].items():
+                            stages.setdefault(stage, []).append(at)
                         incoming = receiver.transfer(record["id"])
                         if incoming.get("state") == "done":
                             at_receiver.append(incoming["created"] + incoming["seconds"] - record["created"])
@@ -130,6 +132,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
                         chosen = record.get("chosen_codec") or codec
                 how = f"{codec}" + (f" ({chosen})" if codec == "auto" else "")
                 rows.append(_row("kvferry", how, count, seconds, exact, ratio, link_gbps))
+                rows[-1]["stages_median_ms"] = {k: statistics.median(v) * 1e3 for k, v in stages.items()}
                 print(_line(rows[-1]), flush=True)
                 if len(at_receiver) == len(seconds):
                     rows.append(_row("kvferry", how + ", at the receiver", count, at_receiver, exact, ratio, link_gbps))

@@ -3,10 +3,13 @@ beside a plain copy (the roofline) and SplitZip.
 
     python bench/tcatbe_gpu_check.py [--gib 1] [--repeats 20] [--json out.json]
 
-Data: the real SmolLM2 KV sample (chunk 1, bf16) tiled to ``--gib`` GiB. Checks: the kernels'
-frame equals the numpy reference's byte for byte and decodes bit-exactly (full size), and the
-small-input checks of ``tests/codec/tcatbe_kernel_checks.py`` (every BF16 pattern, specials,
-corrupt frames). GB/s counts uncompressed BF16 bytes; times are medians of CUDA-event timings.
+Data: the real SmolLM2 KV sample (chunk 1, bf16) tiled to ``--gib`` GiB. Checks: the small-input
+checks of ``tests/codec/tcatbe_kernel_checks.py`` (every BF16 pattern, specials, corrupt frames,
+blocks; every decode path), the kernels' frame of a ``--reference-gib`` prefix equals the numpy
+reference's byte for byte, and every timed decode is bit-exact on the whole tensor first. Decode
+paths: the Triton kernels and the CUDA ones (``--cuda-configs``), whole tensors and
+``decode_blocks`` into randomly placed cache blocks. GB/s counts uncompressed BF16 bytes; times
+are medians of CUDA-event timings, host waits included.
 The decode target on H200 is 1,500 GB/s of BF16 output.
 """
 
@@ -28,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from kvferry import codec  # noqa: E402
 from kvferry.codec import tcatbe  # noqa: E402
 from kvferry.codec.bench import kv_source, tile  # noqa: E402
-from kvferry.codec.tcatbe import gpu  # noqa: E402
+from kvferry.codec.tcatbe import cuda, gpu  # noqa: E402
 
 
 def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
@@ -65,18 +68,58 @@ def row(name: str, raw: int, wire: int | None, t_enc: float | None, t_dec: float
     return r
 
 
+def bench_blocks(x: torch.Tensor, shape: tuple[int, ...], repeats: int) -> list[dict]:
+    """decode_blocks of the data cut into blocks of ``shape`` into a cache twice as large, at
+    random places: the CUDA path (straight into the blocks) and decode-then-scatter."""
+    block_elems = 1
+    for dim in shape:
+        block_elems *= dim
+    count = x.numel() // block_elems
+    blocks = x[:count * block_elems].view(count, *shape)
+    raw = blocks.numel() * 2
+    c = codec.get("tca-tbe")
+    ids = torch.randperm(2 * count, device=x.device)[:count]
+    frame = c.encode_blocks(blocks, torch.arange(count, device=x.device))
+    cache = torch.zeros(2 * count, *shape, dtype=torch.bfloat16, device=x.device)
+    rows, default = [], gpu.DECODE_CUDA
+    for use_cuda in ([True] if cuda.available() else []) + [False]:
+        gpu.DECODE_CUDA = use_cuda
+        label = f"tca-tbe decode_blocks {list(shape)} x {count}, {'CUDA into blocks' if use_cuda else 'Triton + scatter'}"
+        try:
+            cache.zero_()
+            c.decode_blocks(frame, cache, ids)
+            assert torch.equal(cache[ids].view(torch.int16), blocks.view(torch.int16)), f"{label}: not bit-exact"
+            t_dec = cuda_time(lambda: c.decode_blocks(frame, cache, ids), repeats)
+        except Exception as exc:
+            print(f"{label}: FAILED {type(exc).__name__}: {exc}"[:2000], flush=True)
+            continue
+        finally:
+            gpu.DECODE_CUDA = default
+        rows.append(row(label, raw, frame.numel(), None, t_dec))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--configs", default="16x4",
                         help="encode kernel configurations to time: tiles per program x warps")
-    parser.add_argument("--decode-configs", default="16x4,32x4,64x4,64x8,32x4x4,32x4w",
-                        help="decode kernel configurations to time, tiles x warps[x runs a program][w: the "
-                        "word kernel] (and the default's SWAR popcount)")
-    parser.add_argument("--check-configs", default="128x4,256x4",
-                        help="check kernel configurations to time (the decode's first pass)")
-    parser.add_argument("--skip-reference", action="store_true", help="skip the full-size CPU byte comparison")
+    parser.add_argument("--decode-configs", default="16x4",
+                        help="Triton decode kernel configurations to time, tiles x warps[x runs a program][w: the "
+                        "word kernel]")
+    parser.add_argument("--cuda-configs", default="1x4x16,1x1x16,1x4x16n,1x4x8,1x4x32,2x1x8,2x3x8,2x1x8n,1x4x16s",
+                        help="CUDA decode configurations (kvferry/codec/tcatbe/cuda.py, when CuPy is there): "
+                        "bytes a lane loads at once x min blocks per SM x runs per block [n: no prefetch of the "
+                        "next run's planes] [s: evict-first stores]")
+    parser.add_argument("--check-configs", default="",
+                        help="Triton check kernel configurations to time (the Triton decode's first pass)")
+    parser.add_argument("--block-shapes", default="30x2x16x3x64,2x16x8x128",
+                        help="cache block shapes for decode_blocks into randomly placed blocks (real KV tiled)")
+    parser.add_argument("--skip-reference", action="store_true", help="skip the CPU byte comparison")
+    parser.add_argument("--reference-gib", type=float, default=0.25,
+                        help="GiB of the data (a prefix) whose GPU frame is compared with the CPU reference's")
+    parser.add_argument("--crc", action="store_true", help="also time frames with the stream CRC (host copy)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (TRITON_INTERPRET=1, tiny --gib)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -97,14 +140,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # 1. Bit-exactness: small edge cases, then the full tensor against the numpy reference.
     from tests.codec.tcatbe_kernel_checks import check_kernels
 
+    checks = "passed"
     try:
         check_kernels(args.device)
-    except Exception as exc:  # keep the timings of the rest: retry with the SWAR popcount
-        print(f"kernel checks FAILED with popc={'asm' if gpu.POPC_ASM else 'swar'}: {type(exc).__name__}: {exc}"[:3000])
-        if not gpu.POPC_ASM:
-            raise
-        gpu.POPC_ASM = False
-        check_kernels(args.device)
+    except Exception as exc:  # keep the timings: each decode variant is checked bit-exact on the data too
+        checks = f"FAILED: {type(exc).__name__}: {exc}"[:3000]
+        print(f"kernel checks {checks}", flush=True)
     frame = gpu.encode(x, checksum=False) if dev.type == "cpu" else tcatbe.encode(x, checksum=False)
     assert frame.device == x.device and frame[6].item() == tcatbe.FRAME_ID
     out = torch.empty_like(x)
@@ -112,9 +153,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     assert torch.equal(out.view(torch.int16), x.view(torch.int16)), "GPU round trip is not bit-exact"
     if not args.skip_reference:
         started = time.perf_counter()
-        ref = tcatbe.encode_reference(x_cpu, checksum=False)
-        same = torch.equal(ref, frame.cpu())
-        print(f"full-size GPU frame == CPU reference frame: {same} ({time.perf_counter() - started:.0f} s on the CPU)")
+        m = min(n, int(args.reference_gib * (1 << 30)) // 2 // 64 * 64)
+        ref = tcatbe.encode_reference(x_cpu[:m], checksum=False)
+        same = torch.equal(ref, tcatbe.encode(x[:m], checksum=False).cpu())
+        print(f"GPU frame == CPU reference frame on the first {m * 2 / 2**30:.2f} GiB: {same} "
+              f"({time.perf_counter() - started:.0f} s on the CPU)")
         assert same, "GPU bytes differ from the CPU reference"
         del ref
     header = tcatbe.read_header(frame)
@@ -131,31 +174,54 @@ def main(argv: list[str] | None = None) -> list[dict]:
         t_enc = cuda_time(lambda: tcatbe.encode(x, checksum=False), args.repeats)
         rows.append(row(f"tca-tbe encode, {config} (tiles/program x warps)", raw, frame.numel(), t_enc, None))
     gpu.TILES_PER_PROGRAM, gpu.NUM_WARPS = default
-    default = gpu.DECODE_TILES_PER_PROGRAM, gpu.DECODE_NUM_WARPS, gpu.DECODE_ITERS, gpu.DECODE_BYTES, gpu.POPC_ASM
-    variants = [(c, True) for c in args.decode_configs.split(",")]
-    variants.append(("x".join(str(v) for v in default[:3]) + ("" if default[3] else "w"), False))
-    for config, asm in variants:
-        gpu.DECODE_BYTES = not config.endswith("w")  # w: the kernel that takes a tile as two 32-bit words
-        gpu.DECODE_TILES_PER_PROGRAM, gpu.DECODE_NUM_WARPS, gpu.DECODE_ITERS = (
-            [int(v) for v in config.rstrip("w").split("x")] + [1])[:3]
-        gpu.POPC_ASM = asm
+
+    def timed_decode(label: str) -> dict | None:
+        """Bit-exact check, then the public call and the kernels alone (no header read)."""
         try:
             out.zero_()
             tcatbe.decode(frame, out=out)
-            assert torch.equal(out.view(torch.int16), x.view(torch.int16)), f"{config}: decode not bit-exact"
+            assert torch.equal(out.view(torch.int16), x.view(torch.int16)), f"{label}: decode not bit-exact"
             t_dec = cuda_time(lambda: tcatbe.decode(frame, out=out), args.repeats)
-            t_dec_kernels = cuda_time(lambda: gpu.decode_into(frame, header, out), args.repeats)
+            t_kernels = cuda_time(lambda: gpu.decode_into(frame, header, out), args.repeats)
         except Exception as exc:  # a variant that fails to build or run is reported, not fatal
-            print(f"decode {config} popc={'asm' if asm else 'swar'}: FAILED {type(exc).__name__}: {exc}"[:2000])
-            continue
-        rows.append(row(f"tca-tbe decode, {config} popc {'asm' if asm else 'swar'} (tiles x warps x runs)", raw,
-                        frame.numel(), None, t_dec, f"decode w/o header read: {raw / t_dec_kernels / 1e9:.0f} GB/s"))
-    gpu.DECODE_TILES_PER_PROGRAM, gpu.DECODE_NUM_WARPS, gpu.DECODE_ITERS, gpu.DECODE_BYTES, gpu.POPC_ASM = default
+            print(f"{label}: FAILED {type(exc).__name__}: {exc}"[:2000], flush=True)
+            return None
+        rows.append(row(label, raw, frame.numel(), None, t_dec,
+                        f"decode w/o header read: {raw / t_kernels / 1e9:.0f} GB/s ({t_kernels * 1e3:.3f} ms)"))
+        return rows[-1]
+
+    default = gpu.DECODE_CUDA, gpu.DECODE_TILES_PER_PROGRAM, gpu.DECODE_NUM_WARPS, gpu.DECODE_ITERS, gpu.DECODE_BYTES
+    gpu.DECODE_CUDA = False
+    for config in filter(None, args.decode_configs.split(",")):
+        gpu.DECODE_BYTES = not config.endswith("w")  # w: the kernel that takes a tile as two 32-bit words
+        gpu.DECODE_TILES_PER_PROGRAM, gpu.DECODE_NUM_WARPS, gpu.DECODE_ITERS = (
+            [int(v) for v in config.rstrip("w").split("x")] + [1])[:3]
+        timed_decode(f"tca-tbe decode, Triton {config} (tiles x warps x runs)")
+    gpu.DECODE_CUDA, gpu.DECODE_TILES_PER_PROGRAM, gpu.DECODE_NUM_WARPS, gpu.DECODE_ITERS, gpu.DECODE_BYTES = default
+    best = None
+    if cuda.available():
+        tuning, runs = dict(cuda.TUNING), cuda.RUNS
+        for config in filter(None, args.cuda_configs.split(",")):
+            unroll, minb, cuda.RUNS = (int(v) for v in config.rstrip("ns").split("x"))
+            flags = config[len(config.rstrip("ns")):]
+            cuda.TUNING = {"UNROLL": unroll, "MINB": minb, "PREFETCH": int("n" not in flags),
+                           "STORE_CS": int("s" in flags)}
+            timed = timed_decode(f"tca-tbe decode, CUDA {config} (bytes x min blocks x runs)")
+            if timed and (best is None or timed["decode_gbps"] > best[1]):
+                best = (config, timed["decode_gbps"])
+        cuda.TUNING, cuda.RUNS = tuning, runs
+        print(f"fastest CUDA decode configuration: {best}", flush=True)
+    else:
+        print("CuPy is not importable: no CUDA decode", flush=True)
     t_enc = cuda_time(lambda: tcatbe.encode(x, checksum=False), args.repeats)
     t_dec = cuda_time(lambda: tcatbe.decode(frame, out=out), args.repeats)
     rows.append(row("tca-tbe (defaults)", raw, frame.numel(), t_enc, t_dec))
-    default = gpu.CHECK_TILES_PER_PROGRAM, gpu.CHECK_NUM_WARPS
-    for config in args.check_configs.split(","):
+    if cuda.available():
+        t_check = cuda_time(lambda: cuda.check(frame, header), args.repeats)
+        print(f"  CUDA check pass alone: {t_check * 1e3:.3f} ms (host wait included)", flush=True)
+    default = gpu.CHECK_TILES_PER_PROGRAM, gpu.CHECK_NUM_WARPS, gpu.DECODE_CUDA
+    gpu.DECODE_CUDA = False
+    for config in filter(None, args.check_configs.split(",")):
         gpu.CHECK_TILES_PER_PROGRAM, gpu.CHECK_NUM_WARPS = (int(v) for v in config.split("x"))
         try:
             t_check = cuda_time(lambda: gpu.check(frame, header), args.repeats)
@@ -164,12 +230,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         print(f"  check pass alone, {config}: {t_check * 1e3:.3f} ms ({raw / t_check / 1e9:.0f} GB/s of "
               "output-equivalent, host wait included)", flush=True)
-    gpu.CHECK_TILES_PER_PROGRAM, gpu.CHECK_NUM_WARPS = default
-    crc_frame = tcatbe.encode(x, checksum=True)
-    t_enc_crc = cuda_time(lambda: tcatbe.encode(x, checksum=True), max(3, args.repeats // 4))
-    t_dec_crc = cuda_time(lambda: tcatbe.decode(crc_frame, out=out), max(3, args.repeats // 4))
-    rows.append(row("tca-tbe with stream CRC32C (host copy)", raw, crc_frame.numel(), t_enc_crc, t_dec_crc,
-                    "the CRC is computed on the host"))
+    gpu.CHECK_TILES_PER_PROGRAM, gpu.CHECK_NUM_WARPS, gpu.DECODE_CUDA = default
+    if args.crc:
+        crc_frame = tcatbe.encode(x, checksum=True)
+        t_enc_crc = cuda_time(lambda: tcatbe.encode(x, checksum=True), max(3, args.repeats // 4))
+        t_dec_crc = cuda_time(lambda: tcatbe.decode(crc_frame, out=out), max(3, args.repeats // 4))
+        rows.append(row("tca-tbe with stream CRC32C (host copy)", raw, crc_frame.numel(), t_enc_crc, t_dec_crc,
+                        "the CRC is computed on the host"))
+    for shape in filter(None, args.block_shapes.split(",")):
+        rows += bench_blocks(x, tuple(int(v) for v in shape.split("x")), args.repeats)
 
     sz = codec.get("splitzip")
     book = sz.calibrate(calib.to(torch.bfloat16))
@@ -181,7 +250,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows.append(row("splitzip (same run)", raw, sz_frame.numel(), t_enc, t_dec))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__,
-                                               "triton": triton.__version__, "elements": n, "rows": rows}, indent=1))
+                                               "triton": triton.__version__, "elements": n, "kernel_checks": checks,
+                                               "fastest_cuda_decode": best, "rows": rows}, indent=1))
     return rows
 
 

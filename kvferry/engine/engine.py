@@ -89,12 +89,9 @@ class Engine:
         self.codec = CodecRunner(self.device, self.policy,
                                  lambda direction, s: self.metrics.codec_seconds.labels(direction).inc(s))
         # On a GPU each message costs a UCX rendezvous and Python work, so a frame travels whole;
-        # host memory moves in 16 MiB pieces. An emulated link paces store and forward per
-        # message: whole 256 MiB frames would delay the last one's arrival by its write, which a
-        # real link streams, so paced GPU frames move in 16 MiB pieces too.
-        whole_frames = self.device.type == "cuda" and not settings.link_gbps
+        # host memory moves in 16 MiB pieces.
         message_bytes = settings.transport_chunk_bytes or (
-            self.chunk_bytes + (1 << 20) if whole_frames else CPU_MESSAGE_BYTES)
+            self.chunk_bytes + (1 << 20) if self.device.type == "cuda" else CPU_MESSAGE_BYTES)
         self.transport_config = transport.TransportConfig(
             backend=settings.transport_backend, chunk_bytes=message_bytes,
             max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),

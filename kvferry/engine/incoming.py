@@ -131,9 +131,11 @@ class Admission:
             if region.dtype != a.dtype or region.block_shape != layout.block_shape:
                 raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
                                  f"the transfer carries {a.dtype}{list(layout.block_shape)}")
-            key = (region.num_blocks, str(region.tensor.device))
+            # Blocks written before their announce are only checked: nothing here indexes them.
+            device = "cpu" if a.flags & peer.FLAG_WRITTEN else region.tensor.device
+            key = (region.num_blocks, str(device))
             if key not in cache:
-                cache[key] = region.resolve(a.dst_blocks)
+                cache[key] = a.dst_blocks.resolve(region.num_blocks, device)
             reference = self.engine.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
         self.engine.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .engine import Engine, TransferSpec
 
 log = logging.getLogger("kvferry.engine")
+FEW_BLOCKS = 4  # a same-host write of at most this many listed blocks copies them one by one
 
 
 class Outgoing:
@@ -345,15 +346,23 @@ class Outgoing:
         t.lossy = False
 
     def _write_blocks(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> None:
-        """The gather-scatter of every pair's blocks into the receiver's memory (one each)."""
+        """The gather-scatter of every pair's blocks into the receiver's memory (one each); a few
+        blocks are copied one by one, which costs fewer driver calls than building index tensors."""
         resolved: dict[tuple[int, str], torch.Tensor] = {}
+        few = spec.src_blocks.ids is not None and spec.dst_blocks.ids is not None and len(spec.src_blocks) <= FEW_BLOCKS
         for pair, held in zip(pairs, helds):
             region, target = pair.region, held.target
             remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
+            bits = codecs.layout_by_name(region.dtype).int_dtype
+            if few:
+                spec.dst_blocks.resolve(target.num_blocks)  # checked on the host
+                source, destination = region.tensor.view(bits), remote.view(bits)
+                for s, d in zip(spec.src_blocks.ids, spec.dst_blocks.ids):
+                    destination[d].copy_(source[s], non_blocking=True)
+                continue
             key = (target.num_blocks, str(remote.device))
             if key not in resolved:
                 resolved[key] = spec.dst_blocks.resolve(target.num_blocks, remote.device)
-            bits = codecs.layout_by_name(region.dtype).int_dtype
             blocks = region.tensor.view(bits).index_select(0, pair.ids).to(remote.device, non_blocking=True)
             remote.view(bits).index_copy_(0, resolved[key], blocks)
 

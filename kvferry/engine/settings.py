@@ -35,7 +35,7 @@ class Settings:
     idle_timeout: float = 300.0  # an accepted data connection with nothing in flight this long is closed
     transfer_timeout: float = 30.0  # no progress for this long fails a transfer
     transport_backend: str = "auto"  # auto, ucxx, tcp
-    transport_chunk_bytes: int = 0  # largest message; 0 = a whole pipeline chunk's frame on a GPU (16 MiB when paced), 16 MiB on the CPU
+    transport_chunk_bytes: int = 0  # largest message; 0 = a whole pipeline chunk's frame on a GPU, 16 MiB on the CPU
     transport_window_bytes: int = 128 * MiB
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     log_level: str = "info"

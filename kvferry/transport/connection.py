@@ -214,27 +214,33 @@ class _Window:
 
 
 class _Pacer:
-    """Sender-side pacing to a fixed rate: stands in for a slower link in benchmarks. A message
-    leaves once a link of that rate would have finished serializing it (store and forward), so
-    even a one-message transfer takes at least its size over the rate.
+    """Sender-side pacing to a fixed rate: stands in for a slower link in benchmarks. A message's
+    write is timed to end when a link of that rate, busy with the messages before it, would have
+    delivered its last byte, so even a one-message transfer takes at least its size over the rate.
 
-    The time the sender then spends writing the message (the loopback's own copy) is not the
-    link's idle time: a NIC takes a posted message and the sender goes on. Counting it would add
-    every write's duration to the emulated link's time."""
+    The write itself (the loopback's own copy) is the link's serialization, not extra time: it is
+    started that much early (its duration estimated from earlier writes; the first message, with
+    nothing to estimate from, waits for its whole serialization first), and time spent writing
+    is not counted as the link's idle time."""
 
     def __init__(self, bytes_per_s: float):
         self._rate = bytes_per_s
         self._free_at = time.monotonic()
         self._writing = 0.0  # seconds spent in writes since the last admit
+        self._loopback = 0.0  # bytes per second our own writes move (0: not measured yet)
 
     async def admit(self, n: int) -> None:
         now = time.monotonic()
         self._free_at = max(now - self._writing, self._free_at) + n / self._rate
         self._writing = 0.0
-        await asyncio.sleep(self._free_at - now)
+        lead = n / self._loopback if self._loopback else 0.0
+        await asyncio.sleep(self._free_at - lead - now)
 
-    def wrote(self, seconds: float) -> None:
+    def wrote(self, n: int, seconds: float) -> None:
         self._writing += seconds
+        if seconds > 0:
+            speed = n / seconds
+            self._loopback = speed if not self._loopback else 0.7 * self._loopback + 0.3 * speed
 
 
 OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep
@@ -359,7 +365,7 @@ class Connection:
                 started = time.monotonic()
                 await self._write_many([(rts, None), message] if rts is not None else [message])
                 if self._pacer is not None:
-                    self._pacer.wrote(time.monotonic() - started)
+                    self._pacer.wrote(n, time.monotonic() - started)
                 rts = None  # an eager RTS leaves with the first DATA, in the same write
             if rts is not None:  # an empty eager transfer
                 await self._write(rts)

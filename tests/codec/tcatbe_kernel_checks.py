@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from kvferry.codec import CorruptFrame, FrameCodec
-from kvferry.codec.tcatbe import gpu
-from kvferry.codec.tcatbe.codec import encode_reference, finish, read_header
+from kvferry.codec.tcatbe import cuda, gpu
+from kvferry.codec.tcatbe.codec import decode_blocks, encode_reference, finish, read_header
 from kvferry.codec.tcatbe.format import FRAME_ID, GROUP_TILES, Stream, padding_ranges
 
 
@@ -74,6 +74,49 @@ def corruptions(frame: torch.Tensor) -> list[torch.Tensor]:
     return cases + [padded]
 
 
+def decoders(device: str) -> list[tuple[bool, bool]]:
+    """(gpu.DECODE_CUDA, gpu.DECODE_BYTES) of every decode path there is on ``device``: both Triton
+    kernels, and the CUDA kernels where CuPy is there."""
+    triton_paths = [(False, True), (False, False)]
+    return triton_paths + [(True, True)] if torch.device(device).type == "cuda" and cuda.available() else triton_paths
+
+
+def _with(decoder: tuple[bool, bool], fn):
+    default = gpu.DECODE_CUDA, gpu.DECODE_BYTES
+    gpu.DECODE_CUDA, gpu.DECODE_BYTES = decoder
+    try:
+        return fn()
+    finally:
+        gpu.DECODE_CUDA, gpu.DECODE_BYTES = default
+
+
+def check_blocks(device: str) -> None:
+    """decode_blocks into scattered blocks, small (under a run of the CUDA kernel's lanes) and
+    large, against the input; rows not named stay untouched, and a bad frame writes nothing."""
+    flat = inputs()["patterns_in_kv"].reshape(-1)
+    for block_elems in (128, 2048 + 64, 6 * 4096):
+        count = min(flat.numel() // block_elems, 60)
+        x = flat[:count * block_elems].reshape(count, block_elems // 8, 8)
+        frame = encode_reference(x, checksum=False).to(device)
+        ids = torch.randperm(count + 9, generator=torch.Generator().manual_seed(block_elems))[:count]
+        for decoder in decoders(device):
+            cache = torch.full((count + 9, *x.shape[1:]), 5.0, dtype=torch.bfloat16, device=device)
+            _with(decoder, lambda: decode_blocks(frame, cache, ids.to(device)))
+            assert same_bits(cache[ids.to(device)], x), f"blocks of {block_elems}: decode differs ({decoder})"
+            rest = torch.ones(count + 9, dtype=torch.bool)
+            rest[ids] = False
+            assert bool((cache.cpu()[rest] == 5.0).all()), f"blocks of {block_elems}: other rows written ({decoder})"
+            bad = corruptions(encode_reference(x, checksum=False))[0].to(device)
+            cache.fill_(5.0)
+            try:
+                _with(decoder, lambda: decode_blocks(bad, cache, ids.to(device)))
+            except CorruptFrame:
+                pass
+            else:
+                raise AssertionError(f"blocks of {block_elems}: corrupt frame decoded ({decoder})")
+            assert bool((cache.cpu() == 5.0).all()), f"blocks of {block_elems}: corrupt frame wrote ({decoder})"
+
+
 def check_kernels(device: str) -> None:
     """Assert that the kernels on ``device`` write and read exactly the reference's bytes."""
     for name, x in inputs().items():
@@ -85,31 +128,29 @@ def check_kernels(device: str) -> None:
         coded = cpu[6].item() == FRAME_ID
         assert coded == (name not in STORED), name
         if coded:
-            default = gpu.DECODE_BYTES
-            for by_bytes in (True, False):  # both decode kernels
-                gpu.DECODE_BYTES = by_bytes
-                try:
-                    out = torch.full(x.shape, 5.0, dtype=torch.bfloat16, device=device)
-                    gpu.decode_into(cpu.to(device), read_header(cpu), out)
-                finally:
-                    gpu.DECODE_BYTES = default
-                assert same_bits(out, x), f"{name}: kernel decode differs (bytes kernel: {by_bytes})"
+            for decoder in decoders(device):
+                out = torch.full(x.shape, 5.0, dtype=torch.bfloat16, device=device)
+                _with(decoder, lambda: gpu.decode_into(cpu.to(device), read_header(cpu), out))
+                assert same_bits(out, x), f"{name}: kernel decode differs ({decoder})"
         else:
             assert cpu[6].item() == int(FrameCodec.STORED)
     frame = encode_reference(inputs()["patterns_in_kv"], checksum=False)
-    shifted = torch.zeros(frame.numel() + 3, dtype=torch.uint8, device=device)[3:]  # not 16-byte aligned
-    shifted.copy_(frame.to(device))
-    out = torch.empty(inputs()["patterns_in_kv"].shape, dtype=torch.bfloat16, device=device)
-    assert same_bits(gpu.decode_into(shifted, read_header(frame), out), inputs()["patterns_in_kv"])
-    for i, bad in enumerate(corruptions(frame)):
-        out = torch.full((26942, 8), 5.0, dtype=torch.bfloat16, device=device)
-        try:
-            gpu.decode_into(bad.to(device), read_header(bad), out)
-        except CorruptFrame:
-            pass
-        else:
-            raise AssertionError(f"corruption {i} decoded")
-        assert bool((out.cpu() == 5.0).all()), f"corruption {i}: out was written"
+    for decoder in decoders(device):
+        shifted = torch.zeros(frame.numel() + 3, dtype=torch.uint8, device=device)[3:]  # not 16-byte aligned
+        shifted.copy_(frame.to(device))
+        out = torch.empty(inputs()["patterns_in_kv"].shape, dtype=torch.bfloat16, device=device)
+        _with(decoder, lambda: gpu.decode_into(shifted, read_header(frame), out))
+        assert same_bits(out, inputs()["patterns_in_kv"]), f"unaligned frame ({decoder})"
+        for i, bad in enumerate(corruptions(frame)):
+            out = torch.full((26942, 8), 5.0, dtype=torch.bfloat16, device=device)
+            try:
+                _with(decoder, lambda: gpu.decode_into(bad.to(device), read_header(bad), out))
+            except CorruptFrame:
+                pass
+            else:
+                raise AssertionError(f"corruption {i} decoded ({decoder})")
+            assert bool((out.cpu() == 5.0).all()), f"corruption {i}: out was written ({decoder})"
+    check_blocks(device)
     print("tca-tbe kernels match the reference on", device)
 
 

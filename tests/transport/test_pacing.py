@@ -1,5 +1,6 @@
-"""The link emulator's pacer: a message leaves once a link of the set rate has serialized it,
-and the sender's own write time (the loopback copy) is not counted as the link's idle time."""
+"""The link emulator's pacer: a message's write ends when a link of the set rate would have
+delivered its last byte; the sender's own write time (the loopback copy) is the link's
+serialization, neither added to it nor counted as the link's idle time."""
 
 from __future__ import annotations
 
@@ -40,14 +41,19 @@ def test_each_message_waits_for_its_serialization(clock: _Clock) -> None:
     assert clock.slept == pytest.approx([0.5, 0.5])
 
 
-def test_write_time_overlaps_the_next_serialization(clock: _Clock) -> None:
+def test_write_time_overlaps_the_serialization(clock: _Clock) -> None:
     pacer = connection._Pacer(1000.0)
+    asyncio.run(pacer.admit(500))  # nothing measured yet: waits the whole serialization
+    clock.now += 0.2  # the loopback write of the first message: 2,500 B/s
+    pacer.wrote(500, 0.2)
     asyncio.run(pacer.admit(500))
-    clock.now += 0.2  # the loopback write of the first message
-    pacer.wrote(0.2)
+    # The link finished the first message at 0.5 and delivers the second's last byte at 1.0: its
+    # 0.2 s write starts at 0.8 and ends then.
+    assert clock.now == pytest.approx(100.0 + 0.8)
+    clock.now += 0.2
+    pacer.wrote(500, 0.2)
     asyncio.run(pacer.admit(500))
-    # The link finished the first message at 0.5 and serializes the second until 1.0.
-    assert clock.now == pytest.approx(100.0 + 1.0)
+    assert clock.now == pytest.approx(100.0 + 1.3)  # the third ends at 1.5: no time is added per message
 
 
 def test_an_idle_sender_leaves_the_link_idle(clock: _Clock) -> None:

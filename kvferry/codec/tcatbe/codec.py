@@ -23,6 +23,7 @@ from ..format import FrameCodec, stored_size
 from ..frames import decode as decode_stored, checked_block_ids
 from ..frames import encode_stored
 from ..registry import FRAME_MAGIC, PositionFree
+from ..staging import current_stream, optional_cupy, read_to_host
 from . import reference
 from .format import FRAME_ID, HEADER_SIZE, TcaTbeHeader, make_header, padding_ranges, parse_header
 
@@ -137,7 +138,10 @@ def _prefix(frame: Any) -> bytes:
         raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
     if frame.numel() < 7:
         raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
-    prefix = frame[:HEADER_SIZE].cpu().numpy().tobytes()
+    if frame.is_cuda and frame.is_contiguous() and optional_cupy() is not None:  # through pinned memory
+        prefix = read_to_host(frame, min(frame.numel(), HEADER_SIZE), current_stream(frame.device)).tobytes()
+    else:
+        prefix = frame[:HEADER_SIZE].cpu().numpy().tobytes()
     if prefix[:4] != FRAME_MAGIC:
         raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
     return prefix
@@ -158,6 +162,11 @@ def read_header(frame: torch.Tensor) -> TcaTbeHeader:
     return _parse(_prefix(frame), frame)
 
 
+def _check_stream_crc(frame: torch.Tensor, header: TcaTbeHeader) -> None:
+    if header.stream_crc is not None and crc32c(memoryview(frame[HEADER_SIZE:].cpu().numpy())) != header.stream_crc:
+        raise CorruptFrame("stream checksum mismatch")
+
+
 def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor a frame holds (tca-tbe or stored), on ``frame.device``, or written into ``out``
     (same dtype and element count, any shape). Everything is checked before ``out`` is touched.
@@ -175,8 +184,7 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Ten
     dtype = layout_for(DTYPES[0]).dtype
     if out is not None and (out.dtype != dtype or out.numel() != header.numel):
         raise OutputMismatch(f"out is {out.dtype}[{out.numel()}], frame holds {dtype}[{header.numel}]")
-    if header.stream_crc is not None and crc32c(memoryview(frame[HEADER_SIZE:].cpu().numpy())) != header.stream_crc:
-        raise CorruptFrame("stream checksum mismatch")
+    _check_stream_crc(frame, header)
     if _use_gpu(frame):
         from . import gpu
 
@@ -224,7 +232,8 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
 
 
 def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
-    """Write the frame's blocks into ``cache[block_ids]``; nothing is written if it is bad.
+    """Write the frame's blocks into ``cache[block_ids]``; nothing is written if it is bad. On a
+    GPU the kernels decode straight into the blocks where the cache allows (``gpu.decode_blocks_into``).
 
     Raises:
         CorruptFrame: the frame is malformed (nothing written).
@@ -235,11 +244,19 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         raise OutputMismatch(f"cache must be a torch.Tensor, got {type(cache).__name__}")
     ids = checked_block_ids(block_ids, cache, unique=True)
     expected = (ids.numel(), *cache.shape[1:])
-    if _prefix(frame)[6] == FRAME_ID:
-        header = read_header(frame)
+    prefix = _prefix(frame)
+    if prefix[6] == FRAME_ID:
+        header = _parse(prefix, frame)
         if cache.dtype not in DTYPES or header.shape != expected:
             raise OutputMismatch(f"frame holds bfloat16{list(header.shape)}, blocks need "
                                  f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
+        if _use_gpu(frame) and cache.is_cuda:
+            from . import gpu
+
+            _check_stream_crc(frame, header)
+            with torch.cuda.device(frame.device):
+                if gpu.decode_blocks_into(frame, header, cache, ids):
+                    return
     blocks = decode(frame)
     if blocks.dtype != cache.dtype or tuple(blocks.shape) != expected:
         raise OutputMismatch(f"frame holds {blocks.dtype}{list(blocks.shape)}, blocks need "

@@ -6,7 +6,10 @@ sum of the counts (``torch.cumsum``) a scatter pass that writes the bitmaps, bot
 SIGNMAN and FALLBACK. The frame's size depends on the data, so encode reads two numbers back
 (window and in-window count) once, between the second and third pass.
 
-Decode is two kernels and one wait. The check kernel reads only the bitmaps and the offsets
+Decode runs the CUDA kernels of ``cuda.py`` where CuPy is importable (``DECODE_CUDA``): the same
+two passes, with a decode kernel whose warps read and write contiguous bytes, and a path that
+decodes straight into scattered cache blocks (``decode_blocks_into``). Otherwise, and under the
+interpreter, the Triton kernels below: two kernels and one wait. The check kernel reads only the bitmaps and the offsets
 (26 bytes per 64 elements, popc of each tile's in-window mask): offsets agree with the
 popcounts, no codes past the end, zero padding; it sets a flag on the device if anything is
 wrong. The decode kernel reads that flag first and, if it is set, reads and writes nothing;
@@ -29,6 +32,7 @@ from ..dtypes import layout_for
 from ..errors import CorruptFrame
 from ..format import stored_size
 from ..frames import encode_stored
+from . import cuda
 from .format import GROUP_TILES, PLANES, TILE, WINDOW, Stream, TcaTbeHeader, make_header, padding_ranges
 
 try:
@@ -42,6 +46,7 @@ TILES_PER_PROGRAM = 16     # encode: 1024 elements a program (bench/tcatbe_gpu_c
 NUM_WARPS = 4
 DECODE_TILES_PER_PROGRAM = 16   # decode: 1024 elements a program (H200: 16x4 and 16x2 best of 16..128 x 2..8)
 DECODE_NUM_WARPS = 4
+DECODE_CUDA = True         # cuda.py's kernels where CuPy is importable (H200, 1 GiB: see bench/RESULTS.md)
 DECODE_BYTES = True        # _decode_bytes_kernel (else _decode_kernel, one word of 32 elements at a time)
 DECODE_ITERS = 1           # runs of DECODE_TILES_PER_PROGRAM tiles a decode program takes in turn
 CHECK_TILES_PER_PROGRAM = 256   # the check reads 26 bytes a tile: many tiles a program
@@ -398,6 +403,9 @@ def check(frame: torch.Tensor, header: TcaTbeHeader) -> None:
     """
     if not header.tiles:
         return
+    if _cuda(frame):
+        cuda.check(frame, header)
+        return
     if frame.data_ptr() % 16:
         frame = frame.clone()
     if int(_launch_check(frame, header).item()):
@@ -419,6 +427,9 @@ def decode_into(frame: torch.Tensor, header: TcaTbeHeader, out: torch.Tensor) ->
         raise ValueError("out must hold the frame's elements on the frame's device")
     if not header.tiles:
         return out
+    if _cuda(frame):
+        cuda.decode_into(frame, header, out)
+        return out
     if frame.data_ptr() % 16:  # a frame cut from a receive buffer: the typed stream views need alignment
         frame = frame.clone()
     bad = _launch_check(frame, header)
@@ -434,3 +445,20 @@ def decode_into(frame: torch.Tensor, header: TcaTbeHeader, out: torch.Tensor) ->
     if int(bad.item()):
         raise CorruptFrame("tile offsets, bitmaps or padding disagree (the streams are inconsistent)")
     return out
+
+
+def _cuda(frame: torch.Tensor) -> bool:
+    return DECODE_CUDA and frame.is_cuda and cuda.available()
+
+
+def decode_blocks_into(frame: torch.Tensor, header: TcaTbeHeader, cache: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Decode a frame whose header passed straight into blocks ``ids`` of ``cache`` (int64 ids,
+    unique and in range, on the cache's device; the frame holds ``len(ids)`` blocks), as
+    ``decode_into`` checks first and raises ``CorruptFrame``. False, with nothing done, where the
+    CUDA kernels cannot: the caller decodes and scatters then.
+    """
+    if not (_cuda(frame) and cache.device == frame.device and ids.device == frame.device
+            and cache.dtype == torch.bfloat16 and cuda.block_path_fits(cache)):
+        return False
+    cuda.decode_into(frame, header, cache, ids)
+    return True
