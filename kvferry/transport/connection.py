@@ -219,9 +219,9 @@ class _Pacer:
     delivered its last byte, so even a one-message transfer takes at least its size over the rate.
 
     The write itself (the loopback's own copy) is the link's serialization, not extra time: it is
-    started that much early (its duration estimated from earlier writes; the first message, with
-    nothing to estimate from, waits for its whole serialization first), and time spent writing
-    is not counted as the link's idle time."""
+    started that much early (its duration estimated from the fastest earlier write, so it never
+    ends early; the first message, with nothing to estimate from, waits for its whole
+    serialization first), and time spent writing is not counted as the link's idle time."""
 
     def __init__(self, bytes_per_s: float):
         self._rate = bytes_per_s
@@ -238,9 +238,8 @@ class _Pacer:
 
     def wrote(self, n: int, seconds: float) -> None:
         self._writing += seconds
-        if seconds > 0:
-            speed = n / seconds
-            self._loopback = speed if not self._loopback else 0.7 * self._loopback + 0.3 * speed
+        if seconds > 0:  # the fastest write seen: a lead never longer than the write, so no
+            self._loopback = max(self._loopback, n / seconds)  # message ends before the link delivers it
 
 
 OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep

@@ -54,6 +54,10 @@ def test_write_time_overlaps_the_serialization(clock: _Clock) -> None:
     pacer.wrote(500, 0.2)
     asyncio.run(pacer.admit(500))
     assert clock.now == pytest.approx(100.0 + 1.3)  # the third ends at 1.5: no time is added per message
+    clock.now += 0.4  # a slower write (ends at 1.7, after the link's 1.5): it does not lengthen the lead,
+    pacer.wrote(500, 0.4)  # which would start later writes so early that they end before the link
+    asyncio.run(pacer.admit(500))
+    assert clock.now == pytest.approx(100.0 + 1.8)  # the link delivers it at 2.0: a 0.2 s write starts at 1.8
 
 
 def test_an_idle_sender_leaves_the_link_idle(clock: _Clock) -> None:
