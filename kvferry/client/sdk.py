@@ -39,6 +39,7 @@ class Client:
         0.05 s doubling to 2 s); ``shm_prefix``: the sidecar's ``shm_prefix`` setting."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self._timeout = timeout
         self._retries = retries
         self._shm_prefix = shm_prefix
 
@@ -146,11 +147,15 @@ class Client:
                 codebook: str | None, wait: float) -> str:
         return self._call("POST", "/v1/transfers", json=_transfer_body(body, src_blocks, peer, dst_blocks, codec,
                                                                        codebook),
-                          params={"wait": wait} if wait else None).json()["id"]
+                          params={"wait": wait} if wait else None, timeout=self._timeout + wait).json()["id"]
 
     def transfer(self, transfer_id: str, wait: float = 0) -> dict:
-        """A transfer's record (never raises for its state)."""
-        return self._call("GET", f"/v1/transfers/{transfer_id}", params={"wait": wait} if wait else None).json()
+        """A transfer's record (never raises for its state); ``wait``: long-poll up to that many
+        seconds for its end (the read timeout stretches by as much)."""
+        if not wait:
+            return self._call("GET", f"/v1/transfers/{transfer_id}").json()
+        return self._call("GET", f"/v1/transfers/{transfer_id}", params={"wait": wait},
+                          timeout=self._timeout + wait).json()
 
     def wait(self, transfer_id: str, timeout: float = 60.0) -> dict:
         """The transfer's record once done.
@@ -209,6 +214,7 @@ class AsyncClient:
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0, retries: int = 6):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self._timeout = timeout
         self._retries = retries
 
     async def aclose(self) -> None:
@@ -238,7 +244,7 @@ class AsyncClient:
         body = _transfer_body(_pair_json((src_region, dst_region, *(references or ())), "src_region", "dst_region"),
                               src_blocks, peer, dst_blocks, codec, codebook)
         return (await self._call("POST", "/v1/transfers", json=body,
-                                 params={"wait": wait} if wait else None)).json()["id"]
+                                 params={"wait": wait} if wait else None, timeout=self._timeout + wait)).json()["id"]
 
     async def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str,
                              dst_blocks: Blocks, codec: str = "auto", codebook: str | None = None, *,
@@ -246,11 +252,13 @@ class AsyncClient:
         body = _transfer_body({"regions": [_pair_json(p) for p in pairs]}, src_blocks, peer, dst_blocks,
                               codec, codebook)
         return (await self._call("POST", "/v1/transfers", json=body,
-                                 params={"wait": wait} if wait else None)).json()["id"]
+                                 params={"wait": wait} if wait else None, timeout=self._timeout + wait)).json()["id"]
 
     async def transfer(self, transfer_id: str, wait: float = 0) -> dict:
-        return (await self._call("GET", f"/v1/transfers/{transfer_id}",
-                                 params={"wait": wait} if wait else None)).json()
+        if not wait:
+            return (await self._call("GET", f"/v1/transfers/{transfer_id}")).json()
+        return (await self._call("GET", f"/v1/transfers/{transfer_id}", params={"wait": wait},
+                                 timeout=self._timeout + wait)).json()
 
     async def wait(self, transfer_id: str, timeout: float = 60.0) -> dict:
         """As ``Client.wait``. Raises: TransferFailed."""

@@ -17,9 +17,10 @@ The flow (one kvferry transfer per request, all layers in it):
   late pull can never read reused blocks: it finds no region.
 * Decode (``Consumer``): once vLLM has allocated blocks for a request, the consumer asks the
   *prefill's* sidecar to send the lease's blocks to its own sidecar's region (one transfer,
-  pull semantics over kvferry's push API), polls it, copies the pages into vLLM's cache, deletes
-  the lease and reports the request received; a failure is reported as such, so vLLM's
-  ``kv_load_failure_policy`` (fail or recompute) applies.
+  pull semantics over kvferry's push API), waits for its end on a worker thread (one long-poll,
+  so vLLM's step never waits on HTTP and sees the end as soon as it comes), copies the pages into
+  vLLM's cache, deletes the lease and reports the request received; a failure is reported as
+  such, so vLLM's ``kv_load_failure_policy`` (fail or recompute) applies.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +48,8 @@ log = logging.getLogger("kvferry.vllm")
 DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float8_e5m2": "float8_e5m2",
           "torch.float8_e4m3fn": "float8_e4m3fn"}
 PARAMS_KEY = "kvferry"  # our part of vLLM's kv_transfer_params
+WAITERS = 16  # a decode's pulls waited on at once (more wait for a thread)
+LONG_POLL = 10.0  # seconds one long-poll of a transfer's end may take
 
 
 class IncompatibleCache(EngineError):
@@ -352,6 +357,7 @@ class Pull:
     transfer_id: str | None = None
     error: str | None = None
     record: dict[str, Any] = field(default_factory=dict)
+    ended: Future | None = None  # the long-poll for the transfer's end (its record)
 
 
 def remote_params(request_id: str, block_ids: Sequence[int], config: ConnectorConfig,
@@ -385,6 +391,10 @@ class Consumer:
         self._checked: set[str] = set()  # prefill sidecars whose layout matched ours
         self._data_address: str | None = None
         self.stats: list[dict[str, Any]] = []
+        self._waiters = ThreadPoolExecutor(max_workers=WAITERS, thread_name_prefix="kvferry-pull")
+        self._local = threading.local()  # each waiter thread's clients
+        self._wait_clients: list[Client] = []
+        self._lock = threading.Lock()
 
     def remote(self, url: str) -> Client:
         client = self._clients.get(url)
@@ -413,15 +423,41 @@ class Consumer:
             pull.transfer_id = pull.client.submit(lease, src, self._data_address, self.cache.name, dst, codec=codec)
         except (EngineError, httpx.HTTPError, KeyError, TypeError) as exc:
             pull.error = f"{type(exc).__name__}: {exc}"
+        else:
+            pull.ended = self._waiters.submit(self._await_end, url, pull.transfer_id)
         return pull
+
+    def _await_end(self, url: str, transfer_id: str) -> dict[str, Any]:
+        """The transfer's record once it ended, or once ``load_timeout`` passed (on a worker
+        thread, with that thread's own client: long-polls of at most ``LONG_POLL`` seconds each)."""
+        clients = getattr(self._local, "clients", None)
+        if clients is None:
+            clients = self._local.clients = {}
+        client = clients.get(url)
+        if client is None:
+            client = clients[url] = Client(url, token=self.config.peer_token(), timeout=10.0)
+            with self._lock:
+                self._wait_clients.append(client)
+        deadline = time.monotonic() + self.config.load_timeout
+        while True:
+            left = deadline - time.monotonic()
+            record = client.transfer(transfer_id, wait=min(LONG_POLL, max(left, 0.0)))
+            if record["state"] not in ("queued", "running") or left <= 0:
+                return record
 
     def poll(self) -> tuple[set[str], set[str]]:
         """(received, failed) request ids, each reported once; received ones are in vLLM's cache."""
         received, failed = set(), set()
         for rid, pull in list(self.pulls.items()):
             if pull.error is None and pull.transfer_id is not None:
+                timed_out = self.clock() - pull.started > self.config.load_timeout
+                if pull.ended is not None and not pull.ended.done() and not timed_out:
+                    continue  # still on its way: nothing to ask anyone
                 try:
-                    pull.record = pull.client.transfer(pull.transfer_id)
+                    if pull.ended is not None and pull.ended.done():
+                        pull.record = pull.ended.result()
+                    else:
+                        pull.record = pull.client.transfer(pull.transfer_id)
                 except (EngineError, httpx.HTTPError) as exc:
                     pull.error = f"lost the prefill's sidecar: {type(exc).__name__}: {exc}"
                 else:
@@ -434,7 +470,7 @@ class Consumer:
                     elif state in ("failed", "cancelled"):
                         pull.error = f"transfer {pull.transfer_id} {state}: {pull.record.get('error_kind')}: " \
                                      f"{pull.record.get('error')}"
-                    elif self.clock() - pull.started > self.config.load_timeout:
+                    elif timed_out:
                         pull.error = f"transfer {pull.transfer_id} not done after {self.config.load_timeout:g} s"
                         try:
                             pull.client.cancel(pull.transfer_id)
@@ -485,6 +521,9 @@ class Consumer:
                 out.write(json.dumps(entry) + "\n")
 
     def close(self) -> None:
-        for client in self._clients.values():
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            clients = [*self._clients.values(), *self._wait_clients]
+        for client in clients:
             client.close()
 

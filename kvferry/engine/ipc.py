@@ -15,6 +15,7 @@ import ctypes
 import functools
 import hashlib
 import math
+import os
 import socket
 import uuid
 from collections import OrderedDict
@@ -29,13 +30,20 @@ _OPEN_LIMIT = 64
 
 @functools.cache
 def host_id() -> bytes:
-    """16 bytes naming this host's boot: two sidecars share it only on the same machine."""
+    """16 bytes naming this host's boot and its ``/dev/shm``: two sidecars share it only on the
+    same machine and seeing the same shared memory (containers of one pod; not two pods, whose
+    ``/dev/shm`` mounts differ), where lending memory by name or CUDA IPC handle can work."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return hashlib.blake2b(f"{socket.gethostname()}:{boot}".encode(), digest_size=16).digest()
+    try:
+        shm = os.stat("/dev/shm")
+        mount = f"{shm.st_dev}:{shm.st_ino}"
+    except OSError:
+        mount = ""
+    return hashlib.blake2b(f"{socket.gethostname()}:{boot}:{mount}".encode(), digest_size=16).digest()
 
 
 @functools.cache

@@ -135,10 +135,12 @@ class Outgoing:
                codec: codecs.Codec) -> bool:
         """Whether to offer the receiver to write its memory ourselves (it lends it in its ACCEPT,
         for this and later transfers): blocks as they are (raw asked for, or ``auto``), all on a GPU
-        with CUDA IPC here or all in host memory, no emulated link (``link_gbps``: the peer stands
-        for a remote one, which only the paced wire reaches), and not declined on this connection."""
+        with CUDA IPC here or all in host memory, no emulated link or injected wire fault (the
+        peer stands for a remote one, which only the wire reaches), not declined on this connection."""
         on_gpu = [p.region.tensor.is_cuda for p in pairs]
-        return ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not self.engine.settings.link_gbps
+        settings = self.engine.settings
+        return ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not settings.link_gbps
+                and settings.fault_corrupt_chunk < 0
                 and (spec.codec == "auto" or getattr(codec, "identity", False)) and spec.references is None
                 and self.engine.leases.offer_wanted(connection, [dst for _, dst in spec.pairs]))
 

@@ -143,6 +143,26 @@ def test_request_kv_crosses_in_one_transfer(pd, codec):
     assert producer.leases == {}
 
 
+def test_poll_asks_nobody_while_a_pull_is_on_its_way(pd):
+    """vLLM calls get_finished every step: a pull's end is awaited by a long-poll on a worker
+    thread, so poll() makes no HTTP request until the transfer has ended."""
+    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, codec="splitzip"), d_cache)
+    producer.save("req-w", [2, 3])
+    pull = consumer.start(LoadSpec("dec-w", (7, 8), remote_params("req-w", [2, 3], config(prefill))))
+    assert pull.error is None and pull.ended is not None
+    asked = []
+    real = pull.client.transfer
+    pull.client.transfer = lambda *a, **k: asked.append(a) or real(*a, **k)
+    assert pump(consumer) == ({"dec-w"}, set())
+    assert asked == []  # the waiter thread's own client told it
+    block_dim = p_cache.layout.block_dims[0]
+    assert torch.equal(pages(d_layers, [7, 8], block_dim).view(torch.int16),
+                       pages(p_layers, [2, 3], block_dim).view(torch.int16))
+    consumer.close()
+
+
 def test_lease_lapses_and_a_late_pull_fails(pd):
     prefill, decode, p_cache, d_cache, _, d_layers = pd
     clock = Clock()

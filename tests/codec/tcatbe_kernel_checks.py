@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import torch
 
-from kvferry.codec import CorruptFrame, FrameCodec
+from kvferry.codec import CorruptFrame, FrameCodec, OutputMismatch
 from kvferry.codec.tcatbe import cuda, gpu
 from kvferry.codec.tcatbe.codec import decode_blocks, encode_reference, finish, read_header
 from kvferry.codec.tcatbe.format import FRAME_ID, GROUP_TILES, Stream, padding_ranges
@@ -92,7 +92,8 @@ def _with(decoder: tuple[bool, bool], fn):
 
 def check_blocks(device: str) -> None:
     """decode_blocks into scattered blocks, small (under a run of the CUDA kernel's lanes) and
-    large, against the input; rows not named stay untouched, and a bad frame writes nothing."""
+    large, against the input; rows not named stay untouched, and a bad frame or a bad or repeated
+    block id writes nothing."""
     flat = inputs()["patterns_in_kv"].reshape(-1)
     for block_elems in (128, 2048 + 64, 6 * 4096):
         count = min(flat.numel() // block_elems, 60)
@@ -115,6 +116,16 @@ def check_blocks(device: str) -> None:
             else:
                 raise AssertionError(f"blocks of {block_elems}: corrupt frame decoded ({decoder})")
             assert bool((cache.cpu() == 5.0).all()), f"blocks of {block_elems}: corrupt frame wrote ({decoder})"
+            for wrong, error in ((count + 9, IndexError), (-1, IndexError), (int(ids[0]), OutputMismatch)):
+                bad_ids = ids.clone()
+                bad_ids[-1] = wrong
+                try:
+                    _with(decoder, lambda: decode_blocks(frame, cache, bad_ids.to(device)))
+                except error:
+                    pass
+                else:
+                    raise AssertionError(f"blocks of {block_elems}: id {wrong} taken ({decoder})")
+                assert bool((cache.cpu() == 5.0).all()), f"blocks of {block_elems}: bad id {wrong} wrote ({decoder})"
 
 
 def check_kernels(device: str) -> None:

@@ -242,7 +242,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     """
     if not isinstance(cache, torch.Tensor):
         raise OutputMismatch(f"cache must be a torch.Tensor, got {type(cache).__name__}")
-    ids = checked_block_ids(block_ids, cache, unique=True)
+    ids = checked_block_ids(block_ids, cache, check=False)  # checked below: on the GPU by the kernels
     expected = (ids.numel(), *cache.shape[1:])
     prefix = _prefix(frame)
     if prefix[6] == FRAME_ID:
@@ -257,6 +257,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
             with torch.cuda.device(frame.device):
                 if gpu.decode_blocks_into(frame, header, cache, ids):
                     return
+    ids = checked_block_ids(ids, cache, unique=True)
     blocks = decode(frame)
     if blocks.dtype != cache.dtype or tuple(blocks.shape) != expected:
         raise OutputMismatch(f"frame holds {blocks.dtype}{list(blocks.shape)}, blocks need "

@@ -452,10 +452,14 @@ def _cuda(frame: torch.Tensor) -> bool:
 
 
 def decode_blocks_into(frame: torch.Tensor, header: TcaTbeHeader, cache: torch.Tensor, ids: torch.Tensor) -> bool:
-    """Decode a frame whose header passed straight into blocks ``ids`` of ``cache`` (int64 ids,
-    unique and in range, on the cache's device; the frame holds ``len(ids)`` blocks), as
-    ``decode_into`` checks first and raises ``CorruptFrame``. False, with nothing done, where the
-    CUDA kernels cannot: the caller decodes and scatters then.
+    """Decode a frame whose header passed straight into blocks ``ids`` of ``cache`` (int64 ids on
+    the cache's device, the frame holding ``len(ids)`` blocks), checking the frame as
+    ``decode_into`` does and the ids (range, repeats) in the same kernel, before anything is
+    written. False, with nothing done, where the CUDA kernels cannot: the caller checks the ids,
+    decodes and scatters then.
+
+    Raises:
+        CorruptFrame: as ``check``. IndexError: an id outside the cache. OutputMismatch: ids repeat.
     """
     if not (_cuda(frame) and cache.device == frame.device and ids.device == frame.device
             and cache.dtype == torch.bfloat16 and cuda.block_path_fits(cache)):
