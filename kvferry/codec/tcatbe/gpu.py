@@ -7,17 +7,17 @@ SIGNMAN and FALLBACK. The frame's size depends on the data, so encode reads two 
 (window and in-window count) once, between the second and third pass.
 
 Decode runs the CUDA kernels of ``cuda.py`` where CuPy is importable (``DECODE_CUDA``): the same
-two passes, with a decode kernel whose warps read and write contiguous bytes, and a path that
-decodes straight into scattered cache blocks (``decode_blocks_into``). Otherwise, and under the
-interpreter, the Triton kernels below: two kernels and one wait. The check kernel reads only the bitmaps and the offsets
-(26 bytes per 64 elements, popc of each tile's in-window mask): offsets agree with the
-popcounts, no codes past the end, zero padding; it sets a flag on the device if anything is
-wrong. The decode kernel reads that flag first and, if it is set, reads and writes nothing;
-otherwise each element finds its value from its tile's start and the popc of the in-window bits
-below it, constant time and branch-free (``_decode_bytes_kernel``: what depends on a 32-bit word
-or a byte of the bitmaps is computed once for its 32 or 8 elements). The host reads the flag
-once, after both kernels, and raises ``CorruptFrame`` with ``out`` untouched. On an H200 (1 GiB
-of real KV) the check costs ~0.14 ms, the decode kernel ~1.0 ms.
+two passes, a decode kernel whose warps read and write contiguous bytes, and a path that decodes
+straight into scattered cache blocks (``decode_blocks_into``). Otherwise, and under the
+interpreter, the Triton kernels below: two kernels and one wait. The check kernel reads only the
+bitmaps and the offsets (26 bytes per 64 elements, popc of each tile's in-window mask): offsets
+agree with the popcounts, no codes past the end, zero padding; it sets a flag on the device if
+anything is wrong. The decode kernel reads that flag first and, if it is set, reads and writes
+nothing; otherwise each element finds its value from its tile's start and the popc of the
+in-window bits below it, constant time and branch-free (``_decode_bytes_kernel``: what depends on
+a 32-bit word or a byte of the bitmaps is computed once for its 32 or 8 elements). The host reads
+the flag once, after both kernels, and raises ``CorruptFrame`` with ``out`` untouched. On an H200
+(1 GiB of real KV) the Triton check costs ~0.14 ms, the Triton decode kernel ~1.0 ms.
 
 Works on CPU tensors under ``TRITON_INTERPRET=1`` too (the tests run it that way).
 """
