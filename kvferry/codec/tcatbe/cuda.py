@@ -30,8 +30,9 @@ from .format import GROUP_TILES, TILE, TcaTbeHeader, padding_ranges
 THREADS = 256  # the source's THREADS
 # Compile-time choices of the decode kernel, the source's TCA_* macros (bench/tcatbe_gpu_check.py
 # --cuda-configs sweeps them): the register cap (MINB blocks per SM, also the blocks launched per
-# SM: they stay and take spans in turn), evict-first output stores (STORE_CS).
-TUNING = {"MINB": 4, "STORE_CS": 1}
+# SM: they stay and take spans in turn), evict-first output stores (STORE_CS). H200, 1 GiB: 5
+# blocks of 8 bytes a lane 1,377 GB/s, 4 blocks 1,294, write-back stores -6% (bench/RESULTS.md).
+TUNING = {"MINB": 5, "STORE_CS": 1}
 RUNS = 8  # bytes a lane decodes per span (of RUNS * THREADS bytes: its tiles must divide a group's 1024)
 _SOURCE = Path(__file__).with_name("tcatbe_cuda.cu")
 _thread = threading.local()

@@ -266,7 +266,7 @@ TCA_FN void decode_span(const Tables& tb, const Span& sp, u16* out, const i64* b
 #ifdef __CUDACC__
 
 #ifndef TCA_MINB
-#define TCA_MINB 4
+#define TCA_MINB 5
 #endif
 
 // Blocks take spans of runs * THREADS bytes in turn (span k, k + gridDim.x, ...), so the tables
