@@ -26,5 +26,7 @@ timeout 300 python3 bench/peers.py --device cuda --backend ucxx --sizes "${SIZES
 [ "${SMALL_TCP:-0}" = 1 ] && timeout 200 python3 bench/peers.py --device cuda --backend tcp --codecs raw \
     --sizes 2M,64M,256M --repeats 30 --json "$OUT/peers_small_tcp.json" 2>&1 | grep -v "NIXL INFO" \
     | tee "$OUT/peers_small_tcp.md" | tail -14
-[ "${HARNESS:-1}" = 1 ] && timeout 120 python3 bench/vllm_gpu_harness.py --tokens 4096 --requests 20 --codec raw \
-    --json "$OUT/vllm_gpu_harness_raw.json" 2>&1 | tail -3
+[ "${HARNESS:-1}" = 1 ] && for codec in ${HARNESS_CODECS:-raw}; do
+  timeout 120 python3 bench/vllm_gpu_harness.py --tokens 4096 --requests 20 --codec $codec \
+      --json "$OUT/vllm_gpu_harness_$codec.json" 2>&1 | tail -3
+done
