@@ -219,27 +219,25 @@ class _Pacer:
     delivered its last byte, so even a one-message transfer takes at least its size over the rate.
 
     The write itself (the loopback's own copy) is the link's serialization, not extra time: it is
-    started that much early (its duration estimated from the fastest earlier write, so it never
-    ends early; the first message, with nothing to estimate from, waits for its whole
-    serialization first), and time spent writing is not counted as the link's idle time."""
+    started that much early. Its duration is estimated from the fastest earlier write, so it never
+    ends early; until one was measured a message waits for its whole serialization first, and a
+    write that runs longer than estimated leaves the link idle meanwhile (both only ever slow the
+    emulated link down)."""
 
     def __init__(self, bytes_per_s: float):
         self._rate = bytes_per_s
         self._free_at = time.monotonic()
-        self._writing = 0.0  # seconds spent in writes since the last admit
-        self._loopback = 0.0  # bytes per second our own writes move (0: not measured yet)
+        self._loopback = 0.0  # bytes per second of our fastest write (0: none measured yet)
 
     async def admit(self, n: int) -> None:
         now = time.monotonic()
-        self._free_at = max(now - self._writing, self._free_at) + n / self._rate
-        self._writing = 0.0
+        self._free_at = max(now, self._free_at) + n / self._rate
         lead = n / self._loopback if self._loopback else 0.0
         await asyncio.sleep(self._free_at - lead - now)
 
     def wrote(self, n: int, seconds: float) -> None:
-        self._writing += seconds
-        if seconds > 0:  # the fastest write seen: a lead never longer than the write, so no
-            self._loopback = max(self._loopback, n / seconds)  # message ends before the link delivers it
+        if seconds > 0:
+            self._loopback = max(self._loopback, n / seconds)
 
 
 OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep

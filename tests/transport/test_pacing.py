@@ -1,6 +1,6 @@
 """The link emulator's pacer: a message's write ends when a link of the set rate would have
 delivered its last byte; the sender's own write time (the loopback copy) is the link's
-serialization, neither added to it nor counted as the link's idle time."""
+serialization, not added to it; the emulation never runs faster than the link."""
 
 from __future__ import annotations
 
@@ -47,17 +47,17 @@ def test_write_time_overlaps_the_serialization(clock: _Clock) -> None:
     clock.now += 0.2  # the loopback write of the first message: 2,500 B/s
     pacer.wrote(500, 0.2)
     asyncio.run(pacer.admit(500))
-    # The link finished the first message at 0.5 and delivers the second's last byte at 1.0: its
-    # 0.2 s write starts at 0.8 and ends then.
-    assert clock.now == pytest.approx(100.0 + 0.8)
+    # The link was idle while the first message was written (0.5-0.7); it delivers the second's
+    # last byte at 1.2, so the second's 0.2 s write starts at 1.0 and ends then.
+    assert clock.now == pytest.approx(100.0 + 1.0)
     clock.now += 0.2
     pacer.wrote(500, 0.2)
     asyncio.run(pacer.admit(500))
-    assert clock.now == pytest.approx(100.0 + 1.3)  # the third ends at 1.5: no time is added per message
-    clock.now += 0.4  # a slower write (ends at 1.7, after the link's 1.5): it does not lengthen the lead,
+    assert clock.now == pytest.approx(100.0 + 1.5)  # the third ends at 1.7: no time is added per message
+    clock.now += 0.4  # a slower write (ends at 1.9, after the link's 1.7) does not lengthen the lead,
     pacer.wrote(500, 0.4)  # which would start later writes so early that they end before the link
     asyncio.run(pacer.admit(500))
-    assert clock.now == pytest.approx(100.0 + 1.8)  # the link delivers it at 2.0: a 0.2 s write starts at 1.8
+    assert clock.now == pytest.approx(100.0 + 2.2)  # the link is free at 1.9 and delivers it at 2.4
 
 
 def test_an_idle_sender_leaves_the_link_idle(clock: _Clock) -> None:
