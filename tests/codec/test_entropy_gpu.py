@@ -81,3 +81,34 @@ def test_gpu_blocks():
     dst = torch.zeros_like(cache.view(torch.uint8))
     entropy.decode_blocks(frame, dst.view(dtype), ids)
     assert torch.equal(dst[ids], cache.view(torch.uint8)[ids])
+
+
+def test_gpu_generic_kernels():
+    """A period under 32 elements takes the kernels' generic builds (tables in global memory)."""
+    for dtype in DTYPES:
+        book = entropy.calibrate(list(kv_like((64, 2, 8), dtype, seed=11)), token_axis=None, tables=4)
+        assert book.geometry.period < 32
+        x = with_specials(kv_like((40, 2, 8), dtype, seed=12), seed=13)
+        for chunk in (64, 1024):
+            _both_ways(x, book, chunk, checksum=False)
+
+
+@pytest.mark.parametrize("shape", [(12, 3, 20, 8), (12, 500, 7)], ids=["whole-steps", "partial-steps"])
+def test_gpu_blocks_bf16(shape):
+    """Blocks of whole 32-element steps are read and written in place; others go through copies."""
+    cache = kv_like(shape, torch.bfloat16, seed=14).cuda()
+    book = entropy.calibrate([cache[i].cpu() for i in range(3)], token_axis=None if len(shape) == 3 else 1, tables=8)
+    ids = torch.tensor([7, 2, 9, 4, 0, 11], device="cuda")
+    frame = entropy.encode_blocks(cache, ids, book, checksum=False)
+    assert frame[6].item() == entropy.FRAME_ID
+    assert torch.equal(frame.cpu(), entropy.encode_blocks(cache.cpu(), ids.cpu(), book, checksum=False))
+    dst = torch.zeros_like(cache)
+    entropy.decode_blocks(frame, dst, ids)
+    assert torch.equal(dst[ids].view(torch.int16), cache[ids].view(torch.int16))
+    assert not dst.view(torch.int16)[[1, 3, 5, 6, 8, 10]].any()
+    bad = frame.clone()
+    bad[entropy.read_header(frame).offsets[3] + 1] ^= 0x10  # a coder state
+    before = dst.clone()
+    with pytest.raises(codec.CorruptFrame):
+        entropy.decode_blocks(bad, dst, ids)
+    assert torch.equal(dst.view(torch.int16), before.view(torch.int16))

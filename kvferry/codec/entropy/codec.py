@@ -69,7 +69,9 @@ def encode(x: torch.Tensor, codebook: EntropyCodebook | None = None, *, checksum
         from . import gpu
 
         if gpu.available():
-            return gpu.encode(x, book, checksum=checksum, chunk=chunk)
+            frame = gpu.encode(x.detach().contiguous().reshape(-1), None, tuple(x.shape), book, checksum=checksum,
+                               chunk=chunk)
+            return frame if frame is not None else encode_stored(x, checksum=checksum)
     return encode_reference(x.detach().cpu(), book, checksum=checksum, chunk=chunk).to(x.device)
 
 
@@ -124,23 +126,31 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Ten
         CorruptFrame: the frame is malformed, truncated, or fails a checksum.
         OutputMismatch: ``out`` has the wrong dtype or element count.
     """
+    if isinstance(frame, torch.Tensor) and frame.is_cuda:
+        from . import gpu
+
+        if gpu.available():
+            prefix = gpu.read_prefix(frame)  # one read: codec, header, tables
+            if gpu.is_stored(prefix):
+                return decode_frame(frame, out=out)
+            header = gpu.header_of(frame, prefix)
+            _check_out(header, out)
+            return gpu.decode(frame, header, prefix, out)
     codec_id = frame_codec_id(frame)
     if codec_id == int(FrameCodec.STORED):
         return decode_frame(frame, out=out)
     if codec_id != FRAME_ID:
         raise CorruptFrame(f"codec id {codec_id} is not an entropy (or stored) frame")
     header = read_header(frame)
+    _check_out(header, out)
+    result = decode_reference(frame.cpu().numpy(), header).to(frame.device)
+    return result if out is None else out.copy_(result.view(out.shape))
+
+
+def _check_out(header: EntropyHeader, out: torch.Tensor | None) -> None:
     if out is not None and (out.dtype != header.sym.layout.dtype or out.numel() != header.numel):
         raise OutputMismatch(f"out is {out.dtype}[{out.numel()}], frame holds "
                              f"{header.sym.layout.name}[{header.numel}]")
-    if frame.is_cuda:
-        from . import gpu
-
-        if gpu.available():
-            result = gpu.decode(frame, header)
-            return result if out is None else out.copy_(result.view(out.shape))
-    result = decode_reference(frame.cpu().numpy(), header).to(frame.device)
-    return result if out is None else out.copy_(result.view(out.shape))
 
 
 def decode_reference(buf: np.ndarray, header: EntropyHeader) -> torch.Tensor:
@@ -178,7 +188,18 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                   chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Frame of ``cache[block_ids]`` (blocks along dim 0): the same bytes as ``encode`` of them."""
     _check_tensor(cache)
+    if not (LANES <= chunk <= MAX_CHUNK and chunk % LANES == 0):
+        raise ValueError(f"chunk must be a multiple of {LANES} in {LANES}..{MAX_CHUNK}")
     ids = checked_block_ids(block_ids, cache)
+    if cache.is_cuda and codebook is not None and ids.numel():
+        from . import gpu
+
+        if gpu.available() and gpu.takes_blocks(cache):  # the coder reads the blocks in place
+            book = _book_for(cache, codebook)
+            shape = (ids.numel(), *cache.shape[1:])
+            frame = gpu.encode(cache.detach(), ids, shape, book, checksum=checksum, chunk=chunk)
+            if frame is not None:
+                return frame
     bits = layout_for(cache.dtype).int_dtype  # index_select lacks float8 kernels
     blocks = cache.view(bits).index_select(0, ids).view(cache.dtype)
     return encode(blocks, codebook, checksum=checksum, chunk=chunk)
@@ -195,14 +216,27 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     _check_tensor(cache)
     ids = checked_block_ids(block_ids, cache, unique=True)
     expected = (ids.numel(), *cache.shape[1:])
-    codec_id = frame_codec_id(frame)
-    if codec_id == int(FrameCodec.STORED):
+    gpu = None
+    if isinstance(frame, torch.Tensor) and frame.is_cuda and frame.device == cache.device:
+        from . import gpu
+
+        if not gpu.available():
+            gpu = None
+    if gpu is not None:
+        prefix = gpu.read_prefix(frame)  # one read: codec, header, tables
+        stored = gpu.is_stored(prefix)
+    else:
+        stored = frame_codec_id(frame) == int(FrameCodec.STORED)
+    if stored:
         blocks = decode_frame(frame)
     else:
-        header = read_header(frame)
+        header = gpu.header_of(frame, prefix) if gpu is not None else read_header(frame)
         if header.sym.layout.dtype != cache.dtype or header.shape != expected:
             raise OutputMismatch(f"frame holds {header.sym.layout.name}{list(header.shape)}, blocks need "
                                  f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
+        if gpu is not None:
+            gpu.decode_blocks(frame, header, prefix, cache, ids)
+            return
         blocks = decode(frame)
     if blocks.dtype != cache.dtype or tuple(blocks.shape) != expected:
         raise OutputMismatch(f"frame holds {blocks.dtype}{list(blocks.shape)}, blocks need "

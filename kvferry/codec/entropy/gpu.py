@@ -1,35 +1,49 @@
 """GPU path of the entropy codec: CuPy (NVRTC) kernels in ``entropy_cuda.cu``, one warp per
-chunk, writing the reference's bytes. The host builds the header, the table streams and the
-stream CRC (on a host copy of the frame: a GPU CRC is still to come), and handles the rare
-stored chunks; everything per element runs on the device.
+chunk, writing the reference's bytes.
 
-Decode writes only into fresh device memory and copies into the caller's tensor after the
-device reported that every chunk decoded consistently.
+Encode: one pass codes every chunk into a slot of its own and writes the raw stream straight
+into the frame's buffer, then one read of the word total (the call's only synchronization)
+places the frame in that buffer so that its raw stream is where the coder wrote it, and a
+second pass moves each chunk's words, counts and states into place. Block ids, where given,
+are read by the coder itself (no gathered copy). Decode: one read of the frame's first bytes
+(header, tables), the coder into fresh memory, then a copy into the caller's tensor or cache
+blocks that the device skips unless every check passed, and one read of the verdict.
+
+The host builds the header and checks the tables; a stream CRC, where a frame asks for one,
+is computed on a host copy (the registry's frames carry none).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .. import bitpack
 from ..checksum import crc32c
 from ..errors import CorruptFrame
-from ..format import stored_size
-from ..frames import encode_stored
-from ..staging import optional_cupy
+from ..format import FrameCodec, stored_size
+from ..registry import FRAME_MAGIC
+from ..splitzip_gpu import _in_context, _parameters
+from ..staging import current_stream, optional_cupy, read_to_host
 from .codebook import EntropyCodebook
-from .format import (HEADER_SIZE, LANES, EntropyHeader, Stream, check_counts, chunk_caps, make_header,
-                     num_chunks, pack_codebook, parse_tables, word_cap)
-from .symbols import for_dtype
+from .format import (FRAME_ID, HEADER_SIZE, LANES, EntropyHeader, Stream, align, chunk_caps, make_header,
+                     num_chunks, pack_codebook, parse_header, parse_tables, word_cap)
+from .symbols import SymbolLayout, for_dtype
 
 _SOURCE = Path(__file__).with_name("entropy_cuda.cu")
-WARPS_PER_BLOCK = 4
+THREADS = 1024  # per block of the coders: one block of 32 warps per SM shares the tables
+PTAB_MAX = 1 << 27  # per-position table ids for periods up to 128 Mi elements (one byte each)
+_LAYOUTS = ((9, 7, 2), (6, 10, 2), (8, 0, 1))  # (coded bits, raw bits, bytes): 16-bit floats, FP8
+_PREFIX = 64 << 10  # bytes decode reads first: header, tables and map of common frames
+_CODEC_AT = 6
+_MAX_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
+@functools.cache
 def available() -> bool:
     """True when CUDA and CuPy are both usable."""
     return optional_cupy() is not None and torch.cuda.is_available()
@@ -38,192 +52,355 @@ def available() -> bool:
 @functools.cache
 def _module(device_index: int):
     cupy = optional_cupy()
+    names = [f"entropy_{kind}<{s},{r},{b},{fast}>" for kind in ("encode", "decode") for s, r, b in _LAYOUTS
+             for fast in (0, 1)]
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
+        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
         module.compile()
     return module
 
 
-def _kernel(name: str, device: torch.device):
-    return _module(device.index or 0).get_function(name)
+@dataclass(frozen=True)
+class _Kernel:
+    """A compiled kernel launched through ``cuLaunchKernel`` (CuPy's argument conversion costs
+    tens of microseconds a call); every argument is passed as 8 bytes."""
+
+    handle: int
+    threads: int
+    device_index: int
+    owner: object  # CuPy's RawKernel, which keeps the module loaded
+
+    def __call__(self, stream: int, grid: int | tuple[int, int], args: tuple[int, ...], smem: int = 0) -> None:
+        gx, gy = (grid, 1) if isinstance(grid, int) else grid
+        _in_context(self.device_index, optional_cupy().cuda.driver.launchKernel, self.handle, max(1, gx), gy, 1,
+                    self.threads, 1, 1, smem, stream, _parameters(args), 0)
 
 
-def _launch(kernel, nchunks: int, args: tuple, device: torch.device) -> None:
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int, name: str, threads: int = THREADS) -> _Kernel:
+    """The kernel ``name``; the coders' fast builds may take all the shared memory a block can."""
     cupy = optional_cupy()
-    blocks = max(1, (nchunks + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-    with cupy.cuda.Device(device.index or 0), stream:
-        kernel((blocks,), (32 * WARPS_PER_BLOCK,), args)
+    function = _module(device_index).get_function(name)
+    with cupy.cuda.Device(device_index):
+        handle = function.kernel.ptr
+        if name.endswith(",1>"):
+            cupy.cuda.driver.funcSetAttribute(handle, _MAX_SHARED, _device_limits(device_index)[1])
+    return _Kernel(handle, threads, device_index, function)
 
 
-def _ptr(t: torch.Tensor) -> np.uint64:
-    """A device pointer as a kernel argument (passed by value, the width of a pointer)."""
-    return np.uint64(t.data_ptr())
+@functools.cache
+def _device_limits(device_index: int) -> tuple[int, int]:
+    """(SMs, shared memory a block may opt in to)."""
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    if not smem:
+        with optional_cupy().cuda.Device(device_index) as dev:
+            smem = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    return props.multi_processor_count, int(smem)
 
 
-def _ptr_or_null(t: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0) if t is None else _ptr(t)
+@dataclass(frozen=True)
+class _Tables:
+    """A codebook's tables on one device, in the kernels' layouts (entropy_cuda.cu)."""
+
+    enc: torch.Tensor  # (tables, 2**S) x (magic, cum | (2**M - f) << 14 | ceil(log2 f) << 28)
+    slot: torch.Tensor  # (tables, 2**M) u16: symbol of each slot
+    fc: torch.Tensor  # (tables, alphabet) u32: f | cum << 16
+    cmap: torch.Tensor  # context map
+    ptab: torch.Tensor | None  # table of each position of one period, where short enough
+    enc_smem: int  # bytes of shared memory the fast encoder needs, 0 if it does not fit
+    dec_smem: int
+
+    def geo(self, book: EntropyCodebook) -> tuple[int, ...]:
+        g = book.geometry
+        return (self.ptab.data_ptr() if self.ptab is not None else 0, self.cmap.data_ptr(), g.period,
+                g.tokens * g.inner, g.inner)
 
 
-def _tables_on(book: EntropyCodebook, device: torch.device) -> dict[str, torch.Tensor]:
+def encode_table(book: EntropyCodebook) -> np.ndarray:
+    """(tables, 2**S, 2) uint32: the encoder's entry of each (table, symbol), the escape's for
+    a symbol the table lacks; x / f is ((x - t) >> s1 + t) >> s2 with t = umulhi(x, magic)."""
+    sym = book.symbols
+    freqs, cum = book.freqs.astype(np.int64), book.cumulative().astype(np.int64)
+    f, c = freqs[:, :sym.esc], cum[:, :sym.esc]
+    missing = f == 0
+    f = np.where(missing, freqs[:, sym.esc:sym.esc + 1], f)
+    c = np.where(missing, cum[:, sym.esc:sym.esc + 1], c)
+    bits = np.frexp((f - 1).astype(np.float64))[1].astype(np.int64)  # ceil(log2 f)
+    magic = ((np.int64(1) << 32) * ((np.int64(1) << bits) - f)) // f + 1
+    y = c | ((1 << book.prob_bits) - f) << 14 | bits << 28
+    return np.stack([magic, y], axis=-1).astype(np.uint32)
+
+
+def _tables_on(book: EntropyCodebook, device: torch.device) -> _Tables:
     key = ("gpu", str(device))
     if key not in book._cache:
-        book._cache[key] = {
-            "freq": torch.from_numpy(book.freqs.astype(np.uint16).view(np.int16)).to(device),
-            "cum": torch.from_numpy(book.cumulative().astype(np.uint16).view(np.int16)).to(device),
-            "slot": torch.from_numpy(book.slot_symbols().astype(np.uint16).view(np.int16)).to(device),
-            "map": torch.from_numpy(book.context_map.astype(np.uint8)).to(device),
-        }
-    return book._cache[key]
-
-
-PTAB_MAX = 1 << 27  # per-position table ids for periods up to 128 Mi elements (one byte each)
-
-
-def _ptab(book: EntropyCodebook, device: torch.device) -> torch.Tensor | None:
-    """Table of each position of one period, on the device (saves the kernels three 64-bit
-    divisions an element), or None for longer periods."""
-    period = book.geometry.period
-    if period > PTAB_MAX:
-        return None
-    key = ("ptab", str(device))
-    if key not in book._cache:
         g = book.geometry
-        j = torch.arange(period, dtype=torch.int64, device=device)
-        ctx = (j // (g.tokens * g.inner)) * g.inner + j % g.inner
-        book._cache[key] = _tables_on(book, device)["map"][ctx]
+        ptab = None
+        cmap = torch.from_numpy(book.context_map.astype(np.uint8)).to(device)
+        if 32 <= g.period <= PTAB_MAX:
+            j = torch.arange(g.period, dtype=torch.int64, device=device)
+            ptab = cmap[(j // (g.tokens * g.inner)) * g.inner + j % g.inner]
+        enc = torch.from_numpy(encode_table(book).view(np.int32)).to(device)
+        fc = torch.from_numpy((book.freqs.astype(np.int64) | book.cumulative() << 16).astype(np.uint32).view(np.int32))
+        slot = torch.from_numpy(book.slot_symbols().astype(np.uint16).view(np.int16))
+        _, limit = _device_limits(device.index or 0)
+        enc_bytes, dec_bytes = enc.numel() * 4, fc.numel() * 4 + slot.numel() * 2
+        fast = ptab is not None
+        book._cache[key] = _Tables(enc, slot.to(device), fc.to(device), cmap, ptab,
+                                   enc_bytes if fast and enc_bytes <= limit else 0,
+                                   dec_bytes if fast and dec_bytes <= limit else 0)
     return book._cache[key]
 
 
-def _geo_args(book: EntropyCodebook) -> tuple:
-    g = book.geometry
-    return (np.int64(g.period), np.int64(g.tokens * g.inner), np.int64(g.inner))
+def _coder(kind: str, sym: SymbolLayout, device_index: int, smem: int, nchunks: int) -> tuple[_Kernel, int]:
+    """The fast build (tables in ``smem`` bytes of shared memory) or the generic one, and its grid."""
+    name = f"entropy_{kind}<{sym.sym_bits},{sym.raw_bits},{sym.layout.itemsize},{int(bool(smem))}>"
+    sms, _ = _device_limits(device_index)
+    per_sm = 1 if smem else 2
+    return _kernel(device_index, name), min(-(-nchunks * 32 // THREADS), sms * per_sm)
 
 
-def encode(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool, chunk: int) -> torch.Tensor:
-    """The reference's frame of ``x``, computed on ``x``'s GPU."""
-    sym = for_dtype(x.dtype)
-    device = x.device
-    flat = x.detach().contiguous().reshape(-1).view(torch.uint8)
-    n = x.numel()
-    nchunks = num_chunks(n, chunk)
-    tabs = _tables_on(book, device)
-    cap = word_cap(chunk, sym)
-    slots = torch.empty(max(nchunks * cap, 1), dtype=torch.int16, device=device)
-    counts = torch.empty(max(nchunks, 1), dtype=torch.int32, device=device)
-    states = torch.empty(max(nchunks * LANES, 1), dtype=torch.int32, device=device)
+def takes_blocks(cache: torch.Tensor) -> bool:
+    """Whether the encoder reads ``cache``'s blocks in place: contiguous, whole steps of 32
+    elements per block."""
+    block = cache[0].numel() if cache.dim() and cache.shape[0] else 0
+    return cache.is_contiguous() and block > 0 and block % LANES == 0 and block < 1 << 31
+
+
+@dataclass(frozen=True)
+class _EncodePlan:
+    """What encoding a tensor of one shape with one codebook needs besides the data."""
+
+    sym: SymbolLayout
+    n: int
+    nchunks: int
+    cap: int
+    cap_last: int
+    raw_at: int  # where the coder writes the raw stream in the buffer
+    buffer: int  # bytes: the largest frame, and room for the raw words of a partial last step
+    between: bytes  # the frame's bytes from the header's end to the counts (tables, map, padding)
+    counts_at: int
+    states_at: int
+    words_at: int
+
+
+def _encode_plan(book: EntropyCodebook, sym: SymbolLayout, shape: tuple[int, ...], chunk: int) -> _EncodePlan:
+    key = ("plan", shape, chunk, sym.layout.name)
+    if key not in book._cache:
+        empty = make_header(sym, shape, book, chunk, 0)
+        o, ln = empty.offsets, empty.lengths
+        n = empty.numel
+        caps = chunk_caps(n, chunk, sym)
+        raw_at = align(o[Stream.WORDS] + 2 * int(caps.sum()))
+        between = np.zeros(o[Stream.COUNTS] - HEADER_SIZE, dtype=np.uint8)
+        tables = np.frombuffer(pack_codebook(book), dtype=np.uint8)
+        between[o[Stream.TABLES] - HEADER_SIZE:][:tables.size] = tables
+        between[o[Stream.MAP] - HEADER_SIZE:][:ln[Stream.MAP]] = book.context_map.astype(np.uint8)
+        book._cache[key] = _EncodePlan(sym, n, num_chunks(n, chunk), word_cap(chunk, sym),
+                                       int(caps[-1]) if caps.size else 0, raw_at,
+                                       raw_at + 4 * sym.raw_bits * -(-n // LANES) + 16, between.tobytes(),
+                                       o[Stream.COUNTS], o[Stream.STATES], o[Stream.WORDS])
+    return book._cache[key]
+
+
+def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...], book: EntropyCodebook, *,
+           checksum: bool, chunk: int) -> torch.Tensor | None:
+    """The reference's frame of ``source`` (flat contiguous, ``shape`` elements), or of the
+    blocks ``source[ids]`` of a contiguous cache (``takes_blocks``); None where a stored frame
+    would not be larger."""
+    sym = for_dtype(source.dtype)
+    device = source.device
+    plan = _encode_plan(book, sym, tuple(shape), chunk)
+    n, nchunks, stream = plan.n, plan.nchunks, current_stream(device)
+    buf = torch.empty(plan.buffer, dtype=torch.uint8, device=device)
+    total_words = 0
     if nchunks:
-        _launch(_kernel("entropy_encode", device), nchunks,
-                (_ptr(flat), np.int32(sym.layout.itemsize), np.int32(sym.raw_bits), _ptr(tabs["freq"]),
-                 _ptr(tabs["cum"]), _ptr(tabs["map"]), *_geo_args(book), np.int64(n), np.int32(chunk),
-                 np.int32(nchunks), np.int32(book.prob_bits), np.int32(sym.sym_bits), np.int32(sym.alphabet),
-                 np.int32(cap), _ptr(slots), _ptr(counts), _ptr(states), _ptr_or_null(_ptab(book, device))), device)
-    counts_h = counts[:nchunks].cpu().numpy().view(np.uint32).astype(np.int64)  # the one sync
-    caps = chunk_caps(n, chunk, sym)
-    total_words = int(counts_h.sum())
-    header = make_header(sym, tuple(x.shape), book, chunk, total_words)
+        tabs = _tables_on(book, device)
+        scratch = torch.empty(nchunks * (2 * plan.cap + 4 + 4 * LANES), dtype=torch.uint8, device=device)
+        slots, counts_at = scratch.data_ptr(), scratch.data_ptr() + 2 * plan.cap * nchunks
+        states_at = counts_at + 4 * nchunks
+        counts = scratch[2 * plan.cap * nchunks:][:4 * nchunks].view(torch.int32)
+        block = source[0].numel() if ids is not None else 1
+        kernel, grid = _coder("encode", sym, device.index or 0, tabs.enc_smem, nchunks)
+        kernel(stream, grid, (
+            source.data_ptr(), ids.data_ptr() if ids is not None else 0, block, n, chunk, nchunks, book.prob_bits,
+            tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(book), slots, plan.cap, counts_at, states_at,
+            buf.data_ptr() + plan.raw_at), tabs.enc_smem)
+        cum = torch.cumsum(counts, 0, dtype=torch.int64)
+        total_words = int(read_to_host(cum, 8, stream, offset=8 * (nchunks - 1)).view(np.int64)[0])
+    header = make_header(sym, tuple(shape), book, chunk, total_words)
     if header.total >= stored_size(sym.layout, n):
-        return encode_stored(x, checksum=checksum)
-    frame = torch.zeros(header.total, dtype=torch.uint8, device=device)
+        return None
     o, ln = header.offsets, header.lengths
-    host = pack_codebook(book) + b""
-    frame[o[Stream.TABLES]:o[Stream.TABLES] + ln[Stream.TABLES]] = torch.frombuffer(bytearray(host), dtype=torch.uint8).to(device)
-    frame[o[Stream.MAP]:o[Stream.MAP] + ln[Stream.MAP]] = tabs["map"]
-    frame[o[Stream.COUNTS]:o[Stream.COUNTS] + ln[Stream.COUNTS]] = counts[:nchunks].view(torch.uint8)
-    frame[o[Stream.STATES]:o[Stream.STATES] + ln[Stream.STATES]] = states[:nchunks * LANES].view(torch.uint8)
-    if total_words:
-        words = frame[o[Stream.WORDS]:o[Stream.WORDS] + ln[Stream.WORDS]].view(torch.int16)
-        starts = torch.from_numpy(np.concatenate([[0], np.cumsum(counts_h)[:-1]]).astype(np.int64)).to(device)
-        last = torch.tensor([int(caps[-1])], dtype=torch.int32, device=device)
-        _launch(_kernel("entropy_gather", device), nchunks,
-                (_ptr(slots), _ptr(counts), _ptr(starts), _ptr(last), np.int32(cap), np.int32(nchunks), _ptr(words)),
-                device)
-        for c in np.flatnonzero(counts_h == caps):  # stored chunks (rare): their symbols, packed
-            e = min(chunk, n - c * chunk)
-            bits = (flat.view(torch.int16) if sym.layout.itemsize == 2 else flat)[c * chunk:c * chunk + e]
-            symbols = (bits.to(torch.int32) & ((1 << (8 * sym.layout.itemsize)) - 1)) >> sym.raw_bits
-            packed = torch.zeros(2 * int(caps[c]), dtype=torch.uint8, device=device)
-            p = bitpack.pack(symbols, sym.sym_bits)
-            packed[:p.numel()] = p
-            s0 = int(counts_h[:c].sum())
-            words[s0:s0 + int(caps[c])] = packed.view(torch.int16)
-    if sym.raw_bits and n:
-        raw = frame[o[Stream.RAW]:o[Stream.RAW] + ln[Stream.RAW]]
-        groups = (n + 7) // 8
-        cupy = optional_cupy()
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-        with cupy.cuda.Device(device.index or 0), stream:
-            _kernel("entropy_pack_raw", device)(((groups + 255) // 256,), (256,), (
-                _ptr(flat), np.int32(sym.layout.itemsize), np.int32(sym.raw_bits), np.int64(n), _ptr(raw),
-                np.int64(raw.numel())))
+    start = plan.raw_at - o[Stream.RAW]
+    frame = buf[start:start + header.total]
+    frame[:plan.counts_at].copy_(torch.frombuffer(bytearray(header.pack() + plan.between), dtype=torch.uint8))
+    if nchunks:
+        words_end = o[Stream.WORDS] + ln[Stream.WORDS]
+        pad2 = o[Stream.RAW] - words_end if ln[Stream.RAW] else 0
+        pad1_at = plan.counts_at + 4 * nchunks
+        _kernel(device.index or 0, "entropy_assemble", 256)(stream, min(-(-nchunks // 8), 1 << 16), (
+            slots, counts_at, states_at, cum.data_ptr(), plan.cap, plan.cap_last, nchunks, frame.data_ptr(),
+            plan.counts_at, plan.states_at, plan.words_at, pad1_at, plan.states_at - pad1_at, words_end, pad2))
     if checksum:
         header = header.with_crc(crc32c(frame[HEADER_SIZE:].cpu().numpy().data))
-    frame[:HEADER_SIZE] = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8).to(device)
+        frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
     return frame
 
 
-def decode(frame: torch.Tensor, header: EntropyHeader) -> torch.Tensor:
-    """Decode an entropy frame that lives on the GPU (header already parsed).
+_BOOKS: dict[tuple, EntropyCodebook] = {}
+_BOOKS_LOCK = threading.Lock()
+
+
+def _frame_book(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) -> EntropyCodebook:
+    """The frame's codebook, parsed once per distinct tables (frames of one codebook repeat
+    them), so that its device tables are built once too."""
+    key = (header.sym.layout.name, header.prob_bits, header.tables, header.geometry, table_bytes, map_bytes)
+    with _BOOKS_LOCK:
+        book = _BOOKS.get(key)
+    if book is None:
+        book = parse_tables(header, table_bytes, map_bytes)
+        with _BOOKS_LOCK:
+            if len(_BOOKS) >= 32:
+                _BOOKS.clear()
+            _BOOKS[key] = book
+    return book
+
+
+def read_prefix(frame: torch.Tensor) -> np.ndarray:
+    """The frame's first bytes (up to 64 KiB) after the checks of ``registry.codec_id``.
+
+    Raises:
+        CorruptFrame: not a 1-D uint8 tensor, too short, or wrong magic.
+    """
+    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
+        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
+    if frame.numel() <= _CODEC_AT:
+        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
+    prefix = read_to_host(frame.contiguous(), min(frame.numel(), _PREFIX), current_stream(frame.device))
+    if prefix[:4].tobytes() != FRAME_MAGIC:
+        raise CorruptFrame(f"bad magic {prefix[:4].tobytes()!r}, expected {FRAME_MAGIC!r}")
+    return prefix
+
+
+def is_stored(prefix: np.ndarray) -> bool:
+    """Whether the frame is a stored one (codec 0); else it must be an entropy frame.
+
+    Raises:
+        CorruptFrame: another codec's frame.
+    """
+    codec = int(prefix[_CODEC_AT])
+    if codec not in (int(FrameCodec.STORED), FRAME_ID):
+        raise CorruptFrame(f"codec id {codec} is not an entropy (or stored) frame")
+    return codec == int(FrameCodec.STORED)
+
+
+def header_of(frame: torch.Tensor, prefix: np.ndarray) -> EntropyHeader:
+    return parse_header(prefix[:HEADER_SIZE].tobytes(), frame.numel())
+
+
+def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frame's elements decoded into fresh memory (16-byte aligned, padded to 16 bytes) and
+    the device's verdict (0: every check passed), neither read yet.
+
+    Raises:
+        CorruptFrame: a check the host makes (stream CRC, tables).
+    """
+    device, stream = frame.device, current_stream(frame.device)
+    sym, n = header.sym, header.numel
+    o, ln = header.offsets, header.lengths
+    if not frame.is_contiguous() or frame.data_ptr() % 16:
+        frame = frame.clone()
+    if header.stream_crc is not None and crc32c(frame[HEADER_SIZE:].cpu().numpy().data) != header.stream_crc:
+        raise CorruptFrame("stream checksum mismatch")
+    if len(prefix) < o[Stream.COUNTS]:
+        prefix = read_to_host(frame, o[Stream.COUNTS], stream)
+    book = _frame_book(header, prefix[o[Stream.TABLES]:][:ln[Stream.TABLES]].tobytes(),
+                       prefix[o[Stream.MAP]:][:ln[Stream.MAP]].tobytes())
+    tabs = _tables_on(book, device)
+    itemsize = sym.layout.itemsize
+    out = torch.empty((n * itemsize + 15) // 16 * 16 or 16, dtype=torch.uint8, device=device)
+    err = torch.zeros(1, dtype=torch.int32, device=device)
+    base = frame.data_ptr()
+    gaps, end = [], HEADER_SIZE  # (first byte, length) of the padding before each stream after the tables
+    for off, length in zip(o, ln):
+        gaps += [end, max(0, min(off, frame.numel()) - end)]
+        end = max(end, off + length)
+    gaps = gaps[2:]
+    used = sym.raw_bits * n % 8
+    _kernel(device.index or 0, "entropy_check_padding", 32)(stream, 1, (
+        base, *gaps, o[Stream.RAW] + ln[Stream.RAW] - 1, used, err.data_ptr()))
+    nchunks = header.nchunks
+    if nchunks:
+        cum = torch.cumsum(frame[o[Stream.COUNTS]:][:ln[Stream.COUNTS]].view(torch.int32), 0, dtype=torch.int64)
+        caps = chunk_caps(n, header.chunk, sym)
+        kernel, grid = _coder("decode", sym, device.index or 0, tabs.dec_smem, nchunks)
+        kernel(stream, grid, (
+            base + o[Stream.WORDS], ln[Stream.WORDS] // 2, base + o[Stream.COUNTS], cum.data_ptr(),
+            base + o[Stream.STATES], tabs.slot.data_ptr(), tabs.fc.data_ptr(), tabs.slot.numel() // 2,
+            tabs.fc.numel(), *tabs.geo(book), n, header.chunk, nchunks, int(caps[0]), int(caps[-1]),
+            book.prob_bits, base + o[Stream.RAW] if ln[Stream.RAW] else 0, (ln[Stream.RAW] + 3) // 4,
+            out.data_ptr(), err.data_ptr()), tabs.dec_smem)
+    return out, err
+
+
+def _verdict(err: torch.Tensor) -> None:
+    if int(read_to_host(err, 4, current_stream(err.device)).view(np.int32)[0]):
+        raise CorruptFrame("coded streams do not decode to their end (corrupt counts, words, states, escapes "
+                           "or padding)")
+
+
+def _scatter(out: torch.Tensor, dst: int, ids: torch.Tensor | None, block_bytes: int, nblocks: int,
+             err: torch.Tensor) -> None:
+    """Decoded bytes into ``dst`` (blocks ``ids``), skipped by the device unless ``err`` is 0."""
+    pieces = block_bytes // 16
+    threads = 256
+    gx = min(-(-pieces // (threads * 4)), 1 << 20)
+    gy = min(nblocks, 65535)
+    _kernel(out.device.index or 0, "entropy_scatter", threads)(current_stream(out.device), (gx, gy), (
+        out.data_ptr(), dst, ids.data_ptr() if ids is not None else 0, block_bytes, nblocks, err.data_ptr()))
+
+
+def decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Decode an entropy frame that lives on the GPU (header parsed from ``prefix``), into a new
+    tensor or into ``out`` (checked by the caller: same dtype and element count).
 
     Raises:
         CorruptFrame: any check fails; nothing of the caller's is written.
     """
-    device = frame.device
-    sym, n = header.sym, header.numel
-    o, ln = header.offsets, header.lengths
-    small_end = o[Stream.WORDS]
-    head = frame[:small_end].cpu().numpy()  # tables, map, counts, states: small
-    if header.stream_crc is not None and crc32c(frame[HEADER_SIZE:].cpu().numpy().data) != header.stream_crc:
-        raise CorruptFrame("stream checksum mismatch")
-    book = parse_tables(header, head[o[Stream.TABLES]:o[Stream.TABLES] + ln[Stream.TABLES]].tobytes(),
-                        head[o[Stream.MAP]:o[Stream.MAP] + ln[Stream.MAP]].tobytes())
-    counts = head[o[Stream.COUNTS]:o[Stream.COUNTS] + ln[Stream.COUNTS]].view("<u4")
-    starts = check_counts(header, counts)
-    caps = chunk_caps(n, header.chunk, sym)
-    stored = counts.astype(np.int64) == caps
-    states = head[o[Stream.STATES]:o[Stream.STATES] + ln[Stream.STATES]].view("<u4")
-    if (states.reshape(-1, LANES)[stored] != 0).any():
-        raise CorruptFrame("a stored chunk has coder states")
-    # Padding and the raw stream's unused bits, as the reference checks them (a few bytes).
-    gaps, end = [], HEADER_SIZE
-    for off, length in zip(o, ln):
-        gaps += range(end, min(off, frame.numel()))  # an empty trailing stream has no padding
-        end = max(end, off + length)
-    raw_bits_total = sym.raw_bits * n
-    last_raw = o[Stream.RAW] + ln[Stream.RAW] - 1
-    probe = torch.tensor(gaps + ([last_raw] if raw_bits_total % 8 else []), dtype=torch.int64)
-    probed = frame[probe.to(device)].cpu().numpy() if probe.numel() else np.zeros(0, dtype=np.uint8)
-    if probed[:len(gaps)].any():
-        raise CorruptFrame("padding between streams is not zero")
-    if raw_bits_total % 8 and int(probed[-1]) >> (raw_bits_total % 8):
-        raise CorruptFrame("unused bits of the raw stream are not zero")
-    tabs = _tables_on(book, device)
-    words = frame[o[Stream.WORDS]:o[Stream.WORDS] + ln[Stream.WORDS]]
-    words16 = words.view(torch.int16) if words.numel() else torch.zeros(1, dtype=torch.int16, device=device)
-    raw = frame[o[Stream.RAW]:o[Stream.RAW] + ln[Stream.RAW]]
-    itemsize = sym.layout.itemsize
-    out = torch.empty(max(n, 1) * itemsize, dtype=torch.uint8, device=device)
-    err = torch.zeros(1, dtype=torch.int32, device=device)
-    nchunks = header.nchunks
-    if nchunks:
-        starts_d = torch.from_numpy(starts).to(device)
-        states_d = frame[o[Stream.STATES]:o[Stream.STATES] + ln[Stream.STATES]].view(torch.int32)
-        stored_d = torch.from_numpy(stored.astype(np.uint8)).to(device)
-        _launch(_kernel("entropy_decode", device), nchunks,
-                (_ptr(words16), _ptr(starts_d), _ptr(states_d), _ptr(stored_d), _ptr(tabs["slot"]),
-                 _ptr(tabs["freq"]), _ptr(tabs["cum"]), _ptr(tabs["map"]), *_geo_args(book), np.int64(n),
-                 np.int32(header.chunk), np.int32(nchunks), np.int32(book.prob_bits), np.int32(sym.sym_bits),
-                 np.int32(sym.alphabet), _ptr_or_null(_ptab(book, device)), _ptr(raw) if raw.numel() else np.uint64(0),
-                 np.int64(raw.numel()), np.int32(sym.raw_bits), np.int32(itemsize), _ptr(out), _ptr(err)), device)
-    elements = out[:n * itemsize].view(torch.int16 if itemsize == 2 else torch.uint8)
-    for c in np.flatnonzero(stored):  # stored chunks (rare): symbols unpacked here
-        lo = c * header.chunk
-        e = min(header.chunk, n - lo)
-        seg = words[2 * int(starts[c]):2 * int(starts[c + 1])]
-        bits = bitpack.unpack(seg, e, sym.sym_bits) << sym.raw_bits
-        if sym.raw_bits:
-            bits |= bitpack.unpack(raw, n, sym.raw_bits)[lo:lo + e]
-        elements[lo:lo + e] = bits.to(elements.dtype)
-    if int(err.item()):
-        raise CorruptFrame("coded streams do not decode to their end (corrupt words, states or escapes)")
-    return elements.view(sym.layout.dtype).view(header.shape)
+    decoded, err = _decode(frame, header, prefix)
+    nbytes = header.numel * header.sym.layout.itemsize
+    if (out is not None and out.device == frame.device and out.is_contiguous() and out.data_ptr() % 16 == 0
+            and nbytes % 16 == 0 and nbytes):
+        _scatter(decoded, out.data_ptr(), None, nbytes, 1, err)
+        _verdict(err)
+        return out
+    _verdict(err)
+    sym = header.sym
+    result = decoded[:nbytes].view(torch.int16 if sym.layout.itemsize == 2 else torch.uint8)
+    result = result.view(sym.layout.dtype).view(header.shape)
+    return result if out is None else out.copy_(result.view(out.shape))
+
+
+def decode_blocks(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray, cache: torch.Tensor,
+                  ids: torch.Tensor) -> None:
+    """Decode an entropy frame on the GPU into ``cache[ids]`` (checked by the caller).
+
+    Raises:
+        CorruptFrame: any check fails; nothing is written.
+    """
+    decoded, err = _decode(frame, header, prefix)
+    itemsize = header.sym.layout.itemsize
+    block_bytes = (cache[0].numel() if ids.numel() else 0) * itemsize
+    if cache.is_contiguous() and cache.data_ptr() % 16 == 0 and block_bytes % 16 == 0 and ids.numel():
+        _scatter(decoded, cache.data_ptr(), ids, block_bytes, ids.numel(), err)
+        _verdict(err)
+        return
+    _verdict(err)
+    if not ids.numel():
+        return
+    bits = torch.int16 if itemsize == 2 else torch.uint8
+    blocks = decoded[:header.numel * itemsize].view(bits).view(ids.numel(), *cache.shape[1:])
+    cache.view(bits).index_copy_(0, ids, blocks)
