@@ -51,6 +51,10 @@ class Leases:
             for held in helds:
                 table[held.name] = held
 
+    def holding(self, connection: transport.Connection) -> bool:
+        """Whether any lease is held on ``connection`` (the hot path's first, cheapest question)."""
+        return bool(self._held.get(connection))
+
     def held(self, connection: transport.Connection, names: list[str], shapes: list[tuple[int, ...]],
              dtype: str) -> list[Held] | None:
         """The leases for every destination region named, if this connection holds them all and

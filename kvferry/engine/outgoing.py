@@ -92,7 +92,8 @@ class Outgoing:
         connection (a standing lease), then announce it behind the data: one message, ended by the
         receiver's DONE. False, with nothing done, if it does not qualify."""
         connection = self.engine.pool.ready(*address)
-        if connection is None or not runs_now(pairs[0].region.tensor.device, _raw_bytes(spec, pairs)):
+        if connection is None or not self.engine.leases.holding(connection) \
+                or not runs_now(pairs[0].region.tensor.device, _raw_bytes(spec, pairs)):
             return False
         helds = self._leases(connection, spec, pairs, candidates)
         if helds is None:
