@@ -12,7 +12,9 @@ the connection (it writes under a lease only while the connection it came on is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvferry import transport
@@ -76,6 +78,15 @@ class Leases:
     def offer_wanted(self, connection: transport.Connection, names: list[str]) -> bool:
         declined = self._declined.get(connection)
         return not declined or declined.isdisjoint(names)
+
+    @contextlib.contextmanager
+    def writing(self, connection: transport.Connection, helds: list[Held]) -> Iterator[None]:
+        """A write under ``helds``: a REVOKE that comes meanwhile is answered once it is over."""
+        self.begin(helds)
+        try:
+            yield
+        finally:
+            self.end(connection, helds)
 
     def begin(self, helds: list[Held]) -> None:
         for held in helds:

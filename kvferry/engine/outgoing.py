@@ -68,12 +68,10 @@ class Outgoing:
             return False
         t.move(State.RUNNING)
         link = self.engine.link(t, PeerLink(connection))
-        offer = self._offer(connection, spec, pairs, codec)  # the receiver may lend shared memory for later
-        if offer:
-            link.offer = ([dst for _, dst in spec.pairs], [p.region.block_shape for p in pairs], pairs[0].region.dtype)
+        link.offer = self._offer(connection, spec, pairs, codec)  # the receiver may lend shared memory for later
         try:
             inline = self._inline_chunks(t, plan, pairs, codec, len(plan))
-            announce = self._announce(t, spec, pairs, book, len(inline), offer)
+            announce = self._announce(t, spec, pairs, book, len(inline), link.offer is not None)
         except Exception as exc:  # the codec's or the layout's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(exc))
             return True
@@ -103,8 +101,9 @@ class Outgoing:
         self._same_host(t)
         try:
             announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
-            self._write_leased(connection, helds, lambda: self.engine.codec.call_now(
-                "encode", pairs[0].region.tensor.device, functools.partial(self._write_blocks, spec, pairs, helds)))
+            with self.engine.leases.writing(connection, helds):
+                self.engine.codec.call_now("encode", pairs[0].region.tensor.device,
+                                           functools.partial(self._write_blocks, spec, pairs, helds))
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
                                         if isinstance(exc, RuntimeError) else exc))
@@ -129,41 +128,23 @@ class Outgoing:
             return None
         if len(candidates) == 1 and not getattr(codecs.get(candidates[0]), "identity", False):
             return None
-        return self.engine.leases.held(connection, [dst for _, dst in spec.pairs],
-                                       [p.region.block_shape for p in pairs], pairs[0].region.dtype)
+        return self.engine.leases.held(connection, *_destinations(spec, pairs))
 
     def _offer(self, connection: transport.Connection, spec: TransferSpec, pairs: list[Pair],
-               codec: codecs.Codec) -> bool:
-        """Whether to offer the receiver to write its memory ourselves (it lends it in its ACCEPT,
-        for this and later transfers): blocks as they are (raw asked for, or ``auto``), all on a GPU
-        with CUDA IPC here or all in host memory, no emulated link or injected wire fault (the
-        peer stands for a remote one, which only the wire reaches), not declined on this connection."""
+               codec: codecs.Codec) -> tuple[list[str], list[tuple[int, ...]], str] | None:
+        """What to offer the receiver to write ourselves (its destinations, which it lends in its
+        ACCEPT for this and later transfers), or None: only blocks as they are (raw asked for, or
+        ``auto``), all on a GPU with CUDA IPC here or all in host memory, on no emulated link or
+        injected wire fault (the peer stands for a remote one, which only the wire reaches), and not
+        declined on this connection."""
         on_gpu = [p.region.tensor.is_cuda for p in pairs]
         settings = self.engine.settings
-        return ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not settings.link_gbps
-                and settings.fault_corrupt_chunk < 0
-                and (spec.codec == "auto" or getattr(codec, "identity", False)) and spec.references is None
-                and self.engine.leases.offer_wanted(connection, [dst for _, dst in spec.pairs]))
-
-    def _write_leased(self, connection: transport.Connection, helds: list[Held], write: Any) -> Any:
-        """Run ``write`` (or await what it returns) as a write under ``helds``: a REVOKE meanwhile
-        is answered once it is over."""
-        self.engine.leases.begin(helds)
-        try:
-            result = write()
-        except BaseException:
-            self.engine.leases.end(connection, helds)
-            raise
-        if not asyncio.iscoroutine(result):
-            self.engine.leases.end(connection, helds)
-            return result
-
-        async def finish() -> Any:
-            try:
-                return await result
-            finally:
-                self.engine.leases.end(connection, helds)
-        return finish()
+        destinations = _destinations(spec, pairs)
+        wanted = ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not settings.link_gbps
+                  and settings.fault_corrupt_chunk < 0
+                  and (spec.codec == "auto" or getattr(codec, "identity", False)) and spec.references is None
+                  and self.engine.leases.offer_wanted(connection, destinations[0]))
+        return destinations if wanted else None
 
     def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future) -> None:
         """An inline transfer's end: the receiver's DONE, or why there is none."""
@@ -222,9 +203,8 @@ class Outgoing:
             return
         codec, book = self._choose(t, spec, pairs, candidates, book)
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
-        offer = self._offer(connection, spec, pairs, codec)
-        if offer:
-            link.offer = ([dst for _, dst in spec.pairs], [p.region.block_shape for p in pairs], pairs[0].region.dtype)
+        link.offer = self._offer(connection, spec, pairs, codec)
+        offer = link.offer is not None
         inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, self._inline_count(plan, pairs, codec))
         wire_start = time.perf_counter()
         await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer), *inline)
@@ -326,8 +306,8 @@ class Outgoing:
         announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN) if leased else None
         device = pairs[0].region.tensor.device
         try:
-            await self._write_leased(link.connection, helds, lambda: self.engine.codec.call(
-                "encode", device, raw, functools.partial(self._write_blocks, spec, pairs, helds)))
+            with self.engine.leases.writing(link.connection, helds):
+                await self.engine.codec.call("encode", device, raw, functools.partial(self._write_blocks, spec, pairs, helds))
         except (RuntimeError, EngineError) as exc:
             raise PeerError(f"cannot write into the receiver's memory: {exc}") from exc
         t.bytes_raw = raw
@@ -357,15 +337,14 @@ class Outgoing:
             region, target = pair.region, held.target
             remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
             bits = codecs.layout_by_name(region.dtype).int_dtype
+            key = (target.num_blocks, "cpu" if few else str(remote.device))
+            if key not in resolved:  # on the host a few ids are only checked
+                resolved[key] = spec.dst_blocks.resolve(*key)
             if few:
-                spec.dst_blocks.resolve(target.num_blocks)  # checked on the host
                 source, destination = region.tensor.view(bits), remote.view(bits)
                 for s, d in zip(spec.src_blocks.ids, spec.dst_blocks.ids):
                     destination[d].copy_(source[s], non_blocking=True)
                 continue
-            key = (target.num_blocks, str(remote.device))
-            if key not in resolved:
-                resolved[key] = spec.dst_blocks.resolve(target.num_blocks, remote.device)
             blocks = region.tensor.view(bits).index_select(0, pair.ids).to(remote.device, non_blocking=True)
             remote.view(bits).index_copy_(0, resolved[key], blocks)
 
@@ -419,6 +398,11 @@ def _failed(exc: Exception) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
     future.set_exception(exc)
     return future
+
+
+def _destinations(spec: TransferSpec, pairs: list[Pair]) -> tuple[list[str], list[tuple[int, ...]], str]:
+    """(destination region names, block shapes, dtype): what a lease must match."""
+    return [dst for _, dst in spec.pairs], [p.region.block_shape for p in pairs], pairs[0].region.dtype
 
 
 def _raw_bytes(spec: TransferSpec, pairs: list[Pair]) -> int:

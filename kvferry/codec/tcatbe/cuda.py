@@ -15,15 +15,14 @@ on the path of every decode, since the GPU idles between the header read and the
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import CorruptFrame, OutputMismatch
+from ..splitzip_gpu import _in_context, _parameters
 from ..staging import current_stream, optional_cupy, read_to_host
 from .format import GROUP_TILES, TILE, TcaTbeHeader, padding_ranges
 
@@ -35,7 +34,6 @@ THREADS = 256  # the source's THREADS
 TUNING = {"MINB": 5, "STORE_CS": 1}
 RUNS = 8  # bytes a lane decodes per span (of RUNS * THREADS bytes: its tiles must divide a group's 1024)
 _SOURCE = Path(__file__).with_name("tcatbe_cuda.cu")
-_thread = threading.local()
 
 
 @functools.cache
@@ -68,33 +66,10 @@ def _function(device_index: int, name: str, tuning: tuple[tuple[str, int], ...])
         return function.kernel.ptr, function
 
 
-def _parameters(args: tuple[int, ...]) -> int:
-    """Address of a ``void*[]`` whose entries point at ``args`` as 64-bit values, this thread's
-    and reused: ``cuLaunchKernel`` copies the values before it returns."""
-    blocks = getattr(_thread, "parameters", None)
-    if blocks is None:
-        blocks = _thread.parameters = {}
-    held = blocks.get(len(args))
-    if held is None:
-        values = (ctypes.c_uint64 * len(args))()
-        base = ctypes.addressof(values)
-        pointers = (ctypes.c_void_p * len(args))(*(base + 8 * i for i in range(len(args))))
-        held = blocks[len(args)] = (values, pointers, ctypes.addressof(pointers))
-    held[0][:] = [a & (1 << 64) - 1 for a in args]
-    return held[2]
-
-
 def _launch(device_index: int, name: str, grid: int, stream: int, args: tuple[int, ...]) -> None:
-    cupy = optional_cupy()
     handle, _ = _function(device_index, name, tuple(sorted(TUNING.items())))
-    if cupy.cuda.runtime.getDevice() != device_index:
-        with cupy.cuda.Device(device_index):
-            return _launch(device_index, name, grid, stream, args)
-    if not getattr(_thread, "bound", False):  # once per thread: bind it to the runtime's context
-        if not cupy.cuda.driver.ctxGetCurrent():
-            cupy.cuda.runtime.free(0)
-        _thread.bound = True
-    cupy.cuda.driver.launchKernel(handle, grid, 1, 1, THREADS, 1, 1, 0, stream, _parameters(args), 0)
+    _in_context(device_index, optional_cupy().cuda.driver.launchKernel, handle, grid, 1, 1, THREADS, 1, 1, 0, stream,
+                _parameters(args), 0)
 
 
 def block_path_fits(cache: torch.Tensor) -> bool:
@@ -105,8 +80,6 @@ def block_path_fits(cache: torch.Tensor) -> bool:
 
 
 _BAD_FRAME, _BAD_ID, _REPEATED_ID = 1, 2, 4  # the check kernel's flag bits
-
-
 def _launch_check(frame: torch.Tensor, header: TcaTbeHeader, stream: int, block_ids: torch.Tensor | None = None,
                   nblocks: int = 0) -> torch.Tensor:
     """Launch the check kernel on a 16-byte aligned frame (and on ``block_ids``, ids of a cache of
