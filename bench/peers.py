@@ -2,7 +2,7 @@
 (blocks of ``[32, 2, 16, 8, 128]`` bf16 = 2 MiB, real KV tiled) moved between two processes to
 random destination blocks.
 
-    python bench/peers.py [--device cuda|cpu] [--backend ucxx|tcp] [--sizes 2M,64M,256M,1G,4G]
+    python bench/peers.py [--device cuda|cpu] [--gpus 1|2] [--backend ucxx|tcp] [--sizes 2M,64M,256M,1G,4G]
                           [--codecs raw,splitzip,auto] [--repeats 5] [--links 12.5,25,50]
                           [--no-nixl] [--json FILE]
 
@@ -20,6 +20,9 @@ random destination blocks.
 ``--links``: kvferry again with its sidecars pacing what they send to each rate (an emulated link:
 no same-host shortcut), at sizes from ``--link-min-bytes``; NIXL cannot be paced, so its rows on
 those links are modelled as max(its unpaced time, raw bytes / link) and say so.
+
+``--gpus 2``: the source on GPU 0 and the destination on GPU 1 (each sidecar's device is its
+region's, and sees the other), NIXL's initiator on GPU 0 and its target on GPU 1; else both on one.
 
 Every request zeroes its sampled destination blocks first and compares them bit for bit after.
 Per size: median and p90 seconds, GB/s of KV moved. Prints a table; ``--json`` writes the rows.
@@ -74,6 +77,14 @@ def plan(blocks_total: int, count: int, seed: int) -> tuple[list[int], list[int]
     return src, dst
 
 
+def _synchronize(args) -> None:
+    import torch
+
+    for device in {args.src_device, args.dst_device}:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+
 def _bits(x):
     import torch
 
@@ -89,15 +100,16 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
 
     ports = [(free_port(), free_port()) for _ in range(2)]
     env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_LINK_GBPS": str(link_gbps)}
-    processes = [start_sidecar(p, d, args.backend, env=env, device=args.device) for p, d in ports]
+    processes = [start_sidecar(p, d, args.backend, env=env, device=device)
+                 for (p, d), device in zip(ports, (args.src_device, args.dst_device))]
     rows, keep = [], []
     try:
         sender, receiver = (Client(f"http://127.0.0.1:{p}", timeout=300) for p, _ in ports)
         for client, process in zip((sender, receiver), processes):
             wait_ready(client, process, timeout=180)
         kind = "cuda_ipc" if args.device == "cuda" else "shm"
-        src = tiled_cache(blocks_total, args.device)
-        dst = torch.zeros_like(src)
+        src = tiled_cache(blocks_total, args.src_device)
+        dst = torch.zeros_like(src, device=args.dst_device)
         _, handle = sender.region_from_tensor("src", src, kind=kind)
         _, dst_handle = receiver.region_from_tensor("dst", dst, kind=kind)
         keep += [handle, dst_handle]
@@ -113,14 +125,13 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
                     src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
                     for d in dst_ids[:SAMPLES]:
                         dst[d].zero_()
-                    if args.device == "cuda":
-                        torch.cuda.synchronize()
+                    _synchronize(args)
                     record = sender._call("POST", "/v1/transfers", params={"wait": 300}, json={
                         "src_region": "src", "dst_region": "dst", "src_blocks": src_ids, "dst_blocks": dst_ids,
                         "peer": peer, "codec": codec}).json()
                     if record.get("state") != "done":
                         raise RuntimeError(f"kvferry {codec} {size}: {record}")
-                    exact &= all(torch.equal(_bits(dst[d]), _bits(src[s])) for s, d in
+                    exact &= all(torch.equal(_bits(dst[d]), _bits(src[s]).to(dst.device)) for s, d in
                                  zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
                     if repeat:
                         seconds.append(record["seconds"])
@@ -194,7 +205,9 @@ def _nixl_agent(name: str, cache, device: str):
 def nixl_target(conn, args, blocks_total: int) -> None:
     import torch
 
-    cache = tiled_cache(blocks_total, args.device).zero_()
+    if args.dst_device.startswith("cuda"):
+        torch.cuda.set_device(args.dst_device)
+    cache = tiled_cache(blocks_total, args.dst_device).zero_()
     device_id = cache.device.index or 0
     agent = _nixl_agent("target", cache, args.device)
     mem = "VRAM" if args.device == "cuda" else "DRAM"
@@ -202,7 +215,7 @@ def nixl_target(conn, args, blocks_total: int) -> None:
                                                                            device_id), mem))
              for layout in ("block", "vllm")}
     conn.send((agent.get_agent_metadata(), descs))
-    expected = tiled_cache(blocks_total, args.device)
+    expected = tiled_cache(blocks_total, args.dst_device)
     while True:
         job = conn.recv()
         if job is None:
@@ -210,8 +223,7 @@ def nixl_target(conn, args, blocks_total: int) -> None:
         layout, tag, src_ids, dst_ids = job
         for d in dst_ids[:SAMPLES]:
             _pieces(cache, blocks_total, layout, d).zero_()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
+        _synchronize(args)
         conn.send("ready")
         deadline = time.monotonic() + 120
         arrived = None
@@ -219,8 +231,7 @@ def nixl_target(conn, args, blocks_total: int) -> None:
             for messages in agent.get_new_notifs().values():
                 if tag.encode() in messages:
                     arrived = time.perf_counter()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
+        _synchronize(args)
         exact = arrived is not None and all(
             torch.equal(_pieces(cache, blocks_total, layout, d), _pieces(expected, blocks_total, layout, s))
             for s, d in zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
@@ -228,7 +239,11 @@ def nixl_target(conn, args, blocks_total: int) -> None:
 
 
 def nixl_initiator(conn, args, blocks_total: int, sizes: list[int]) -> None:
-    cache = tiled_cache(blocks_total, args.device)
+    import torch
+
+    if args.src_device.startswith("cuda"):
+        torch.cuda.set_device(args.src_device)
+    cache = tiled_cache(blocks_total, args.src_device)
     device_id = cache.device.index or 0
     agent = _nixl_agent("initiator", cache, args.device)
     mem = "VRAM" if args.device == "cuda" else "DRAM"
@@ -342,6 +357,7 @@ def _line(row: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="two: source and destination on two GPUs")
     parser.add_argument("--backend", default="ucxx", help="kvferry's transport: ucxx or tcp")
     parser.add_argument("--ucx-tls", default="tcp,cuda_copy,cuda_ipc")
     parser.add_argument("--sizes", default="2M,64M,256M,1G,4G")
@@ -354,13 +370,16 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes = [_size(s) for s in args.sizes.split(",")]
+    two = args.device == "cuda" and args.gpus == 2
+    args.src_device, args.dst_device = ("cuda:0", "cuda:1") if two else (args.device, args.device)
     blocks_total = max(max(1, s // BLOCK_BYTES) for s in sizes) + 8
     device_name = "CPU"
     if args.device == "cuda":
         import torch
 
         device_name = torch.cuda.get_device_name()
-    print(f"kvferry vs NIXL, {time.strftime('%Y-%m-%d')}, {device_name}, two processes on one host; "
+    print(f"kvferry vs NIXL, {time.strftime('%Y-%m-%d')}, {device_name}, two processes on one host, "
+          f"{'two GPUs' if two else 'one ' + ('GPU' if args.device == 'cuda' else 'CPU')}; "
           f"blocks {list(BLOCK_SHAPE)} bf16 (2 MiB), real KV tiled\n`{' '.join(sys.argv)}`\n")
     print("| system | how | link | size | median ms | p90 ms | GB/s | ratio | bit-exact |\n"
           "|---|---|---|---:|---:|---:|---:|---:|---|")

@@ -75,11 +75,11 @@ def export(tensor: torch.Tensor) -> tuple[bytes, int, bytes]:
         raise RuntimeError("only CUDA memory can be lent over CUDA IPC")
     pointer = tensor.data_ptr()
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    status = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                                  ctypes.c_uint64(pointer))
-    if status != 0:
-        raise RuntimeError(f"cuMemGetAddressRange failed with CUDA error {status}")
-    with cupy.cuda.Device(tensor.device.index):
+    with cupy.cuda.Device(tensor.device.index):  # the driver looks the pointer up in the current context
+        status = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                                      ctypes.c_uint64(pointer))
+        if status != 0:
+            raise RuntimeError(f"cuMemGetAddressRange failed with CUDA error {status}")
         handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base.value))
     return handle, pointer - base.value, device_uuid(tensor.device.index)
 
