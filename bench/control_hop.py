@@ -6,6 +6,7 @@ the floor under a one-block transfer (submit → write → announce → DONE).
 - round trips of a 40-byte message over TCP loopback and over a Unix socket, with blocking
   sockets and with asyncio streams (what the sidecars use) on asyncio's own loop and on uvloop,
   median / p99 µs;
+- one HTTP request to a real sidecar: raw on a socket, and through the SDK's httpx client;
 - on a GPU: a 2 MiB copy into memory another process lent by CUDA IPC, then waiting for it
   (``stream.synchronize`` and an event polled with ``query``), median / p99 µs.
 """
@@ -168,6 +169,41 @@ def gpu_write(n: int) -> dict:
     return out
 
 
+def http_calls(n: int) -> dict:
+    """One request to a real sidecar (``kvferry serve``): raw HTTP/1.1 on a socket, then through
+    the SDK's httpx client, unauthenticated (``/healthz``) and through the auth dependency."""
+    from kvferry.client import Client
+    from kvferry.demo import free_port, start_sidecar, stop_sidecars, wait_ready
+
+    port = free_port()
+    process = start_sidecar(port, free_port(), "tcp", device="cpu")
+    out = {}
+    try:
+        client = Client(f"http://127.0.0.1:{port}", timeout=30)
+        wait_ready(client, process, timeout=120)
+        with _connect(socket.AF_INET, ("127.0.0.1", port)) as s:
+            seconds = []
+            for _ in range(n):
+                started = time.perf_counter()
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                reply = b""
+                while not reply.endswith(b"}"):
+                    reply += s.recv(4096)
+                seconds.append(time.perf_counter() - started)
+            out["GET /healthz, raw socket"] = _summary(seconds[n // 10:])
+        for path in ("/healthz", "/v1/health"):
+            seconds = []
+            for _ in range(n):
+                started = time.perf_counter()
+                client._call("GET", path)
+                seconds.append(time.perf_counter() - started)
+            out[f"GET {path}, SDK (httpx)"] = _summary(seconds[n // 10:])
+        client.close()
+    finally:
+        stop_sidecars([process])
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=3000)
@@ -180,6 +216,9 @@ def main() -> int:
         for mode in ("blocking", "asyncio", "uvloop"):
             row = rows[f"{name}, {mode}, round trip"] = round_trips(family, mode, args.n)
             print(f"| {name}, {mode}, round trip | {row['median_us']:.1f} | {row['p99_us']:.1f} |", flush=True)
+    for what, row in http_calls(min(args.n, 2000)).items():
+        rows[what] = row
+        print(f"| {what} | {row['median_us']:.1f} | {row['p99_us']:.1f} |", flush=True)
     if args.device == "cuda":
         for how, row in gpu_write(args.n).items():
             rows[f"2 MiB GPU copy, {how}"] = row

@@ -136,6 +136,15 @@ class Client:
         body = _pair_json((src_region, dst_region, *(references or ())), "src_region", "dst_region")
         return self._submit(body, src_blocks, peer, dst_blocks, codec, codebook, wait)
 
+    def send(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
+             codec: str = "auto", *, wait: float) -> dict:
+        """``submit`` and wait up to ``wait`` seconds for the end in the same HTTP call (one round
+        trip where a submit and a long-poll would take two); returns the transfer's record, which is
+        still ``queued`` or ``running`` if ``wait`` passed first."""
+        body = _pair_json((src_region, dst_region), "src_region", "dst_region")
+        return self._call("POST", "/v1/transfers", json=_transfer_body(body, src_blocks, peer, dst_blocks, codec, None),
+                          params={"wait": wait}, timeout=self._timeout + wait).json()
+
     def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
                        codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
         """One transfer of the same blocks of several (source, destination) region pairs, e.g.

@@ -17,8 +17,8 @@ The flow (one kvferry transfer per request, all layers in it):
   late pull can never read reused blocks: it finds no region.
 * Decode (``Consumer``): once vLLM has allocated blocks for a request, the consumer asks the
   *prefill's* sidecar to send the lease's blocks to its own sidecar's region (one transfer,
-  pull semantics over kvferry's push API), waits for its end on a worker thread (one long-poll,
-  so vLLM's step never waits on HTTP and sees the end as soon as it comes), copies the pages into
+  pull semantics over kvferry's push API) on a worker thread, in one HTTP call that answers at the
+  transfer's end (so vLLM's step never waits on HTTP and sees the end as soon as it comes), copies the pages into
   vLLM's cache, deletes the lease and reports the request received; a failure is reported as
   such, so vLLM's ``kv_load_failure_policy`` (fail or recompute) applies.
 """
@@ -357,7 +357,7 @@ class Pull:
     transfer_id: str | None = None
     error: str | None = None
     record: dict[str, Any] = field(default_factory=dict)
-    ended: Future | None = None  # the long-poll for the transfer's end (its record)
+    ended: Future | None = None  # the submit-and-wait on a worker thread: the transfer's record at its end
 
 
 def remote_params(request_id: str, block_ids: Sequence[int], config: ConnectorConfig,
@@ -420,16 +420,16 @@ class Consumer:
             if self._data_address is None:
                 self._data_address = self.cache.client.data_address()
             codec = spec.params.get("codec") or self.config.codec  # a request may name its codec
-            pull.transfer_id = pull.client.submit(lease, src, self._data_address, self.cache.name, dst, codec=codec)
         except (EngineError, httpx.HTTPError, KeyError, TypeError) as exc:
             pull.error = f"{type(exc).__name__}: {exc}"
         else:
-            pull.ended = self._waiters.submit(self._await_end, url, pull.transfer_id)
+            pull.ended = self._waiters.submit(self._run, pull, url, lease, src, dst, codec)
         return pull
 
-    def _await_end(self, url: str, transfer_id: str) -> dict[str, Any]:
-        """The transfer's record once it ended, or once ``load_timeout`` passed (on a worker
-        thread, with that thread's own client: long-polls of at most ``LONG_POLL`` seconds each)."""
+    def _run(self, pull: Pull, url: str, lease: str, src: list[int], dst: list[int], codec: str) -> dict[str, Any]:
+        """On a worker thread, with that thread's own client: submit the pull and wait for its end in
+        the same call, then long-poll (at most ``LONG_POLL`` seconds a call) until it ended or
+        ``load_timeout`` passed; returns the transfer's last record."""
         clients = getattr(self._local, "clients", None)
         if clients is None:
             clients = self._local.clients = {}
@@ -439,27 +439,33 @@ class Consumer:
             with self._lock:
                 self._wait_clients.append(client)
         deadline = time.monotonic() + self.config.load_timeout
-        while True:
+        record = client.send(lease, src, self._data_address, self.cache.name, dst, codec=codec,
+                             wait=min(LONG_POLL, self.config.load_timeout))
+        pull.transfer_id = record["id"]
+        while record["state"] in ("queued", "running"):
             left = deadline - time.monotonic()
-            record = client.transfer(transfer_id, wait=min(LONG_POLL, max(left, 0.0)))
-            if record["state"] not in ("queued", "running") or left <= 0:
-                return record
+            if left <= 0:
+                break
+            record = client.transfer(pull.transfer_id, wait=min(LONG_POLL, left))
+        return record
 
     def poll(self) -> tuple[set[str], set[str]]:
         """(received, failed) request ids, each reported once; received ones are in vLLM's cache."""
         received, failed = set(), set()
         for rid, pull in list(self.pulls.items()):
-            if pull.error is None and pull.transfer_id is not None:
+            if pull.error is None and pull.ended is not None:
                 timed_out = self.clock() - pull.started > self.config.load_timeout
-                if pull.ended is not None and not pull.ended.done() and not timed_out:
+                if not pull.ended.done() and not timed_out:
                     continue  # still on its way: nothing to ask anyone
                 try:
-                    if pull.ended is not None and pull.ended.done():
+                    if pull.ended.done():
                         pull.record = pull.ended.result()
-                    else:
+                    elif pull.transfer_id is not None:
                         pull.record = pull.client.transfer(pull.transfer_id)
+                    else:
+                        pull.record = {"state": "queued"}  # the prefill's sidecar has not taken it yet
                 except (EngineError, httpx.HTTPError) as exc:
-                    pull.error = f"lost the prefill's sidecar: {type(exc).__name__}: {exc}"
+                    pull.error = f"the pull from the prefill's sidecar failed: {type(exc).__name__}: {exc}"
                 else:
                     state = pull.record["state"]
                     if state == "done":
@@ -473,7 +479,8 @@ class Consumer:
                     elif timed_out:
                         pull.error = f"transfer {pull.transfer_id} not done after {self.config.load_timeout:g} s"
                         try:
-                            pull.client.cancel(pull.transfer_id)
+                            if pull.transfer_id is not None:
+                                pull.client.cancel(pull.transfer_id)
                         except (EngineError, httpx.HTTPError):
                             pass  # it may have ended meanwhile; the request fails either way
                     else:
