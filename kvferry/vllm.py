@@ -160,9 +160,12 @@ class KvferryConnector(KVConnectorBase_V1):
         client = Client(self.config.url, token=self.config.token)
         name = f"{self.config.region}-{self.engine_id}-r{rank}"[:128]
         num_blocks = self._kv_cache_config.num_blocks
-        self.cache = KvCache(client, name, list(kv_caches.values()), num_blocks, self.config.shm_prefix)
-        log.info("kvferry: KV cache registered as %s (%d blocks of %s %s, %s)", name, num_blocks,
-                 list(self.cache.layout.block_shape), self.cache.layout.dtype, self.cache.kind)
+        self.cache = KvCache(client, name, list(kv_caches.values()), num_blocks, self.config.shm_prefix,
+                             self.config.in_place)
+        layout = self.cache.layout
+        log.info("kvferry: KV cache registered as %s (%d vLLM blocks as %d region blocks of %s %s, %s, %s)", name,
+                 num_blocks, num_blocks * layout.planes, list(layout.block_shape), layout.dtype, self.cache.kind,
+                 "vLLM's own memory" if layout.in_place else "a mirror")
         if self.producer_role:
             self.producer = Producer(self.config, self.cache, rank)
         if self.consumer_role:

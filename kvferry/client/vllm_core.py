@@ -34,14 +34,14 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
 from kvferry.engine.errors import EngineError, NotFound
 
-from .sdk import Client
+from .sdk import Blocks, Client
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -74,6 +74,7 @@ class ConnectorConfig:
     region: str = "vllm-kv"  # region name prefix
     stats_path: str = ""  # decode: append one JSON line per received request (wait, bytes, ratio)
     shm_prefix: str = "kvferry-"  # the local sidecar's shm_prefix setting (CPU mirrors are named so)
+    in_place: bool = True  # GPU: lend vLLM's own cache where its layers lie end to end, else a mirror
 
     # KVFERRY_TOKEN and KVFERRY_SHM_PREFIX mean what they mean to the sidecar; the connector's own
     # settings are KVFERRY_CONNECTOR_* (a sidecar refuses KVFERRY_* names it does not know).
@@ -81,7 +82,8 @@ class ConnectorConfig:
            "advertise_url": "KVFERRY_CONNECTOR_ADVERTISE_URL", "codec": "KVFERRY_CONNECTOR_CODEC",
            "lease_seconds": "KVFERRY_CONNECTOR_LEASE_SECONDS", "load_timeout": "KVFERRY_CONNECTOR_LOAD_TIMEOUT",
            "poll_seconds": "KVFERRY_CONNECTOR_POLL_SECONDS", "region": "KVFERRY_CONNECTOR_REGION",
-           "stats_path": "KVFERRY_CONNECTOR_STATS_PATH", "shm_prefix": "KVFERRY_SHM_PREFIX"}
+           "stats_path": "KVFERRY_CONNECTOR_STATS_PATH", "shm_prefix": "KVFERRY_SHM_PREFIX",
+           "in_place": "KVFERRY_CONNECTOR_IN_PLACE"}
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -101,6 +103,11 @@ class ConnectorConfig:
         for name in ("lease_seconds", "load_timeout", "poll_seconds"):
             if name in values:
                 values[name] = float(values[name])
+        if isinstance(values.get("in_place"), str):
+            flag = values["in_place"].strip().lower()
+            if flag not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(f"in_place: {values['in_place']!r} is not true or false")
+            values["in_place"] = flag in ("1", "true", "yes")
         return cls(**values)
 
     @property
@@ -121,18 +128,59 @@ def lease_name(prefix: str, request_id: str) -> str:
 # ---- the cache as the sidecar sees it ----------------------------------------------------------
 @dataclass(frozen=True)
 class CacheLayout:
-    """vLLM's per-layer KV tensors as kvferry blocks: block ``b`` of the region holds page ``b`` of
-    every layer (the slice at index ``b`` of each layer's block dimension)."""
+    """vLLM's per-layer KV tensors as kvferry blocks, one of two ways:
+
+    * a mirror (``in_place`` false): block ``b`` of the region holds page ``b`` of every layer
+      (the slice at index ``b`` of each layer's block dimension);
+    * vLLM's own memory (``in_place``), where the layers lie end to end in one allocation: the
+      region's blocks are the contiguous pieces of it, one per (layer, leading plane such as K
+      or V, vLLM block) in memory order, so vLLM block ``b`` is ``planes`` region blocks, ``b``
+      plus multiples of ``num_blocks``: one range.
+    """
 
     num_blocks: int
     num_layers: int
     page_shape: tuple[int, ...]  # one layer's page: the layer tensor without its block dimension
     block_dims: tuple[int, ...]  # which dimension of each layer tensor counts blocks
     dtype: str
+    in_place: bool = False
+
+    @property
+    def planes(self) -> int:
+        """Region blocks per vLLM block."""
+        if not self.in_place:
+            return 1
+        return self.num_layers * math.prod(self.page_shape[:self.block_dims[0]])
 
     @property
     def block_shape(self) -> tuple[int, ...]:
+        if self.in_place:
+            return self.page_shape[self.block_dims[0]:]
         return (self.num_layers, *self.page_shape)
+
+    def blocks(self, block_ids: Sequence[int], num_blocks: int | None = None) -> list[int] | dict[str, Any]:
+        """vLLM block ids as this layout's region blocks (of a cache of ``num_blocks`` vLLM
+        blocks: ours by default, or a prefill's)."""
+        if not self.in_place:
+            return [int(b) for b in block_ids]
+        stride = self.num_blocks if num_blocks is None else num_blocks
+        return {"ranges": [{"start": int(b), "count": self.planes, "stride": stride} for b in block_ids]}
+
+    def in_place_view(self, layers: Sequence[Any]) -> Any | None:
+        """The region over vLLM's own memory (``[num_blocks * planes, *block_shape]``), or None
+        where the layers do not lie end to end in one allocation in the same layout."""
+        import torch
+
+        if len(set(self.block_dims)) != 1 or any(not t.is_contiguous() for t in layers):
+            return None
+        first = layers[0]
+        if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+               or t.data_ptr() != first.data_ptr() + i * first.nbytes for i, t in enumerate(layers)):
+            return None
+        shape = (self.num_blocks * replace(self, in_place=True).planes, *self.page_shape[self.block_dims[0]:])
+        if first.storage_offset() + math.prod(shape) > first.untyped_storage().nbytes() // first.element_size():
+            return None
+        return torch.as_strided(first, shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
 
     @classmethod
     def of(cls, layers: Sequence[Any], num_blocks: int) -> CacheLayout:
@@ -157,18 +205,20 @@ class CacheLayout:
             raise IncompatibleCache(f"the KV cache layers differ in shape: {sorted(pages)}")
         return cls(num_blocks, len(layers), pages.pop(), tuple(dims), dtype)
 
-    def check_peer(self, remote: Mapping[str, Any], where: str) -> None:
-        """Refuse a prefill whose blocks do not fit ours, with what differs.
+    def check_peer(self, remote: Mapping[str, Any], where: str) -> int:
+        """The number of vLLM blocks of a prefill's cache (its region's description), once its
+        blocks are known to fit ours; else refused, with what differs.
 
         Raises: IncompatibleCache.
         """
         shape, dtype = tuple(remote["block_shape"]), remote["dtype"]
-        if shape == self.block_shape and dtype == self.dtype:
-            return
+        if shape == self.block_shape and dtype == self.dtype and remote["num_blocks"] % self.planes == 0:
+            return remote["num_blocks"] // self.planes
         raise IncompatibleCache(
-            f"the prefill's KV cache at {where} holds {dtype}{list(shape)} blocks ([layers, *page]), this decode's "
-            f"{self.dtype}{list(self.block_shape)}: a different block size, head layout, layer count or dtype "
-            "cannot be transferred; run both instances with the same model, --block-size and --kv-cache-dtype")
+            f"the prefill's KV cache at {where} holds {dtype}{list(shape)} blocks, this decode's "
+            f"{self.dtype}{list(self.block_shape)} ({'in place' if self.in_place else '[layers, *page]: a mirror'}): "
+            "a different block size, head layout, layer count or dtype cannot be transferred; run both instances "
+            "with the same model, --block-size and --kv-cache-dtype (and the same in_place setting)")
 
 
 class KvCache:
@@ -177,14 +227,14 @@ class KvCache:
 
     CPU (``shm``): vLLM owns its allocation, so the region is a POSIX shared-memory mirror the
     sidecar maps; ``save``/``load`` copy a request's pages between vLLM's tensors and the mirror.
-    GPU (``cuda_ipc``): the mirror is a device buffer the sidecar maps through CUDA IPC, so the
-    copies are device gathers, never through the host. (Mapping vLLM's own per-layer buffers
-    directly, one region per layer in one multi-region transfer, would save the gather; it is not
-    done yet, and it has not been run against a GPU sidecar here.)
+    GPU (``cuda_ipc``): where vLLM's layers lie end to end in one allocation (as vLLM allocates
+    them), the sidecar maps that memory itself, through CUDA IPC (``CacheLayout.in_place``):
+    transfers read and write vLLM's pages, and ``save``/``load`` copy nothing. Else the mirror is a
+    device buffer the sidecar maps, and the copies are device gathers, never through the host.
     """
 
     def __init__(self, client: Client, name: str, layers: Sequence[Any], num_blocks: int,
-                 shm_prefix: str = "kvferry-"):
+                 shm_prefix: str = "kvferry-", in_place: bool = True):
         import uuid
 
         import torch
@@ -195,7 +245,13 @@ class KvCache:
         self.device = self.layers[0].device
         shape = (num_blocks, *self.layout.block_shape)
         self._shm = None
-        if self.device.type == "cuda":
+        view = self.layout.in_place_view(self.layers) if in_place and self.device.type == "cuda" else None
+        if view is not None:
+            self.layout = replace(self.layout, in_place=True)
+            self.mirror = None
+            self.kind = "cuda_ipc"
+            self._register(lambda n: client.region_from_tensor(n, view, kind="cuda_ipc")[0])
+        elif self.device.type == "cuda":
             self.mirror = torch.empty(shape, dtype=self.layers[0].dtype, device=self.device)
             self.kind = "cuda_ipc"
             self._register(lambda n: client.region_from_tensor(n, self.mirror, kind="cuda_ipc")[0])
@@ -232,6 +288,8 @@ class KvCache:
         """Copy the pages of ``block_ids`` of every layer from vLLM's cache into the mirror."""
         import torch
 
+        if self.layout.in_place:
+            return
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         for layer, (t, d) in enumerate(zip(self.layers, self.layout.block_dims)):
             self.mirror[ids, layer] = t.index_select(d, ids).movedim(d, 0)
@@ -240,6 +298,8 @@ class KvCache:
         """Copy the pages of ``block_ids`` of every layer from the mirror into vLLM's cache."""
         import torch
 
+        if self.layout.in_place:
+            return
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         for layer, (t, d) in enumerate(zip(self.layers, self.layout.block_dims)):
             t.index_copy_(d, ids, self.mirror[ids, layer].movedim(0, d))
@@ -358,6 +418,8 @@ class Pull:
     error: str | None = None
     record: dict[str, Any] = field(default_factory=dict)
     ended: Future | None = None  # the submit-and-wait on a worker thread: the transfer's record at its end
+    answered: float = 0.0  # when that thread had the record (the consumer's clock)
+    load_seconds: float = 0.0  # copying the pages into vLLM's cache
 
 
 def remote_params(request_id: str, block_ids: Sequence[int], config: ConnectorConfig,
@@ -388,7 +450,7 @@ class Consumer:
         self.pulls: dict[str, Pull] = {}
         self.failed_blocks: dict[str, tuple[int, ...]] = {}  # request id -> its blocks that did not load
         self._clients: dict[str, Client] = {}
-        self._checked: set[str] = set()  # prefill sidecars whose layout matched ours
+        self._checked: dict[str, int] = {}  # prefill sidecars whose layout matched ours -> their vLLM blocks
         self._data_address: str | None = None
         self.stats: list[dict[str, Any]] = []
         self._waiters = ThreadPoolExecutor(max_workers=WAITERS, thread_name_prefix="kvferry-pull")
@@ -407,7 +469,7 @@ class Consumer:
         A spec without local blocks (nothing to load) only ends the prefill's lease."""
         pull = Pull(spec, self.clock())
         if not spec.local_blocks:
-            self._release(pull)
+            self._release_later(pull)
             return pull
         self.pulls[spec.request_id] = pull
         try:
@@ -415,8 +477,9 @@ class Consumer:
             src, dst = match_blocks(spec.local_blocks, spec.params["block_ids"])
             pull.client = self.remote(url)
             if url not in self._checked:
-                self.cache.layout.check_peer(pull.client.region(lease), url)
-                self._checked.add(url)
+                self._checked[url] = self.cache.layout.check_peer(pull.client.region(lease), url)
+            layout = self.cache.layout
+            src, dst = layout.blocks(src, self._checked[url]), layout.blocks(dst)
             if self._data_address is None:
                 self._data_address = self.cache.client.data_address()
             codec = spec.params.get("codec") or self.config.codec  # a request may name its codec
@@ -426,18 +489,11 @@ class Consumer:
             pull.ended = self._waiters.submit(self._run, pull, url, lease, src, dst, codec)
         return pull
 
-    def _run(self, pull: Pull, url: str, lease: str, src: list[int], dst: list[int], codec: str) -> dict[str, Any]:
+    def _run(self, pull: Pull, url: str, lease: str, src: Blocks, dst: Blocks, codec: str) -> dict[str, Any]:
         """On a worker thread, with that thread's own client: submit the pull and wait for its end in
         the same call, then long-poll (at most ``LONG_POLL`` seconds a call) until it ended or
         ``load_timeout`` passed; returns the transfer's last record."""
-        clients = getattr(self._local, "clients", None)
-        if clients is None:
-            clients = self._local.clients = {}
-        client = clients.get(url)
-        if client is None:
-            client = clients[url] = Client(url, token=self.config.peer_token(), timeout=10.0)
-            with self._lock:
-                self._wait_clients.append(client)
+        client = self._client_here(url)
         deadline = time.monotonic() + self.config.load_timeout
         record = client.send(lease, src, self._data_address, self.cache.name, dst, codec=codec,
                              wait=min(LONG_POLL, self.config.load_timeout))
@@ -447,7 +503,20 @@ class Consumer:
             if left <= 0:
                 break
             record = client.transfer(pull.transfer_id, wait=min(LONG_POLL, left))
+        pull.answered = self.clock()
         return record
+
+    def _client_here(self, url: str) -> Client:
+        """This worker thread's own client of ``url``."""
+        clients = getattr(self._local, "clients", None)
+        if clients is None:
+            clients = self._local.clients = {}
+        client = clients.get(url)
+        if client is None:
+            client = clients[url] = Client(url, token=self.config.peer_token(), timeout=10.0)
+            with self._lock:
+                self._wait_clients.append(client)
+        return client
 
     def poll(self) -> tuple[set[str], set[str]]:
         """(received, failed) request ids, each reported once; received ones are in vLLM's cache."""
@@ -470,7 +539,9 @@ class Consumer:
                     state = pull.record["state"]
                     if state == "done":
                         try:
+                            loading = self.clock()
                             self.cache.load(self._local_blocks(pull))
+                            pull.load_seconds = self.clock() - loading
                         except Exception as exc:  # noqa: BLE001 (a copy failure is this request's failure)
                             pull.error = f"copying the pages into vLLM's cache failed: {exc}"
                     elif state in ("failed", "cancelled"):
@@ -486,7 +557,6 @@ class Consumer:
                     else:
                         continue
             del self.pulls[rid]
-            self._release(pull)
             if pull.error is None:
                 received.add(rid)
                 self._record(pull)
@@ -494,6 +564,7 @@ class Consumer:
                 failed.add(rid)
                 self.failed_blocks[rid] = tuple(pull.spec.local_blocks)
                 log.error("kvferry: KV of request %s not loaded: %s", rid, pull.error)
+            self._release_later(pull)
         return received, failed
 
     def _local_blocks(self, pull: Pull) -> list[int]:
@@ -502,21 +573,29 @@ class Consumer:
     def _lease(self, spec: LoadSpec) -> str:
         return f"{spec.params['lease']}-r{self.rank}"
 
-    def _release(self, pull: Pull) -> None:
-        """End the prefill's lease: its blocks can be freed now, whatever happened."""
+    def _release_later(self, pull: Pull) -> None:
+        """End the prefill's lease, whatever happened, on a worker thread: vLLM's step does not
+        wait for that HTTP call, and the prefill frees the blocks once the lease is gone."""
         try:
-            lease, client = self._lease(pull.spec), pull.client or self.remote(pull.spec.params["url"])
+            lease, url = self._lease(pull.spec), pull.spec.params["url"]
         except (KeyError, TypeError):
             return
         try:
-            client.delete_region(lease)
+            self._waiters.submit(self._release, url, lease)
+        except RuntimeError:  # closing: the lease expires on its own
+            pass
+
+    def _release(self, url: str, lease: str) -> None:
+        try:
+            self._client_here(url).delete_region(lease)
         except (EngineError, httpx.HTTPError) as exc:  # the lease expires on its own
             log.debug("kvferry: lease %s not deleted: %s", lease, exc)
 
     def _record(self, pull: Pull) -> None:
         r = pull.record
         entry = {"request_id": pull.spec.request_id, "wait_seconds": self.clock() - pull.started,
-                 "transfer_seconds": r.get("seconds"), "blocks": len(pull.spec.local_blocks),
+                 "transfer_seconds": r.get("seconds"), "answer_seconds": pull.answered - pull.started,
+                 "load_seconds": pull.load_seconds, "blocks": len(pull.spec.local_blocks),
                  "bytes_raw": r.get("bytes_raw"), "bytes_wire": r.get("bytes_wire"), "ratio": r.get("ratio"),
                  "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id}
         self.stats.append(entry)

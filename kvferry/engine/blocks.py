@@ -66,12 +66,16 @@ class Blocks:
         if self.ids is not None:
             ids = torch.tensor(self.ids, dtype=torch.int64)
         else:
-            parts = []
             for r in self.ranges:
                 if r.count < 0 or r.stride == 0:
                     raise InvalidBlocks(f"range {r} needs count >= 0 and a stride other than 0")
-                parts.append(torch.arange(r.count, dtype=torch.int64) * r.stride + r.start)
-            ids = torch.cat(parts)
+            # all ranges at once (a request across a cache's layers is one range per block)
+            starts, counts, strides = torch.tensor([(r.start, r.count, r.stride) for r in self.ranges],
+                                                   dtype=torch.int64).unbind(1)
+            firsts = torch.cumsum(counts, 0) - counts  # where each range begins in the list
+            step = torch.arange(n, dtype=torch.int64) - torch.repeat_interleave(firsts, counts, output_size=n)
+            ids = torch.repeat_interleave(starts, counts, output_size=n) + step * torch.repeat_interleave(
+                strides, counts, output_size=n)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= num_blocks:
             raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {low}..{high}")

@@ -6,6 +6,7 @@ the prefill's sidecar dies or the KV is corrupted on the wire."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -58,6 +59,17 @@ def pump(consumer: Consumer, timeout: float = 20.0) -> tuple[set[str], set[str]]
     raise AssertionError("the pull neither finished nor failed")
 
 
+def released(producer: Producer, request_id: str, timeout: float = 10.0) -> bool:
+    """The prefill reports the request sent once the decode deleted its lease (on the decode's
+    worker thread, so a step or two later), as vLLM sees it: finished_sending every step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if producer.finished_sending({request_id}) == {request_id}:
+            return True
+        time.sleep(0.005)
+    return False
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -98,7 +110,45 @@ def test_layout_finds_the_block_dimension():
     with pytest.raises(IncompatibleCache, match="bf16, fp16 and fp8"):
         CacheLayout.of([torch.zeros(2, BLOCKS, 4)], BLOCKS)
     with pytest.raises(IncompatibleCache, match="block size, head layout"):
-        layout.check_peer({"block_shape": [LAYERS, 2, HEADS, 16, HEAD_DIM], "dtype": "bfloat16"}, "p:1")
+        layout.check_peer({"block_shape": [LAYERS, 2, HEADS, 16, HEAD_DIM], "dtype": "bfloat16", "num_blocks": 9}, "p:1")
+
+
+@pytest.mark.parametrize("shape", ["kv-first", "block-first"])
+def test_in_place_layout_maps_vllm_blocks_to_its_own_memory(shape):
+    """Layers end to end in one buffer (as vLLM allocates them) are lent as they are: vLLM block
+    ``b`` is one range of region blocks, which hold exactly that block's pages of every layer."""
+    from kvferry.engine.blocks import Blocks, Range
+
+    layers = vllm_layers(3, shape)
+    layout = CacheLayout.of(layers, BLOCKS)
+    view = layout.in_place_view(layers)
+    assert view is not None and view.data_ptr() == layers[0].data_ptr()
+    placed = replace(layout, in_place=True)
+    planes = LAYERS * (2 if shape == "kv-first" else 1)
+    assert placed.planes == planes and view.shape == (BLOCKS * planes, *placed.block_shape)
+    ids = [5, 0, 17]
+    ranges = placed.blocks(ids)["ranges"]
+    resolved = Blocks(ranges=tuple(Range(r["start"], r["count"], r["stride"]) for r in ranges)).resolve(len(view))
+    block_dim = layout.block_dims[0]
+    expected = pages(layers, ids, block_dim)  # [layers, blocks, *page]
+    got = view[resolved].view(len(ids), LAYERS, *layout.page_shape)  # block by block, layer by layer
+    assert torch.equal(got.transpose(0, 1).view(torch.int16), expected.view(torch.int16))
+    assert placed.blocks(ids, num_blocks=40)["ranges"][0] == {"start": 5, "count": planes, "stride": 40}
+    assert placed.check_peer({"block_shape": list(placed.block_shape), "dtype": "bfloat16",
+                              "num_blocks": 40 * planes}, "p:1") == 40
+    with pytest.raises(IncompatibleCache, match="in place"):  # a mirror's blocks do not fit
+        placed.check_peer({"block_shape": list(layout.block_shape), "dtype": "bfloat16", "num_blocks": 40}, "p:1")
+    assert layout.blocks(ids) == ids and layout.planes == 1
+
+
+def test_in_place_needs_the_layers_end_to_end():
+    apart = [t.clone() for t in vllm_layers(0)]  # one allocation each
+    assert CacheLayout.of(apart, BLOCKS).in_place_view(apart) is None
+    layers = vllm_layers(0)
+    swapped = [layers[1], layers[0], *layers[2:]]
+    assert CacheLayout.of(swapped, BLOCKS).in_place_view(swapped) is None
+    strided = [t.transpose(-1, -2) for t in layers]
+    assert CacheLayout.of(strided, BLOCKS).in_place_view(strided) is None
 
 
 def test_blocks_match_from_the_prompt_end():
@@ -136,10 +186,9 @@ def test_request_kv_crosses_in_one_transfer(pd, codec):
         assert outgoing[0]["chosen_codec"] == codec
     assert consumer.stats[-1]["wait_seconds"] >= consumer.stats[-1]["transfer_seconds"] > 0
 
-    # the decode deleted the lease; the prefill frees the blocks once vLLM has finished the request
-    time.sleep(0.01)
+    # the decode deletes the lease; the prefill frees the blocks once vLLM has finished the request
     assert producer.finished_sending(set()) == set()
-    assert producer.finished_sending({"req-1"}) == {"req-1"}
+    assert released(producer, "req-1")
     assert producer.leases == {}
 
 
@@ -186,7 +235,7 @@ def test_a_pull_of_nothing_ends_the_lease(pd):
     consumer = Consumer(config(decode), d_cache)
     consumer.start(LoadSpec("dec-3", (), remote_params("req-3", [6], config(prefill))))
     assert consumer.poll() == (set(), set())  # not a load vLLM waits for
-    assert producer.finished_sending({"req-3"}) == {"req-3"}
+    assert released(producer, "req-3")
 
 
 def test_different_block_size_is_refused_at_the_first_transfer(sidecars):
@@ -238,7 +287,7 @@ def test_kv_corrupted_on_the_wire_fails_the_load():
         assert pump(consumer) == (set(), {"dec-6"})
         assert consumer.failed_blocks["dec-6"] == tuple(range(12, 24))
         assert not torch.stack(d_layers).any() or True  # partly written blocks are vLLM's to recompute
-        assert producer.finished_sending({"req-6"}) == {"req-6"}  # the decode released the lease anyway
+        assert released(producer, "req-6")  # the decode released the lease anyway
     finally:
         p_cache.close()
         d_cache.close()
