@@ -69,13 +69,7 @@ class Blocks:
             for r in self.ranges:
                 if r.count < 0 or r.stride == 0:
                     raise InvalidBlocks(f"range {r} needs count >= 0 and a stride other than 0")
-            # all ranges at once (a request across a cache's layers is one range per block)
-            starts, counts, strides = torch.tensor([(r.start, r.count, r.stride) for r in self.ranges],
-                                                   dtype=torch.int64).unbind(1)
-            firsts = torch.cumsum(counts, 0) - counts  # where each range begins in the list
-            step = torch.arange(n, dtype=torch.int64) - torch.repeat_interleave(firsts, counts, output_size=n)
-            ids = torch.repeat_interleave(starts, counts, output_size=n) + step * torch.repeat_interleave(
-                strides, counts, output_size=n)
+            ids = _expand(self.ranges, n)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= num_blocks:
             raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {low}..{high}")
@@ -87,3 +81,17 @@ class Blocks:
         if self.ids is not None:
             return list(self.ids)
         return [{"start": r.start, "count": r.count, "stride": r.stride} for r in self.ranges]
+
+
+def _expand(ranges: tuple[Range, ...], n: int) -> torch.Tensor:
+    """The ``n`` ids of ``ranges`` in a few tensor operations, not one per range (a request across
+    a cache's layers is one range per block, all alike: a single outer sum)."""
+    first = ranges[0]
+    if all(r.count == first.count and r.stride == first.stride for r in ranges):
+        starts = torch.tensor([r.start for r in ranges], dtype=torch.int64)
+        return (starts[:, None] + torch.arange(first.count, dtype=torch.int64) * first.stride).reshape(-1)
+    starts, counts, strides = torch.tensor([(r.start, r.count, r.stride) for r in ranges], dtype=torch.int64).unbind(1)
+    firsts = torch.cumsum(counts, 0) - counts  # where each range begins in the list
+    step = torch.arange(n, dtype=torch.int64) - torch.repeat_interleave(firsts, counts, output_size=n)
+    return torch.repeat_interleave(starts, counts, output_size=n) + step * torch.repeat_interleave(
+        strides, counts, output_size=n)

@@ -1,0 +1,34 @@
+"""Block lists: ids or ranges resolve to the same int64 ids, checked the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvferry.engine.blocks import Blocks, Range
+from kvferry.engine.errors import InvalidBlocks
+
+
+def _listed(ranges: list[Range]) -> list[int]:
+    return [r.start + i * r.stride for r in ranges for i in range(r.count)]
+
+
+@pytest.mark.parametrize("ranges", [
+    [Range(i, 64, 300) for i in (7, 0, 299, 150)],  # alike: a block across a cache's layers and K/V
+    [Range(5, 3, 2), Range(0, 0, 1), Range(100, 4, -7), Range(8, 1, 1)],  # mixed, empty, descending
+    [Range(40, 1)],
+])
+def test_ranges_resolve_to_their_ids_in_order(ranges):
+    assert Blocks(ranges=tuple(ranges)).resolve(300 * 64).tolist() == _listed(ranges)
+    assert Blocks(ranges=tuple(ranges)).resolve(300 * 64).dtype == torch.int64
+
+
+@pytest.mark.parametrize("ranges, match", [
+    ([Range(0, 4, 100)], "in 0..299"),  # 300 past the end
+    ([Range(3, 2, -5)], "in 0..99"),  # below zero
+    ([Range(0, 3, 10), Range(20, 2, 1)], "repeat"),
+    ([Range(0, 2, 0)], "stride other than 0"),
+])
+def test_bad_ranges_are_refused(ranges, match):
+    with pytest.raises(InvalidBlocks, match=match):
+        Blocks(ranges=tuple(ranges)).resolve(300 if match == "in 0..299" else 100)
