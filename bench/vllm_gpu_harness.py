@@ -6,9 +6,11 @@ prefill, pull + get_finished polling + load on the decode) and is checked bit fo
 
 Reported per request size: the time the decode waits for the KV (start of the pull to the pages
 in its cache), the transfer's own time (the sender's record, submit to done), and the difference
-(the connector's overhead: HTTP calls, polling, the device gathers into and out of the mirror).
+(the connector's overhead: the HTTP call, polling, and with ``--layout mirror`` the device
+gathers into and out of the mirror).
 
     python bench/vllm_gpu_harness.py [--tokens 4096] [--requests 20] [--codec auto] [--backend tcp]
+                                     [--layout in-place|mirror]
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> int:
     parser.add_argument("--backend", default="tcp")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--poll-ms", type=float, default=0.5, help="get_finished interval (vLLM: every step)")
+    parser.add_argument("--layout", choices=("in-place", "mirror"), default="in-place",
+                        help="lend vLLM's cache itself (default) or a device mirror of it")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -62,8 +66,9 @@ def main() -> int:
         p_buffer = (torch.randn(shape, generator=generator, device=args.device) * 0.7).to(torch.bfloat16)
         d_buffer = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
         p_layers, d_layers = list(p_buffer.unbind(0)), list(d_buffer.unbind(0))
-        p_cache = KvCache(Client(urls[0]), "harness-prefill", p_layers, blocks)
-        d_cache = KvCache(Client(urls[1]), "harness-decode", d_layers, blocks)
+        in_place = args.layout == "in-place"
+        p_cache = KvCache(Client(urls[0]), "harness-prefill", p_layers, blocks, in_place=in_place)
+        d_cache = KvCache(Client(urls[1]), "harness-decode", d_layers, blocks, in_place=in_place)
         p_config = ConnectorConfig(url=urls[0], codec=args.codec)
         producer = Producer(p_config, p_cache)
         consumer = Consumer(ConnectorConfig(url=urls[1], codec=args.codec), d_cache)
@@ -104,7 +109,7 @@ def main() -> int:
     nbytes = rows[0]["bytes_raw"]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"vLLM connector core, {device}, {time.strftime('%Y-%m-%d')}: {args.tokens} tokens of Llama-3-8B KV "
-          f"({nbytes / 2**20:.0f} MiB, {LAYERS} layers) per request, codec {args.codec}, {len(rows)} requests\n"
+          f"({nbytes / 2**20:.0f} MiB, {LAYERS} layers) per request, codec {args.codec}, {args.layout}, {len(rows)} requests\n"
           f"`{' '.join(sys.argv)}`\n")
     answer = statistics.median(r["answer_seconds"] for r in rows)
     load = statistics.median(r["load_seconds"] for r in rows)
@@ -113,6 +118,9 @@ def main() -> int:
     print("|---:|---:|---:|---:|---:|---|---|")
     print(f"| {wait * 1e3:.2f} ms | {transfer * 1e3:.2f} ms | {overhead * 1e3:.2f} ms | {answer * 1e3:.2f} ms | "
           f"{load * 1e3:.2f} ms | {rows[-1]['codec']} | {'all' if all(r['bit_exact'] for r in rows) else 'NO'} |")
+    stages = {k: statistics.median(r["stages"][k] for r in rows if k in (r["stages"] or {})) * 1e3
+              for k in rows[0]["stages"] or {}}
+    print("transfer stages, median ms since submit: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     if args.json:
         args.json.write_text(json.dumps({"device": device, "command": " ".join(sys.argv), "rows": rows}, indent=1))
     return 0 if all(r["bit_exact"] for r in rows) else 1

@@ -47,10 +47,32 @@ class RangesBody(BaseModel):
 
 
 BlockId = Annotated[StrictInt, Field(ge=0, lt=1 << 32)]  # true and "1" are not block ids
-BlockList = list[BlockId] | RangesBody
+
+
+class SpreadBody(BaseModel):
+    """Each id ``b`` stands for ``b, b + stride, ...``, ``count`` of them (a vLLM block across a
+    cache's layers and K/V)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[BlockId] = Field(min_length=1, max_length=MAX_BLOCKS)
+    count: StrictInt = Field(gt=0, le=MAX_BLOCKS)
+    stride: StrictInt = Field(gt=-2 ** 31, lt=2 ** 31)
+
+    @field_validator("stride")
+    @classmethod
+    def _nonzero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("stride must not be 0")
+        return value
+
+
+BlockList = list[BlockId] | RangesBody | SpreadBody
 
 
 def to_blocks(value: BlockList) -> Blocks:
+    if isinstance(value, SpreadBody):
+        return Blocks(ids=tuple(value.ids), spread=(value.count, value.stride))
     if isinstance(value, RangesBody):
         return Blocks(ranges=tuple(Range(r.start, r.count, r.stride) for r in value.ranges))
     return Blocks(ids=tuple(value))
@@ -81,7 +103,8 @@ class TransferBody(BaseModel):
     src_region: str | None = Field(default=None, pattern=NAME)
     dst_region: str | None = Field(default=None, pattern=NAME)
     regions: list[PairBody] | None = Field(default=None, min_length=1, max_length=4096)
-    src_blocks: BlockList = Field(description="block ids, or {ranges: [{start, count, stride}]}")
+    src_blocks: BlockList = Field(description="block ids, {ranges: [{start, count, stride}]}, or {ids, count, "
+                                              "stride}: each id spread over count ids stride apart")
     dst_blocks: BlockList
     codec: str = Field(default="auto", pattern=CODEC,
                        description="auto (lossless, chosen per transfer) or a registered codec; lossy codecs "

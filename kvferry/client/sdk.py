@@ -22,7 +22,7 @@ Blocks = Sequence[int] | range | dict[str, Any]
 
 def blocks_json(blocks: Blocks) -> list[int] | dict[str, Any]:
     """A block list as the API takes it: ids, or ``range(start, stop, step)`` as one range, or
-    ``{"ranges": [{"start", "count", "stride"}]}`` as is."""
+    ``{"ranges": [{"start", "count", "stride"}]}`` or ``{"ids", "count", "stride"}`` as is."""
     if isinstance(blocks, dict):
         return blocks
     if isinstance(blocks, range):

@@ -135,7 +135,7 @@ class CacheLayout:
     * vLLM's own memory (``in_place``), where the layers lie end to end in one allocation: the
       region's blocks are the contiguous pieces of it, one per (layer, leading plane such as K
       or V, vLLM block) in memory order, so vLLM block ``b`` is ``planes`` region blocks, ``b``
-      plus multiples of ``num_blocks``: one range.
+      plus multiples of ``num_blocks``: one id spread ``num_blocks`` apart.
     """
 
     num_blocks: int
@@ -164,7 +164,7 @@ class CacheLayout:
         if not self.in_place:
             return [int(b) for b in block_ids]
         stride = self.num_blocks if num_blocks is None else num_blocks
-        return {"ranges": [{"start": int(b), "count": self.planes, "stride": stride} for b in block_ids]}
+        return {"ids": [int(b) for b in block_ids], "count": self.planes, "stride": stride}
 
     def in_place_view(self, layers: Sequence[Any]) -> Any | None:
         """The region over vLLM's own memory (``[num_blocks * planes, *block_shape]``), or None
@@ -597,7 +597,7 @@ class Consumer:
                  "transfer_seconds": r.get("seconds"), "answer_seconds": pull.answered - pull.started,
                  "load_seconds": pull.load_seconds, "blocks": len(pull.spec.local_blocks),
                  "bytes_raw": r.get("bytes_raw"), "bytes_wire": r.get("bytes_wire"), "ratio": r.get("ratio"),
-                 "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id}
+                 "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id, "stages": r.get("stages")}
         self.stats.append(entry)
         del self.stats[:-1000]
         log.info("kvferry: request %s KV in after %.1f ms (%s blocks, %s, ratio %s)", entry["request_id"],

@@ -1,5 +1,6 @@
-"""Block lists: explicit ids or ranges (``start``, ``count``, ``stride``), resolved and checked once
-at submit into an index tensor the hot path uses as it is."""
+"""Block lists: explicit ids, ids each spread over ``count`` ids ``stride`` apart, or ranges
+(``start``, ``count``, ``stride``), resolved and checked once at submit into an index tensor the
+hot path uses as it is."""
 
 from __future__ import annotations
 
@@ -23,14 +24,24 @@ class Range:
 
 @dataclass(frozen=True)
 class Blocks:
-    """Either ``ids`` or ``ranges`` (exactly one)."""
+    """Either ``ids`` or ``ranges`` (exactly one). ``spread`` (``count``, ``stride``), with ids:
+    each id ``b`` stands for ``b, b + stride, ...``, ``count`` of them: a vLLM block across a
+    cache's layers and K/V, one short list where ranges would repeat the same count and stride."""
 
     ids: tuple[int, ...] | None = None
     ranges: tuple[Range, ...] | None = None
+    spread: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if (self.ids is None) == (self.ranges is None):
             raise InvalidBlocks("give block ids or ranges, not both or neither")
+        if self.spread is not None and (self.ids is None or self.spread[0] <= 0 or self.spread[1] == 0):
+            raise InvalidBlocks("a spread goes with block ids and needs count > 0 and a stride other than 0")
+
+    @property
+    def listed(self) -> tuple[int, ...] | None:
+        """The ids themselves, where they are all there is (no ranges, no spread)."""
+        return self.ids if self.spread is None else None
 
     @classmethod
     def of(cls, value: Blocks | list[int] | tuple[int, ...] | range) -> Blocks:
@@ -42,7 +53,7 @@ class Blocks:
 
     def __len__(self) -> int:
         if self.ids is not None:
-            return len(self.ids)
+            return len(self.ids) * (self.spread[0] if self.spread else 1)
         return sum(r.count for r in self.ranges)
 
     def resolve(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -56,14 +67,18 @@ class Blocks:
             raise InvalidBlocks("no blocks given")
         if n > MAX_BLOCKS:
             raise InvalidBlocks(f"{n} blocks is over the limit of {MAX_BLOCKS}")
-        if self.ids is not None and n <= 256:  # small lists (the latency path): plain Python is faster
+        if self.listed is not None and n <= 256:  # small lists (the latency path): plain Python is faster
             low, high = min(self.ids), max(self.ids)
             if low < 0 or high >= num_blocks:
                 raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {low}..{high}")
             if len(set(self.ids)) != n:
                 raise InvalidBlocks("block ids repeat")
             return torch.tensor(self.ids, dtype=torch.int64, device=device)
-        if self.ids is not None:
+        if self.spread is not None:
+            count, stride = self.spread
+            base = torch.tensor(self.ids, dtype=torch.int64)
+            ids = (base[:, None] + torch.arange(count, dtype=torch.int64) * stride).reshape(-1)
+        elif self.ids is not None:
             ids = torch.tensor(self.ids, dtype=torch.int64)
         else:
             for r in self.ranges:
@@ -76,11 +91,6 @@ class Blocks:
         if torch.bincount(ids, minlength=1).max() > 1:
             raise InvalidBlocks("block ids repeat")
         return ids.to(device)
-
-    def public(self) -> list[int] | list[dict[str, int]]:
-        if self.ids is not None:
-            return list(self.ids)
-        return [{"start": r.start, "count": r.count, "stride": r.stride} for r in self.ranges]
 
 
 def _expand(ranges: tuple[Range, ...], n: int) -> torch.Tensor:

@@ -332,7 +332,8 @@ class Outgoing:
         """The gather-scatter of every pair's blocks into the receiver's memory (one each); a few
         blocks are copied one by one, which costs fewer driver calls than building index tensors."""
         resolved: dict[tuple[int, str], torch.Tensor] = {}
-        few = spec.src_blocks.ids is not None and spec.dst_blocks.ids is not None and len(spec.src_blocks) <= FEW_BLOCKS
+        few = (spec.src_blocks.listed is not None and spec.dst_blocks.listed is not None
+               and len(spec.src_blocks) <= FEW_BLOCKS)
         for pair, held in zip(pairs, helds):
             region, target = pair.region, held.target
             remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
@@ -342,7 +343,7 @@ class Outgoing:
                 resolved[key] = spec.dst_blocks.resolve(*key)
             if few:
                 source, destination = region.tensor.view(bits), remote.view(bits)
-                for s, d in zip(spec.src_blocks.ids, spec.dst_blocks.ids):
+                for s, d in zip(spec.src_blocks.listed, spec.dst_blocks.listed):
                     destination[d].copy_(source[s], non_blocking=True)
                 continue
             blocks = region.tensor.view(bits).index_select(0, pair.ids).to(remote.device, non_blocking=True)

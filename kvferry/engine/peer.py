@@ -1,4 +1,4 @@
-"""The peer protocol between sidecars (version 3): the one place that knows its byte layout.
+"""The peer protocol between sidecars (version 4): the one place that knows its byte layout.
 
 Peer messages ride as MSG payloads on the authenticated transport connection (``transport/wire.py``),
 in order with the chunks they describe; sidecars never call each other over HTTP. All integers are
@@ -6,7 +6,8 @@ little-endian. Every message starts with a 24-byte header:
 
     offset size field
          0    4 magic b"KVFP"
-         4    1 version (3; 2 had no standing leases, 1 no reference regions)
+         4    1 version (4; 3 had no spread block lists, 2 no standing leases, 1 no reference
+                    regions)
          5    1 type (Kind)
          6    2 reserved (0)
          8   16 transfer id (the 16 bytes of its 32-hex-digit id; all 0 for REVOKE and REVOKED,
@@ -14,7 +15,8 @@ little-endian. Every message starts with a 24-byte header:
 
 then a body by type, built from: u8/u16/u32/u64; ``str8``/``str16`` (u8 or u16 byte length, UTF-8);
 ``blocks`` (u8 form; form 0 = ids: u32 n, n × u32; form 1 = ranges: u32 n, n × (u32 start,
-u32 count, i32 stride)).
+u32 count, i32 stride); form 2 = spread ids: u32 n, n × u32, u32 count, i32 stride: each id b
+stands for b, b + stride, ..., count of them).
 
     ANNOUNCE  str8 codec, str8 dtype, str8 codebook ("" = none), 8 bytes codebook digest,
               blocks dst_blocks, u16 pairs, per pair: str8 dst region, u8 ndim, ndim × u32
@@ -60,7 +62,7 @@ from .blocks import Blocks, Range
 from .errors import ProtocolViolation
 
 MAGIC = b"KVFP"
-VERSION = 3
+VERSION = 4
 _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
@@ -269,6 +271,10 @@ def _str(text: str, width: int) -> bytes:
 
 
 def _blocks(blocks: Blocks) -> bytes:
+    if blocks.spread is not None:
+        if len(blocks.ids) > MAX_IDS:
+            raise ProtocolViolation(f"{len(blocks.ids)} block ids is over {MAX_IDS}")
+        return struct.pack(f"<BI{len(blocks.ids)}IIi", 2, len(blocks.ids), *blocks.ids, *blocks.spread)
     if blocks.ranges is not None:
         return struct.pack("<BI", 1, len(blocks.ranges)) + b"".join(
             struct.pack("<IIi", r.start, r.count, r.stride) for r in blocks.ranges)
@@ -309,6 +315,11 @@ class _Reader:
             return Blocks(ids=self.unpack(f"{n}I"))
         if form == 1:
             return Blocks(ranges=tuple(Range(*self.unpack("IIi")) for _ in range(n)))
+        if form == 2:
+            ids, (count, stride) = self.unpack(f"{n}I"), self.unpack("Ii")
+            if count == 0 or stride == 0:
+                raise ProtocolViolation(f"a spread of {count} ids {stride} apart")
+            return Blocks(ids=ids, spread=(count, stride))
         raise ProtocolViolation(f"unknown block list form {form}")
 
 

@@ -116,8 +116,8 @@ def test_layout_finds_the_block_dimension():
 @pytest.mark.parametrize("shape", ["kv-first", "block-first"])
 def test_in_place_layout_maps_vllm_blocks_to_its_own_memory(shape):
     """Layers end to end in one buffer (as vLLM allocates them) are lent as they are: vLLM block
-    ``b`` is one range of region blocks, which hold exactly that block's pages of every layer."""
-    from kvferry.engine.blocks import Blocks, Range
+    ``b`` is one id spread over the region's blocks, which hold exactly that block's pages of every layer."""
+    from kvferry.engine.blocks import Blocks
 
     layers = vllm_layers(3, shape)
     layout = CacheLayout.of(layers, BLOCKS)
@@ -127,13 +127,14 @@ def test_in_place_layout_maps_vllm_blocks_to_its_own_memory(shape):
     planes = LAYERS * (2 if shape == "kv-first" else 1)
     assert placed.planes == planes and view.shape == (BLOCKS * planes, *placed.block_shape)
     ids = [5, 0, 17]
-    ranges = placed.blocks(ids)["ranges"]
-    resolved = Blocks(ranges=tuple(Range(r["start"], r["count"], r["stride"]) for r in ranges)).resolve(len(view))
+    spread = placed.blocks(ids)
+    assert spread == {"ids": ids, "count": planes, "stride": BLOCKS}
+    resolved = Blocks(ids=tuple(ids), spread=(planes, BLOCKS)).resolve(len(view))
     block_dim = layout.block_dims[0]
     expected = pages(layers, ids, block_dim)  # [layers, blocks, *page]
     got = view[resolved].view(len(ids), LAYERS, *layout.page_shape)  # block by block, layer by layer
     assert torch.equal(got.transpose(0, 1).view(torch.int16), expected.view(torch.int16))
-    assert placed.blocks(ids, num_blocks=40)["ranges"][0] == {"start": 5, "count": planes, "stride": 40}
+    assert placed.blocks(ids, num_blocks=40) == {"ids": ids, "count": planes, "stride": 40}
     assert placed.check_peer({"block_shape": list(placed.block_shape), "dtype": "bfloat16",
                               "num_blocks": 40 * planes}, "p:1") == 40
     with pytest.raises(IncompatibleCache, match="in place"):  # a mirror's blocks do not fit

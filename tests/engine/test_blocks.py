@@ -32,3 +32,19 @@ def test_ranges_resolve_to_their_ids_in_order(ranges):
 def test_bad_ranges_are_refused(ranges, match):
     with pytest.raises(InvalidBlocks, match=match):
         Blocks(ranges=tuple(ranges)).resolve(300 if match == "in 0..299" else 100)
+
+
+def test_spread_ids_resolve_block_by_block():
+    spread = Blocks(ids=(7, 0, 2), spread=(3, 10))
+    assert len(spread) == 9 and spread.listed is None
+    assert spread.resolve(30).tolist() == [7, 17, 27, 0, 10, 20, 2, 12, 22]
+    assert Blocks(ids=(29,), spread=(2, -10)).resolve(30).tolist() == [29, 19]
+    with pytest.raises(InvalidBlocks, match="in 0..29"):
+        Blocks(ids=(1,), spread=(4, 10)).resolve(30)
+    with pytest.raises(InvalidBlocks, match="repeat"):
+        Blocks(ids=(0, 10), spread=(2, 10)).resolve(30)
+    for bad in ((0, 1), (2, 0)):
+        with pytest.raises(InvalidBlocks, match="spread"):
+            Blocks(ids=(1,), spread=bad)
+    with pytest.raises(InvalidBlocks, match="spread"):
+        Blocks(ranges=(Range(0, 1),), spread=(2, 1))

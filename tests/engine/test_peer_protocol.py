@@ -11,7 +11,7 @@ from kvferry.engine.blocks import Blocks, Range
 from kvferry.engine.errors import ProtocolViolation
 
 TID = "00112233445566778899aabbccddeeff"
-HEAD = "4b56465003{kind:02x}000000112233445566778899aabbccddeeff"
+HEAD = "4b56465004{kind:02x}000000112233445566778899aabbccddeeff"
 GOLDEN = {
     "announce": (peer.Message(TID, peer.Announce(
         "splitzip", "bfloat16", Blocks(ranges=(Range(4, 3, 2),)),
@@ -29,6 +29,11 @@ GOLDEN = {
                                                           flags=peer.FLAG_WRITTEN)),
                          HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "00" + "0100000002000000"
                          "0100" "0164" "01" "04000000" "01000000" "00" "00000000" "000102030405060708090a0b0c0d0e0f" "01"),
+    "announce_spread": (peer.Message(TID, peer.Announce("raw", "bfloat16", Blocks(ids=(3, 1), spread=(64, 300)),
+                                                         (peer.PairLayout("d", (4,), 1),))),
+                        HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "02" "02000000" "03000000"
+                        "01000000" "40000000" "2c010000" "0100" "0164" "01" "04000000" "01000000" "00" "00000000"
+                        + "00" * 16 + "00"),
     "chunk": (peer.Message(TID, peer.Chunk(3, b"KVFZ\x01")), HEAD.format(kind=7) + "030000004b56465a01"),
     "accept": (peer.Message(TID, peer.Accept()), HEAD.format(kind=2) + "0000"),
     "accept_ipc": (peer.Message(TID, peer.Accept((peer.Target(bytes(range(64)), 4096, bytes([9] * 16), 80),))),
@@ -37,9 +42,9 @@ GOLDEN = {
     "accept_shm": (peer.Message(TID, peer.Accept((peer.Target(b"kvferry-d".ljust(64, b"\0"), 0, peer.HOST_MEMORY, 3),))),
                    HEAD.format(kind=2) + "0100" + b"kvferry-d".hex() + "00" * 55 + "00" * 8 + "00" * 16 + "03000000"),
     "revoke": (peer.Message(peer.LINK_ID, peer.Revoke("dst")),
-               "4b564650030900" + "00" * 17 + "03647374"),
+               "4b564650040900" + "00" * 17 + "03647374"),
     "revoked": (peer.Message(peer.LINK_ID, peer.Revoked("dst")),
-                "4b564650030a00" + "00" * 17 + "03647374"),
+                "4b564650040a00" + "00" * 17 + "03647374"),
     "reject": (peer.Message(TID, peer.Reject("NotFound", "no region named 'x'")),
                HEAD.format(kind=3) + "084e6f74466f756e6413006e6f20726567696f6e206e616d656420277827"),
     "done": (peer.Message(TID, peer.Done(3, 1024, 900)), HEAD.format(kind=4) + "0300000000040000000000008403000000000000"),

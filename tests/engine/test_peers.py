@@ -84,6 +84,24 @@ def test_one_transfer_moves_every_layer_with_ranges_into_permuted_blocks(pair, k
         assert not untouched.view(torch.uint8).any()
 
 
+@pytest.mark.parametrize("codec", ["raw", "splitzip"])
+def test_spread_block_ids_move_a_block_across_planes(pair, kv, codec):
+    """``{ids, count, stride}``: each id stands for ``count`` ids ``stride`` apart, as a vLLM block
+    does across an in-place cache's layers and K/V (three planes of four blocks here)."""
+    a, b = pair
+    tag = uuid.uuid4().hex[:6]
+    a.client.region_from_tensor(f"src{tag}", kv[:12])
+    b.client.create_region(f"dst{tag}", 12, list(kv.shape[1:]), "bfloat16")
+    src = {"ids": [0, 2], "count": 3, "stride": 4}  # 0, 4, 8, 2, 6, 10
+    dst = {"ids": [3, 1], "count": 3, "stride": 4}  # 3, 7, 11, 1, 5, 9
+    result = a.client.wait(a.client.submit(f"src{tag}", src, b.data, f"dst{tag}", dst, codec=codec), timeout=120)
+    assert result["state"] == "done" and result["blocks_done"] == 6
+    assert bits_equal(_blocks(b.client, f"dst{tag}", [3, 7, 11, 1, 5, 9], kv), kv[[0, 4, 8, 2, 6, 10]])
+    assert not _blocks(b.client, f"dst{tag}", [0, 2, 4, 6, 8, 10], kv).view(torch.uint8).any()
+    with pytest.raises(errors.InvalidBlocks, match="in 0..11"):  # 1 + 3·6 = 19 is past the region
+        a.client.submit(f"src{tag}", {"ids": [1], "count": 4, "stride": 6}, b.data, f"dst{tag}", range(4))
+
+
 def test_mismatched_block_counts_and_unknown_codecs_are_refused_at_submit(pair, kv):
     a, b = pair
     src = f"s{uuid.uuid4().hex[:8]}"
