@@ -76,8 +76,15 @@ class Blocks:
             return torch.tensor(self.ids, dtype=torch.int64, device=device)
         if self.spread is not None:
             count, stride = self.spread
+            low, high = min(self.ids), max(self.ids)
+            reach = (count - 1) * stride
+            if min(low, low + reach) < 0 or max(high, high + reach) >= num_blocks:
+                raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {min(low, low + reach)}.."
+                                    f"{max(high, high + reach)}")
             base = torch.tensor(self.ids, dtype=torch.int64)
             ids = (base[:, None] + torch.arange(count, dtype=torch.int64) * stride).reshape(-1)
+            if high - low < abs(stride) and len(set(self.ids)) == len(self.ids):
+                return ids.to(device)  # distinct ids within one stride: their spreads cannot meet
         elif self.ids is not None:
             ids = torch.tensor(self.ids, dtype=torch.int64)
         else:
