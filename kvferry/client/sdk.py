@@ -15,6 +15,8 @@ import httpx
 
 from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
 
+from .transport import KeepAliveTransport
+
 TERMINAL = ("done", "failed", "cancelled")
 RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
 Blocks = Sequence[int] | range | dict[str, Any]
@@ -38,7 +40,8 @@ class Client:
         """``retries``: how often a 429 or 503 is tried again (exponential backoff with jitter,
         0.05 s doubling to 2 s); ``shm_prefix``: the sidecar's ``shm_prefix`` setting."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        lean = KeepAliveTransport() if base_url.startswith("http://") else None
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=lean)
         self._timeout = timeout
         self._retries = retries
         self._shm_prefix = shm_prefix
