@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvferry import codec as codecs, transport
+from kvferry.codec import blockcopy
 
 from . import ipc, peer
 from .errors import EngineError, PeerError, ProtocolViolation
@@ -329,8 +330,9 @@ class Outgoing:
         t.lossy = False
 
     def _write_blocks(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> None:
-        """The gather-scatter of every pair's blocks into the receiver's memory (one each); a few
-        blocks are copied one by one, which costs fewer driver calls than building index tensors."""
+        """The gather-scatter of every pair's blocks into the receiver's memory (one kernel each on
+        a GPU); a few blocks are copied one by one, which costs fewer driver calls than building
+        index tensors."""
         resolved: dict[tuple[int, str], torch.Tensor] = {}
         few = (spec.src_blocks.listed is not None and spec.dst_blocks.listed is not None
                and len(spec.src_blocks) <= FEW_BLOCKS)
@@ -338,7 +340,7 @@ class Outgoing:
             region, target = pair.region, held.target
             remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
             bits = codecs.layout_by_name(region.dtype).int_dtype
-            key = (target.num_blocks, "cpu" if few else str(remote.device))
+            key = (target.num_blocks, "cpu" if few else str(region.tensor.device))
             if key not in resolved:  # on the host a few ids are only checked
                 resolved[key] = spec.dst_blocks.resolve(*key)
             if few:
@@ -346,8 +348,7 @@ class Outgoing:
                 for s, d in zip(spec.src_blocks.listed, spec.dst_blocks.listed):
                     destination[d].copy_(source[s], non_blocking=True)
                 continue
-            blocks = region.tensor.view(bits).index_select(0, pair.ids).to(remote.device, non_blocking=True)
-            remote.view(bits).index_copy_(0, resolved[key], blocks)
+            blockcopy.copy_blocks(region.tensor, pair.ids, remote, resolved[key])
 
     async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: Pair, start: int, count: int,
                             index: int) -> torch.Tensor:

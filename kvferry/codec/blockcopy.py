@@ -1,0 +1,108 @@
+"""Whole blocks from one cache to another, ``dst[dst_ids] = src[src_ids]``: what a same-host write
+under a lease is (the raw codec's encode and decode in one step).
+
+On a GPU one kernel reads each source block once and writes it where it goes, into the same GPU
+or a peer's memory: one pass, no temporary. torch's ``index_select`` + ``index_copy_`` (two passes
+through a temporary, and one more over NVLink for a peer) is the reference and the path
+everywhere else (the host, odd sizes, no CuPy, no peer access).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .dtypes import layout_for
+
+_SOURCE = r"""
+extern "C" __global__ void copy_blocks(const int4* __restrict__ src, int4* __restrict__ dst,
+                                       const long long* __restrict__ src_ids,
+                                       const long long* __restrict__ dst_ids,
+                                       long long blocks, long long vecs) {
+    for (long long b = blockIdx.y; b < blocks; b += gridDim.y) {
+        const int4* from = src + src_ids[b] * vecs;
+        int4* to = dst + dst_ids[b] * vecs;
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < vecs;
+             i += (long long)gridDim.x * blockDim.x) {
+            to[i] = from[i];
+        }
+    }
+}
+"""
+THREADS = 256
+VEC = 16  # bytes a thread moves at once (int4)
+
+
+def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Copy blocks ``src[src_ids[k]]`` to ``dst[dst_ids[k]]`` (blocks along dim 0, the same block
+    shape and dtype), on the caller's current stream of ``src``'s GPU; ids are int64 and already
+    checked (in range, ``dst_ids`` without repeats)."""
+    if _kernel_fits(src, dst):
+        _launch(src, src_ids, dst, dst_ids)
+        return
+    bits = layout_for(src.dtype).int_dtype  # index_copy_ lacks float8 kernels; the bits are what matter
+    blocks = src.view(bits).index_select(0, src_ids.to(src.device)).to(dst.device, non_blocking=True)
+    dst.view(bits).index_copy_(0, dst_ids.to(dst.device), blocks)
+
+
+def _kernel_fits(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    if not (src.is_cuda and dst.is_cuda and src.is_contiguous() and dst.is_contiguous() and src.dim() and dst.dim()):
+        return False
+    block_bytes = _block_bytes(src)
+    if block_bytes == 0 or block_bytes % VEC or _block_bytes(dst) != block_bytes:
+        return False
+    if src.data_ptr() % VEC or dst.data_ptr() % VEC:
+        return False
+    return _module(src.device.index) is not None and (
+        src.device == dst.device or _peer_access(src.device.index, dst.device.index))
+
+
+def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    import cupy
+
+    n = src_ids.numel()
+    if n == 0:
+        return
+    vecs = _block_bytes(src) // VEC
+    ids = src_ids.to(src.device), dst_ids.to(src.device)
+    grid = (max(1, min(-(-vecs // THREADS), 64)), min(n, 65535))
+    stream = torch.cuda.current_stream(src.device)
+    with cupy.cuda.Device(src.device.index):
+        _module(src.device.index)(grid, (THREADS,), (
+            src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), cupy.int64(n), cupy.int64(vecs)),
+            stream=cupy.cuda.ExternalStream(stream.cuda_stream))
+
+
+def _block_bytes(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[0] * t.element_size() if t.shape[0] else 0
+
+
+@functools.cache
+def _module(device_index: int):
+    """The compiled kernel for a GPU, or None without CuPy (the reference path then)."""
+    try:
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            kernel = cupy.RawKernel(_SOURCE, "copy_blocks")
+            kernel.compile()
+            return kernel
+    except Exception:  # noqa: BLE001 (no CuPy, no compiler: the torch path serves)
+        return None
+
+
+@functools.cache
+def _peer_access(here: int, there: int) -> bool:
+    """Kernels on GPU ``here`` may write GPU ``there``'s memory (enabled once)."""
+    import cupy
+
+    if not cupy.cuda.runtime.deviceCanAccessPeer(here, there):
+        return False
+    with cupy.cuda.Device(here):
+        try:
+            cupy.cuda.runtime.deviceEnablePeerAccess(there)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            if "PeerAccessAlreadyEnabled" not in str(exc):
+                return False
+    return True
