@@ -22,7 +22,7 @@ done
       | tee "$OUT/latency_cpu_$kind.log" | tail -8
 done
 export UCX_TLS=${UCX_TLS:-tcp,cuda_copy,cuda_ipc}
-[ "${PEERS:-1}" = 1 ] && timeout 300 python3 bench/peers.py --device cuda --backend ucxx --sizes "${SIZES:-2M,64M,256M,1G,4G}" \
+[ "${PEERS:-1}" = 1 ] && timeout 480 python3 bench/peers.py --device cuda --backend ucxx --sizes "${SIZES:-2M,64M,256M,1G,4G}" \
     --repeats "${REPEATS:-10}" --links "${LINKS:-12.5,25,50}" --codecs "${CODECS:-raw,splitzip,auto}" \
     --link-min-bytes "${LINK_MIN:-1G}" --json "$OUT/peers.json" 2>&1 | grep -v "NIXL INFO" \
     | tee "$OUT/peers.md" | tail -40

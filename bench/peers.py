@@ -205,7 +205,7 @@ def _nixl_agent(name: str, cache, device: str):
 def nixl_target(conn, args, blocks_total: int) -> None:
     import torch
 
-    if args.dst_device.startswith("cuda"):
+    if args.dst_device.startswith("cuda:"):
         torch.cuda.set_device(args.dst_device)
     cache = tiled_cache(blocks_total, args.dst_device).zero_()
     device_id = cache.device.index or 0
@@ -241,7 +241,7 @@ def nixl_target(conn, args, blocks_total: int) -> None:
 def nixl_initiator(conn, args, blocks_total: int, sizes: list[int]) -> None:
     import torch
 
-    if args.src_device.startswith("cuda"):
+    if args.src_device.startswith("cuda:"):
         torch.cuda.set_device(args.src_device)
     cache = tiled_cache(blocks_total, args.src_device)
     device_id = cache.device.index or 0
@@ -298,6 +298,8 @@ def run_nixl(args, sizes: list[int], blocks_total: int) -> list[dict]:
     target.start()
     initiator.start()
     try:
+        if not to_target.poll(300):
+            raise RuntimeError("the NIXL target did not start (see its traceback above)")
         to_initiator.send(to_target.recv())  # the target's metadata and descriptors
         while True:
             if not to_initiator.poll(300):
