@@ -81,10 +81,12 @@ class Blocks:
             if min(low, low + reach) < 0 or max(high, high + reach) >= num_blocks:
                 raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {min(low, low + reach)}.."
                                     f"{max(high, high + reach)}")
+            if high - low < abs(stride) and len(set(self.ids)) == len(self.ids):
+                # distinct ids within one stride: their spreads cannot meet; built where they are used
+                base = torch.tensor(self.ids, dtype=torch.int64, device=device)
+                return (base[:, None] + torch.arange(count, dtype=torch.int64, device=device) * stride).reshape(-1)
             base = torch.tensor(self.ids, dtype=torch.int64)
             ids = (base[:, None] + torch.arange(count, dtype=torch.int64) * stride).reshape(-1)
-            if high - low < abs(stride) and len(set(self.ids)) == len(self.ids):
-                return ids.to(device)  # distinct ids within one stride: their spreads cannot meet
         elif self.ids is not None:
             ids = torch.tensor(self.ids, dtype=torch.int64)
         else:
