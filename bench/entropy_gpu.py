@@ -65,6 +65,15 @@ def ratios(kv: dict[str, torch.Tensor], tables: int) -> list[dict]:
     return rows
 
 
+def print_table(rows: list[dict], width: int = 40) -> None:
+    """Codec, ratio, encode and decode GB/s per row ("-" where not measured), and its note."""
+    print(f"\n{'codec':<{width}}{'ratio':>8}{'enc GB/s':>11}{'dec GB/s':>11}  note")
+    for r in rows:
+        cells = [format(r[k], spec) if r.get(k) is not None else "-"
+                 for k, spec in (("ratio", ".3f"), ("encode_gbps", ".1f"), ("decode_gbps", ".1f"))]
+        print(f"{r['codec']:<{width}}{cells[0]:>8}{cells[1]:>11}{cells[2]:>11}  {r.get('note', '')}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elements", default="256M")
@@ -126,11 +135,7 @@ def main() -> None:
             print(r)
         done = len(rows)
     result["rows"] = rows
-    print(f"\n{'codec':<40}{'ratio':>8}{'enc GB/s':>11}{'dec GB/s':>11}  note")
-    for r in rows:
-        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        print(f"{r['codec']:<40}{fmt(r['ratio'], '.3f'):>8}{fmt(r['encode_gbps'], '.1f'):>11}"
-              f"{fmt(r['decode_gbps'], '.1f'):>11}  {r['note']}")
+    print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -119,11 +119,7 @@ def main() -> None:
     rows = whole_tensor(cg, eg.real_kv(), parse_size(args.elements), args.repeats, parse_size(args.check_elements))
     if parse_size(args.blocks):
         rows += blocks(cg, parse_size(args.blocks), args.repeats)
-    print(f"\n{'codec':<48}{'ratio':>8}{'enc GB/s':>10}{'dec GB/s':>10}")
-    for r in rows:
-        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        print(f"{r['codec']:<48}{fmt(r['ratio'], '.3f'):>8}{fmt(r['encode_gbps'], '.1f'):>10}"
-              f"{fmt(r['decode_gbps'], '.1f'):>10}")
+    eg.print_table(rows, width=48)
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
 

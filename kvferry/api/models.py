@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from kvferry.engine.blocks import MAX_BLOCKS, Blocks, Range
 
@@ -27,19 +27,21 @@ class RegionBody(BaseModel):
     offset: int = Field(default=0, ge=0, description="kind=cuda_ipc: byte offset into the allocation")
 
 
+def _nonzero(value: int) -> int:
+    if value == 0:
+        raise ValueError("stride must not be 0")
+    return value
+
+
+Stride = Annotated[StrictInt, Field(gt=-2 ** 31, lt=2 ** 31), AfterValidator(_nonzero)]  # the wire's i32
+
+
 class RangeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     start: StrictInt = Field(ge=0, lt=2 ** 32)  # the peer protocol's fields (peer.py)
     count: StrictInt = Field(gt=0, le=MAX_BLOCKS)
-    stride: StrictInt = Field(default=1, gt=-2 ** 31, lt=2 ** 31)
-
-    @field_validator("stride")
-    @classmethod
-    def _nonzero(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("stride must not be 0")
-        return value
+    stride: Stride = 1
 
 
 class RangesBody(BaseModel):
@@ -57,14 +59,7 @@ class SpreadBody(BaseModel):
 
     ids: list[BlockId] = Field(min_length=1, max_length=MAX_BLOCKS)
     count: StrictInt = Field(gt=0, le=MAX_BLOCKS)
-    stride: StrictInt = Field(gt=-2 ** 31, lt=2 ** 31)
-
-    @field_validator("stride")
-    @classmethod
-    def _nonzero(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("stride must not be 0")
-        return value
+    stride: Stride
 
 
 BlockList = list[BlockId] | RangesBody | SpreadBody

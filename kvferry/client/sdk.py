@@ -137,7 +137,7 @@ class Client:
         ``peer`` is the receiving sidecar's data address (its ``data_address()``). ``references``:
         (sender's, receiver's) regions of predictor KV, for ``codec="predictive"``. Returns the id."""
         body = _pair_json((src_region, dst_region, *(references or ())), "src_region", "dst_region")
-        return self._submit(body, src_blocks, peer, dst_blocks, codec, codebook, wait)
+        return self._post(body, src_blocks, peer, dst_blocks, codec, codebook, wait)["id"]
 
     def send(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
              codec: str = "auto", *, wait: float) -> dict:
@@ -145,21 +145,21 @@ class Client:
         trip where a submit and a long-poll would take two); returns the transfer's record, which is
         still ``queued`` or ``running`` if ``wait`` passed first."""
         body = _pair_json((src_region, dst_region), "src_region", "dst_region")
-        return self._call("POST", "/v1/transfers", json=_transfer_body(body, src_blocks, peer, dst_blocks, codec, None),
-                          params={"wait": wait}, timeout=self._timeout + wait).json()
+        return self._post(body, src_blocks, peer, dst_blocks, codec, None, wait)
 
     def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
                        codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
         """One transfer of the same blocks of several (source, destination) region pairs, e.g.
         every layer of a request; a pair may name its references too: (src, dst, src_ref, dst_ref)."""
         body = {"regions": [_pair_json(p) for p in pairs]}
-        return self._submit(body, src_blocks, peer, dst_blocks, codec, codebook, wait)
+        return self._post(body, src_blocks, peer, dst_blocks, codec, codebook, wait)["id"]
 
-    def _submit(self, body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
-                codebook: str | None, wait: float) -> str:
+    def _post(self, body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
+              codebook: str | None, wait: float) -> dict:
+        """The transfer's record as ``POST /v1/transfers`` answers it (at its end or after ``wait``)."""
         return self._call("POST", "/v1/transfers", json=_transfer_body(body, src_blocks, peer, dst_blocks, codec,
                                                                        codebook),
-                          params={"wait": wait} if wait else None, timeout=self._timeout + wait).json()["id"]
+                          params={"wait": wait} if wait else None, timeout=self._timeout + wait).json()
 
     def transfer(self, transfer_id: str, wait: float = 0) -> dict:
         """A transfer's record (never raises for its state); ``wait``: long-poll up to that many

@@ -177,9 +177,8 @@ class CacheLayout:
         if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
                or t.data_ptr() != first.data_ptr() + i * first.nbytes for i, t in enumerate(layers)):
             return None
-        shape = (self.num_blocks * replace(self, in_place=True).planes, *self.page_shape[self.block_dims[0]:])
-        if first.storage_offset() + math.prod(shape) > first.untyped_storage().nbytes() // first.element_size():
-            return None
+        placed = replace(self, in_place=True)
+        shape = (self.num_blocks * placed.planes, *placed.block_shape)  # the layers' span, end to end
         return torch.as_strided(first, shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
 
     @classmethod
@@ -245,16 +244,15 @@ class KvCache:
         self.device = self.layers[0].device
         shape = (num_blocks, *self.layout.block_shape)
         self._shm = None
-        view = self.layout.in_place_view(self.layers) if in_place and self.device.type == "cuda" else None
-        if view is not None:
-            self.layout = replace(self.layout, in_place=True)
-            self.mirror = None
+        if self.device.type == "cuda":
+            view = self.layout.in_place_view(self.layers) if in_place else None
+            if view is not None:
+                self.layout = replace(self.layout, in_place=True)
+            self.mirror = None if view is not None else torch.empty(shape, dtype=self.layers[0].dtype,
+                                                                    device=self.device)
+            lent = view if view is not None else self.mirror
             self.kind = "cuda_ipc"
-            self._register(lambda n: client.region_from_tensor(n, view, kind="cuda_ipc")[0])
-        elif self.device.type == "cuda":
-            self.mirror = torch.empty(shape, dtype=self.layers[0].dtype, device=self.device)
-            self.kind = "cuda_ipc"
-            self._register(lambda n: client.region_from_tensor(n, self.mirror, kind="cuda_ipc")[0])
+            self._register(lambda n: client.region_from_tensor(n, lent, kind="cuda_ipc")[0])
         else:
             from multiprocessing import shared_memory
 
@@ -286,20 +284,20 @@ class KvCache:
 
     def save(self, block_ids: Sequence[int]) -> None:
         """Copy the pages of ``block_ids`` of every layer from vLLM's cache into the mirror."""
-        import torch
-
         if self.layout.in_place:
             return
+        import torch
+
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         for layer, (t, d) in enumerate(zip(self.layers, self.layout.block_dims)):
             self.mirror[ids, layer] = t.index_select(d, ids).movedim(d, 0)
 
     def load(self, block_ids: Sequence[int]) -> None:
         """Copy the pages of ``block_ids`` of every layer from the mirror into vLLM's cache."""
-        import torch
-
         if self.layout.in_place:
             return
+        import torch
+
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         for layer, (t, d) in enumerate(zip(self.layers, self.layout.block_dims)):
             t.index_copy_(d, ids, self.mirror[ids, layer].movedim(0, d))

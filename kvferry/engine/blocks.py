@@ -4,6 +4,7 @@ hot path uses as it is."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,11 +83,8 @@ class Blocks:
                 raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {min(low, low + reach)}.."
                                     f"{max(high, high + reach)}")
             if high - low < abs(stride) and len(set(self.ids)) == len(self.ids):
-                # distinct ids within one stride: their spreads cannot meet; built where they are used
-                base = torch.tensor(self.ids, dtype=torch.int64, device=device)
-                return (base[:, None] + torch.arange(count, dtype=torch.int64, device=device) * stride).reshape(-1)
-            base = torch.tensor(self.ids, dtype=torch.int64)
-            ids = (base[:, None] + torch.arange(count, dtype=torch.int64) * stride).reshape(-1)
+                return _outer(self.ids, count, stride, device)  # within one stride: spreads cannot meet
+            ids = _outer(self.ids, count, stride)
         elif self.ids is not None:
             ids = torch.tensor(self.ids, dtype=torch.int64)
         else:
@@ -107,10 +105,15 @@ def _expand(ranges: tuple[Range, ...], n: int) -> torch.Tensor:
     a cache's layers is one range per block, all alike: a single outer sum)."""
     first = ranges[0]
     if all(r.count == first.count and r.stride == first.stride for r in ranges):
-        starts = torch.tensor([r.start for r in ranges], dtype=torch.int64)
-        return (starts[:, None] + torch.arange(first.count, dtype=torch.int64) * first.stride).reshape(-1)
+        return _outer([r.start for r in ranges], first.count, first.stride)
     starts, counts, strides = torch.tensor([(r.start, r.count, r.stride) for r in ranges], dtype=torch.int64).unbind(1)
     firsts = torch.cumsum(counts, 0) - counts  # where each range begins in the list
     step = torch.arange(n, dtype=torch.int64) - torch.repeat_interleave(firsts, counts, output_size=n)
     return torch.repeat_interleave(starts, counts, output_size=n) + step * torch.repeat_interleave(
         strides, counts, output_size=n)
+
+
+def _outer(starts: Sequence[int], count: int, stride: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``count`` ids ``stride`` apart from each start, start by start, built on ``device``."""
+    base = torch.tensor(starts, dtype=torch.int64, device=device)
+    return (base[:, None] + torch.arange(count, dtype=torch.int64, device=device) * stride).reshape(-1)

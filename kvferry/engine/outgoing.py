@@ -339,11 +339,11 @@ class Outgoing:
         for pair, held in zip(pairs, helds):
             region, target = pair.region, held.target
             remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
-            bits = codecs.layout_by_name(region.dtype).int_dtype
             key = (target.num_blocks, "cpu" if few else str(region.tensor.device))
             if key not in resolved:  # on the host a few ids are only checked
                 resolved[key] = spec.dst_blocks.resolve(*key)
             if few:
+                bits = codecs.layout_by_name(region.dtype).int_dtype
                 source, destination = region.tensor.view(bits), remote.view(bits)
                 for s, d in zip(spec.src_blocks.listed, spec.dst_blocks.listed):
                     destination[d].copy_(source[s], non_blocking=True)

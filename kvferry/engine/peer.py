@@ -271,16 +271,13 @@ def _str(text: str, width: int) -> bytes:
 
 
 def _blocks(blocks: Blocks) -> bytes:
-    if blocks.spread is not None:
-        if len(blocks.ids) > MAX_IDS:
-            raise ProtocolViolation(f"{len(blocks.ids)} block ids is over {MAX_IDS}")
-        return struct.pack(f"<BI{len(blocks.ids)}IIi", 2, len(blocks.ids), *blocks.ids, *blocks.spread)
     if blocks.ranges is not None:
         return struct.pack("<BI", 1, len(blocks.ranges)) + b"".join(
             struct.pack("<IIi", r.start, r.count, r.stride) for r in blocks.ranges)
     if len(blocks.ids) > MAX_IDS:
         raise ProtocolViolation(f"{len(blocks.ids)} block ids is over {MAX_IDS}")
-    return struct.pack(f"<BI{len(blocks.ids)}I", 0, len(blocks.ids), *blocks.ids)
+    ids = struct.pack(f"<BI{len(blocks.ids)}I", 0 if blocks.spread is None else 2, len(blocks.ids), *blocks.ids)
+    return ids if blocks.spread is None else ids + struct.pack("<Ii", *blocks.spread)
 
 
 # ---- parsing -----------------------------------------------------------------------------------
