@@ -98,7 +98,8 @@ class Engine:
             op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
             secret=settings.peer_secret.encode(), max_connections=settings.max_connections,
             idle_timeout=settings.idle_timeout,
-            ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options})
+            ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options},
+            ucx_progress_mode=settings.ucx_progress_mode)
         self.backend = transport.resolve_backend(self.transport_config)
         if self.backend == "ucxx" and not settings.peer_secret:
             # ucxx's listener binds every interface: without a secret only tcp keeps it on data_host.

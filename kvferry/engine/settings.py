@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvferry.transport.config import UCX_PROGRESS_MODES
+
 MiB = 1 << 20
 
 
@@ -38,6 +40,7 @@ class Settings:
     transport_chunk_bytes: int = 0  # largest message; 0 = a whole pipeline chunk's frame on a GPU, 16 MiB on the CPU
     transport_window_bytes: int = 128 * MiB
     ucx_options: Mapping[str, str] = field(default_factory=dict)
+    ucx_progress_mode: str = "blocking"  # ucxx's worker progress: blocking (on the event loop), thread, polling, thread-polling
     log_level: str = "info"
     link_gbps: float = 0.0  # benchmarks only: pace outgoing data to this many GB/s, no same-host shortcut (0 = off)
     assumed_link_gbps: float = 12.5  # link speed ``auto`` assumes until it has measured a peer
@@ -61,6 +64,8 @@ class Settings:
             raise ValueError(f"device: {self.device!r} is not auto, cpu, cuda or cuda:N")
         if self.transport_backend not in ("auto", "ucxx", "tcp"):
             raise ValueError(f"transport_backend: {self.transport_backend!r} is not auto, ucxx or tcp")
+        if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
+            raise ValueError(f"ucx_progress_mode: {self.ucx_progress_mode!r} is not one of {', '.join(UCX_PROGRESS_MODES)}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: {self.log_level!r} is not debug, info, warning or error")
         for name in ("port", "data_port"):

@@ -8,7 +8,7 @@
     nbytes = await receive.wait(timeout)
 """
 
-from .config import DEFAULT_UCX_OPTIONS, TransportConfig
+from .config import DEFAULT_UCX_OPTIONS, UCX_PROGRESS_MODES, TransportConfig
 from .connection import Connection, Mailbox, Receive
 from .endpoint import Listener, Pool, connect, listen
 from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
@@ -16,7 +16,7 @@ from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, PeerLos
 from .link import resolve_backend, shutdown_backends
 
 __all__ = [
-    "TransportConfig", "DEFAULT_UCX_OPTIONS", "listen", "connect", "Listener", "Connection", "Pool",
+    "TransportConfig", "DEFAULT_UCX_OPTIONS", "UCX_PROGRESS_MODES", "listen", "connect", "Listener", "Connection", "Pool",
     "Mailbox", "Receive", "resolve_backend", "shutdown_backends", "TransportError", "ConnectError", "TransportTimeout",
     "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected", "AuthenticationFailed", "CorruptPayload",
 ]

@@ -18,6 +18,8 @@ DEFAULT_UCX_OPTIONS: Mapping[str, str] = MappingProxyType({
     "TCP_CM_REUSEADDR": "y",
 })
 
+UCX_PROGRESS_MODES = ("blocking", "thread", "polling", "thread-polling")  # ucxx's own names
+
 
 @dataclass(frozen=True)
 class TransportConfig:
@@ -44,10 +46,18 @@ class TransportConfig:
     # The shared peer secret both ends of a connection must prove they hold (HMAC handshake).
     secret: bytes = field(default=b"", repr=False)
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
+    # How ucxx progresses its worker (one choice per process, at its first listen/connect).
+    # "blocking": on the event loop, woken by the worker's event fd; ucxx's default "thread"
+    # hands each completion from its progress thread through a notifier thread to the loop,
+    # which cost ~0.4 ms per message on an H200 host (bench/ucx_modes.sh; bench/RESULTS.md).
+    ucx_progress_mode: str = "blocking"
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "ucxx", "tcp"):
             raise ValueError(f"backend must be auto, ucxx or tcp, not {self.backend!r}")
+        if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
+            raise ValueError(f"ucx_progress_mode must be one of {', '.join(UCX_PROGRESS_MODES)}, "
+                             f"not {self.ucx_progress_mode!r}")
         if self.chunk_bytes <= 0 or self.max_inflight_bytes < self.chunk_bytes:
             raise ValueError("need 0 < chunk_bytes <= max_inflight_bytes")
         if min(self.connect_timeout, self.op_timeout, self.close_timeout, self.idle_timeout) <= 0 \

@@ -2,8 +2,9 @@
 whatever UCX finds. The only module that imports ucxx. Host and CUDA buffers go to UCX as they
 are (``__cuda_array_interface__``), so GPU-to-GPU needs no staging where UCX can do it.
 
-ucxx is initialized once per process with the caller's UCX options and Python-future
-notification (faster progress); its notifier thread is stopped at exit, as ucxx requires.
+ucxx is initialized once per process with the caller's UCX options and progress mode
+(``TransportConfig.ucx_progress_mode``); in its thread modes the notifier thread is stopped at
+exit, as ucxx requires.
 Listeners always enable endpoint error handling, so endpoints do too.
 """
 
@@ -37,13 +38,18 @@ _HANDLER_DRAIN_S = 2.0
 
 
 @functools.cache
-def _init(options: tuple[tuple[str, str], ...]) -> None:
+def _init(options: tuple[tuple[str, str], ...], progress_mode: str) -> None:
     global _started
     # UCX_* set in the environment win over our defaults: operators tune UCX the usual way.
-    ucxx.init(options=dict(options), env_takes_precedence=True, enable_python_future=True)
+    # Python futures (a notifier thread) exist only in ucxx's thread modes.
+    threaded = progress_mode.startswith("thread")
+    ucxx.init(options=dict(options), env_takes_precedence=True, progress_mode=progress_mode,
+              enable_python_future=threaded)
     _started = True
-    atexit.register(ucxx.stop_notifier_thread)
-    log.info("ucxx initialized with UCX options %s (UCX_* environment variables take precedence)", dict(options))
+    if threaded:
+        atexit.register(ucxx.stop_notifier_thread)
+    log.info("ucxx initialized in %r progress mode with UCX options %s (UCX_* environment variables take "
+             "precedence)", progress_mode, dict(options))
 
 
 def shutdown() -> None:
@@ -61,7 +67,7 @@ def shutdown() -> None:
 
 
 def _ensure(config: TransportConfig) -> None:
-    _init(tuple(sorted(config.ucx_options.items())))
+    _init(tuple(sorted(config.ucx_options.items())), config.ucx_progress_mode)
 
 
 class UcxLink(Link):

@@ -38,3 +38,12 @@ def test_secure_by_default():
                                                                         "KVFERRY_PEER_SECRET": "p"})
     merged.check()
     assert merged.public()["peer_secret"] == "***"
+
+
+def test_ucx_progress_mode_defaults_to_blocking_and_is_checked():
+    assert settings.load({}, {}).ucx_progress_mode == "blocking"
+    merged = settings.load({}, {"KVFERRY_UCX_PROGRESS_MODE": "thread"})
+    merged.check()
+    assert merged.ucx_progress_mode == "thread"
+    with pytest.raises(ValueError, match="ucx_progress_mode: 'spin'"):
+        settings.load({}, {"KVFERRY_UCX_PROGRESS_MODE": "spin"}).check()

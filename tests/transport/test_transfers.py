@@ -50,6 +50,27 @@ def test_one_gib_in_many_frames_arrives_bit_exact(backend):
     run(main(), timeout=300)
 
 
+@pytest.mark.parametrize("mode", transport.UCX_PROGRESS_MODES)
+def test_every_ucx_progress_mode_moves_messages_and_data(mode):
+    """ucxx is set up anew per process run (``run`` shuts it down): each mode really serves."""
+    pytest.importorskip("ucxx")
+    with pytest.raises(ValueError, match="ucx_progress_mode"):
+        config("ucxx", ucx_progress_mode="spin")
+
+    async def main():
+        cfg, listener, connection = await _pair("ucxx", ucx_progress_mode=mode)
+        for tag, n in enumerate((0, 3, 1 << 20, (3 << 20) + 5)):
+            payload = np.random.default_rng(tag).integers(0, 256, n, dtype=np.uint8)
+            buffer = np.empty(n, dtype=np.uint8)
+            receive = listener.expect(tag, buffer)
+            await asyncio.gather(connection.send(tag, payload), receive.wait(cfg.op_timeout))
+            assert buffer.tobytes() == payload.tobytes()
+        await connection.close()
+        await listener.close()
+
+    run(main())
+
+
 def test_interleaved_transfers_share_one_connection(backend):
     async def main():
         cfg, listener, connection = await _pair(backend, chunk_bytes=64 << 10, max_inflight_bytes=256 << 10)
