@@ -18,7 +18,7 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64)
 SVC=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0
      typing-inspection==0.4.5 uvicorn==0.54.0 google-crc32c==1.9.0 opentelemetry-api==1.45.2
-     annotated-doc==0.0.7)
+     annotated-doc==0.0.7 httptools==0.9.0)
 UCX=(ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.22.0 rapids-logger==0.3.0)
 NIXL=nixl-cu13==1.5.1
 mkdir -p .whl-svc .whl-ucx .whl-nixl .git/info
