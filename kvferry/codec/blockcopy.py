@@ -14,6 +14,8 @@ import functools
 import torch
 
 from .dtypes import layout_for
+from .splitzip_gpu import _in_context, _parameters
+from .staging import current_stream, optional_cupy
 
 _SOURCE = r"""
 extern "C" __global__ void copy_blocks(const int4* __restrict__ src, int4* __restrict__ dst,
@@ -59,19 +61,18 @@ def _kernel_fits(src: torch.Tensor, dst: torch.Tensor) -> bool:
 
 
 def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
-    import cupy
-
+    """One ``cuLaunchKernel`` on torch's current stream, arguments as 8-byte values (the codec
+    kernels' launch: no per-call stream or argument objects)."""
     n = src_ids.numel()
     if n == 0:
         return
+    index = src.device.index
     vecs = _block_bytes(src) // VEC
     ids = src_ids.to(src.device), dst_ids.to(src.device)
     grid = (max(1, min(-(-vecs // THREADS), 64)), min(n, 65535))
-    stream = torch.cuda.current_stream(src.device)
-    with cupy.cuda.Device(src.device.index):
-        _module(src.device.index)(grid, (THREADS,), (
-            src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), cupy.int64(n), cupy.int64(vecs)),
-            stream=cupy.cuda.ExternalStream(stream.cuda_stream))
+    _in_context(index, optional_cupy().cuda.driver.launchKernel, _module(index).kernel.ptr, *grid, 1, THREADS, 1, 1,
+                0, current_stream(src.device),
+                _parameters((src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), n, vecs)), 0)
 
 
 def _block_bytes(t: torch.Tensor) -> int:
