@@ -233,25 +233,11 @@ class _Pacer:
         now = time.monotonic()
         self._free_at = max(now, self._free_at) + n / self._rate
         lead = n / self._loopback if self._loopback else 0.0
-        await _sleep_until(self._free_at - lead)
+        await asyncio.sleep(self._free_at - lead - now)
 
     def wrote(self, n: int, seconds: float) -> None:
         if seconds > 0:
             self._loopback = max(self._loopback, n / seconds)
-
-
-_TIMER_SLACK = 0.002  # how far short of a deadline a timer may be set (uvloop's count whole milliseconds)
-
-
-async def _sleep_until(deadline: float) -> None:
-    """Until ``time.monotonic()`` reaches ``deadline``: a timer to just short of it, then yielding to
-    the loop. A timer alone fires up to a millisecond off either way, which the emulated link would
-    take as idle time (or, early, as time it never had)."""
-    left = deadline - time.monotonic()
-    if left > _TIMER_SLACK:
-        await asyncio.sleep(left - _TIMER_SLACK)
-    while time.monotonic() < deadline:
-        await asyncio.sleep(0)
 
 
 OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep
