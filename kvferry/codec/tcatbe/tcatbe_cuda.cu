@@ -2,10 +2,11 @@
 // NVRTC through CuPy; the per-byte, per-lane and header functions also compile as plain C++
 // (tests/codec/test_tcatbe_cuda_host.py runs them on the CPU against the numpy reference).
 //
-// A decode is three kernels and one wait: `header` checks the frame's header on the device (so
-// the GPU starts without waiting for the host to read it) and leaves the stream offsets in a
-// scratch block, `check` checks the streams against each other, and `decode` writes the values
-// if neither found anything wrong. The verdict is one word of the scratch block, read once.
+// A decode is two kernels and one wait: `check` checks the frame's header on the device (block
+// 0; so the GPU starts without waiting for the host to read it), leaving the stream offsets in a
+// scratch block, and the streams against each other (all blocks); `decode` writes the values if
+// it found nothing wrong, and copies the verdict (a word of the scratch block) to mapped host
+// memory, which the host reads once after its wait.
 //
 // Decode: a lane takes one byte of a tile's bit-planes at a time (8 elements, 16 bytes out), so
 // the 32 lanes of a warp read neighbouring bitmaps, SIGNMAN and FALLBACK bytes and write 512
@@ -77,7 +78,7 @@ static inline u32 prmt(u32 x, u32 y, u32 s) {  // PTX's default mode, sign repli
 
 #define THREADS 256
 
-// The header kernel's findings, u64 words after the verdict word of the scratch block.
+// The header check's findings, u64 words after the verdict word (two int slots) of the scratch block.
 enum Param { P_OFFSETS = 0, P_N = 5, P_TILES = 6, P_IN_WINDOW = 7, P_WINDOW_LOW = 8, P_GAPS = 9, P_WORDS = 17 };
 // Verdict bits (cuda.py's): streams inconsistent, an id outside the cache, a repeated id, and a
 // header this path does not take (the host parses it then, to raise its error or decode it).
@@ -362,36 +363,21 @@ TCA_FN void decode_span(u32 wide, const Span& sp, u16* out, const i64* block_ids
 #define TCA_MINB_BLOCKS 5
 #endif
 
-// One block of THREADS threads: zeroes the verdict word and the `nzero` words after the
-// parameters (the repeated-id bitmap), then checks the header (parse_header) and writes the
-// parameters, or sets FLAG_HOST.
-extern "C" __global__ void __launch_bounds__(THREADS) header(
-    const u8* frame, u64 frame_size, u64 n, u32 wire_id, u32 expected_ndim, u64 s0, u64 s1, u64 s2, u64 s3,
-    u64 s4, u64 s5, u64 s6, u64 s7, u32 crc_verified, u64* scratch, u64 nzero) {
-    __shared__ u32 crc_table[4 * 256];
-    __shared__ u32 words[HEADER_SIZE / 4];
-    if (threadIdx.x == 0) scratch[0] = 0;
-    for (u64 i = threadIdx.x; i < nzero; i += THREADS) scratch[1 + P_WORDS + i] = 0;
-    crc_entry(crc_table, threadIdx.x);
-    if (threadIdx.x < HEADER_SIZE / 4 && frame_size >= HEADER_SIZE) words[threadIdx.x] = ((const u32*)frame)[threadIdx.x];
-    for (u32 k = 1; k < 4; k++) {
-        __syncthreads();
-        crc_extend(crc_table, k, threadIdx.x);
-    }
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    const u64 expected[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    if (!parse_header(words, crc_table, frame_size, n, wire_id, expected_ndim, expected, crc_verified, scratch + 1))
-        scratch[0] = FLAG_HOST;
-}
-
 // Blocks take spans of runs * THREADS bytes in turn (span k, k + gridDim.x, ...). Reads and
-// writes nothing if the verdict word is set.
+// writes no output if the verdict (`verdict`, set by `check`) is set. Thread 0 copies the verdict
+// to `host` (mapped pinned memory: the host reads it after the stream's wait, with no copy behind
+// the kernel) and zeroes the other verdict slot, the next call's (this one is still being read).
 template <bool BLOCKS>
 __global__ void __launch_bounds__(THREADS, BLOCKS ? TCA_MINB_BLOCKS : TCA_MINB) decode(
-    const u8* frame, const u64* scratch, u16* out, const i64* block_ids, u64 block_elems, u64 block_stride,
-    u32 runs) {
-    if (LDG((const int*)scratch)) return;  // written by kernels before this one: no need for a volatile read
+    const u8* frame, const u64* scratch, const int* verdict, int* other, int* host,
+    u16* out, const i64* block_ids, u64 block_elems, u64 block_stride, u32 runs) {
+    const int bad = LDG(verdict);  // written by the kernel before this one: no need for a volatile read
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *(volatile int*)host = bad;
+        __threadfence_system();
+        *other = 0;
+    }
+    if (bad) return;
     const u64* params = scratch + 1;
     const u64* bitmaps = (const u64*)(frame + LDG(params + P_OFFSETS));
     const u64* groups = (const u64*)(frame + LDG(params + P_OFFSETS + 1));
@@ -417,23 +403,51 @@ TCA_FN bool tile_wrong(u64 t, u64 mask, u64 start, u32 rel, u64 following, u64 n
            || ((t & 1023) == 0 && rel != 0) || (t == 0 && start != 0);
 }
 
+// The header and the streams, one launch. Block 0 checks the header (parse_header; FLAG_HOST if
+// it declines it) and writes the parameters the decode kernel reads; a separate header kernel
+// before this one cost its launch and ~5 us on the GPU's path (H200). Every block checks its
+// tiles meanwhile, from the offsets of the first three streams, which depend on n alone (the host
+// passes them, having checked that they end inside the frame), and the header's in-window count
+// for the last tile: a malformed header cannot make it read outside the frame, and whatever it
+// finds then is moot (FLAG_HOST sends the frame to the host).
+//
 // TCA_CHECK_TILES tiles a thread at a time (their bitmaps in 16-byte loads), threads striding
 // over the tiles (cuda.py launches a thread per TCA_CHECK_TILES tiles: one resident wave striding
-// over them was no faster, H200 1 GiB 0.064 ms against 0.061). The verdict is read with a plain
-// load: the volatile one (a system-scope load every warp waited on) took the kernel to 0.069 ms.
-// Sets BAD_FRAME when a tile disagrees with its offsets (tile_wrong) or (block 0) when the bytes
+// over them was no faster, H200 1 GiB 0.064 ms against 0.061). Sets BAD_FRAME when a tile
+// disagrees with its offsets (tile_wrong) or (block 0, the header accepted) when the bytes
 // between streams are not zero. With block ids, thread i also checks ids[i], ids[i + stride],
 // ...: BAD_ID if outside 0..nblocks-1, REPEATED_ID if an earlier-seen id repeats it (`seen`: a
-// zeroed bit per block). Does nothing if the header kernel set the verdict.
+// bit per block, zeroed before the launch). The verdict slot is zero at the start (decode zeroes it).
 extern "C" __global__ void __launch_bounds__(THREADS, 4) check(
-    const u8* frame, u64* scratch, const i64* ids, u64 nids, u64 nblocks) {
-    if (*(const int*)scratch & FLAG_HOST) return;
-    const u64* params = scratch + 1;
+    const u8* frame, u64 frame_size, u64 n, u32 wire_id, u32 expected_ndim, u64 s0, u64 s1, u64 s2, u64 s3,
+    u64 s4, u64 s5, u64 s6, u64 s7, u32 crc_verified, u64* scratch, int* verdict, const i64* ids, u64 nids,
+    u64 nblocks, u64 groups_at, u64 tiles_at) {
+    __shared__ u32 crc_table[4 * 256];
+    __shared__ u32 words[HEADER_SIZE / 4];
+    __shared__ int header_ok;
+    u64* params = scratch + 1;
+    if (blockIdx.x == 0) {
+        crc_entry(crc_table, threadIdx.x);
+        if (threadIdx.x < HEADER_SIZE / 4 && frame_size >= HEADER_SIZE) words[threadIdx.x] = ((const u32*)frame)[threadIdx.x];
+        for (u32 k = 1; k < 4; k++) {
+            __syncthreads();
+            crc_extend(crc_table, k, threadIdx.x);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const u64 expected[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+            header_ok = parse_header(words, crc_table, frame_size, n, wire_id, expected_ndim, expected, crc_verified,
+                                     params);
+            if (!header_ok) atomicOr(verdict, FLAG_HOST);
+        }
+        __syncthreads();  // the parameters (global, plain loads below) and header_ok
+    }
     u32* seen = (u32*)(scratch + 1 + P_WORDS);
-    const u64 n = params[P_N], tiles = params[P_TILES], in_window = params[P_IN_WINDOW];
-    const u64* bitmaps = (const u64*)(frame + params[P_OFFSETS]);
-    const u64* groups = (const u64*)(frame + params[P_OFFSETS + 1]);
-    const u16* tiles_rel = (const u16*)(frame + params[P_OFFSETS + 2]);
+    const u64 tiles = (n + 63) / 64;
+    const u64 in_window = LDG((const u32*)frame + 21) | (u64)LDG((const u32*)frame + 22) << 32;  // bytes 84..91
+    const u64* bitmaps = (const u64*)(frame + HEADER_SIZE);
+    const u64* groups = (const u64*)(frame + groups_at);
+    const u16* tiles_rel = (const u16*)(frame + tiles_at);
     constexpr u32 K = TCA_CHECK_TILES;
     static_assert(K == 1 || K == 2 || K == 4 || K == 8, "tiles a check thread takes");
     const u64 first = (u64)blockIdx.x * THREADS + threadIdx.x, stride = (u64)gridDim.x * THREADS;
@@ -481,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4) check(
             }
         }
     }
-    if (blockIdx.x == 0 && threadIdx.x < 64) {  // each gap is under 16 bytes
+    if (blockIdx.x == 0 && threadIdx.x < 64 && header_ok) {  // each gap is under 16 bytes
         const u32 i = threadIdx.x >> 4;
         const u64 at = params[P_GAPS + 2 * i] + (threadIdx.x & 15);
         if (at < params[P_GAPS + 2 * i + 1] && frame[at]) wrong = 1;
@@ -491,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4) check(
         if (id < 0 || (u64)id >= nblocks) wrong |= BAD_ID;
         else if (atomicOr(seen + (id >> 5), 1u << (id & 31)) & (1u << (id & 31))) wrong |= REPEATED_ID;
     }
-    if (wrong) atomicOr((int*)scratch, wrong);
+    if (wrong) atomicOr(verdict, wrong);
 }
 
 #endif
