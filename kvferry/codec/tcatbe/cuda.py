@@ -34,7 +34,7 @@ import torch
 from ..errors import CorruptFrame, OutputMismatch
 from ..splitzip_gpu import _in_context, _parameters, _zero
 from ..staging import current_stream, optional_cupy, read_to_host
-from .format import GROUP_TILES, HEADER_SIZE, TILE, TcaTbeHeader
+from .format import GROUP_TILES, TILE, TcaTbeHeader, stream_lengths, stream_offsets
 
 THREADS = 256  # the source's THREADS
 # Compile-time choices of the kernels, the source's TCA_* macros (bench/tcatbe_gpu_check.py
@@ -143,10 +143,9 @@ def _leading(n: int) -> tuple[int, int, int]:
     """Offsets of GROUPS and TILES in a frame of ``n`` elements, and where TILES ends: the first
     three streams' places depend on n alone (BITMAPS starts at the header's end), so the check
     kernel takes them from the host and reads no offset the header could make point elsewhere."""
-    tiles = -(-n // TILE)
-    groups = (HEADER_SIZE + 24 * tiles + 15) & ~15
-    tiles_at = (groups + 8 * -(-tiles // GROUP_TILES) + 15) & ~15
-    return groups, tiles_at, tiles_at + 2 * tiles
+    lengths = stream_lengths(n, 0)  # the first three streams' lengths do not depend on in_window
+    offsets, _ = stream_offsets(lengths)
+    return offsets[1], offsets[2], offsets[2] + lengths[2]
 
 
 def _launch_check(frame: torch.Tensor, index: int, n: int, stream: int, tuning: tuple[tuple[str, int], ...],
