@@ -453,6 +453,11 @@ def _cuda(frame: torch.Tensor) -> bool:
     return DECODE_CUDA and frame.is_cuda and cuda.available()
 
 
+def _blocks_fit(frame: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the CUDA kernels can decode ``frame`` straight into blocks of ``cache``."""
+    return _cuda(frame) and cache.dtype == torch.bfloat16 and cuda.block_path_fits(cache)
+
+
 def decode_unparsed(frame: torch.Tensor, out: torch.Tensor) -> bool:
     """Decode a frame (1-D, contiguous) into the contiguous bfloat16 ``out`` on its device, its
     header checked on the device: the GPU starts without waiting for the host to read it. False,
@@ -474,7 +479,7 @@ def decode_blocks_unparsed(frame: torch.Tensor, cache: torch.Tensor, ids: torch.
         CorruptFrame: the streams disagree. IndexError: an id outside the cache. OutputMismatch:
             ids repeat. Nothing is written then.
     """
-    if not (_cuda(frame) and cache.dtype == torch.bfloat16 and cuda.block_path_fits(cache)):
+    if not _blocks_fit(frame, cache):
         return False
     return cuda.decode_into(frame, cache, ids.numel() * cache[0].numel(), shape=shape, block_ids=ids)
 
@@ -489,8 +494,7 @@ def decode_blocks_into(frame: torch.Tensor, header: TcaTbeHeader, cache: torch.T
     Raises:
         CorruptFrame: as ``check``. IndexError: an id outside the cache. OutputMismatch: ids repeat.
     """
-    if not (_cuda(frame) and cache.device == frame.device and ids.device == frame.device
-            and cache.dtype == torch.bfloat16 and cuda.block_path_fits(cache)):
+    if not (_blocks_fit(frame, cache) and cache.device == frame.device and ids.device == frame.device):
         return False
     if not cuda.decode_into(frame, cache, header.numel, shape=header.shape, block_ids=ids, crc_verified=True):
         raise CorruptFrame("the device's header check rejected a header the host accepted")
