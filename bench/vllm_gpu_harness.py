@@ -80,6 +80,7 @@ def main() -> int:
             rid = f"req-{request}"
             producer.save(rid, src)
             sync()
+            started_wall = time.time()
             pull = consumer.start(LoadSpec(f"dec-{request}", tuple(dst), remote_params(rid, src, p_config)))
             if pull.error:
                 raise RuntimeError(pull.error)
@@ -98,7 +99,10 @@ def main() -> int:
             producer.finished_sending({rid})
             if request:
                 stats = consumer.stats[-1]
-                rows.append({**stats, "bit_exact": exact})
+                created = pull.record["created"]  # on the prefill's sidecar, this host's wall clock
+                rows.append({**stats, "bit_exact": exact, "thread_seconds": pull.asked_wall - started_wall,
+                             "ask_seconds": created - pull.asked_wall,
+                             "reply_seconds": pull.answered_wall - created - stats["transfer_seconds"]})
         p_cache.close()
         d_cache.close()
     finally:
@@ -120,6 +124,9 @@ def main() -> int:
           f"{load * 1e3:.2f} ms | {rows[-1]['codec']} | {'all' if all(r['bit_exact'] for r in rows) else 'NO'} |")
     stages = {k: statistics.median(r["stages"][k] for r in rows if k in (r["stages"] or {})) * 1e3
               for k in rows[0]["stages"] or {}}
+    split = {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("thread_seconds", "ask_seconds", "reply_seconds")}
+    print(f"the overhead's parts, median ms: to the pull's thread {split['thread_seconds']:.2f}, its request to the "
+          f"transfer's start {split['ask_seconds']:.2f}, the transfer's end to its answer {split['reply_seconds']:.2f}")
     print("transfer stages, median ms since submit: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     if args.json:
         args.json.write_text(json.dumps({"device": device, "command": " ".join(sys.argv), "rows": rows}, indent=1))

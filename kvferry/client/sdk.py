@@ -4,18 +4,20 @@ engine's own exception classes, and ``wait`` on a failed transfer raises ``Trans
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
 
 from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
 
-from .transport import KeepAliveTransport
+from .transport import KeepAlive, Reply
 
 TERMINAL = ("done", "failed", "cancelled")
 RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
@@ -40,14 +42,23 @@ class Client:
         """``retries``: how often a 429 or 503 is tried again (exponential backoff with jitter,
         0.05 s doubling to 2 s); ``shm_prefix``: the sidecar's ``shm_prefix`` setting."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        lean = KeepAliveTransport() if base_url.startswith("http://") else None
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=lean)
+        url = urlsplit(base_url)
+        if url.scheme == "http" and url.hostname:  # the lean client (``transport.py``); httpx for TLS
+            self._lean: KeepAlive | None = KeepAlive(url.hostname, url.port or 80, headers)
+            self._prefix = url.path.rstrip("/")
+            self._http: httpx.Client | None = None
+        else:
+            self._lean, self._prefix = None, ""
+            self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
         self._timeout = timeout
         self._retries = retries
         self._shm_prefix = shm_prefix
 
     def close(self) -> None:
-        self._http.close()
+        if self._lean is not None:
+            self._lean.close()
+        if self._http is not None:
+            self._http.close()
 
     def __enter__(self) -> Client:
         return self
@@ -55,17 +66,37 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _call(self, method: str, path: str, *, params: dict[str, Any] | None = None, json: Any = None,
+              content: bytes | str | None = None, headers: dict[str, str] | None = None,
+              timeout: float | None = None) -> Reply:
+        """One API call (retried while refused for now); the engine's error classes raised back."""
         delay = 0.05
         for _ in range(self._retries):
-            response = self._http.request(method, path, **kwargs)
+            response = self._send(method, path, params, json, content, headers, timeout)
             if response.status_code not in RETRY_STATUSES:
                 break
             time.sleep(delay * (0.5 + random.random()))  # jitter: retries of many clients spread out
             delay = min(2.0, delay * 2)
         else:
-            response = self._http.request(method, path, **kwargs)
+            response = self._send(method, path, params, json, content, headers, timeout)
         return _checked(response, method, path)
+
+    def _send(self, method: str, path: str, params: dict[str, Any] | None, body: Any, content: bytes | str | None,
+              headers: dict[str, str] | None, timeout: float | None) -> Reply:
+        timeout = self._timeout if timeout is None else timeout
+        if self._lean is None:
+            response = self._http.request(method, path, params=params, json=body, content=content, headers=headers,
+                                          timeout=timeout)
+            return Reply(response.status_code, response.headers, response.content)
+        headers = dict(headers or {})
+        if body is not None:
+            content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            headers.setdefault("Content-Type", "application/json")
+        data = content.encode() if isinstance(content, str) else content or b""
+        target = quote(self._prefix + path, safe="/")
+        if params:
+            target += "?" + urlencode(params)
+        return self._lean.request(method, target, data, headers, timeout)
 
     # ---- regions -----------------------------------------------------------------------------
     def create_region(self, name: str, num_blocks: int, block_shape: Sequence[int], dtype: str,
@@ -211,7 +242,7 @@ class Client:
 
     def ready(self) -> bool:
         try:
-            return self._http.get("/readyz").status_code == 200
+            return self._send("GET", "/readyz", None, None, None, None, None).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -288,7 +319,7 @@ class AsyncClient:
         return (await self._call("GET", "/v1/health")).json()["data_address"]
 
 
-def _checked(response: httpx.Response, method: str, path: str) -> httpx.Response:
+def _checked(response: Reply | httpx.Response, method: str, path: str) -> Reply | httpx.Response:
     """The response, or the engine's error class raised back (by the name in the body)."""
     if response.status_code < 400:
         return response

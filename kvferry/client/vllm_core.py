@@ -417,6 +417,8 @@ class Pull:
     record: dict[str, Any] = field(default_factory=dict)
     ended: Future | None = None  # the submit-and-wait on a worker thread: the transfer's record at its end
     answered: float = 0.0  # when that thread had the record (the consumer's clock)
+    asked_wall: float = 0.0  # wall clock when the pull was sent and answered: lined up with the
+    answered_wall: float = 0.0  # sidecar's record (``created``) where both run on one host
     load_seconds: float = 0.0  # copying the pages into vLLM's cache
 
 
@@ -493,6 +495,7 @@ class Consumer:
         ``load_timeout`` passed; returns the transfer's last record."""
         client = self._client_here(url)
         deadline = time.monotonic() + self.config.load_timeout
+        pull.asked_wall = time.time()
         record = client.send(lease, src, self._data_address, self.cache.name, dst, codec=codec,
                              wait=min(LONG_POLL, self.config.load_timeout))
         pull.transfer_id = record["id"]
@@ -501,7 +504,7 @@ class Consumer:
             if left <= 0:
                 break
             record = client.transfer(pull.transfer_id, wait=min(LONG_POLL, left))
-        pull.answered = self.clock()
+        pull.answered, pull.answered_wall = self.clock(), time.time()
         return record
 
     def _client_here(self, url: str) -> Client:

@@ -1,5 +1,6 @@
-"""The SDK's HTTP/1.1 transport against real sockets: kept-alive connections reused and replaced
-when the server closed them, and every failure an httpx error (what callers catch)."""
+"""The SDK's HTTP/1.1 client against real sockets: kept-alive connections reused and replaced
+when the server closed them, bodies whole or an error, and every failure an httpx error (what
+callers catch)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from kvferry.client.transport import KeepAliveTransport
+from kvferry.client import Client
+from kvferry.client.transport import KeepAlive
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -54,8 +56,24 @@ class Server:
         self.sock.close()
 
 
-def _client(server: Server, timeout: float = 2.0) -> httpx.Client:
-    return httpx.Client(base_url=f"http://127.0.0.1:{server.port}", transport=KeepAliveTransport(), timeout=timeout)
+class _Plain:
+    """``KeepAlive`` with ``get`` (the SDK's own calls check statuses, which these tests do not)."""
+
+    def __init__(self, port: int, timeout: float = 2.0):
+        self.lean, self.timeout = KeepAlive("127.0.0.1", port), timeout
+
+    def get(self, target: str):
+        return self.lean.request("GET", target, timeout=self.timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.lean.close()
+
+
+def _client(server: Server, timeout: float = 2.0) -> _Plain:
+    return _Plain(server.port, timeout)
 
 
 def test_one_connection_carries_many_requests_and_their_bodies():
@@ -63,14 +81,46 @@ def test_one_connection_carries_many_requests_and_their_bodies():
         while server.read_request(conn):
             conn.sendall(OK)
     server = Server(script)
-    with _client(server) as client:
+    with Client(f"http://127.0.0.1:{server.port}/", token="t", timeout=2) as client:
         for i in range(5):
-            response = client.post("/v1/transfers?wait=1", json={"i": i}, headers={"Authorization": "Bearer t"})
+            response = client._call("POST", "/v1/transfers", params={"wait": 1}, json={"i": i})
             assert response.status_code == 200 and response.json() == {}
     assert server.connections == 1
     assert server.requests[3].startswith(b"POST /v1/transfers?wait=1 HTTP/1.1\r\n")
-    assert b"\r\nauthorization: bearer t\r\n" in server.requests[3].lower()
+    head = server.requests[3].lower()
+    assert b"\r\nauthorization: bearer t\r\n" in head and f"\r\nhost: 127.0.0.1:{server.port}\r\n".encode() in head
+    assert b"\r\ncontent-type: application/json\r\n" in head and b"\r\ncontent-length: 7\r\n" in head
     assert server.requests[3].endswith(b'{"i":3}')
+    server.close()
+
+
+def test_paths_are_percent_encoded_and_headers_cannot_be_injected():
+    def script(server, conn, _):
+        while server.read_request(conn):
+            conn.sendall(OK)
+    server = Server(script)
+    with Client(f"http://127.0.0.1:{server.port}/prefix", timeout=2) as client:
+        client._call("GET", "/v1/regions/a b?c\r\nX: y")
+    assert server.requests[0].startswith(b"GET /prefix/v1/regions/a%20b%3Fc%0D%0AX%3A%20y HTTP/1.1\r\n")
+    server.close()
+    with pytest.raises(ValueError, match="would break the request"):
+        Client("http://127.0.0.1:1", token="t\r\nX-Evil: 1")
+
+
+def test_chunked_bodies_are_read_whole_and_interim_responses_skipped():
+    chunked = (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"3;ext=1\r\n{\"a\r\n5\r\n\": 1}\r\n0\r\nTrailer: x\r\n\r\n")
+
+    def script(server, conn, _):
+        while server.read_request(conn):
+            conn.sendall(chunked)
+    server = Server(script)
+    with _client(server) as client:
+        for _ in range(2):
+            reply = client.get("/chunked")
+            assert reply.status_code == 200 and reply.json() == {"a": 1}
+            assert reply.headers["transfer-encoding"] == "chunked"
+    assert server.connections == 1
     server.close()
 
 
@@ -92,7 +142,7 @@ def test_failures_are_httpx_errors():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # nothing listens here
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", transport=KeepAliveTransport()) as client:
+    with _Plain(port) as client:
         with pytest.raises(httpx.ConnectError):
             client.get("/healthz")
 
@@ -107,7 +157,7 @@ def test_failures_are_httpx_errors():
         assert time.monotonic() - started < 2
     server.close()
 
-    for cut_at in (30, len(OK) - 1):  # in the headers, in the body
+    for cut_at in (10, 30, len(OK) - 1):  # in the status line, in the headers, in the body
         def cut(server, conn, _, at=cut_at):
             server.read_request(conn)
             conn.sendall(OK[:at])
@@ -119,4 +169,17 @@ def test_failures_are_httpx_errors():
             with pytest.raises(httpx.RemoteProtocolError):  # and again on a fresh connection
                 client.get("/cut")
         assert server.connections == 2
+        server.close()
+
+    for bad in (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nno length",
+                b"SMTP ready\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+        def broken(server, conn, _, reply=bad):
+            server.read_request(conn)
+            conn.sendall(reply)
+            conn.close()
+        server = Server(broken)
+        with _client(server) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                client.get("/broken")
         server.close()

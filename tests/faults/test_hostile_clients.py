@@ -112,6 +112,28 @@ def test_block_ids_are_strict(daemon, ids):
     assert response.status_code == 422 and response.json()["error"] == "BadRequest"
 
 
+def test_the_transfer_routes_fast_lane_answers_as_fastapi_does(daemon):
+    """``POST /v1/transfers`` and ``GET /v1/transfers/{id}`` are served before FastAPI's router
+    (``api.app.Lane``); what the lane does not take goes on to FastAPI: the same errors either way."""
+    body = {"src_region": "nope", "dst_region": "b", "src_blocks": [0], "dst_blocks": [0], "peer": "127.0.0.1:1"}
+    json_type = {**AUTH, "Content-Type": "application/json"}
+    for params in ({}, {"wait": 1}):  # the lane: the engine's own error
+        response = httpx.post(f"{daemon.url}/v1/transfers", headers=AUTH, params=params, json=body)
+        assert response.status_code == 404 and response.json()["error"] == "NotFound", response.text
+    for content in (b"{not json", b'{"peer": "127.0.0.1:1"}', json.dumps({**body, "extra": [True]}).encode()[:-3]):
+        response = httpx.post(f"{daemon.url}/v1/transfers", headers=json_type, content=content)
+        assert response.status_code == 422 and response.json()["error"] == "BadRequest", response.text
+    for query in ("wait=301", "wait=-1", "wait=nan", "wait=abc", "wait=1&wait=2", "other=1"):
+        response = httpx.post(f"{daemon.url}/v1/transfers?{query}", headers=AUTH, json=body)
+        expected = 404 if query in ("other=1", "wait=1&wait=2") else 422  # FastAPI: unknown keys ignored, the last wait
+        assert response.status_code == expected and set(response.json()) >= {"error", "detail"}, (query, response.text)
+    response = httpx.get(f"{daemon.url}/v1/transfers/{'0' * 32}", headers=AUTH, params={"wait": 0.01})
+    assert response.status_code == 404 and response.json()["error"] == "NotFound"
+    response = httpx.get(f"{daemon.url}/v1/transfers/{'0' * 32}", params={"wait": "x"}, headers=AUTH)
+    assert response.status_code == 422
+    assert httpx.get(f"{daemon.url}/v1/transfers/{'0' * 32}").status_code == 401  # Guard stands before the lane
+
+
 def test_openapi_documents_security_and_every_error(daemon):
     schema = httpx.get(f"{daemon.url}/openapi.json").json()
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
