@@ -110,11 +110,9 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
 {
     typedef typename Elem<EB>::T T;
     extern __shared__ uint2 enc_s[];
-    const uint2* enc = enc_g;
     if (FAST) {
         load_shared((u32*)enc_s, (const u32*)enc_g, (int)enc_words);
         __syncthreads();
-        enc = enc_s;
     }
     const TableOf tab{ptab, cmap, period, tc, cc};
     const int chunk = (int)chunk_, nchunks = (int)nchunks_, M = (int)M_, cap = (int)cap_;
@@ -147,7 +145,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
             if (sl > 0) {
                 off -= 32;
                 sp -= 32;
-                if (off < 0) {
+                while (off < 0) {  // into the block before (a loop: the compiler predicates an if)
                     off += (int)block;
                     blk--;
                     sp = (const T*)src + ids[blk] * block + off;
@@ -165,41 +163,53 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         int p = my_cap;
         bool overflow = false;
         u32 x = STATE_LOW;
-        for (int s0 = steps - 1; s0 >= 0 && !overflow; s0 -= DEPTH) {
-#pragma unroll
-            for (int u = 0; u < DEPTH; u++) {
-                const int s = s0 - u;
-                if (s < 0) break;
-                const bool v = (s << 5) + lane < here;
-                const u32 bits = bq[u];
-                const int t = tq[u];
-                load(bq[u], tq[u]);
-                const u32 sym = bits >> R;
-                const uint2 e = enc[(t << S) | sym];
-                const u32 cum = e.y & 0x3fffu, comp = (e.y >> 14) & 0x3fffu, l = e.y >> 28;
-                const bool escaped = v && cum == comp;
-                if (__any_sync(FULL, escaped)) {  // the symbol's own bits, coded before the escape
-                    const bool out = escaped && x >= esc_limit;
-                    const u32 mask = __ballot_sync(FULL, out);
-                    const int kk = __popc(mask);
-                    if (p - kk < 0) { overflow = true; break; }
-                    if (out) { slot[p - kk + __popc(mask & below)] = (u16)x; x >>= 16; }
-                    p -= kk;
-                    if (escaped) x = (x << S) + sym;
-                }
-                const bool out = v && (x >> (32 - M)) + comp >= top;  // x >= f << (32 - M)
+        // One step; false when the chunk's words would overflow its slot. `v` is a literal
+        // true in the groups of whole steps, which then drop the per-lane tests.
+        auto code = [&](const int u, const int s, const bool v) {
+            const u32 bits = bq[u];
+            const int t = tq[u];
+            load(bq[u], tq[u]);
+            const u32 sym = bits >> R;
+            const uint2 e = FAST ? enc_s[(t << S) | sym] : enc_g[(t << S) | sym];
+            const u32 cum = e.y & 0x3fffu, comp = (e.y >> 14) & 0x3fffu, l = e.y >> 28;
+            const bool escaped = v && cum == comp;
+            if (__any_sync(FULL, escaped)) {  // the symbol's own bits, coded before the escape
+                const bool out = escaped && x >= esc_limit;
                 const u32 mask = __ballot_sync(FULL, out);
                 const int kk = __popc(mask);
-                if (p - kk < 0) { overflow = true; break; }
-                const u32 xs = out ? x >> 16 : x;
-                if (out) slot[p - kk + __popc(mask & below)] = (u16)x;
+                if (p - kk < 0) return false;
+                if (out) { slot[p - kk + __popc(mask & below)] = (u16)x; x >>= 16; }
                 p -= kk;
-                const u32 t1 = __umulhi(xs, e.x), sh1 = min(l, 1u);
-                const u32 q = (t1 + ((xs - t1) >> sh1)) >> (l - sh1);
-                x = v ? xs + cum + q * comp : xs;  // (x / f) << M  +  x % f  +  cum
-                if (R) {
-                    const u32 word = rpack.word(v ? bits & ((1u << R) - 1) : 0u, lane);
-                    if (rpack.writer) rc[s * R + rpack.w] = word;
+                if (escaped) x = (x << S) + sym;
+            }
+            const bool out = v && (x >> (32 - M)) + comp >= top;  // x >= f << (32 - M)
+            const u32 mask = __ballot_sync(FULL, out);
+            const int kk = __popc(mask);
+            if (p - kk < 0) return false;
+            const u32 xs = out ? x >> 16 : x;
+            if (out) slot[p - kk + __popc(mask & below)] = (u16)x;
+            p -= kk;
+            const u32 t1 = __umulhi(xs, e.x), sh1 = min(l, 1u);
+            const u32 q = (t1 + ((xs - t1) >> sh1)) >> (l - sh1);
+            x = v ? xs + cum + q * comp : xs;  // (x / f) << M  +  x % f  +  cum
+            if (R) {
+                const u32 word = rpack.word(v ? bits & ((1u << R) - 1) : 0u, lane);
+                if (rpack.writer) rc[s * R + rpack.w] = word;
+            }
+            return true;
+        };
+        const int whole = here >> 5;  // steps with all 32 elements
+        for (int s0 = steps - 1; s0 >= 0 && !overflow; s0 -= DEPTH) {
+            if (s0 >= DEPTH - 1 && s0 < whole) {
+#pragma unroll
+                for (int u = 0; u < DEPTH; u++)
+                    if (!code(u, s0 - u, true)) { overflow = true; break; }
+            } else {
+#pragma unroll
+                for (int u = 0; u < DEPTH; u++) {
+                    const int s = s0 - u;
+                    if (s < 0) break;
+                    if (!code(u, s, (s << 5) + lane < here)) { overflow = true; break; }
                 }
             }
         }
@@ -389,6 +399,141 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                 }
                 const u32 rv = R ? unpack_field<R ? R : 1>(raw_here, lane) : 0u;
                 if (v) *op = (T)(sym << R | rv);
+            }
+            bad |= x != STATE_LOW || base + pos != len;
+        }
+        if (__any_sync(FULL, bad) && lane == 0) atomicOr(err, 1);
+    }
+}
+
+// The fast decode (tables in shared memory, per-position table ids): the generic kernel's
+// bytes and checks, with fewer instructions a step, which bound it. Steps go in groups of G
+// whose raw words (G * R <= 32) one load brings into the warp, lane k holding word k, so that
+// each step's fields are two shuffles from fixed lanes; a group whose steps are all inside the
+// chunk drops the per-lane validity tests; a refill is one shuffle (a lane at or past the
+// window's read position gives its first word, one before it its second).
+template <int S, int R, int EB>
+__global__ void __launch_bounds__(1024, 1) entropy_decode_fast(
+    const u16* __restrict__ words, i64 total_words, const u32* __restrict__ counts, const i64* __restrict__ cum,
+    const u32* __restrict__ states, const u16* __restrict__ slot_g, const u32* __restrict__ fc_g, i64 slot_words,
+    i64 fc_words_, const u8* __restrict__ ptab, const u8* __restrict__ cmap, i64 period, i64 tc, i64 cc, i64 n,
+    i64 chunk_, i64 nchunks_, i64 cap_, i64 cap_last_, i64 M_, const u32* __restrict__ raw, i64 raw_words,
+    u8* __restrict__ out_, int* __restrict__ err)
+{
+    typedef typename Elem<EB>::T T;
+    constexpr u32 ESC = 1u << S;
+    constexpr int ALPHA = (1 << S) + 1;
+    constexpr int G = R > 8 ? 2 : 4;  // steps a group
+    extern __shared__ u32 dec_s[];
+    const int fc_words = (int)fc_words_;
+    load_shared(dec_s, fc_g, fc_words);
+    load_shared(dec_s + fc_words, (const u32*)slot_g, (int)slot_words);
+    __syncthreads();
+    const u32* fc = dec_s;
+    const u16* slot_tab = (const u16*)(dec_s + fc_words);
+    const int chunk = (int)chunk_, nchunks = (int)nchunks_, M = (int)M_, per = (int)period;
+    const int lane = threadIdx.x & 31;
+    const u32 below = (1u << lane) - 1, slot_mask = (1u << M) - 1;
+    const int rl = (lane * (R ? R : 1)) >> 5, rsh = (lane * R) & 31;  // this lane's raw field: word, shift
+    const int warps = (gridDim.x * blockDim.x) >> 5;
+    for (int c = (int)((blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5); c < nchunks; c += warps) {
+        const u32 cnt = counts[c];
+        const int my_cap = (int)(c == nchunks - 1 ? cap_last_ : cap_);
+        const i64 end = cum[c], start = end - (int)cnt;
+        bool bad = cnt > (u32)my_cap || start < 0 || end > total_words
+                   || (c == nchunks - 1 && end != total_words);
+        if (bad) {  // the same on every lane
+            if (lane == 0) atomicOr(err, 1);
+            continue;
+        }
+        const i64 first = (i64)c * chunk;
+        const int here = (int)(n - first < chunk ? n - first : chunk);
+        const int steps = (here + 31) >> 5;
+        const int len = (int)cnt;
+        const u16* wc = words + start;
+        const u32* rc = raw + (first >> 5) * R;
+        const int rlast = R ? (int)min((i64)(steps + G) * R, raw_words - (first >> 5) * R) - 1 : 0;
+        T* oc = (T*)out_ + first;
+        u32 x = states[(i64)c * 32 + lane];
+        if (len == my_cap) {  // stored: the symbols packed, S bits each
+            bad = x != 0;
+            for (int s = 0; s < steps; s++) {
+                const int k = (s << 5) + lane;
+                const int bit = k * S, at = bit >> 4;
+                const u32 pair = (at < len ? (u32)wc[at] : 0u) | (at + 1 < len ? (u32)wc[at + 1] : 0u) << 16;
+                const u32 sym = (pair >> (bit & 15)) & (ESC - 1);
+                u32 rv = 0;
+                if (R) rv = unpack_field<R ? R : 1>(lane <= R ? rc[min(s * R + lane, rlast)] : 0u, lane);
+                if (k < here) oc[k] = (T)(sym << R | rv);
+            }
+        } else {
+            bad = x < STATE_LOW;
+            int base = 0, pos = 0;  // window: lane k holds words base+k, +32+k, +64+k; next unread base+pos
+            u32 w0 = lane < len ? wc[lane] : 0u, w1 = lane + 32 < len ? wc[lane + 32] : 0u;
+            u32 w2 = lane + 64 < len ? wc[lane + 64] : 0u;
+            auto refill = [&](const bool need) {
+                const u32 mask = __ballot_sync(FULL, need);
+                const int idx = pos + __popc(mask & below);
+                const u32 w = __shfl_sync(FULL, lane >= pos ? w0 : w1, idx & 31);
+                if (need) x = x << 16 | w;
+                pos += __popc(mask);
+                if (pos >= 32) {
+                    pos -= 32; base += 32; w0 = w1; w1 = w2;
+                    w2 = base + 64 + lane < len ? wc[base + 64 + lane] : 0u;
+                }
+            };
+            int j = (int)((first + lane) % period);
+            int tq[G];
+#pragma unroll
+            for (int u = 0; u < G; u++) {
+                tq[u] = ptab[j];
+                j += 32;
+                if (j >= per) j -= per;
+            }
+            u32 rw_next = R && lane < G * R ? ld_stream(rc + min(lane, rlast)) : 0u;
+            T* op = oc + lane;
+            auto step = [&](const int t, const u32 rw, const int u, const bool v) {
+                const u32 slot = x & slot_mask;
+                u32 sym = slot_tab[((u32)t << M) | slot];
+                const u32 e = fc[t * ALPHA + sym];
+                if (v) x = (e & 0xffffu) * (x >> M) + slot - (e >> 16);
+                refill(v && x < STATE_LOW);
+                const bool escaped = v && sym == ESC;
+                if (__any_sync(FULL, escaped)) {
+                    if (escaped) {
+                        const u32 symbol = x & (ESC - 1);
+                        x >>= S;
+                        if (fc[t * ALPHA + symbol] & 0xffffu) bad = true;  // non-canonical escape
+                        sym = symbol;
+                    }
+                    refill(escaped && x < STATE_LOW);
+                }
+                u32 rv = 0;
+                if (R) {
+                    const u32 lo = __shfl_sync(FULL, rw, rl + u * R), hi = __shfl_sync(FULL, rw, rl + u * R + 1);
+                    rv = __funnelshift_r(lo, hi, rsh) & ((1u << (R ? R : 1)) - 1);
+                }
+                if (v) op[u << 5] = (T)(sym << R | rv);
+            };
+            const int groups = (steps + G - 1) / G;
+            for (int g = 0; g < groups; g++, op += G << 5) {
+                const u32 rw = rw_next;
+                if (R && lane < G * R) rw_next = ld_stream(rc + min((g + 1) * G * R + lane, rlast));
+                int t[G];
+#pragma unroll
+                for (int u = 0; u < G; u++) {
+                    t[u] = tq[u];
+                    tq[u] = ptab[j];
+                    j += 32;
+                    if (j >= per) j -= per;
+                }
+                if ((g + 1) * (G << 5) <= here) {
+#pragma unroll
+                    for (int u = 0; u < G; u++) step(t[u], rw, u, true);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < G; u++) step(t[u], rw, u, ((g * G + u) << 5) + lane < here);
+                }
             }
             bad |= x != STATE_LOW || base + pos != len;
         }

@@ -52,8 +52,9 @@ def available() -> bool:
 @functools.cache
 def _module(device_index: int):
     cupy = optional_cupy()
-    names = [f"entropy_{kind}<{s},{r},{b},{fast}>" for kind in ("encode", "decode") for s, r, b in _LAYOUTS
-             for fast in (0, 1)]
+    names = [name for s, r, b in _LAYOUTS for name in (
+        f"entropy_encode<{s},{r},{b},0>", f"entropy_encode<{s},{r},{b},1>", f"entropy_decode<{s},{r},{b},0>",
+        f"entropy_decode_fast<{s},{r},{b}>")]
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
         module.compile()
@@ -83,7 +84,7 @@ def _kernel(device_index: int, name: str, threads: int = THREADS) -> _Kernel:
     function = _module(device_index).get_function(name)
     with cupy.cuda.Device(device_index):
         handle = function.kernel.ptr
-        if name.endswith(",1>"):
+        if name.endswith(",1>") or "_fast<" in name:
             cupy.cuda.driver.funcSetAttribute(handle, _MAX_SHARED, _device_limits(device_index)[1])
     return _Kernel(handle, threads, device_index, function)
 
@@ -155,7 +156,11 @@ def _tables_on(book: EntropyCodebook, device: torch.device) -> _Tables:
 
 def _coder(kind: str, sym: SymbolLayout, device_index: int, smem: int, nchunks: int) -> tuple[_Kernel, int]:
     """The fast build (tables in ``smem`` bytes of shared memory) or the generic one, and its grid."""
-    name = f"entropy_{kind}<{sym.sym_bits},{sym.raw_bits},{sym.layout.itemsize},{int(bool(smem))}>"
+    layout = f"{sym.sym_bits},{sym.raw_bits},{sym.layout.itemsize}"
+    if kind == "decode" and smem:
+        name = f"entropy_decode_fast<{layout}>"
+    else:
+        name = f"entropy_{kind}<{layout},{int(bool(smem))}>"
     sms, _ = _device_limits(device_index)
     per_sm = 1 if smem else 2
     return _kernel(device_index, name), min(-(-nchunks * 32 // THREADS), sms * per_sm)
