@@ -1,12 +1,12 @@
 """What one control message and one same-host GPU write cost between two processes on this host:
 the floor under a one-block transfer (submit → write → announce → DONE).
 
-    python bench/control_hop.py [--n 3000] [--device cuda] [--json FILE]
+    python bench/control_hop.py [--n 3000] [--device cuda|cpu] [--json FILE]
 
 - round trips of a 40-byte message over TCP loopback and over a Unix socket, with blocking
   sockets and with asyncio streams (what the sidecars use) on asyncio's own loop and on uvloop,
   median / p99 µs;
-- one HTTP request to a real sidecar: raw on a socket, and through the SDK's httpx client;
+- one HTTP request to a real sidecar: raw on a socket, and through the SDK (``kvferry.client.Client``);
 - on a GPU: a 2 MiB copy into memory another process lent by CUDA IPC, then waiting for it
   (``stream.synchronize`` and an event polled with ``query``), median / p99 µs.
 """
@@ -171,7 +171,7 @@ def gpu_write(n: int) -> dict:
 
 def http_calls(n: int) -> dict:
     """One request to a real sidecar (``kvferry serve``): raw HTTP/1.1 on a socket, then through
-    the SDK's httpx client, unauthenticated (``/healthz``) and through the auth dependency."""
+    the SDK, unauthenticated (``/healthz``) and through the auth dependency."""
     from kvferry.client import Client
     from kvferry.demo import free_port, start_sidecar, stop_sidecars, wait_ready
 
@@ -197,7 +197,7 @@ def http_calls(n: int) -> dict:
                 started = time.perf_counter()
                 client._call("GET", path)
                 seconds.append(time.perf_counter() - started)
-            out[f"GET {path}, SDK (httpx)"] = _summary(seconds[n // 10:])
+            out[f"GET {path}, SDK"] = _summary(seconds[n // 10:])
         client.close()
     finally:
         stop_sidecars([process])
@@ -207,7 +207,7 @@ def http_calls(n: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=3000)
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where there is one")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = {}
@@ -219,7 +219,9 @@ def main() -> int:
     for what, row in http_calls(min(args.n, 2000)).items():
         rows[what] = row
         print(f"| {what} | {row['median_us']:.1f} | {row['p99_us']:.1f} |", flush=True)
-    if args.device == "cuda":
+    import torch
+
+    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda":
         for how, row in gpu_write(args.n).items():
             rows[f"2 MiB GPU copy, {how}"] = row
             print(f"| 2 MiB copy into CUDA IPC memory, {how} | {row['median_us']:.1f} | {row['p99_us']:.1f} |")
