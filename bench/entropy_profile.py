@@ -72,6 +72,29 @@ def whole_tensor(cg, kv: dict, n: int, repeats: int, check: int) -> list[dict]:
     return rows
 
 
+def host_profile(kv: dict, n: int, calls: int = 20) -> None:
+    """Where the host's share of a whole call goes (cProfile of ``calls`` BF16 encodes and
+    decodes): the GPU idles while the host works between a read and the next launch."""
+    import cProfile
+    import pstats
+
+    book = entropy.calibrate(kv["c0"].to(torch.bfloat16), token_axis=3)
+    x = tile(kv["c1"].reshape(-1), n).to(torch.bfloat16).cuda()
+    frame = entropy.encode(x, book, checksum=False)
+    out = torch.empty_like(x)
+    for name, fn in (("encode", lambda: entropy.encode(x, book, checksum=False)),
+                     ("decode", lambda: entropy.decode(frame, out=out))):
+        fn()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+        print(f"--- host profile, {calls} {name} calls (tottime s)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+
+
 def blocks(cg, size: int, repeats: int) -> list[dict]:
     """The registry's block path, as ``codec_gpu.py --seed-codecs`` runs it."""
     rows = []
@@ -111,6 +134,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--check-elements", default="4M", help="prefix compared byte for byte with the CPU")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--host-profile", action="store_true", help="also print where the host's time goes")
     args = parser.parse_args()
     cg, eg = _load("codec_gpu"), _load("entropy_gpu")
     env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device": torch.cuda.get_device_name(),
@@ -120,6 +144,8 @@ def main() -> None:
     if parse_size(args.blocks):
         rows += blocks(cg, parse_size(args.blocks), args.repeats)
     eg.print_table(rows, width=48)
+    if args.host_profile:
+        host_profile(eg.real_kv(), parse_size(args.elements))
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
 

@@ -2,13 +2,15 @@
 // The bytes are reference.py's (FORMAT.md, "entropy"); refills and emissions are ordered by
 // lane with one ballot each, exactly the reference's order.
 //
-// Each chunk is a chain of 1024 dependent steps, so a step's latency and instruction count
-// bound the kernels. The fast builds (FAST = 1) keep the tables in shared memory (one block of
-// 32 warps per SM), take each element's table from the per-position table, divide by the
-// frequency with a multiply (Granlund-Montgomery), keep a window of 96 words in registers so
-// that a refill is a shuffle, and pack or unpack the raw bits of a step's 32 elements as whole
-// 32-bit words. The generic builds read the tables from global memory and also take periods
-// too long for a per-position table.
+// Each chunk is a chain of 1024 dependent steps; with 32 warps an SM (registers and the tables
+// allow no more) the SM issues an instruction nearly every cycle, so the instructions a step
+// bound the coders (Nsight: ~3.2 of 4 issued a cycle). The fast builds (FAST = 1, and
+// entropy_decode_fast) keep the tables in shared memory, take each element's table from the
+// per-position table, divide by the frequency with a multiply (Granlund-Montgomery), keep a
+// window of 96 words in registers so that a refill is a shuffle, pack or unpack the raw bits
+// of a step's 32 elements as whole 32-bit words, and drop the per-lane tests in whole steps.
+// The generic builds read the tables from global memory and also take periods too long for a
+// per-position table.
 //
 // All integer kernel parameters are 64-bit: the host passes every argument as 8 bytes.
 typedef unsigned int u32;
@@ -19,6 +21,7 @@ typedef long long i64;
 #define FULL 0xffffffffu
 #define STATE_LOW 65536u
 #define DEPTH 4  // steps between the encoder loading a step's inputs and coding it
+#define SLOT_HEAD (DEPTH * 64)  // words a slot has before the chunk's: a group's worst overflow
 
 // Table of the element at position j of the period (j = i mod period): per-position table
 // when the host built one, else from the context map. The fast builds take only periods of
@@ -96,16 +99,19 @@ template <> struct Elem<2> { typedef u16 T; };
 // symbol its table lacks: x = magic for x / f, y = cum | (2**M - f) << 14 | ceil(log2 f) << 28.
 // An entry is the escape's exactly when cum == 2**M - f (the escape is the last symbol).
 //
-// Each chunk is coded from its last step to its first into its slot of `cap` words, filled
-// from the end backwards so that the words land in decode order; counts[c] = words used, or
-// the chunk's cap when they would not fit, and then the slot holds the chunk's symbols
-// packed (a stored chunk, states 0). The raw bits go straight to their stream. Elements come
-// from src (ids null) or from blocks src + ids[b] * block elements (block a multiple of 32).
+// Each chunk is coded from its last step to its first into its slot (`stride` words apart: a
+// head of SLOT_HEAD words, then the chunk's cap), filled from the end backwards so that the
+// words land in decode order; counts[c] = words used, or the chunk's cap when they would not
+// fit, and then the slot holds the chunk's symbols packed from the head's end (a stored
+// chunk, states 0). Whether the words fit is tested once a group of DEPTH steps (at most 64
+// words a step spill into the head), not at every emission. The raw bits go straight to
+// their stream. Elements come from src (ids null) or from blocks src + ids[b] * block
+// elements (block a multiple of 32).
 template <int S, int R, int EB, int FAST>
 __global__ void __launch_bounds__(1024, 1) entropy_encode(
     const void* __restrict__ src, const i64* __restrict__ ids, i64 block, i64 n, i64 chunk_, i64 nchunks_, i64 M_,
     const uint2* __restrict__ enc_g, i64 enc_words, const u8* __restrict__ ptab, const u8* __restrict__ cmap,
-    i64 period, i64 tc, i64 cc, u16* __restrict__ slots, i64 cap_, u32* __restrict__ counts,
+    i64 period, i64 tc, i64 cc, u16* __restrict__ slots, i64 stride, u32* __restrict__ counts,
     u32* __restrict__ states, u32* __restrict__ raw)
 {
     typedef typename Elem<EB>::T T;
@@ -115,7 +121,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         __syncthreads();
     }
     const TableOf tab{ptab, cmap, period, tc, cc};
-    const int chunk = (int)chunk_, nchunks = (int)nchunks_, M = (int)M_, cap = (int)cap_;
+    const int chunk = (int)chunk_, nchunks = (int)nchunks_, M = (int)M_;
     const int lane = threadIdx.x & 31;
     const u32 below = (1u << lane) - 1, esc_limit = 1u << (32 - S), top = 1u << M;
     const Packer<R ? R : 1> rpack(lane);
@@ -125,7 +131,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         const int here = (int)(n - first < chunk ? n - first : chunk);
         const int my_cap = (here * S + 15) / 16;
         const int steps = (here + 31) >> 5;
-        u16* slot = slots + (i64)c * cap;
+        u16* slot = slots + (i64)c * stride + SLOT_HEAD;
         u32* rc = raw + (first >> 5) * R;  // this chunk's raw words
         // A cursor that loads each step's elements and tables DEPTH steps before the coder
         // takes them (the coder's chain of steps waits on nothing else): the step it loads
@@ -138,11 +144,12 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         P j = (P)((last + lane) % period);
         const P per = (P)period;
         int sl = steps - 1;
-        auto load = [&](u32& bits, int& t) {
-            if (sl < 0) return;
-            bits = (sl << 5) + lane < here ? (u32)sp[lane] : 0u;
+        // `inner`: a literal true where the step loaded is whole and not the chunk's first.
+        auto load = [&](u32& bits, int& t, const bool inner) {
+            if (!inner && sl < 0) return;
+            bits = inner || (sl << 5) + lane < here ? (u32)sp[lane] : 0u;
             t = FAST ? ptab[j] : tab.at(j);
-            if (sl > 0) {
+            if (inner || sl > 0) {
                 off -= 32;
                 sp -= 32;
                 while (off < 0) {  // into the block before (a loop: the compiler predicates an if)
@@ -159,16 +166,15 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         u32 bq[DEPTH];
         int tq[DEPTH];
 #pragma unroll
-        for (int u = 0; u < DEPTH; u++) load(bq[u], tq[u]);
+        for (int u = 0; u < DEPTH; u++) load(bq[u], tq[u], false);
         int p = my_cap;
-        bool overflow = false;
         u32 x = STATE_LOW;
-        // One step; false when the chunk's words would overflow its slot. `v` is a literal
-        // true in the groups of whole steps, which then drop the per-lane tests.
-        auto code = [&](const int u, const int s, const bool v) {
+        // One step. `v` is a literal true in the groups of whole steps, which then drop the
+        // per-lane tests.
+        auto code = [&](const int u, const int s, const bool v, const bool inner) {
             const u32 bits = bq[u];
             const int t = tq[u];
-            load(bq[u], tq[u]);
+            load(bq[u], tq[u], inner);
             const u32 sym = bits >> R;
             const uint2 e = FAST ? enc_s[(t << S) | sym] : enc_g[(t << S) | sym];
             const u32 cum = e.y & 0x3fffu, comp = (e.y >> 14) & 0x3fffu, l = e.y >> 28;
@@ -177,7 +183,6 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                 const bool out = escaped && x >= esc_limit;
                 const u32 mask = __ballot_sync(FULL, out);
                 const int kk = __popc(mask);
-                if (p - kk < 0) return false;
                 if (out) { slot[p - kk + __popc(mask & below)] = (u16)x; x >>= 16; }
                 p -= kk;
                 if (escaped) x = (x << S) + sym;
@@ -185,7 +190,6 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
             const bool out = v && (x >> (32 - M)) + comp >= top;  // x >= f << (32 - M)
             const u32 mask = __ballot_sync(FULL, out);
             const int kk = __popc(mask);
-            if (p - kk < 0) return false;
             const u32 xs = out ? x >> 16 : x;
             if (out) slot[p - kk + __popc(mask & below)] = (u16)x;
             p -= kk;
@@ -196,24 +200,25 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                 const u32 word = rpack.word(v ? bits & ((1u << R) - 1) : 0u, lane);
                 if (rpack.writer) rc[s * R + rpack.w] = word;
             }
-            return true;
         };
         const int whole = here >> 5;  // steps with all 32 elements
-        for (int s0 = steps - 1; s0 >= 0 && !overflow; s0 -= DEPTH) {
-            if (s0 >= DEPTH - 1 && s0 < whole) {
+        for (int s0 = steps - 1; s0 >= 0 && p >= 0; s0 -= DEPTH) {
+            if (s0 >= 2 * DEPTH && s0 < whole) {  // loads steps s0 - DEPTH - u >= 1
 #pragma unroll
-                for (int u = 0; u < DEPTH; u++)
-                    if (!code(u, s0 - u, true)) { overflow = true; break; }
+                for (int u = 0; u < DEPTH; u++) code(u, s0 - u, true, true);
+            } else if (s0 >= DEPTH - 1 && s0 < whole) {
+#pragma unroll
+                for (int u = 0; u < DEPTH; u++) code(u, s0 - u, true, false);
             } else {
 #pragma unroll
                 for (int u = 0; u < DEPTH; u++) {
                     const int s = s0 - u;
                     if (s < 0) break;
-                    if (!code(u, s, (s << 5) + lane < here)) { overflow = true; break; }
+                    code(u, s, (s << 5) + lane < here, false);
                 }
             }
         }
-        const bool stored = overflow || p == 0;
+        const bool stored = p <= 0;
         states[(i64)c * 32 + lane] = stored ? 0u : x;
         if (lane == 0) counts[c] = stored ? (u32)my_cap : (u32)(my_cap - p);
         if (!stored) continue;
@@ -238,46 +243,116 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
     }
 }
 
-// The frame around the raw stream: counts and states to their streams, each chunk's words
-// from the tail of its slot to the word stream (cum: inclusive sums of the counts), and the
-// zero padding after the counts and after the words. One warp per chunk.
+// Inclusive sums of the chunks' word counts, cum[c] = counts[0] + ... + counts[c], in one
+// block of 1024 threads (8 counts a thread a tile): a launch where torch's cumsum costs the
+// host several times that.
+extern "C" __global__ void __launch_bounds__(1024) entropy_scan(const u32* __restrict__ counts, i64 n,
+                                                                i64* __restrict__ cum)
+{
+    __shared__ i64 sums[32];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    i64 carry = 0;
+    for (i64 tile = 0; tile < n; tile += 8 * 1024) {
+        const i64 at = tile + (i64)t * 8;
+        u32 v[8];
+        i64 mine = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            v[k] = at + k < n ? counts[at + k] : 0u;
+            mine += v[k];
+        }
+        i64 x = mine;  // inclusive over the warp's threads
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const i64 y = __shfl_up_sync(FULL, x, d);
+            if (lane >= d) x += y;
+        }
+        if (lane == 31) sums[warp] = x;
+        __syncthreads();
+        if (warp == 0) {
+            i64 w = sums[lane];
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const i64 y = __shfl_up_sync(FULL, w, d);
+                if (lane >= d) w += y;
+            }
+            sums[lane] = w;
+        }
+        __syncthreads();
+        i64 run = carry + (warp ? sums[warp - 1] : 0) + x - mine;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            run += v[k];
+            if (at + k < n) cum[at + k] = run;
+        }
+        carry += sums[31];
+        __syncthreads();
+    }
+}
+
+// The frame around the raw stream, placed from the word total (cum: inclusive sums of the
+// counts) on the device so that the host need not read it first: the frame starts where its
+// raw stream lands on the coder's (buf + raw_at). Writes the tables and map (`between`, the
+// bytes from the header's end to the counts), counts and states, each chunk's words from the
+// tail of its slot, and the zero padding after the counts and after the words; the host
+// writes the header. One warp per chunk.
 extern "C" __global__ void entropy_assemble(
     const u16* __restrict__ slots, const u32* __restrict__ counts, const u32* __restrict__ states,
-    const i64* __restrict__ cum, i64 cap, i64 cap_last, i64 nchunks, u8* __restrict__ frame, i64 counts_at,
-    i64 states_at, i64 words_at, i64 pad1_at, i64 pad1, i64 pad2_at, i64 pad2)
+    const i64* __restrict__ cum, i64 cap, i64 cap_last, i64 stride, i64 nchunks, u8* __restrict__ buf, i64 raw_at,
+    const u8* __restrict__ between, i64 between_at, i64 between_len, i64 counts_at, i64 states_at, i64 words_at,
+    i64 has_raw)
 {
     const int lane = threadIdx.x & 31;
-    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 c = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; c < nchunks; c += warps) {
+    const i64 words_end = words_at + 2 * cum[nchunks - 1];
+    const i64 raw_off = (words_end + 15) & ~(i64)15;
+    u8* frame = buf + raw_at - raw_off;
+    const i64 threads = (i64)gridDim.x * blockDim.x, me = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (i64 k = me; k < between_len; k += threads) frame[between_at + k] = between[k];
+    const i64 warps = threads >> 5;
+    for (i64 c = me >> 5; c < nchunks; c += warps) {
         const u32 cnt = counts[c];
         const i64 my_cap = c == nchunks - 1 ? cap_last : cap;
         if (lane == 0) ((u32*)(frame + counts_at))[c] = cnt;
         ((u32*)(frame + states_at))[c * 32 + lane] = states[c * 32 + lane];
-        const u16* from = slots + c * cap + (my_cap - cnt);
+        // The words as 32-bit pairs of the destination: a leading and a trailing word alone,
+        // each pair one aligned source word or two shifted (a read may pass the slot's end by
+        // one word: the scratch has room).
+        const u16* from = slots + c * stride + SLOT_HEAD + (my_cap - cnt);
         u16* to = (u16*)(frame + words_at) + (cum[c] - cnt);
-        for (u32 k = lane; k < cnt; k += 128) {
-            u16 a = from[k], b = 0, d = 0, e = 0;
-            if (k + 32 < cnt) b = from[k + 32];
-            if (k + 64 < cnt) d = from[k + 64];
-            if (k + 96 < cnt) e = from[k + 96];
-            to[k] = a;
-            if (k + 32 < cnt) to[k + 32] = b;
-            if (k + 64 < cnt) to[k + 64] = d;
-            if (k + 96 < cnt) to[k + 96] = e;
+        const int dp = (int)(((size_t)to >> 1) & 1), rest = (int)cnt - dp;
+        if (dp && lane == 0 && cnt) to[0] = from[0];
+        if (rest <= 0) continue;
+        const int q = (int)(((size_t)(from + dp) >> 1) & 1), pairs = rest >> 1;
+        const u32* fa = (const u32*)(from + dp - q);
+        u32* to32 = (u32*)(to + dp);
+        for (int i = lane; i < pairs; i += 128) {
+            u32 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int k = i + 32 * u;
+                v[u] = k < pairs ? (q ? __funnelshift_r(fa[k], fa[k + 1], 16) : fa[k]) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (i + 32 * u < pairs) to32[i + 32 * u] = v[u];
         }
+        if ((rest & 1) && lane == 0) to[dp + 2 * pairs] = from[dp + 2 * pairs];
     }
+    const i64 pad1_at = counts_at + 4 * nchunks, pad1 = states_at - pad1_at;
+    const i64 pad2 = has_raw ? raw_off - words_end : 0;
     if (blockIdx.x == 0 && threadIdx.x < 16) {
         if (threadIdx.x < pad1) frame[pad1_at + threadIdx.x] = 0;
-        if (threadIdx.x < pad2) frame[pad2_at + threadIdx.x] = 0;
+        if (threadIdx.x < pad2) frame[words_end + threadIdx.x] = 0;
     }
 }
 
 // ---------------------------------------------------------------------------------------
 // Decode. Tables: the symbol of each (table, slot), and f | cum << 16 of each (table, symbol).
+// This is the generic build (tables in global memory); entropy_decode_fast below the fast one.
 // Every chunk, coded or stored, is decoded into `out` (fresh memory: the caller copies it
 // on only if err stays 0). err gets 1 on any inconsistency; the checks are the reference's,
 // plus the frame's padding and the raw stream's unused bits.
-template <int S, int R, int EB, int FAST>
+template <int S, int R, int EB>
 __global__ void __launch_bounds__(1024, 1) entropy_decode(
     const u16* __restrict__ words, i64 total_words, const u32* __restrict__ counts, const i64* __restrict__ cum,
     const u32* __restrict__ states, const u16* __restrict__ slot_g, const u32* __restrict__ fc_g, i64 slot_words,
@@ -288,16 +363,8 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
     typedef typename Elem<EB>::T T;
     constexpr u32 ESC = 1u << S;
     constexpr int ALPHA = (1 << S) + 1;
-    extern __shared__ u32 dec_s[];
     const u16* slot_tab = slot_g;
     const u32* fc = fc_g;
-    if (FAST) {
-        load_shared(dec_s, fc_g, (int)fc_words);
-        load_shared(dec_s + fc_words, (const u32*)slot_g, (int)slot_words);
-        __syncthreads();
-        fc = dec_s;
-        slot_tab = (const u16*)(dec_s + fc_words);
-    }
     const TableOf tab{ptab, cmap, period, tc, cc};
     const int chunk = (int)chunk_, nchunks = (int)nchunks_, M = (int)M_;
     const int lane = threadIdx.x & 31;
@@ -340,13 +407,10 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
             int base = 0, pos = 0;
             u32 w0 = lane < len ? wc[lane] : 0u, w1 = lane + 32 < len ? wc[lane + 32] : 0u;
             u32 w2 = lane + 64 < len ? wc[lane + 64] : 0u;
-            // Position in the period (an int in the fast builds: periods there are < 2**27).
-            typedef typename Pos<FAST>::T P;
-            P j = (P)((first + lane) % period);
-            const P per = (P)period;
+            i64 j = (first + lane) % period;  // position in the period
             // The next step's table, and raw words two steps ahead (lanes 0..R hold a step's
             // words and the next step's first). Loading further ahead measured slower.
-            int t_next = FAST ? ptab[j] : tab.at(j);
+            int t_next = tab.at(j);
             const u32* rp = rc + lane;
             const int rlim = rlast - lane;
             u32 raw_next = R && lane <= R ? ld_stream(rp + min(0, rlim)) : 0u;
@@ -357,8 +421,8 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                 const int t = t_next;
                 const u32 raw_here = raw_next;
                 j += 32;
-                if (FAST) { if (j >= per) j -= per; } else { while (j >= per) j -= per; }
-                t_next = FAST ? ptab[j] : tab.at(j);
+                while (j >= period) j -= period;
+                t_next = tab.at(j);
                 if (R) {
                     raw_next = raw_next2;
                     if (lane <= R) raw_next2 = ld_stream(rp + min((s + 2) * R, rlim));
@@ -406,17 +470,18 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
     }
 }
 
-// The fast decode (tables in shared memory, per-position table ids): the generic kernel's
-// bytes and checks, with fewer instructions a step, which bound it. Steps go in groups of G
-// whose raw words (G * R <= 32) one load brings into the warp, lane k holding word k, so that
-// each step's fields are two shuffles from fixed lanes; a group whose steps are all inside the
-// chunk drops the per-lane validity tests; a refill is one shuffle (a lane at or past the
-// window's read position gives its first word, one before it its second).
+// The fast decode (tables in shared memory): the generic kernel's bytes and checks, with fewer
+// instructions a step, which bound it. Steps go in groups of G whose raw words (G * R <= 32)
+// one load brings into the warp, lane k holding word k, so that each step's fields are two
+// shuffles from fixed lanes, and whose table ids one load brings (ptab4[j]: the tables of
+// positions j, j + 32, j + 64, j + 96 of the period, a byte each); a group whose steps are all
+// inside the chunk drops the per-lane validity tests; a refill is one shuffle (a lane at or
+// past the window's read position gives its first word, one before it its second).
 template <int S, int R, int EB>
 __global__ void __launch_bounds__(1024, 1) entropy_decode_fast(
     const u16* __restrict__ words, i64 total_words, const u32* __restrict__ counts, const i64* __restrict__ cum,
     const u32* __restrict__ states, const u16* __restrict__ slot_g, const u32* __restrict__ fc_g, i64 slot_words,
-    i64 fc_words_, const u8* __restrict__ ptab, const u8* __restrict__ cmap, i64 period, i64 tc, i64 cc, i64 n,
+    i64 fc_words_, const u32* __restrict__ ptab4, const u8* __restrict__ cmap, i64 period, i64 tc, i64 cc, i64 n,
     i64 chunk_, i64 nchunks_, i64 cap_, i64 cap_last_, i64 M_, const u32* __restrict__ raw, i64 raw_words,
     u8* __restrict__ out_, int* __restrict__ err)
 {
@@ -471,26 +536,26 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode_fast(
             int base = 0, pos = 0;  // window: lane k holds words base+k, +32+k, +64+k; next unread base+pos
             u32 w0 = lane < len ? wc[lane] : 0u, w1 = lane + 32 < len ? wc[lane + 32] : 0u;
             u32 w2 = lane + 64 < len ? wc[lane + 64] : 0u;
-            auto refill = [&](const bool need) {
+            auto refill = [&](const bool need) {  // a shuffle reads its lane index mod 32
                 const u32 mask = __ballot_sync(FULL, need);
                 const int idx = pos + __popc(mask & below);
-                const u32 w = __shfl_sync(FULL, lane >= pos ? w0 : w1, idx & 31);
-                if (need) x = x << 16 | w;
+                const u32 w = __shfl_sync(FULL, lane >= pos ? w0 : w1, idx);
+                if (need) x = __byte_perm(x, w, 0x1054);  // x << 16 | w
                 pos += __popc(mask);
                 if (pos >= 32) {
                     pos -= 32; base += 32; w0 = w1; w1 = w2;
                     w2 = base + 64 + lane < len ? wc[base + 64 + lane] : 0u;
                 }
             };
+            // The tables of a group's steps, one byte each, in one word of ptab4 (period >= 128).
             int j = (int)((first + lane) % period);
-            int tq[G];
-#pragma unroll
-            for (int u = 0; u < G; u++) {
-                tq[u] = ptab[j];
-                j += 32;
-                if (j >= per) j -= per;
-            }
-            u32 rw_next = R && lane < G * R ? ld_stream(rc + min(lane, rlast)) : 0u;
+            u32 tv_next = ptab4[j];
+            j += G << 5;
+            if (j >= per) j -= per;
+            // Every lane loads (those past the group's G * R words a word they ignore).
+            const u32* rp = rc + lane;
+            const int rlim = rlast - lane;
+            u32 rw_next = R ? ld_stream(rp + min(0, rlim)) : 0u;
             T* op = oc + lane;
             auto step = [&](const int t, const u32 rw, const int u, const bool v) {
                 const u32 slot = x & slot_mask;
@@ -517,22 +582,17 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode_fast(
             };
             const int groups = (steps + G - 1) / G;
             for (int g = 0; g < groups; g++, op += G << 5) {
-                const u32 rw = rw_next;
-                if (R && lane < G * R) rw_next = ld_stream(rc + min((g + 1) * G * R + lane, rlast));
-                int t[G];
-#pragma unroll
-                for (int u = 0; u < G; u++) {
-                    t[u] = tq[u];
-                    tq[u] = ptab[j];
-                    j += 32;
-                    if (j >= per) j -= per;
-                }
+                const u32 rw = rw_next, tv = tv_next;
+                if (R) rw_next = ld_stream(rp + min((g + 1) * G * R, rlim));
+                tv_next = ptab4[j];
+                j += G << 5;
+                if (j >= per) j -= per;
                 if ((g + 1) * (G << 5) <= here) {
 #pragma unroll
-                    for (int u = 0; u < G; u++) step(t[u], rw, u, true);
+                    for (int u = 0; u < G; u++) step((tv >> (8 * u)) & 0xff, rw, u, true);
                 } else {
 #pragma unroll
-                    for (int u = 0; u < G; u++) step(t[u], rw, u, ((g * G + u) << 5) + lane < here);
+                    for (int u = 0; u < G; u++) step((tv >> (8 * u)) & 0xff, rw, u, ((g * G + u) << 5) + lane < here);
                 }
             }
             bad |= x != STATE_LOW || base + pos != len;
@@ -543,6 +603,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode_fast(
 
 // The checks of the few bytes outside the streams: every padding byte (gaps[2k] its first
 // byte, gaps[2k+1] how many, at most 16) zero, and the raw stream's last byte's unused bits.
+// One warp, the decode's first kernel: it sets err (no zeroing launch before it).
 extern "C" __global__ void entropy_check_padding(const u8* frame, i64 g0, i64 l0, i64 g1, i64 l1, i64 g2, i64 l2,
                                                  i64 g3, i64 l3, i64 g4, i64 l4, i64 last_raw, i64 used_bits,
                                                  int* err)
@@ -551,7 +612,8 @@ extern "C" __global__ void entropy_check_padding(const u8* frame, i64 g0, i64 l0
     bool bad = (k < l0 && frame[g0 + k]) || (k < l1 && frame[g1 + k]) || (k < l2 && frame[g2 + k])
                || (k < l3 && frame[g3 + k]) || (k < l4 && frame[g4 + k]);
     if (k == 0 && used_bits) bad |= (frame[last_raw] >> used_bits) != 0;
-    if (bad) atomicOr(err, 1);
+    bad = __any_sync(FULL, bad);
+    if (k == 0) *err = bad ? 1 : 0;
 }
 
 // Decoded elements into their blocks (dst + ids[b] * block_bytes, or dst itself when ids is

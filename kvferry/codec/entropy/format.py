@@ -122,6 +122,12 @@ class EntropyHeader:
     def with_crc(self, crc: int) -> EntropyHeader:
         return replace(self, stream_crc=crc)
 
+    def with_words(self, words: int) -> EntropyHeader:
+        """This header with ``words`` 16-bit rANS words (``make_header`` without its table walk)."""
+        lengths = self.lengths[:Stream.WORDS] + (2 * words,) + self.lengths[Stream.WORDS + 1:]
+        offsets, total = stream_offsets(lengths)
+        return replace(self, lengths=lengths, offsets=offsets, total=total)
+
 
 def make_header(sym: SymbolLayout, shape: tuple[int, ...], book: EntropyCodebook, chunk: int,
                 words: int) -> EntropyHeader:
@@ -181,7 +187,7 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
     if product != numel:
         raise CorruptFrame(f"shape {shape} holds {product} elements, header says {numel}")
     n = num_chunks(numel, chunk)
-    caps_total = int(chunk_caps(numel, chunk, sym).sum())
+    caps_total = (n - 1) * word_cap(chunk, sym) + word_cap(numel - (n - 1) * chunk, sym) if n else 0
     fixed = (geometry.contexts, 4 * n, 4 * LANES * n, (numel * sym.raw_bits + 7) // 8)
     got = (lengths[Stream.MAP], lengths[Stream.COUNTS], lengths[Stream.STATES], lengths[Stream.RAW])
     if got != fixed:

@@ -2,12 +2,15 @@
 chunk, writing the reference's bytes.
 
 Encode: one pass codes every chunk into a slot of its own and writes the raw stream straight
-into the frame's buffer, then one read of the word total (the call's only synchronization)
-places the frame in that buffer so that its raw stream is where the coder wrote it, and a
-second pass moves each chunk's words, counts and states into place. Block ids, where given,
-are read by the coder itself (no gathered copy). Decode: one read of the frame's first bytes
-(header, tables), the coder into fresh memory, then a copy into the caller's tensor or cache
-blocks that the device skips unless every check passed, and one read of the verdict.
+into the frame's buffer; a one-block scan sums the word counts, and a second pass places the
+frame in that buffer from the total (its raw stream where the coder wrote it) and moves the
+tables, each chunk's words, counts and states into place. Then one read of the total (the
+call's only synchronization, after all the device's work) and the header. Block ids, where
+given, are read by the coder itself (no gathered copy). Decode: one read of the frame's
+first bytes (header, tables), the padding check and the scan, the coder into fresh memory,
+then a copy into the caller's tensor or cache blocks that the device skips unless every
+check passed, and one read of the verdict. The host's time before a call's first launch
+idles the GPU, so those paths avoid torch ops and numpy arrays.
 
 The host builds the header and checks the tables; a stream CRC, where a frame asks for one,
 is computed on a host copy (the registry's frames carry none).
@@ -37,10 +40,12 @@ from .symbols import SymbolLayout, for_dtype
 _SOURCE = Path(__file__).with_name("entropy_cuda.cu")
 THREADS = 1024  # per block of the coders: one block of 32 warps per SM shares the tables
 PTAB_MAX = 1 << 27  # per-position table ids for periods up to 128 Mi elements (one byte each)
+PTAB4_MIN, PTAB4_MAX = 128, 1 << 24  # periods the fast decode takes (ptab4: four bytes a position)
 _LAYOUTS = ((9, 7, 2), (6, 10, 2), (8, 0, 1))  # (coded bits, raw bits, bytes): 16-bit floats, FP8
 _PREFIX = 64 << 10  # bytes decode reads first: header, tables and map of common frames
 _CODEC_AT = 6
 _MAX_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+SLOT_HEAD = 256  # the source's SLOT_HEAD: words before each chunk's slot that the encoder may spill into
 
 
 @functools.cache
@@ -53,7 +58,7 @@ def available() -> bool:
 def _module(device_index: int):
     cupy = optional_cupy()
     names = [name for s, r, b in _LAYOUTS for name in (
-        f"entropy_encode<{s},{r},{b},0>", f"entropy_encode<{s},{r},{b},1>", f"entropy_decode<{s},{r},{b},0>",
+        f"entropy_encode<{s},{r},{b},0>", f"entropy_encode<{s},{r},{b},1>", f"entropy_decode<{s},{r},{b}>",
         f"entropy_decode_fast<{s},{r},{b}>")]
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
@@ -109,13 +114,15 @@ class _Tables:
     fc: torch.Tensor  # (tables, alphabet) u32: f | cum << 16
     cmap: torch.Tensor  # context map
     ptab: torch.Tensor | None  # table of each position of one period, where short enough
+    ptab4: torch.Tensor | None  # tables of positions j, j + 32, j + 64, j + 96 (mod period) in word j
     enc_smem: int  # bytes of shared memory the fast encoder needs, 0 if it does not fit
-    dec_smem: int
+    dec_smem: int  # likewise the fast decoder (which also needs ptab4)
 
-    def geo(self, book: EntropyCodebook) -> tuple[int, ...]:
+    def geo(self, book: EntropyCodebook, ptab4: bool = False) -> tuple[int, ...]:
         g = book.geometry
-        return (self.ptab.data_ptr() if self.ptab is not None else 0, self.cmap.data_ptr(), g.period,
-                g.tokens * g.inner, g.inner)
+        ptab = self.ptab4 if ptab4 else self.ptab
+        return (ptab.data_ptr() if ptab is not None else 0, self.cmap.data_ptr(), g.period, g.tokens * g.inner,
+                g.inner)
 
 
 def encode_table(book: EntropyCodebook) -> np.ndarray:
@@ -139,28 +146,31 @@ def _tables_on(book: EntropyCodebook, device: torch.device) -> _Tables:
         g = book.geometry
         ptab = None
         cmap = torch.from_numpy(book.context_map.astype(np.uint8)).to(device)
+        ptab4 = None
         if 32 <= g.period <= PTAB_MAX:
             j = torch.arange(g.period, dtype=torch.int64, device=device)
             ptab = cmap[(j // (g.tokens * g.inner)) * g.inner + j % g.inner]
+            if PTAB4_MIN <= g.period <= PTAB4_MAX:
+                wide = ptab.to(torch.int32)
+                ptab4 = sum(wide.roll(-32 * k) << (8 * k) for k in range(4))
         enc = torch.from_numpy(encode_table(book).view(np.int32)).to(device)
         fc = torch.from_numpy((book.freqs.astype(np.int64) | book.cumulative() << 16).astype(np.uint32).view(np.int32))
         slot = torch.from_numpy(book.slot_symbols().astype(np.uint16).view(np.int16))
         _, limit = _device_limits(device.index or 0)
         enc_bytes, dec_bytes = enc.numel() * 4, fc.numel() * 4 + slot.numel() * 2
-        fast = ptab is not None
-        book._cache[key] = _Tables(enc, slot.to(device), fc.to(device), cmap, ptab,
-                                   enc_bytes if fast and enc_bytes <= limit else 0,
-                                   dec_bytes if fast and dec_bytes <= limit else 0)
+        book._cache[key] = _Tables(enc, slot.to(device), fc.to(device), cmap, ptab, ptab4,
+                                   enc_bytes if ptab is not None and enc_bytes <= limit else 0,
+                                   dec_bytes if ptab4 is not None and dec_bytes <= limit else 0)
     return book._cache[key]
 
 
 def _coder(kind: str, sym: SymbolLayout, device_index: int, smem: int, nchunks: int) -> tuple[_Kernel, int]:
     """The fast build (tables in ``smem`` bytes of shared memory) or the generic one, and its grid."""
     layout = f"{sym.sym_bits},{sym.raw_bits},{sym.layout.itemsize}"
-    if kind == "decode" and smem:
-        name = f"entropy_decode_fast<{layout}>"
+    if kind == "decode":
+        name = f"entropy_decode_fast<{layout}>" if smem else f"entropy_decode<{layout}>"
     else:
-        name = f"entropy_{kind}<{layout},{int(bool(smem))}>"
+        name = f"entropy_encode<{layout},{int(bool(smem))}>"
     sms, _ = _device_limits(device_index)
     per_sm = 1 if smem else 2
     return _kernel(device_index, name), min(-(-nchunks * 32 // THREADS), sms * per_sm)
@@ -185,9 +195,8 @@ class _EncodePlan:
     raw_at: int  # where the coder writes the raw stream in the buffer
     buffer: int  # bytes: the largest frame, and room for the raw words of a partial last step
     between: bytes  # the frame's bytes from the header's end to the counts (tables, map, padding)
-    counts_at: int
-    states_at: int
-    words_at: int
+    empty: EntropyHeader  # the header with no words, the others' template
+    between_on: dict  # device -> ``between`` there, for the assemble kernel
 
 
 def _encode_plan(book: EntropyCodebook, sym: SymbolLayout, shape: tuple[int, ...], chunk: int) -> _EncodePlan:
@@ -204,8 +213,7 @@ def _encode_plan(book: EntropyCodebook, sym: SymbolLayout, shape: tuple[int, ...
         between[o[Stream.MAP] - HEADER_SIZE:][:ln[Stream.MAP]] = book.context_map.astype(np.uint8)
         book._cache[key] = _EncodePlan(sym, n, num_chunks(n, chunk), word_cap(chunk, sym),
                                        int(caps[-1]) if caps.size else 0, raw_at,
-                                       raw_at + 4 * sym.raw_bits * -(-n // LANES) + 16, between.tobytes(),
-                                       o[Stream.COUNTS], o[Stream.STATES], o[Stream.WORDS])
+                                       raw_at + 4 * sym.raw_bits * -(-n // LANES) + 16, between.tobytes(), empty, {})
     return book._cache[key]
 
 
@@ -213,7 +221,11 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
            checksum: bool, chunk: int) -> torch.Tensor | None:
     """The reference's frame of ``source`` (flat contiguous, ``shape`` elements), or of the
     blocks ``source[ids]`` of a contiguous cache (``takes_blocks``); None where a stored frame
-    would not be larger."""
+    would not be larger.
+
+    The device places the frame from the word total itself, so the host's one read (the
+    total, which the frame's size needs) waits for the whole encode and only the header is
+    written after it."""
     sym = for_dtype(source.dtype)
     device = source.device
     plan = _encode_plan(book, sym, tuple(shape), chunk)
@@ -222,32 +234,38 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
     total_words = 0
     if nchunks:
         tabs = _tables_on(book, device)
-        scratch = torch.empty(nchunks * (2 * plan.cap + 4 + 4 * LANES), dtype=torch.uint8, device=device)
-        slots, counts_at = scratch.data_ptr(), scratch.data_ptr() + 2 * plan.cap * nchunks
+        between = plan.between_on.get(device)
+        if between is None:
+            between = plan.between_on.setdefault(device, torch.frombuffer(bytearray(plan.between) or bytearray(1),
+                                                                          dtype=torch.uint8).to(device))
+        # one allocation: word sums (int64), counts, states, slots (each SLOT_HEAD words and the
+        # chunk's cap; and a word past them that assemble may read)
+        stride = SLOT_HEAD + plan.cap
+        scratch = torch.empty(nchunks * (8 + 4 + 4 * LANES + 2 * stride) + 16, dtype=torch.uint8, device=device)
+        cum = scratch.data_ptr()
+        counts_at = cum + 8 * nchunks
         states_at = counts_at + 4 * nchunks
-        counts = scratch[2 * plan.cap * nchunks:][:4 * nchunks].view(torch.int32)
+        slots = states_at + 4 * LANES * nchunks
         block = source[0].numel() if ids is not None else 1
         kernel, grid = _coder("encode", sym, device.index or 0, tabs.enc_smem, nchunks)
         kernel(stream, grid, (
             source.data_ptr(), ids.data_ptr() if ids is not None else 0, block, n, chunk, nchunks, book.prob_bits,
-            tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(book), slots, plan.cap, counts_at, states_at,
+            tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(book), slots, stride, counts_at, states_at,
             buf.data_ptr() + plan.raw_at), tabs.enc_smem)
-        cum = torch.cumsum(counts, 0, dtype=torch.int64)
-        total_words = int(read_to_host(cum, 8, stream, offset=8 * (nchunks - 1)).view(np.int64)[0])
-    header = make_header(sym, tuple(shape), book, chunk, total_words)
+        _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (counts_at, nchunks, cum))
+        o = plan.empty.offsets
+        _kernel(device.index or 0, "entropy_assemble", 256)(stream, min(-(-nchunks // 8), 1 << 16), (
+            slots, counts_at, states_at, cum, plan.cap, plan.cap_last, stride, nchunks, buf.data_ptr(),
+            plan.raw_at, between.data_ptr(), HEADER_SIZE, len(plan.between), o[Stream.COUNTS], o[Stream.STATES],
+            o[Stream.WORDS], int(plan.empty.lengths[Stream.RAW] > 0)))
+        total_words = int(read_to_host(scratch, 8, stream, offset=8 * (nchunks - 1)).view(np.int64)[0])
+    header = plan.empty.with_words(total_words)
     if header.total >= stored_size(sym.layout, n):
         return None
-    o, ln = header.offsets, header.lengths
-    start = plan.raw_at - o[Stream.RAW]
+    start = plan.raw_at - header.offsets[Stream.RAW]
     frame = buf[start:start + header.total]
-    frame[:plan.counts_at].copy_(torch.frombuffer(bytearray(header.pack() + plan.between), dtype=torch.uint8))
-    if nchunks:
-        words_end = o[Stream.WORDS] + ln[Stream.WORDS]
-        pad2 = o[Stream.RAW] - words_end if ln[Stream.RAW] else 0
-        pad1_at = plan.counts_at + 4 * nchunks
-        _kernel(device.index or 0, "entropy_assemble", 256)(stream, min(-(-nchunks // 8), 1 << 16), (
-            slots, counts_at, states_at, cum.data_ptr(), plan.cap, plan.cap_last, nchunks, frame.data_ptr(),
-            plan.counts_at, plan.states_at, plan.words_at, pad1_at, plan.states_at - pad1_at, words_end, pad2))
+    head = header.pack() if nchunks else header.pack() + plan.between
+    frame[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     if checksum:
         header = header.with_crc(crc32c(frame[HEADER_SIZE:].cpu().numpy().data))
         frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
@@ -326,7 +344,9 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> t
     tabs = _tables_on(book, device)
     itemsize = sym.layout.itemsize
     out = torch.empty((n * itemsize + 15) // 16 * 16 or 16, dtype=torch.uint8, device=device)
-    err = torch.zeros(1, dtype=torch.int32, device=device)
+    nchunks = header.nchunks
+    sums = torch.empty(8 * nchunks + 8, dtype=torch.uint8, device=device)  # word sums (int64), then err
+    cum, err = sums.data_ptr(), sums[8 * nchunks:].view(torch.int32)  # err: set by entropy_check_padding
     base = frame.data_ptr()
     gaps, end = [], HEADER_SIZE  # (first byte, length) of the padding before each stream after the tables
     for off, length in zip(o, ln):
@@ -336,15 +356,14 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> t
     used = sym.raw_bits * n % 8
     _kernel(device.index or 0, "entropy_check_padding", 32)(stream, 1, (
         base, *gaps, o[Stream.RAW] + ln[Stream.RAW] - 1, used, err.data_ptr()))
-    nchunks = header.nchunks
     if nchunks:
-        cum = torch.cumsum(frame[o[Stream.COUNTS]:][:ln[Stream.COUNTS]].view(torch.int32), 0, dtype=torch.int64)
-        caps = chunk_caps(n, header.chunk, sym)
+        _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (base + o[Stream.COUNTS], nchunks, cum))
+        cap, cap_last = word_cap(header.chunk, sym), word_cap(n - (nchunks - 1) * header.chunk, sym)
         kernel, grid = _coder("decode", sym, device.index or 0, tabs.dec_smem, nchunks)
         kernel(stream, grid, (
-            base + o[Stream.WORDS], ln[Stream.WORDS] // 2, base + o[Stream.COUNTS], cum.data_ptr(),
+            base + o[Stream.WORDS], ln[Stream.WORDS] // 2, base + o[Stream.COUNTS], cum,
             base + o[Stream.STATES], tabs.slot.data_ptr(), tabs.fc.data_ptr(), tabs.slot.numel() // 2,
-            tabs.fc.numel(), *tabs.geo(book), n, header.chunk, nchunks, int(caps[0]), int(caps[-1]),
+            tabs.fc.numel(), *tabs.geo(book, bool(tabs.dec_smem)), n, header.chunk, nchunks, cap, cap_last,
             book.prob_bits, base + o[Stream.RAW] if ln[Stream.RAW] else 0, (ln[Stream.RAW] + 3) // 4,
             out.data_ptr(), err.data_ptr()), tabs.dec_smem)
     return out, err
