@@ -72,9 +72,10 @@ def whole_tensor(cg, kv: dict, n: int, repeats: int, check: int) -> list[dict]:
     return rows
 
 
-def host_profile(kv: dict, n: int, calls: int = 20) -> None:
+def host_profile(kv: dict, n: int, calls: int = 20, trace: Path | None = None) -> None:
     """Where the host's share of a whole call goes (cProfile of ``calls`` BF16 encodes and
-    decodes): the GPU idles while the host works between a read and the next launch."""
+    decodes): the GPU idles while the host works between a read and the next launch. With
+    ``trace``, also a Chrome trace of three calls each (the GPU's idle gaps within a call)."""
     import cProfile
     import pstats
 
@@ -93,6 +94,16 @@ def host_profile(kv: dict, n: int, calls: int = 20) -> None:
         profiler.disable()
         print(f"--- host profile, {calls} {name} calls (tottime s)")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for fn in (lambda: entropy.encode(x, book, checksum=False), lambda: entropy.decode(frame, out=out)):
+                for _ in range(3):
+                    torch.cuda.synchronize()
+                    fn()
+                    torch.cuda.synchronize()
+        prof.export_chrome_trace(str(trace))
 
 
 def blocks(cg, size: int, repeats: int) -> list[dict]:
@@ -135,6 +146,7 @@ def main() -> None:
     parser.add_argument("--check-elements", default="4M", help="prefix compared byte for byte with the CPU")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--host-profile", action="store_true", help="also print where the host's time goes")
+    parser.add_argument("--trace", type=Path, help="with --host-profile: a Chrome trace of a few calls")
     args = parser.parse_args()
     cg, eg = _load("codec_gpu"), _load("entropy_gpu")
     env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device": torch.cuda.get_device_name(),
@@ -145,7 +157,7 @@ def main() -> None:
         rows += blocks(cg, parse_size(args.blocks), args.repeats)
     eg.print_table(rows, width=48)
     if args.host_profile:
-        host_profile(eg.real_kv(), parse_size(args.elements))
+        host_profile(eg.real_kv(), parse_size(args.elements), trace=args.trace)
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
 

@@ -111,8 +111,8 @@ template <int S, int R, int EB, int FAST>
 __global__ void __launch_bounds__(1024, 1) entropy_encode(
     const void* __restrict__ src, const i64* __restrict__ ids, i64 block, i64 n, i64 chunk_, i64 nchunks_, i64 M_,
     const uint2* __restrict__ enc_g, i64 enc_words, const u8* __restrict__ ptab, const u8* __restrict__ cmap,
-    i64 period, i64 tc, i64 cc, u16* __restrict__ slots, i64 stride, u32* __restrict__ counts,
-    u32* __restrict__ states, u32* __restrict__ raw)
+    i64 period, i64 tc, i64 cc, const u32* __restrict__ ptab4, u16* __restrict__ slots, i64 stride,
+    u32* __restrict__ counts, u32* __restrict__ states, u32* __restrict__ raw)
 {
     typedef typename Elem<EB>::T T;
     extern __shared__ uint2 enc_s[];
@@ -135,11 +135,12 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         u32* rc = raw + (first >> 5) * R;  // this chunk's raw words
         // A cursor that loads each step's elements and tables DEPTH steps before the coder
         // takes them (the coder's chain of steps waits on nothing else): the step it loads
-        // next (sl), its block, offset in the block, elements and position in the period.
+        // next (sl), its block, offset in the block, this lane's element and position in the
+        // period.
         const i64 last = first + ((i64)(steps - 1) << 5);
         i64 blk = ids ? last / block : 0;
         int off = ids ? (int)(last - blk * block) : (steps - 1) << 5;  // ids null: in the chunk
-        const T* sp = (const T*)src + (ids ? ids[blk] * block + off : last);
+        const T* sp = (const T*)src + (ids ? ids[blk] * block + off : last) + lane;
         typedef typename Pos<FAST>::T P;
         P j = (P)((last + lane) % period);
         const P per = (P)period;
@@ -147,7 +148,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         // `inner`: a literal true where the step loaded is whole and not the chunk's first.
         auto load = [&](u32& bits, int& t, const bool inner) {
             if (!inner && sl < 0) return;
-            bits = inner || (sl << 5) + lane < here ? (u32)sp[lane] : 0u;
+            bits = inner || (sl << 5) + lane < here ? (u32)*sp : 0u;
             t = FAST ? ptab[j] : tab.at(j);
             if (inner || sl > 0) {
                 off -= 32;
@@ -155,12 +156,28 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                 while (off < 0) {  // into the block before (a loop: the compiler predicates an if)
                     off += (int)block;
                     blk--;
-                    sp = (const T*)src + ids[blk] * block + off;
+                    sp = (const T*)src + ids[blk] * block + off + lane;
                 }
                 if (lane == 0 && off >= 512) prefetch_l2(sp - 512);
                 j -= 32;
                 if (FAST) { if (j < 0) j += per; } else { while (j < 0) j += per; }
             }
+            sl--;
+        };
+        // An inner step whose table is byte `b` of w4, the word of ptab4 (where the host built
+        // it) that holds the tables of the group's DEPTH loads: one load where there were four.
+        u32 w4 = 0;
+        auto load_wide = [&](u32& bits, int& t, const int b) {
+            bits = (u32)*sp;
+            t = (w4 >> (8 * b)) & 0xff;
+            off -= 32;
+            sp -= 32;
+            while (off < 0) {
+                off += (int)block;
+                blk--;
+                sp = (const T*)src + ids[blk] * block + off + lane;
+            }
+            if (lane == 0 && off >= 512) prefetch_l2(sp - 512);
             sl--;
         };
         u32 bq[DEPTH];
@@ -171,10 +188,11 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         u32 x = STATE_LOW;
         // One step. `v` is a literal true in the groups of whole steps, which then drop the
         // per-lane tests.
-        auto code = [&](const int u, const int s, const bool v, const bool inner) {
+        auto code = [&](const int u, const int s, const bool v, const bool inner, const bool wide) {
             const u32 bits = bq[u];
             const int t = tq[u];
-            load(bq[u], tq[u], inner);
+            if (wide) load_wide(bq[u], tq[u], DEPTH - 1 - u);
+            else load(bq[u], tq[u], inner);
             const u32 sym = bits >> R;
             const uint2 e = FAST ? enc_s[(t << S) | sym] : enc_g[(t << S) | sym];
             const u32 cum = e.y & 0x3fffu, comp = (e.y >> 14) & 0x3fffu, l = e.y >> 28;
@@ -203,18 +221,28 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         };
         const int whole = here >> 5;  // steps with all 32 elements
         for (int s0 = steps - 1; s0 >= 0 && p >= 0; s0 -= DEPTH) {
-            if (s0 >= 2 * DEPTH && s0 < whole) {  // loads steps s0 - DEPTH - u >= 1
+            if (FAST && ptab4 && s0 >= 2 * DEPTH && s0 < whole) {
+                // j is step s0 - DEPTH's position; the word at step s0 - 2 DEPTH + 1's holds
+                // the tables of steps s0 - 2 DEPTH + 1 .. s0 - DEPTH (period >= 128).
+                P jb = j - 32 * (DEPTH - 1);
+                if (jb < 0) jb += per;
+                w4 = ptab4[jb];
 #pragma unroll
-                for (int u = 0; u < DEPTH; u++) code(u, s0 - u, true, true);
+                for (int u = 0; u < DEPTH; u++) code(u, s0 - u, true, true, true);
+                j = jb - 32;
+                if (j < 0) j += per;
+            } else if (s0 >= 2 * DEPTH && s0 < whole) {  // loads steps s0 - DEPTH - u >= 1
+#pragma unroll
+                for (int u = 0; u < DEPTH; u++) code(u, s0 - u, true, true, false);
             } else if (s0 >= DEPTH - 1 && s0 < whole) {
 #pragma unroll
-                for (int u = 0; u < DEPTH; u++) code(u, s0 - u, true, false);
+                for (int u = 0; u < DEPTH; u++) code(u, s0 - u, true, false, false);
             } else {
 #pragma unroll
                 for (int u = 0; u < DEPTH; u++) {
                     const int s = s0 - u;
                     if (s < 0) break;
-                    code(u, s, (s << 5) + lane < here, false);
+                    code(u, s, (s << 5) + lane < here, false, false);
                 }
             }
         }
@@ -243,14 +271,32 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
     }
 }
 
+// The checks of the few bytes outside a frame's streams: every padding byte (gaps[2k] its
+// first byte, gaps[2k+1] how many, at most 16) zero, and the raw stream's last byte's unused
+// bits. One warp; sets err (the decode's first kernel, so nothing zeroes it before).
+__device__ void check_padding(const u8* frame, const i64* gaps, i64 last_raw, i64 used_bits, int* err)
+{
+    const int k = threadIdx.x & 31;
+    bool bad = false;
+    for (int g = 0; g < 5; g++) bad |= k < gaps[2 * g + 1] && frame[gaps[2 * g] + k];
+    if (k == 0 && used_bits) bad |= (frame[last_raw] >> used_bits) != 0;
+    bad = __any_sync(FULL, bad);
+    if (k == 0) *err = bad ? 1 : 0;
+}
+
 // Inclusive sums of the chunks' word counts, cum[c] = counts[0] + ... + counts[c], in one
 // block of 1024 threads (8 counts a thread a tile): a launch where torch's cumsum costs the
-// host several times that.
-extern "C" __global__ void __launch_bounds__(1024) entropy_scan(const u32* __restrict__ counts, i64 n,
-                                                                i64* __restrict__ cum)
+// host several times that. Where err is given (decode), warp 0 first checks the padding.
+extern "C" __global__ void __launch_bounds__(1024) entropy_scan(
+    const u32* __restrict__ counts, i64 n, i64* __restrict__ cum, const u8* __restrict__ frame, i64 g0, i64 l0,
+    i64 g1, i64 l1, i64 g2, i64 l2, i64 g3, i64 l3, i64 g4, i64 l4, i64 last_raw, i64 used_bits, int* err)
 {
     __shared__ i64 sums[32];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    if (err && warp == 0) {
+        const i64 gaps[10] = {g0, l0, g1, l1, g2, l2, g3, l3, g4, l4};
+        check_padding(frame, gaps, last_raw, used_bits, err);
+    }
     i64 carry = 0;
     for (i64 tile = 0; tile < n; tile += 8 * 1024) {
         const i64 at = tile + (i64)t * 8;
@@ -325,15 +371,15 @@ extern "C" __global__ void entropy_assemble(
         const int q = (int)(((size_t)(from + dp) >> 1) & 1), pairs = rest >> 1;
         const u32* fa = (const u32*)(from + dp - q);
         u32* to32 = (u32*)(to + dp);
-        for (int i = lane; i < pairs; i += 128) {
-            u32 v[4];
+        for (int i = lane; i < pairs; i += 256) {  // 1 KiB a warp in flight
+            u32 v[8];
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
+            for (int u = 0; u < 8; u++) {
                 const int k = i + 32 * u;
                 v[u] = k < pairs ? (q ? __funnelshift_r(fa[k], fa[k + 1], 16) : fa[k]) : 0u;
             }
 #pragma unroll
-            for (int u = 0; u < 4; u++)
+            for (int u = 0; u < 8; u++)
                 if (i + 32 * u < pairs) to32[i + 32 * u] = v[u];
         }
         if ((rest & 1) && lane == 0) to[dp + 2 * pairs] = from[dp + 2 * pairs];
@@ -589,31 +635,16 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode_fast(
                 if (j >= per) j -= per;
                 if ((g + 1) * (G << 5) <= here) {
 #pragma unroll
-                    for (int u = 0; u < G; u++) step((tv >> (8 * u)) & 0xff, rw, u, true);
+                    for (int u = 0; u < G; u++) step(__byte_perm(tv, 0, 0x4440 + u), rw, u, true);
                 } else {
 #pragma unroll
-                    for (int u = 0; u < G; u++) step((tv >> (8 * u)) & 0xff, rw, u, ((g * G + u) << 5) + lane < here);
+                    for (int u = 0; u < G; u++) step(__byte_perm(tv, 0, 0x4440 + u), rw, u, ((g * G + u) << 5) + lane < here);
                 }
             }
             bad |= x != STATE_LOW || base + pos != len;
         }
         if (__any_sync(FULL, bad) && lane == 0) atomicOr(err, 1);
     }
-}
-
-// The checks of the few bytes outside the streams: every padding byte (gaps[2k] its first
-// byte, gaps[2k+1] how many, at most 16) zero, and the raw stream's last byte's unused bits.
-// One warp, the decode's first kernel: it sets err (no zeroing launch before it).
-extern "C" __global__ void entropy_check_padding(const u8* frame, i64 g0, i64 l0, i64 g1, i64 l1, i64 g2, i64 l2,
-                                                 i64 g3, i64 l3, i64 g4, i64 l4, i64 last_raw, i64 used_bits,
-                                                 int* err)
-{
-    const int k = threadIdx.x;
-    bool bad = (k < l0 && frame[g0 + k]) || (k < l1 && frame[g1 + k]) || (k < l2 && frame[g2 + k])
-               || (k < l3 && frame[g3 + k]) || (k < l4 && frame[g4 + k]);
-    if (k == 0 && used_bits) bad |= (frame[last_raw] >> used_bits) != 0;
-    bad = __any_sync(FULL, bad);
-    if (k == 0) *err = bad ? 1 : 0;
 }
 
 // Decoded elements into their blocks (dst + ids[b] * block_bytes, or dst itself when ids is

@@ -248,11 +248,12 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
         slots = states_at + 4 * LANES * nchunks
         block = source[0].numel() if ids is not None else 1
         kernel, grid = _coder("encode", sym, device.index or 0, tabs.enc_smem, nchunks)
+        ptab4 = tabs.ptab4.data_ptr() if tabs.ptab4 is not None else 0
         kernel(stream, grid, (
             source.data_ptr(), ids.data_ptr() if ids is not None else 0, block, n, chunk, nchunks, book.prob_bits,
-            tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(book), slots, stride, counts_at, states_at,
+            tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(book), ptab4, slots, stride, counts_at, states_at,
             buf.data_ptr() + plan.raw_at), tabs.enc_smem)
-        _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (counts_at, nchunks, cum))
+        _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (counts_at, nchunks, cum) + (0,) * 14)
         o = plan.empty.offsets
         _kernel(device.index or 0, "entropy_assemble", 256)(stream, min(-(-nchunks // 8), 1 << 16), (
             slots, counts_at, states_at, cum, plan.cap, plan.cap_last, stride, nchunks, buf.data_ptr(),
@@ -272,22 +273,25 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
     return frame
 
 
-_BOOKS: dict[tuple, EntropyCodebook] = {}
+_BOOKS: dict[tuple, tuple[bytes, EntropyCodebook]] = {}
 _BOOKS_LOCK = threading.Lock()
 
 
 def _frame_book(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) -> EntropyCodebook:
     """The frame's codebook, parsed once per distinct tables (frames of one codebook repeat
-    them), so that its device tables are built once too."""
-    key = (header.sym.layout.name, header.prob_bits, header.tables, header.geometry, table_bytes, map_bytes)
+    them), so that its device tables are built once too. Found by a CRC of the bytes (hashing
+    tens of KiB in Python costs the call more) and then compared whole."""
+    both = table_bytes + map_bytes
+    key = (header.sym.layout.name, header.prob_bits, header.tables, header.geometry, len(table_bytes), crc32c(both))
     with _BOOKS_LOCK:
-        book = _BOOKS.get(key)
-    if book is None:
-        book = parse_tables(header, table_bytes, map_bytes)
-        with _BOOKS_LOCK:
-            if len(_BOOKS) >= 32:
-                _BOOKS.clear()
-            _BOOKS[key] = book
+        held = _BOOKS.get(key)
+    if held is not None and held[0] == both:
+        return held[1]
+    book = parse_tables(header, table_bytes, map_bytes)
+    with _BOOKS_LOCK:
+        if len(_BOOKS) >= 32:
+            _BOOKS.clear()
+        _BOOKS[key] = (both, book)
     return book
 
 
@@ -343,10 +347,10 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> t
                        prefix[o[Stream.MAP]:][:ln[Stream.MAP]].tobytes())
     tabs = _tables_on(book, device)
     itemsize = sym.layout.itemsize
-    out = torch.empty((n * itemsize + 15) // 16 * 16 or 16, dtype=torch.uint8, device=device)
     nchunks = header.nchunks
-    sums = torch.empty(8 * nchunks + 8, dtype=torch.uint8, device=device)  # word sums (int64), then err
-    cum, err = sums.data_ptr(), sums[8 * nchunks:].view(torch.int32)  # err: set by entropy_check_padding
+    size = (n * itemsize + 15) // 16 * 16 or 16
+    out = torch.empty(size + 8 * nchunks + 8, dtype=torch.uint8, device=device)  # then word sums, err
+    cum, err = out.data_ptr() + size, out[size + 8 * nchunks:].view(torch.int32)  # err: set by entropy_scan
     base = frame.data_ptr()
     gaps, end = [], HEADER_SIZE  # (first byte, length) of the padding before each stream after the tables
     for off, length in zip(o, ln):
@@ -354,10 +358,9 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> t
         end = max(end, off + length)
     gaps = gaps[2:]
     used = sym.raw_bits * n % 8
-    _kernel(device.index or 0, "entropy_check_padding", 32)(stream, 1, (
-        base, *gaps, o[Stream.RAW] + ln[Stream.RAW] - 1, used, err.data_ptr()))
+    _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (
+        base + o[Stream.COUNTS], nchunks, cum, base, *gaps, o[Stream.RAW] + ln[Stream.RAW] - 1, used, err.data_ptr()))
     if nchunks:
-        _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (base + o[Stream.COUNTS], nchunks, cum))
         cap, cap_last = word_cap(header.chunk, sym), word_cap(n - (nchunks - 1) * header.chunk, sym)
         kernel, grid = _coder("decode", sym, device.index or 0, tabs.dec_smem, nchunks)
         kernel(stream, grid, (
