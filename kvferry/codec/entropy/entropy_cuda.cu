@@ -338,22 +338,45 @@ extern "C" __global__ void __launch_bounds__(1024) entropy_scan(
 
 // The frame around the raw stream, placed from the word total (cum: inclusive sums of the
 // counts) on the device so that the host need not read it first: the frame starts where its
-// raw stream lands on the coder's (buf + raw_at). Writes the tables and map (`between`, the
-// bytes from the header's end to the counts), counts and states, each chunk's words from the
-// tail of its slot, and the zero padding after the counts and after the words; the host
-// writes the header. One warp per chunk.
+// raw stream lands on the coder's (buf + raw_at). Writes the frame's first bytes from
+// `prefix` (the header with no words, then the tables and map up to the counts), the header
+// completed: the word stream's length (a u64 at words_length_at) and the CRC32C of its first
+// `body` bytes after them; then counts and states, each chunk's words from the tail of its
+// slot, and the zero padding after the counts and after the words. One warp per chunk.
 extern "C" __global__ void entropy_assemble(
     const u16* __restrict__ slots, const u32* __restrict__ counts, const u32* __restrict__ states,
     const i64* __restrict__ cum, i64 cap, i64 cap_last, i64 stride, i64 nchunks, u8* __restrict__ buf, i64 raw_at,
-    const u8* __restrict__ between, i64 between_at, i64 between_len, i64 counts_at, i64 states_at, i64 words_at,
-    i64 has_raw)
+    const u8* __restrict__ prefix, i64 body, i64 words_length_at, i64 prefix_len, i64 counts_at, i64 states_at,
+    i64 words_at, i64 has_raw)
 {
     const int lane = threadIdx.x & 31;
-    const i64 words_end = words_at + 2 * cum[nchunks - 1];
+    const i64 total = cum[nchunks - 1];
+    const i64 words_end = words_at + 2 * total;
     const i64 raw_off = (words_end + 15) & ~(i64)15;
     u8* frame = buf + raw_at - raw_off;
+    if (blockIdx.x == 0) {  // the header (CRC32C, reflected 0x82F63B78, as google_crc32c)
+        __shared__ u32 crc_table[256];
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+            u32 v = i;
+            for (int b = 0; b < 8; b++) v = (v >> 1) ^ (0x82F63B78u & (0u - (v & 1u)));
+            crc_table[i] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned long long length = 2ull * (unsigned long long)total;
+            u32 crc = FULL;
+            for (int k = 0; k < (int)body; k++) {
+                const int at = k - (int)words_length_at;
+                const u8 b = at >= 0 && at < 8 ? (u8)(length >> (8 * at)) : prefix[k];
+                frame[k] = b;
+                crc = crc_table[(crc ^ b) & 0xff] ^ (crc >> 8);
+            }
+            crc = ~crc;
+            for (int k = 0; k < 4; k++) frame[body + k] = (u8)(crc >> (8 * k));
+        }
+    }
     const i64 threads = (i64)gridDim.x * blockDim.x, me = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    for (i64 k = me; k < between_len; k += threads) frame[between_at + k] = between[k];
+    for (i64 k = body + 4 + me; k < prefix_len; k += threads) frame[k] = prefix[k];
     const i64 warps = threads >> 5;
     for (i64 c = me >> 5; c < nchunks; c += warps) {
         const u32 cnt = counts[c];

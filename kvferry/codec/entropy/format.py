@@ -37,6 +37,8 @@ _BODY = struct.Struct("<4sHBBBBBBHHI3QQ8Q6QII")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 176
+HEADER_BODY = _BODY.size  # the bytes the header's CRC covers
+WORDS_LENGTH_AT = struct.calcsize("<4sHBBBBBBHHI3QQ8Q") + 8 * 4  # the word stream's length (u64) in the header
 
 
 class Stream:

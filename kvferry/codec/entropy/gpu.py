@@ -33,8 +33,8 @@ from ..registry import FRAME_MAGIC
 from ..splitzip_gpu import _in_context, _parameters
 from ..staging import current_stream, optional_cupy, read_to_host
 from .codebook import EntropyCodebook
-from .format import (FRAME_ID, HEADER_SIZE, LANES, EntropyHeader, Stream, align, chunk_caps, make_header,
-                     num_chunks, pack_codebook, parse_header, parse_tables, word_cap)
+from .format import (FRAME_ID, HEADER_BODY, HEADER_SIZE, LANES, WORDS_LENGTH_AT, EntropyHeader, Stream, align,
+                     chunk_caps, make_header, num_chunks, pack_codebook, parse_header, parse_tables, word_cap)
 from .symbols import SymbolLayout, for_dtype
 
 _SOURCE = Path(__file__).with_name("entropy_cuda.cu")
@@ -196,7 +196,7 @@ class _EncodePlan:
     buffer: int  # bytes: the largest frame, and room for the raw words of a partial last step
     between: bytes  # the frame's bytes from the header's end to the counts (tables, map, padding)
     empty: EntropyHeader  # the header with no words, the others' template
-    between_on: dict  # device -> ``between`` there, for the assemble kernel
+    prefix_on: dict  # device -> the empty header and ``between`` there, for the assemble kernel
 
 
 def _encode_plan(book: EntropyCodebook, sym: SymbolLayout, shape: tuple[int, ...], chunk: int) -> _EncodePlan:
@@ -223,9 +223,9 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
     blocks ``source[ids]`` of a contiguous cache (``takes_blocks``); None where a stored frame
     would not be larger.
 
-    The device places the frame from the word total itself, so the host's one read (the
-    total, which the frame's size needs) waits for the whole encode and only the header is
-    written after it."""
+    The device places the frame from the word total itself and completes its header, so the
+    host's one read (the total, which the frame's size needs) waits for the whole encode and
+    nothing is left to write after it."""
     sym = for_dtype(source.dtype)
     device = source.device
     plan = _encode_plan(book, sym, tuple(shape), chunk)
@@ -234,10 +234,10 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
     total_words = 0
     if nchunks:
         tabs = _tables_on(book, device)
-        between = plan.between_on.get(device)
-        if between is None:
-            between = plan.between_on.setdefault(device, torch.frombuffer(bytearray(plan.between) or bytearray(1),
-                                                                          dtype=torch.uint8).to(device))
+        prefix = plan.prefix_on.get(device)
+        if prefix is None:
+            prefix = plan.prefix_on.setdefault(device, torch.frombuffer(
+                bytearray(plan.empty.pack() + plan.between), dtype=torch.uint8).to(device))
         # one allocation: word sums (int64), counts, states, slots (each SLOT_HEAD words and the
         # chunk's cap; and a word past them that assemble may read)
         stride = SLOT_HEAD + plan.cap
@@ -257,16 +257,17 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
         o = plan.empty.offsets
         _kernel(device.index or 0, "entropy_assemble", 256)(stream, min(-(-nchunks // 8), 1 << 16), (
             slots, counts_at, states_at, cum, plan.cap, plan.cap_last, stride, nchunks, buf.data_ptr(),
-            plan.raw_at, between.data_ptr(), HEADER_SIZE, len(plan.between), o[Stream.COUNTS], o[Stream.STATES],
-            o[Stream.WORDS], int(plan.empty.lengths[Stream.RAW] > 0)))
+            plan.raw_at, prefix.data_ptr(), HEADER_BODY, WORDS_LENGTH_AT, prefix.numel(), o[Stream.COUNTS],
+            o[Stream.STATES], o[Stream.WORDS], int(plan.empty.lengths[Stream.RAW] > 0)))
         total_words = int(read_to_host(scratch, 8, stream, offset=8 * (nchunks - 1)).view(np.int64)[0])
     header = plan.empty.with_words(total_words)
     if header.total >= stored_size(sym.layout, n):
         return None
     start = plan.raw_at - header.offsets[Stream.RAW]
     frame = buf[start:start + header.total]
-    head = header.pack() if nchunks else header.pack() + plan.between
-    frame[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    if not nchunks:  # else the device wrote the header
+        frame[:header.offsets[Stream.COUNTS]].copy_(
+            torch.frombuffer(bytearray(header.pack() + plan.between), dtype=torch.uint8))
     if checksum:
         header = header.with_crc(crc32c(frame[HEADER_SIZE:].cpu().numpy().data))
         frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
