@@ -95,14 +95,16 @@ def host_profile(kv: dict, n: int, calls: int = 20, trace: Path | None = None) -
         print(f"--- host profile, {calls} {name} calls (tottime s)")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
     if trace:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, record_function
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for fn in (lambda: entropy.encode(x, book, checksum=False), lambda: entropy.decode(frame, out=out)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            for name, fn in (("encode", lambda: entropy.encode(x, book, checksum=False)),
+                             ("decode", lambda: entropy.decode(frame, out=out))):
                 for _ in range(3):
                     torch.cuda.synchronize()
-                    fn()
-                    torch.cuda.synchronize()
+                    with record_function(f"call {name}"):
+                        fn()
+                        torch.cuda.synchronize()
         prof.export_chrome_trace(str(trace))
 
 
