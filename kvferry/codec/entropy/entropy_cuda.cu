@@ -658,10 +658,10 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode_fast(
                 if (j >= per) j -= per;
                 if ((g + 1) * (G << 5) <= here) {
 #pragma unroll
-                    for (int u = 0; u < G; u++) step(__byte_perm(tv, 0, 0x4440 + u), rw, u, true);
+                    for (int u = 0; u < G; u++) step((tv >> (8 * u)) & 0xff, rw, u, true);
                 } else {
 #pragma unroll
-                    for (int u = 0; u < G; u++) step(__byte_perm(tv, 0, 0x4440 + u), rw, u, ((g * G + u) << 5) + lane < here);
+                    for (int u = 0; u < G; u++) step((tv >> (8 * u)) & 0xff, rw, u, ((g * G + u) << 5) + lane < here);
                 }
             }
             bad |= x != STATE_LOW || base + pos != len;
