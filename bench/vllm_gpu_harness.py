@@ -7,7 +7,9 @@ prefill, pull + get_finished polling + load on the decode) and is checked bit fo
 Reported per request size: the time the decode waits for the KV (start of the pull to the pages
 in its cache), the transfer's own time (the sender's record, submit to done), and the difference
 (the connector's overhead: the HTTP call, polling, and with ``--layout mirror`` the device
-gathers into and out of the mirror).
+gathers into and out of the mirror). The overhead's parts, on this host's wall clock: the pull's
+start to its request sent, from there to the transfer's record created on the prefill's sidecar,
+and from the transfer's end to its answer read on the decode's side.
 
     python bench/vllm_gpu_harness.py [--tokens 4096] [--requests 20] [--codec auto] [--backend tcp]
                                      [--layout in-place|mirror]
@@ -100,7 +102,7 @@ def main() -> int:
             if request:
                 stats = consumer.stats[-1]
                 created = pull.record["created"]  # on the prefill's sidecar, this host's wall clock
-                rows.append({**stats, "bit_exact": exact, "thread_seconds": pull.asked_wall - started_wall,
+                rows.append({**stats, "bit_exact": exact, "send_seconds": pull.asked_wall - started_wall,
                              "ask_seconds": created - pull.asked_wall,
                              "reply_seconds": pull.answered_wall - created - stats["transfer_seconds"]})
         p_cache.close()
@@ -124,9 +126,10 @@ def main() -> int:
           f"{load * 1e3:.2f} ms | {rows[-1]['codec']} | {'all' if all(r['bit_exact'] for r in rows) else 'NO'} |")
     stages = {k: statistics.median(r["stages"][k] for r in rows if k in (r["stages"] or {})) * 1e3
               for k in rows[0]["stages"] or {}}
-    split = {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("thread_seconds", "ask_seconds", "reply_seconds")}
-    print(f"the overhead's parts, median ms: to the pull's thread {split['thread_seconds']:.2f}, its request to the "
-          f"transfer's start {split['ask_seconds']:.2f}, the transfer's end to its answer {split['reply_seconds']:.2f}")
+    split = {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("send_seconds", "ask_seconds", "reply_seconds")}
+    print(f"the overhead's parts, median ms: from the pull's start to its request sent {split['send_seconds']:.2f}, "
+          f"from there to the transfer's start {split['ask_seconds']:.2f}, "
+          f"from the transfer's end to its answer {split['reply_seconds']:.2f}")
     print("transfer stages, median ms since submit: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     if args.json:
         args.json.write_text(json.dumps({"device": device, "command": " ".join(sys.argv), "rows": rows}, indent=1))

@@ -17,7 +17,7 @@ import httpx
 
 from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
 
-from .transport import KeepAlive, Reply
+from .transport import Exchange, KeepAlive, Reply
 
 TERMINAL = ("done", "failed", "cancelled")
 RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
@@ -83,11 +83,16 @@ class Client:
 
     def _send(self, method: str, path: str, params: dict[str, Any] | None, body: Any, content: bytes | str | None,
               headers: dict[str, str] | None, timeout: float | None) -> Reply:
-        timeout = self._timeout if timeout is None else timeout
         if self._lean is None:
             response = self._http.request(method, path, params=params, json=body, content=content, headers=headers,
-                                          timeout=timeout)
+                                          timeout=self._timeout if timeout is None else timeout)
             return Reply(response.status_code, response.headers, response.content)
+        return self._start(method, path, params, body, content, headers, timeout).response()
+
+    def _start(self, method: str, path: str, params: dict[str, Any] | None, body: Any, content: bytes | str | None,
+               headers: dict[str, str] | None, timeout: float | None) -> Exchange:
+        """Write a request on the lean client; the exchange reads its answer."""
+        timeout = self._timeout if timeout is None else timeout
         headers = dict(headers or {})
         if body is not None:
             content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -96,7 +101,7 @@ class Client:
         target = quote(self._prefix + path, safe="/")
         if params:
             target += "?" + urlencode(params)
-        return self._lean.request(method, target, data, headers, timeout)
+        return self._lean.send(method, target, data, headers, timeout)
 
     # ---- regions -----------------------------------------------------------------------------
     def create_region(self, name: str, num_blocks: int, block_shape: Sequence[int], dtype: str,
@@ -178,6 +183,20 @@ class Client:
         body = _pair_json((src_region, dst_region), "src_region", "dst_region")
         return self._post(body, src_blocks, peer, dst_blocks, codec, None, wait)
 
+    def send_later(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
+                   codec: str = "auto", *, wait: float) -> Answer:
+        """``send``, split: the request leaves now, on this thread, and ``Answer.result`` reads the
+        record later, on any thread. An engine's step sends its pulls without a hop to a thread,
+        whose wake-up then overlaps the transfer.
+
+        Raises:
+            httpx.HTTPError: the request could not be sent (``result`` raises the rest).
+        """
+        body = _transfer_body(_pair_json((src_region, dst_region), "src_region", "dst_region"), src_blocks, peer,
+                              dst_blocks, codec, None)
+        call = ("POST", "/v1/transfers", {"wait": wait}, body, None, None, self._timeout + wait)
+        return Answer(self, call, self._start(*call) if self._lean is not None else None)
+
     def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
                        codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:
         """One transfer of the same blocks of several (source, destination) region pairs, e.g.
@@ -248,6 +267,28 @@ class Client:
 
     def metrics(self) -> str:
         return self._call("GET", "/metrics").text
+
+
+class Answer:
+    """The record of a transfer sent with ``Client.send_later``, read once by ``result``."""
+
+    def __init__(self, client: Client, call: tuple, exchange: Exchange | None):
+        self._client, self._call, self._exchange = client, call, exchange
+
+    def result(self) -> dict:
+        """The transfer's record as ``Client.send`` returns it.
+
+        Raises:
+            EngineError (its subclasses, by the sidecar's answer), httpx.HTTPError.
+        """
+        exchange, self._exchange = self._exchange, None
+        method, path = self._call[:2]
+        if exchange is not None:
+            reply = exchange.response()
+            if reply.status_code not in RETRY_STATUSES:
+                return _checked(reply, method, path).json()
+        params, body, _, _, timeout = self._call[2:]  # refused for now, or no lean client: as ``send``
+        return self._client._call(method, path, params=params, json=body, timeout=timeout).json()
 
 
 class AsyncClient:

@@ -1,5 +1,5 @@
-"""A lean HTTP/1.1 client for the SDK: one kept-alive socket per thread; requests are written and
-responses parsed here.
+"""A lean HTTP/1.1 client for the SDK: kept-alive sockets, requests written and responses parsed
+here, and a request's answer readable on another thread than the one that sent it.
 
 Through ``httpx.Client`` a request cost ~0.35 ms more than its round trip on the socket (URL
 parsing, header models, transport layers), and ``http.client``'s header parser (the ``email``
@@ -46,88 +46,127 @@ class Reply:
 
 
 class KeepAlive:
-    """Requests to one ``http://`` server over a kept-alive connection per thread. A connection
-    the server closed while idle is replaced before use (never a request sent twice). A response
-    must say where it ends (Content-Length or chunked), so one cut off is an error, never a
-    shorter answer."""
+    """Requests to one ``http://`` server over kept-alive connections, one per request in flight
+    (idle ones are reused by any thread). A connection the server closed while idle is replaced
+    before use (never a request sent twice). A response must say where it ends (Content-Length or
+    chunked), so one cut off is an error, never a shorter answer."""
 
     def __init__(self, host: str, port: int, headers: Mapping[str, str] | None = None):
         self.host, self.port = host, port
         named = f"[{host}]" if ":" in host else host
         self._head = _header_lines({"Host": f"{named}:{port}", **(headers or {})})
-        self._local = threading.local()
         self._lock = threading.Lock()
-        self._open: set[socket.socket] = set()
+        self._idle: list[_Connection] = []
+        self._open: set[_Connection] = set()
 
     def request(self, method: str, target: str, body: bytes = b"", headers: Mapping[str, str] | None = None,
                 timeout: float | None = None) -> Reply:
         """``target``: the path and query, percent-encoded; ``timeout``: for connecting, sending
         and each wait for the response's bytes alike."""
+        return self.send(method, target, body, headers, timeout).response()
+
+    def send(self, method: str, target: str, body: bytes = b"", headers: Mapping[str, str] | None = None,
+             timeout: float | None = None) -> Exchange:
+        """Write the request now; its response is read by ``Exchange.response``, on any thread
+        (the caller's work goes on while the server works)."""
         head = f"{method} {target} HTTP/1.1\r\n{self._head}{_header_lines(headers or {})}"
         if body or method in ("POST", "PUT", "PATCH"):
             head += f"Content-Length: {len(body)}\r\n"
         message = head.encode("latin-1") + b"\r\n"
-        sock, rfile = self._connection(timeout)
+        connection = self._take(timeout)
         try:
-            sock.settimeout(timeout)
+            connection.sock.settimeout(timeout)
             if len(body) <= 65536:
-                sock.sendall(message + body)
+                connection.sock.sendall(message + body)
             else:
-                sock.sendall(message)
-                sock.sendall(body)
+                connection.sock.sendall(message)
+                connection.sock.sendall(body)
         except TimeoutError as exc:
-            self._drop(sock)
+            self._drop(connection)
             raise httpx.WriteTimeout(str(exc) or "timed out sending the request") from exc
         except OSError as exc:
-            self._drop(sock)
+            self._drop(connection)
             raise httpx.WriteError(f"{type(exc).__name__}: {exc}") from exc
-        try:
-            reply, closing = _read_response(rfile, method)
-        except TimeoutError as exc:
-            self._drop(sock)
-            raise httpx.ReadTimeout(str(exc) or "timed out waiting for the response") from exc
-        except _Malformed as exc:
-            self._drop(sock)
-            raise httpx.RemoteProtocolError(str(exc)) from exc
-        except OSError as exc:
-            self._drop(sock)
-            raise httpx.ReadError(f"{type(exc).__name__}: {exc}") from exc
-        if closing:
-            self._drop(sock)
-        return reply
+        return Exchange(self, connection, method)
 
-    def _connection(self, timeout: float | None) -> tuple[socket.socket, BinaryIO]:
-        held = getattr(self._local, "held", None)
-        if held is not None and _closed_by_peer(held[0]):
-            self._drop(held[0])
-            held = None
-        if held is None:
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=timeout)
-            except TimeoutError as exc:
-                raise httpx.ConnectTimeout(str(exc) or f"timed out connecting to {self.host}:{self.port}") from exc
-            except OSError as exc:
-                raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            held = self._local.held = (sock, sock.makefile("rb"))
+    def _take(self, timeout: float | None) -> _Connection:
+        """An idle connection the server has not closed, or a new one."""
+        while True:
             with self._lock:
-                self._open.add(sock)
-        return held
-
-    def _drop(self, sock: socket.socket) -> None:
-        held = getattr(self._local, "held", None)
-        if held is not None and held[0] is sock:
-            self._local.held = None
-            held[1].close()
-        sock.close()
+                connection = self._idle.pop() if self._idle else None
+            if connection is None:
+                break
+            if not _closed_by_peer(connection.sock):
+                return connection
+            self._drop(connection)
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout(str(exc) or f"timed out connecting to {self.host}:{self.port}") from exc
+        except OSError as exc:
+            raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection = _Connection(sock, sock.makefile("rb"))
         with self._lock:
-            self._open.discard(sock)
+            self._open.add(connection)
+        return connection
+
+    def _give(self, connection: _Connection) -> None:
+        with self._lock:
+            if connection in self._open:
+                self._idle.append(connection)
+                return
+        connection.close()  # closed meanwhile (``close``)
+
+    def _drop(self, connection: _Connection) -> None:
+        connection.close()
+        with self._lock:
+            self._open.discard(connection)
 
     def close(self) -> None:
         with self._lock:
-            sockets, self._open = list(self._open), set()
-        for sock in sockets:
-            sock.close()
+            connections, self._open, self._idle = list(self._open), set(), []
+        for connection in connections:
+            connection.close()
+
+
+@dataclass(eq=False, slots=True)
+class _Connection:
+    sock: socket.socket
+    rfile: BinaryIO
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+
+class Exchange:
+    """A request on its way: ``response`` reads the answer once, on any thread, and hands the
+    connection back for the next request (or drops it if the exchange failed)."""
+
+    def __init__(self, owner: KeepAlive, connection: _Connection, method: str):
+        self._owner, self._connection, self._method = owner, connection, method
+
+    def response(self) -> Reply:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            raise RuntimeError("this exchange's response was read already")
+        try:
+            reply, closing = _read_response(connection.rfile, self._method)
+        except TimeoutError as exc:
+            self._owner._drop(connection)
+            raise httpx.ReadTimeout(str(exc) or "timed out waiting for the response") from exc
+        except _Malformed as exc:
+            self._owner._drop(connection)
+            raise httpx.RemoteProtocolError(str(exc)) from exc
+        except OSError as exc:
+            self._owner._drop(connection)
+            raise httpx.ReadError(f"{type(exc).__name__}: {exc}") from exc
+        if closing:
+            self._owner._drop(connection)
+        else:
+            self._owner._give(connection)
+        return reply
 
 
 def _header_lines(headers: Mapping[str, str]) -> str:

@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,7 +40,7 @@ import httpx
 
 from kvferry.engine.errors import EngineError, NotFound
 
-from .sdk import Blocks, Client
+from .sdk import Answer, Client
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -454,9 +453,6 @@ class Consumer:
         self._data_address: str | None = None
         self.stats: list[dict[str, Any]] = []
         self._waiters = ThreadPoolExecutor(max_workers=WAITERS, thread_name_prefix="kvferry-pull")
-        self._local = threading.local()  # each waiter thread's clients
-        self._wait_clients: list[Client] = []
-        self._lock = threading.Lock()
 
     def remote(self, url: str) -> Client:
         client = self._clients.get(url)
@@ -483,41 +479,29 @@ class Consumer:
             if self._data_address is None:
                 self._data_address = self.cache.client.data_address()
             codec = spec.params.get("codec") or self.config.codec  # a request may name its codec
+            pull.asked_wall = time.time()
+            answer = pull.client.send_later(lease, src, self._data_address, self.cache.name, dst, codec=codec,
+                                            wait=min(LONG_POLL, self.config.load_timeout))
         except (EngineError, httpx.HTTPError, KeyError, TypeError) as exc:
             pull.error = f"{type(exc).__name__}: {exc}"
         else:
-            pull.ended = self._waiters.submit(self._run, pull, url, lease, src, dst, codec)
+            pull.ended = self._waiters.submit(self._run, pull, answer)
         return pull
 
-    def _run(self, pull: Pull, url: str, lease: str, src: Blocks, dst: Blocks, codec: str) -> dict[str, Any]:
-        """On a worker thread, with that thread's own client: submit the pull and wait for its end in
-        the same call, then long-poll (at most ``LONG_POLL`` seconds a call) until it ended or
-        ``load_timeout`` passed; returns the transfer's last record."""
-        client = self._client_here(url)
+    def _run(self, pull: Pull, answer: Answer) -> dict[str, Any]:
+        """On a worker thread: read the pull's answer (its record at the transfer's end, the
+        request sent by ``start``), then long-poll (at most ``LONG_POLL`` seconds a call) until it
+        ended or ``load_timeout`` passed; returns the transfer's last record."""
         deadline = time.monotonic() + self.config.load_timeout
-        pull.asked_wall = time.time()
-        record = client.send(lease, src, self._data_address, self.cache.name, dst, codec=codec,
-                             wait=min(LONG_POLL, self.config.load_timeout))
+        record = answer.result()
         pull.transfer_id = record["id"]
         while record["state"] in ("queued", "running"):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            record = client.transfer(pull.transfer_id, wait=min(LONG_POLL, left))
+            record = pull.client.transfer(pull.transfer_id, wait=min(LONG_POLL, left))
         pull.answered, pull.answered_wall = self.clock(), time.time()
         return record
-
-    def _client_here(self, url: str) -> Client:
-        """This worker thread's own client of ``url``."""
-        clients = getattr(self._local, "clients", None)
-        if clients is None:
-            clients = self._local.clients = {}
-        client = clients.get(url)
-        if client is None:
-            client = clients[url] = Client(url, token=self.config.peer_token(), timeout=10.0)
-            with self._lock:
-                self._wait_clients.append(client)
-        return client
 
     def poll(self) -> tuple[set[str], set[str]]:
         """(received, failed) request ids, each reported once; received ones are in vLLM's cache."""
@@ -588,7 +572,7 @@ class Consumer:
 
     def _release(self, url: str, lease: str) -> None:
         try:
-            self._client_here(url).delete_region(lease)
+            self.remote(url).delete_region(lease)
         except (EngineError, httpx.HTTPError) as exc:  # the lease expires on its own
             log.debug("kvferry: lease %s not deleted: %s", lease, exc)
 
@@ -609,8 +593,6 @@ class Consumer:
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            clients = [*self._clients.values(), *self._wait_clients]
-        for client in clients:
+        for client in list(self._clients.values()):
             client.close()
 

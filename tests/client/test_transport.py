@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from kvferry.client import Client
+from kvferry.engine import errors
 from kvferry.client.transport import KeepAlive
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -183,3 +184,37 @@ def test_failures_are_httpx_errors():
             with pytest.raises(httpx.RemoteProtocolError):
                 client.get("/broken")
         server.close()
+
+
+
+def _reply(status: str, body: bytes) -> bytes:
+    return f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def test_a_request_sent_now_is_answered_later_on_another_thread():
+    """``Client.send_later``: the request is at the server before ``result`` is called, the answer
+    is read on another thread (a 503 tried again, an error raised as the engine's class), and the
+    connection goes back for the next request, whichever thread sends it."""
+    answers = [_reply("503 Service Unavailable", b'{"error":"Overloaded","detail":"starting"}'),
+               _reply("200 OK", b'{"id":"t","state":"done"}'),
+               _reply("404 Not Found", b'{"error":"NotFound","detail":"no region named \'lease\'"}')]
+
+    def script(server, conn, _):
+        while server.read_request(conn):
+            conn.sendall(answers[len(server.requests) - 1])
+    server = Server(script)
+    with Client(f"http://127.0.0.1:{server.port}", timeout=2) as client:
+        answer = client.send_later("lease", [1, 2], "127.0.0.1:9", "cache", [3, 4], codec="raw", wait=5)
+        deadline = time.monotonic() + 2
+        while not server.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(server.requests) == 1 and server.requests[0].startswith(b"POST /v1/transfers?wait=5 HTTP/1.1")
+        results = []
+        reader = threading.Thread(target=lambda: results.append(answer.result()))
+        reader.start()
+        reader.join(5)
+        assert results == [{"id": "t", "state": "done"}] and len(server.requests) == 2
+        with pytest.raises(errors.NotFound, match="no region named"):
+            client.send_later("lease", [1], "127.0.0.1:9", "cache", [3], wait=5).result()
+    assert server.connections == 1
+    server.close()
