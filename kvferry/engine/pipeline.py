@@ -21,10 +21,17 @@ from .policy import CodecSpeed, Policy
 INLINE_BYTES = 256 << 10
 
 
+# A same-host GPU write of at most this many bytes is waited for on the event loop: 1 GiB is
+# ~0.7 ms of copy on an H200, and its two thread hops cost 0.3-0.45 ms there (peers.py, 256 MiB
+# and 1 GiB raw, twelfth session). Writes share one stream, so others' data waits anyway.
+LOOP_GPU_WRITE_BYTES = 1 << 30
+
+
 def runs_now(device: torch.device, raw_bytes: int) -> bool:
-    """Whether copying ``raw_bytes`` of blocks costs less than a thread hop would: a GPU
-    gather-scatter of a few MiB takes microseconds, a host one about a millisecond per 4 MiB."""
-    return raw_bytes <= (INLINE_BYTES * 64 if device.type == "cuda" else INLINE_BYTES * 4)
+    """Whether to copy ``raw_bytes`` of blocks on the event loop rather than hop to a thread: a
+    GPU gather-scatter up to ``LOOP_GPU_WRITE_BYTES`` (the loop waits less than the hops would
+    cost), a host one of about a millisecond (4 x ``INLINE_BYTES``)."""
+    return raw_bytes <= (LOOP_GPU_WRITE_BYTES if device.type == "cuda" else INLINE_BYTES * 4)
 
 
 class CodecRunner:
