@@ -45,7 +45,7 @@ class Client:
         url = urlsplit(base_url)
         if url.scheme == "http" and url.hostname:  # the lean client (``transport.py``); httpx for TLS
             self._lean: KeepAlive | None = KeepAlive(url.hostname, url.port or 80, headers)
-            self._prefix = url.path.rstrip("/")
+            self._prefix = quote(url.path.rstrip("/"), safe="/%")  # as given: percent-encoded already
             self._http: httpx.Client | None = None
         else:
             self._lean, self._prefix = None, ""
@@ -98,7 +98,7 @@ class Client:
             content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
             headers.setdefault("Content-Type", "application/json")
         data = content.encode() if isinstance(content, str) else content or b""
-        target = quote(self._prefix + path, safe="/")
+        target = self._prefix + quote(path, safe="/")
         if params:
             target += "?" + urlencode(params)
         return self._lean.send(method, target, data, headers, timeout)
@@ -274,6 +274,7 @@ class Answer:
 
     def __init__(self, client: Client, call: tuple, exchange: Exchange | None):
         self._client, self._call, self._exchange = client, call, exchange
+        self._read = False
 
     def result(self) -> dict:
         """The transfer's record as ``Client.send`` returns it.
@@ -281,6 +282,9 @@ class Answer:
         Raises:
             EngineError (its subclasses, by the sidecar's answer), httpx.HTTPError.
         """
+        if self._read:
+            raise RuntimeError("this answer was read already (reading it again would send the transfer again)")
+        self._read = True
         exchange, self._exchange = self._exchange, None
         method, path = self._call[:2]
         if exchange is not None:

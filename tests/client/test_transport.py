@@ -100,9 +100,9 @@ def test_paths_are_percent_encoded_and_headers_cannot_be_injected():
         while server.read_request(conn):
             conn.sendall(OK)
     server = Server(script)
-    with Client(f"http://127.0.0.1:{server.port}/prefix", timeout=2) as client:
+    with Client(f"http://127.0.0.1:{server.port}/pre%20fix", timeout=2) as client:
         client._call("GET", "/v1/regions/a b?c\r\nX: y")
-    assert server.requests[0].startswith(b"GET /prefix/v1/regions/a%20b%3Fc%0D%0AX%3A%20y HTTP/1.1\r\n")
+    assert server.requests[0].startswith(b"GET /pre%20fix/v1/regions/a%20b%3Fc%0D%0AX%3A%20y HTTP/1.1\r\n")
     server.close()
     with pytest.raises(ValueError, match="would break the request"):
         Client("http://127.0.0.1:1", token="t\r\nX-Evil: 1")
@@ -214,6 +214,8 @@ def test_a_request_sent_now_is_answered_later_on_another_thread():
         reader.start()
         reader.join(5)
         assert results == [{"id": "t", "state": "done"}] and len(server.requests) == 2
+        with pytest.raises(RuntimeError, match="read already"):
+            answer.result()  # never a second transfer
         with pytest.raises(errors.NotFound, match="no region named"):
             client.send_later("lease", [1], "127.0.0.1:9", "cache", [3], wait=5).result()
     assert server.connections == 1
