@@ -275,18 +275,13 @@ class Guard:
             await self.app(scope, receive, send)
             return
         # No declared length (chunked): read it here, up to the limit, then hand it on whole.
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                await errors.response(PayloadTooLarge(f"request body over {self.max_bytes} bytes"))(scope, receive, send)
-                return
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        try:
+            body = await _read_body(receive, self.max_bytes)
+        except PayloadTooLarge as exc:
+            await errors.response(exc)(scope, receive, send)
+            return
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
 
 
 class Lane:
@@ -316,14 +311,9 @@ class Lane:
         await self.app(scope, receive, send)
 
     async def _submit(self, scope, receive, send, wait: float) -> None:
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body = await _read_body(receive)  # Guard has bounded it
+        if body is None:
+            return
         try:
             model = TransferBody.model_validate_json(body)
         except ValidationError:  # FastAPI's own answer: the documented 422
@@ -360,6 +350,25 @@ def _json(scope) -> bool:
         if name == b"content-type":
             return value.split(b";")[0].strip().lower() == b"application/json"
     return False
+
+
+async def _read_body(receive, limit: int | None = None) -> bytes | None:
+    """The request's whole body, or None if the client went away.
+
+    Raises:
+        PayloadTooLarge: it grew past ``limit`` bytes (read up to one message beyond).
+    """
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        more = message.get("more_body", False)
+        if limit is not None and size > limit:
+            raise PayloadTooLarge(f"request body over {limit} bytes")
+    return b"".join(chunks)
 
 
 def _replay(body: bytes, receive):
