@@ -417,6 +417,49 @@ extern "C" __global__ void entropy_assemble(
 
 // ---------------------------------------------------------------------------------------
 // Decode. Tables: the symbol of each (table, slot), and f | cum << 16 of each (table, symbol).
+// A chunk's place in the word stream, checked against its count and capacity (the same on every
+// lane); false, with err set, if they disagree.
+struct Span { i64 start, first; int here, steps, len; bool stored; };
+
+__device__ __forceinline__ bool chunk_span(int c, int lane, const u32* __restrict__ counts,
+                                           const i64* __restrict__ cum, i64 total_words, int nchunks, int chunk,
+                                           i64 cap, i64 cap_last, i64 n, int* __restrict__ err, Span& sp)
+{
+    const u32 cnt = counts[c];
+    const int my_cap = (int)(c == nchunks - 1 ? cap_last : cap);
+    const i64 end = cum[c], start = end - (int)cnt;
+    if (cnt > (u32)my_cap || start < 0 || end > total_words || (c == nchunks - 1 && end != total_words)) {
+        if (lane == 0) atomicOr(err, 1);
+        return false;
+    }
+    sp.start = start;
+    sp.first = (i64)c * chunk;
+    sp.here = (int)(n - sp.first < chunk ? n - sp.first : chunk);
+    sp.steps = (sp.here + 31) >> 5;
+    sp.len = (int)cnt;
+    sp.stored = sp.len == my_cap;
+    return true;
+}
+
+// A stored chunk: the symbols packed, S bits each, beside their raw fields; true (bad) if its
+// state is not 0.
+template <int S, int R, typename T>
+__device__ __forceinline__ bool decode_stored(const u16* __restrict__ wc, int len, const u32* __restrict__ rc,
+                                              int rlast, T* __restrict__ oc, int here, int steps, int lane, u32 x)
+{
+    constexpr u32 ESC = 1u << S;
+    for (int s = 0; s < steps; s++) {
+        const int k = (s << 5) + lane;
+        const int bit = k * S, at = bit >> 4;
+        const u32 pair = (at < len ? (u32)wc[at] : 0u) | (at + 1 < len ? (u32)wc[at + 1] : 0u) << 16;
+        const u32 sym = (pair >> (bit & 15)) & (ESC - 1);
+        u32 rv = 0;
+        if (R) rv = unpack_field<R ? R : 1>(lane <= R ? rc[min(s * R + lane, rlast)] : 0u, lane);
+        if (k < here) oc[k] = (T)(sym << R | rv);
+    }
+    return x != 0;
+}
+
 // This is the generic build (tables in global memory); entropy_decode_fast below the fast one.
 // Every chunk, coded or stored, is decoded into `out` (fresh memory: the caller copies it
 // on only if err stays 0). err gets 1 on any inconsistency; the checks are the reference's,
@@ -440,35 +483,18 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
     const u32 below = (1u << lane) - 1, slot_mask = (1u << M) - 1;
     const int warps = (gridDim.x * blockDim.x) >> 5;
     for (int c = (int)((blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5); c < nchunks; c += warps) {
-        const u32 cnt = counts[c];
-        const int my_cap = (int)(c == nchunks - 1 ? cap_last_ : cap_);
-        const i64 end = cum[c], start = end - (int)cnt;
-        bool bad = cnt > (u32)my_cap || start < 0 || end > total_words
-                   || (c == nchunks - 1 && end != total_words);
-        if (bad) {  // the same on every lane
-            if (lane == 0) atomicOr(err, 1);
-            continue;
-        }
-        const i64 first = (i64)c * chunk;
-        const int here = (int)(n - first < chunk ? n - first : chunk);
-        const int steps = (here + 31) >> 5;
-        const int len = (int)cnt;
+        Span sp;
+        if (!chunk_span(c, lane, counts, cum, total_words, nchunks, chunk, cap_, cap_last_, n, err, sp)) continue;
+        const i64 first = sp.first, start = sp.start;
+        const int here = sp.here, steps = sp.steps, len = sp.len;
+        bool bad;
         const u16* wc = words + start;  // this chunk's words
         const u32* rc = raw + (first >> 5) * R;  // and raw words: R a step
         const int rlast = R ? (int)min((i64)(steps + 1) * R, raw_words - (first >> 5) * R) - 1 : 0;
         T* oc = (T*)out_ + first;
         u32 x = states[(i64)c * 32 + lane];
-        if (len == my_cap) {  // stored: the symbols packed, S bits each
-            bad = x != 0;
-            for (int s = 0; s < steps; s++) {
-                const int k = (s << 5) + lane;
-                const int bit = k * S, at = bit >> 4;
-                const u32 pair = (at < len ? (u32)wc[at] : 0u) | (at + 1 < len ? (u32)wc[at + 1] : 0u) << 16;
-                const u32 sym = (pair >> (bit & 15)) & (ESC - 1);
-                u32 rv = 0;
-                if (R) rv = unpack_field<R ? R : 1>(lane <= R ? rc[min(s * R + lane, rlast)] : 0u, lane);
-                if (k < here) oc[k] = (T)(sym << R | rv);
-            }
+        if (sp.stored) {
+            bad = decode_stored<S, R>(wc, len, rc, rlast, oc, here, steps, lane, x);
         } else {
             bad = x < STATE_LOW;
             // Window of the chunk's next words: lane k holds words base+k, base+32+k and
@@ -571,35 +597,18 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode_fast(
     const int rl = (lane * (R ? R : 1)) >> 5, rsh = (lane * R) & 31;  // this lane's raw field: word, shift
     const int warps = (gridDim.x * blockDim.x) >> 5;
     for (int c = (int)((blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5); c < nchunks; c += warps) {
-        const u32 cnt = counts[c];
-        const int my_cap = (int)(c == nchunks - 1 ? cap_last_ : cap_);
-        const i64 end = cum[c], start = end - (int)cnt;
-        bool bad = cnt > (u32)my_cap || start < 0 || end > total_words
-                   || (c == nchunks - 1 && end != total_words);
-        if (bad) {  // the same on every lane
-            if (lane == 0) atomicOr(err, 1);
-            continue;
-        }
-        const i64 first = (i64)c * chunk;
-        const int here = (int)(n - first < chunk ? n - first : chunk);
-        const int steps = (here + 31) >> 5;
-        const int len = (int)cnt;
+        Span sp;
+        if (!chunk_span(c, lane, counts, cum, total_words, nchunks, chunk, cap_, cap_last_, n, err, sp)) continue;
+        const i64 first = sp.first, start = sp.start;
+        const int here = sp.here, steps = sp.steps, len = sp.len;
+        bool bad;
         const u16* wc = words + start;
         const u32* rc = raw + (first >> 5) * R;
         const int rlast = R ? (int)min((i64)(steps + G) * R, raw_words - (first >> 5) * R) - 1 : 0;
         T* oc = (T*)out_ + first;
         u32 x = states[(i64)c * 32 + lane];
-        if (len == my_cap) {  // stored: the symbols packed, S bits each
-            bad = x != 0;
-            for (int s = 0; s < steps; s++) {
-                const int k = (s << 5) + lane;
-                const int bit = k * S, at = bit >> 4;
-                const u32 pair = (at < len ? (u32)wc[at] : 0u) | (at + 1 < len ? (u32)wc[at + 1] : 0u) << 16;
-                const u32 sym = (pair >> (bit & 15)) & (ESC - 1);
-                u32 rv = 0;
-                if (R) rv = unpack_field<R ? R : 1>(lane <= R ? rc[min(s * R + lane, rlast)] : 0u, lane);
-                if (k < here) oc[k] = (T)(sym << R | rv);
-            }
+        if (sp.stored) {
+            bad = decode_stored<S, R>(wc, len, rc, rlast, oc, here, steps, lane, x);
         } else {
             bad = x < STATE_LOW;
             int base = 0, pos = 0;  // window: lane k holds words base+k, +32+k, +64+k; next unread base+pos
