@@ -298,9 +298,9 @@ class Lane:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            path, method = scope["path"], scope["method"]
-            wait = _wait(scope["query_string"])
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith(self.PREFIX):  # only these routes parse the query here
+            method, wait = scope["method"], _wait(scope["query_string"])
             if wait is not None and path == self.PREFIX and method == "POST" and _json(scope):
                 await self._submit(scope, receive, send, wait)
                 return
