@@ -244,7 +244,8 @@ class Guard:
     """Before any handler reads a byte of the body: the token is checked (on every path but the
     public ones) and a body over ``max_bytes`` is refused — declared by Content-Length, or counted
     as it streams in (chunked), reading at most ``max_bytes`` + one message. It also counts requests
-    (``kvferry_http_requests_total``: sidecars must not call each other).
+    (``kvferry_http_requests_total``: sidecars must not call each other) and keeps the engine's
+    loop hot for the next one (``engine.spin``).
 
     Plain ASGI rather than ``@app.middleware("http")``, which wraps every request and response
     in extra tasks and streams: that cost a millisecond per call.
@@ -262,6 +263,7 @@ class Guard:
         engine_ = getattr(scope["app"].state, "engine", None) if "app" in scope else None
         if engine_ is not None:
             engine_.metrics.http_requests.labels(scope["method"]).inc()
+            engine_.spinner.touch()
         headers = dict(scope["headers"])
         if self.token and scope["path"] not in PUBLIC_PATHS and not token_ok(headers.get(b"authorization", b""),
                                                                                self.token):

@@ -1,12 +1,13 @@
 """Block lists: explicit ids, ids each spread over ``count`` ids ``stride`` apart, or ranges
 (``start``, ``count``, ``stride``), resolved and checked once at submit into an index tensor the
-hot path uses as it is."""
+hot path uses as it is (``Ids``: on the host, copied to the GPU once, where first needed)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import InvalidBlocks
@@ -113,7 +114,42 @@ def _expand(ranges: tuple[Range, ...], n: int) -> torch.Tensor:
         strides, counts, output_size=n)
 
 
+class Ids:
+    """Checked block ids on the host, and their copy on a device made once, when first asked for.
+
+    Each CUDA call on a sidecar's request path costs tens of microseconds on the GPU hosts measured
+    (a spread list built on the GPU: ~0.3 ms), so ids are built on the host, and a path that never
+    indexes on the GPU (a few blocks copied one by one, blocks written before their announce)
+    never copies them; one that does copies them with the other side's ids in one go (``with_``).
+    """
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self._devices: dict[torch.device, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.host.numel()
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.host
+        ids = self._devices.get(device)
+        if ids is None:
+            ids = self._devices[device] = self.host.to(device)
+        return ids
+
+    def with_(self, other: Ids, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(these ids, ``other``'s) on ``device``, with at most one copy for both."""
+        if device.type == "cpu" or device in self._devices or device in other._devices:
+            return self.on(device), other.on(device)
+        both = torch.cat((self.host, other.host)).to(device)
+        self._devices[device], other._devices[device] = both[:len(self)], both[len(self):]
+        return self._devices[device], other._devices[device]
+
+
 def _outer(starts: Sequence[int], count: int, stride: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``count`` ids ``stride`` apart from each start, start by start, built on ``device``."""
-    base = torch.tensor(starts, dtype=torch.int64, device=device)
-    return (base[:, None] + torch.arange(count, dtype=torch.int64, device=device) * stride).reshape(-1)
+    """``count`` ids ``stride`` apart from each start, start by start, on ``device``: built with
+    NumPy, whose few calls cost half of torch's here (on the request path)."""
+    offsets = np.arange(0, count * stride, stride, dtype=np.int64)  # stride is never 0
+    ids = torch.from_numpy(np.add.outer(np.fromiter(starts, np.int64, len(starts)), offsets).ravel())
+    return ids if torch.device(device).type == "cpu" else ids.to(device)

@@ -25,7 +25,7 @@ import torch
 from kvferry import __version__, codec as codecs, transport
 
 from . import ipc, peer
-from .blocks import Blocks
+from .blocks import Blocks, Ids
 from .errors import BadRequest, Conflict, NotFound, PeerError, ProtocolViolation, TransferFailed, UnknownCodec
 from .incoming import Admission
 from .leases import Held, Leases
@@ -36,6 +36,7 @@ from .pipeline import BufferPool, CodecRunner
 from .policy import Policy
 from .regions import Region, RegionSpec, RegionTable
 from .settings import Settings
+from .spin import Spinner
 from .transfers import State, Transfer, TransferTable
 
 log = logging.getLogger("kvferry.engine")
@@ -86,8 +87,10 @@ class Engine:
         # An emulated link's speed is known; otherwise assume one until measured.
         self.policy = Policy(assumed_link_gbps=settings.link_gbps or settings.assumed_link_gbps)
         self.chunk_bytes = settings.chunk_bytes or (GPU_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES)
+        self.spinner = Spinner(settings.spin_seconds(self.device.type), self.metrics.spin_seconds.inc)
         self.codec = CodecRunner(self.device, self.policy,
-                                 lambda direction, s: self.metrics.codec_seconds.labels(direction).inc(s))
+                                 lambda direction, s: self.metrics.codec_seconds.labels(direction).inc(s),
+                                 self.spinner.in_thread)
         # On a GPU each message costs a UCX rendezvous and Python work, so a frame travels whole;
         # host memory moves in 16 MiB pieces.
         message_bytes = settings.transport_chunk_bytes or (
@@ -118,6 +121,7 @@ class Engine:
 
     # ---- lifetime ------------------------------------------------------------------------------
     async def start(self) -> None:
+        self.spinner.start()
         self.listener = await transport.listen(self.settings.data_host, self.settings.data_port,
                                                self.transport_config, backend=self.backend,
                                                on_message=self._on_message)
@@ -125,7 +129,7 @@ class Engine:
         self.metrics.info.info({"version": __version__, "transport_backend": self.backend, "device": str(self.device),
                                 "codecs": ",".join(codecs.names())})
         sample = min(self.chunk_bytes, 16 << 20 if self.device.type == "cuda" else 1 << 20)
-        await asyncio.to_thread(self.codec.measure, codecs.lossless(), self.device, sample)
+        await self.spinner.in_thread(self.codec.measure, codecs.lossless(), self.device, sample)
         self.ready = True
         log.info("data plane: %s listener on %s:%d; codecs on %s: %s", self.backend, self.settings.data_host,
                  self.listener.port, self.device, self.policy.codecs)
@@ -150,6 +154,7 @@ class Engine:
             await self.listener.close()
         self.mapper.close()
         self.regions.close()
+        await self.spinner.close()
         transport.shutdown_backends()
 
     # ---- regions and codebooks ----------------------------------------------------------------
@@ -158,7 +163,7 @@ class Engine:
 
         Raises: Conflict, BadRequest, PayloadTooLarge (over ``max_region_bytes``).
         """
-        return self.regions.add(await asyncio.to_thread(self.regions.prepare, spec))
+        return self.regions.add(await self.spinner.in_thread(self.regions.prepare, spec))
 
     async def delete_region(self, name: str) -> None:
         """Let a region go, once no peer may write into it under a standing lease.
@@ -250,9 +255,9 @@ class Engine:
         pairs, cache = [], {}
         for src, _ in spec.pairs:
             region = self.regions.get(src)
-            key = (region.num_blocks, str(region.tensor.device))
-            if key not in cache:
-                cache[key] = region.resolve(spec.src_blocks)
+            if region.num_blocks not in cache:
+                cache[region.num_blocks] = Ids(spec.src_blocks.resolve(region.num_blocks))
+            key = region.num_blocks
             per_chunk = max(1, self.chunk_bytes // region.block_bytes)
             pairs.append(Pair(region, cache[key], per_chunk))
         if len(spec.dst_blocks) > peer.MAX_IDS:
@@ -355,6 +360,7 @@ class Engine:
     # ---- receiving ----------------------------------------------------------------------------
     def _on_message(self, connection: transport.Connection, payload: bytes) -> None:
         """A peer message (called from the connection's reader, so never awaits)."""
+        self.spinner.touch()
         try:
             message = peer.unpack(payload)
         except ProtocolViolation as exc:

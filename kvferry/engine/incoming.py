@@ -13,6 +13,7 @@ import torch
 from kvferry import codec as codecs, transport
 
 from . import ipc, peer
+from .blocks import Ids
 from .errors import BadRequest, EngineError, PeerError, ProtocolViolation, UnknownCodec
 from .links import Pair, PeerLink, describe
 from .transfers import State, Transfer
@@ -131,11 +132,10 @@ class Admission:
             if region.dtype != a.dtype or region.block_shape != layout.block_shape:
                 raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
                                  f"the transfer carries {a.dtype}{list(layout.block_shape)}")
-            # Blocks written before their announce are only checked: nothing here indexes them.
-            device = "cpu" if a.flags & peer.FLAG_WRITTEN else region.tensor.device
-            key = (region.num_blocks, str(device))
+            # Checked on the host; blocks written before their announce are never indexed here.
+            key = region.num_blocks
             if key not in cache:
-                cache[key] = a.dst_blocks.resolve(region.num_blocks, device)
+                cache[key] = Ids(a.dst_blocks.resolve(region.num_blocks))
             reference = self.engine.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
         self.engine.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs

@@ -10,6 +10,7 @@ import torch
 
 from kvferry import transport
 
+from .blocks import Ids
 from .regions import Region
 
 
@@ -18,11 +19,16 @@ class Pair:
     """A validated region pair with its block ids resolved once (the hot path only slices them)."""
 
     region: Region
-    ids: torch.Tensor
+    index: Ids  # this side's block ids, checked
     blocks_per_chunk: int
     reference: Region | None = None  # a predictor's KV for the same blocks (codecs that code against it)
     bound: Any = None  # the codec's codebook bound to this region's layout (``Codec.bind``)
     bound_for: str = ""  # the codec ``bound`` is for (submit binds a named codec once, to check it)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The block ids on the region's device."""
+        return self.index.on(self.region.tensor.device)
 
 
 @dataclass

@@ -33,6 +33,8 @@ class Metrics:
         self.active = Gauge("kvferry_active_transfers", "Transfers queued or running", ["direction"], registry=r)
         self.errors = Counter("kvferry_errors", "Failures by kind", ["kind"], registry=r)
         self.regions = Gauge("kvferry_regions", "Registered regions", registry=r)
+        self.spin_seconds = Counter("kvferry_spin_seconds", "Time the event loop busy-polled to keep its CPU awake",
+                                    registry=r)
         self.http_requests = Counter("kvferry_http_requests", "Control API requests served", ["method"], registry=r)
         self.info = Info("kvferry_build", "Sidecar build and the transport backend chosen at start-up", registry=r)
 

@@ -17,6 +17,7 @@ from kvferry import codec as codecs, transport
 from kvferry.codec import blockcopy
 
 from . import ipc, peer
+from .blocks import Ids
 from .errors import EngineError, PeerError, ProtocolViolation
 from .leases import Held
 from .links import Pair, PeerLink, describe
@@ -333,22 +334,22 @@ class Outgoing:
         """The gather-scatter of every pair's blocks into the receiver's memory (one kernel each on
         a GPU); a few blocks are copied one by one, which costs fewer driver calls than building
         index tensors."""
-        resolved: dict[tuple[int, str], torch.Tensor] = {}
+        resolved: dict[int, Ids] = {}
         few = (spec.src_blocks.listed is not None and spec.dst_blocks.listed is not None
                and len(spec.src_blocks) <= FEW_BLOCKS)
         for pair, held in zip(pairs, helds):
             region, target = pair.region, held.target
             remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
-            key = (target.num_blocks, "cpu" if few else str(region.tensor.device))
-            if key not in resolved:  # on the host a few ids are only checked
-                resolved[key] = spec.dst_blocks.resolve(*key)
+            if target.num_blocks not in resolved:  # checked on the host
+                resolved[target.num_blocks] = Ids(spec.dst_blocks.resolve(target.num_blocks))
             if few:
                 bits = codecs.layout_by_name(region.dtype).int_dtype
                 source, destination = region.tensor.view(bits), remote.view(bits)
                 for s, d in zip(spec.src_blocks.listed, spec.dst_blocks.listed):
                     destination[d].copy_(source[s], non_blocking=True)
                 continue
-            blockcopy.copy_blocks(region.tensor, pair.ids, remote, resolved[key])
+            src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], region.tensor.device)
+            blockcopy.copy_blocks(region.tensor, src_ids, remote, dst_ids)
 
     async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: Pair, start: int, count: int,
                             index: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 
@@ -37,13 +37,15 @@ def runs_now(device: torch.device, raw_bytes: int) -> bool:
 class CodecRunner:
     """Encodes and decodes chunks for the engine; knows no codec by name."""
 
-    def __init__(self, device: torch.device, policy: Policy, on_seconds: Callable[[str, float], None]):
+    def __init__(self, device: torch.device, policy: Policy, on_seconds: Callable[[str, float], None],
+                 in_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread):
         # Codec work runs on streams of its own, one per direction: on torch's default (legacy)
         # stream it would wait for, and hold up, UCX's copies into the same GPU.
         self._streams = ({"encode": torch.cuda.Stream(device), "decode": torch.cuda.Stream(device)}
                          if device.type == "cuda" else {})
         self._policy = policy
         self._on_seconds = on_seconds
+        self._in_thread = in_thread  # the engine's, which stops its loop spinning meanwhile
 
     async def encode(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
                      raw_bytes: int) -> torch.Tensor:
@@ -69,7 +71,7 @@ class CodecRunner:
         when this returns: on this thread if it is small (``runs_now``), else on a worker's."""
         if runs_now(device, raw_bytes):
             return self.call_now(direction, device, work)
-        return await asyncio.to_thread(self.call_now, direction, device, work)
+        return await self._in_thread(self.call_now, direction, device, work)
 
     def call_now(self, direction: str, device: torch.device, work: Callable[[], Any]) -> Any:
         """``call`` on the caller's thread."""
@@ -84,7 +86,7 @@ class CodecRunner:
                    work: Callable, *args: Any) -> Any:
         if raw_bytes <= INLINE_BYTES:
             return self._timed(direction, codec, cache, raw_bytes, work, *args)
-        return await asyncio.to_thread(self._timed, direction, codec, cache, raw_bytes, work, *args)
+        return await self._in_thread(self._timed, direction, codec, cache, raw_bytes, work, *args)
 
     def _timed(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
                work: Callable, *args: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvferry.engine.blocks import Blocks, Range
+from kvferry.engine.blocks import Blocks, Ids, Range
 from kvferry.engine.errors import InvalidBlocks
 
 
@@ -48,3 +48,16 @@ def test_spread_ids_resolve_block_by_block():
             Blocks(ids=(1,), spread=bad)
     with pytest.raises(InvalidBlocks, match="spread"):
         Blocks(ranges=(Range(0, 1),), spread=(2, 1))
+
+
+def test_ids_stay_on_the_host_until_a_device_asks_and_two_sides_share_one_copy():
+    meta = torch.device("meta")  # a device with no GPU: what `to` does, without the data
+    src = Ids(Blocks(ids=(3, 1), spread=(2, 5)).resolve(20))
+    dst = Ids(Blocks(ids=(0, 2, 4, 6)).resolve(8))
+    assert src.on(torch.device("cpu")) is src.host and src.host.tolist() == [3, 8, 1, 6]
+    a, b = src.with_(dst, meta)
+    assert (a.device, b.device, a.shape, b.shape) == (meta, meta, (4,), (4,))
+    assert a._base is not None and a._base is b._base  # slices of one copy
+    assert src.on(meta) is a and dst.on(meta) is b  # made once
+    again = src.with_(Ids(dst.host), meta)
+    assert again[0] is a

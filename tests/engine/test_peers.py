@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -18,9 +19,13 @@ from tests.engine.conftest import spawn, stop
 pytestmark = pytest.mark.slow
 
 
-def _http_requests(client) -> float:
+def _counter(client, name: str) -> float:
     families = {f.name: f for f in text_string_to_metric_families(client.metrics())}
-    return sum(s.value for s in families["kvferry_http_requests"].samples if s.name.endswith("_total"))
+    return sum(s.value for s in families[name].samples if s.name.endswith("_total"))
+
+
+def _http_requests(client) -> float:
+    return _counter(client, "kvferry_http_requests")
 
 
 def _blocks(client, region: str, ids: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -39,7 +44,26 @@ def test_sidecars_exchange_no_http(pair, kv):
         assert a.client.wait(transfer, timeout=60)["state"] == "done"
     # The receiver served only our two metrics scrapes (this one counts itself).
     assert _http_requests(b.client) - before == 1
+    assert _counter(a.client, "kvferry_spin_seconds") == _counter(b.client, "kvferry_spin_seconds") == 0  # CPU
     assert bits_equal(_blocks(b.client, dst, [5, 4, 3, 2, 1, 0], kv), kv[:6])
+
+
+def test_spinning_sidecars_count_it_and_stay_exact(kv):
+    """With ``spin_ms`` set both loops busy-poll after activity and say so on /metrics (the CPU
+    default, above, never spins); the data is unchanged by it."""
+    env = {"KVFERRY_SPIN_MS": "40"}
+    a, b = spawn("tcp", env), spawn("tcp", env)
+    try:
+        a.client.region_from_tensor("src", kv[:4])
+        b.client.create_region("dst", 4, list(kv.shape[1:]), "bfloat16")
+        transfer = a.client.submit("src", range(4), b.data, "dst", [3, 2, 1, 0], codec="raw")
+        assert a.client.wait(transfer, timeout=60)["state"] == "done"
+        time.sleep(0.2)  # every window has ended: the counters hold whole episodes
+        assert _counter(a.client, "kvferry_spin_seconds") > 0.03
+        assert _counter(b.client, "kvferry_spin_seconds") > 0.03
+        assert bits_equal(_blocks(b.client, "dst", [3, 2, 1, 0], kv[:4]), kv[:4])
+    finally:
+        stop(a, b)
 
 
 def test_a_peer_with_the_wrong_secret_is_refused_and_nothing_is_written(kv):

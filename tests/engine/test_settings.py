@@ -47,3 +47,15 @@ def test_ucx_progress_mode_defaults_to_blocking_and_is_checked():
     assert merged.ucx_progress_mode == "thread"
     with pytest.raises(ValueError, match="ucx_progress_mode: 'spin'"):
         settings.load({}, {"KVFERRY_UCX_PROGRESS_MODE": "spin"}).check()
+
+
+def test_spin_is_on_for_a_gpu_and_off_for_the_cpu_unless_set():
+    default = settings.load({}, {})
+    assert default.spin_seconds("cuda") == settings.GPU_SPIN_MS / 1e3 > 0
+    assert default.spin_seconds("cpu") == 0
+    chosen = settings.load({}, {"KVFERRY_SPIN_MS": "7.5"})
+    chosen.check()
+    assert chosen.spin_seconds("cpu") == chosen.spin_seconds("cuda") == 0.0075
+    assert settings.load({}, {"KVFERRY_SPIN_MS": "0"}).spin_seconds("cuda") == 0
+    with pytest.raises(ValueError, match="spin_ms: -2"):
+        settings.load({}, {"KVFERRY_SPIN_MS": "-2"}).check()

@@ -1,0 +1,66 @@
+"""The engine's loop busy-polls for its window after activity, and not while a worker thread runs.
+
+Measured as the loop thread's own CPU time on a real event loop: spinning burns it, waiting does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvferry.engine.spin import Spinner
+
+
+async def _cpu_while(awaitable) -> float:
+    """The loop thread's CPU seconds while ``awaitable`` runs on it."""
+    started = time.thread_time()
+    await awaitable
+    return time.thread_time() - started
+
+
+def test_touch_spins_for_the_window_then_rests():
+    spun: list[float] = []
+
+    async def main():
+        spinner = Spinner(0.3, spun.append)
+        spinner.start()
+        resting = await _cpu_while(asyncio.sleep(0.3))  # not touched yet
+        spinner.touch()
+        hot = await _cpu_while(asyncio.sleep(0.3))
+        after = await _cpu_while(asyncio.sleep(0.3))  # the window has passed
+        await spinner.close()
+        return resting, hot, after
+
+    resting, hot, after = asyncio.run(main())
+    assert resting < 0.05 and after < 0.05
+    assert hot > 0.1  # most of the window's 0.3 s, less whatever the OS gave other processes
+    assert len(spun) == 1 and 0.25 < spun[0] < 1.0
+
+
+def test_a_worker_thread_pauses_spinning_and_its_end_resumes_it():
+    async def main():
+        spinner = Spinner(10.0)
+        spinner.start()
+        spinner.touch()
+        await asyncio.sleep(0.05)
+        during = await _cpu_while(spinner.in_thread(time.sleep, 0.3))
+        resumed = await _cpu_while(asyncio.sleep(0.2))
+        await spinner.close()
+        return during, resumed
+
+    during, resumed = asyncio.run(main())
+    assert during < 0.05
+    assert resumed > 0.05
+
+
+def test_a_window_of_zero_never_spins():
+    async def main():
+        spinner = Spinner(0.0)
+        spinner.start()
+        spinner.touch()
+        cpu = await _cpu_while(asyncio.sleep(0.2))
+        assert await spinner.in_thread(sum, [1, 2]) == 3
+        await spinner.close()
+        return cpu
+
+    assert asyncio.run(main()) < 0.05
