@@ -255,11 +255,10 @@ class Engine:
         pairs, cache = [], {}
         for src, _ in spec.pairs:
             region = self.regions.get(src)
-            if region.num_blocks not in cache:
+            if region.num_blocks not in cache:  # checked on the host, copied to a GPU where needed
                 cache[region.num_blocks] = Ids(spec.src_blocks.resolve(region.num_blocks))
-            key = region.num_blocks
             per_chunk = max(1, self.chunk_bytes // region.block_bytes)
-            pairs.append(Pair(region, cache[key], per_chunk))
+            pairs.append(Pair(region, cache[region.num_blocks], per_chunk))
         if len(spec.dst_blocks) > peer.MAX_IDS:
             raise BadRequest(f"over {peer.MAX_IDS} blocks")
         dtypes = {p.region.dtype for p in pairs}

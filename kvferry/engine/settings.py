@@ -95,7 +95,6 @@ class Settings:
             raise ValueError(f"the data port would listen on {self.data_host} without a peer secret: set "
                              "KVFERRY_PEER_SECRET on every sidecar (or bind it to 127.0.0.1)")
 
-
     def spin_seconds(self, device_type: str) -> float:
         """How long the loop busy-polls after activity, on a ``device_type`` ("cuda", "cpu") engine."""
         if self.spin_ms >= 0:
