@@ -137,7 +137,7 @@ def decode_symbols(counts: np.ndarray, starts: np.ndarray, states: np.ndarray, w
     steps = chunk // LANES
     out = np.zeros((nchunks, steps, LANES), dtype=np.int64)
     slot_mask, m, b = np.uint64((1 << M) - 1), np.uint64(M), sym.sym_bits
-    low, s16 = np.uint64(STATE_LOW), np.uint64(16)
+    low = np.uint64(STATE_LOW)
     raw_mask = np.uint64((1 << b) - 1)
     rows = np.arange(nchunks)[:, None]
     for s in range(steps):
