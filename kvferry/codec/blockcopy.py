@@ -10,6 +10,7 @@ everywhere else (the host, odd sizes, no CuPy, no peer access).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,30 @@ from .splitzip_gpu import _in_context, _parameters
 from .staging import current_stream, optional_cupy
 
 _SOURCE = r"""
+// Many small blocks (vLLM's 32 KiB pages): one CTA per block, each thread with four 16-byte loads
+// in flight before its stores (thirteenth session, 16,384 pages: 317 µs vs 375 for copy_blocks;
+// a contiguous memcpy of the same bytes 265).
+extern "C" __global__ void copy_pages(const int4* __restrict__ src, int4* __restrict__ dst,
+                                      const long long* __restrict__ src_ids,
+                                      const long long* __restrict__ dst_ids,
+                                      long long blocks, long long vecs) {
+    for (long long b = blockIdx.y; b < blocks; b += gridDim.y) {
+        const int4* from = src + src_ids[b] * vecs;
+        int4* to = dst + dst_ids[b] * vecs;
+        int4 v[4];
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            long long i = (long long)k * blockDim.x + threadIdx.x;
+            if (i < vecs) v[k] = from[i];
+        }
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            long long i = (long long)k * blockDim.x + threadIdx.x;
+            if (i < vecs) to[i] = v[k];
+        }
+    }
+}
+
 extern "C" __global__ void copy_blocks(const int4* __restrict__ src, int4* __restrict__ dst,
                                        const long long* __restrict__ src_ids,
                                        const long long* __restrict__ dst_ids,
@@ -34,6 +59,9 @@ extern "C" __global__ void copy_blocks(const int4* __restrict__ src, int4* __res
 """
 THREADS = 256
 VEC = 16  # bytes a thread moves at once (int4)
+PAGE_THREADS = 512
+PAGE_VECS = 4 * PAGE_THREADS  # the largest block copy_pages moves (32 KiB)
+PAGE_MIN_BLOCKS = 1024  # fewer blocks leave SMs idle with one CTA each: copy_blocks is faster there
 
 
 def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
@@ -69,8 +97,11 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids
     index = src.device.index
     vecs = _block_bytes(src) // VEC
     ids = src_ids.to(src.device), dst_ids.to(src.device)
-    grid = (max(1, min(-(-vecs // THREADS), 64)), min(n, 65535))
-    _in_context(index, optional_cupy().cuda.driver.launchKernel, _module(index).kernel.ptr, *grid, 1, THREADS, 1, 1,
+    if vecs <= PAGE_VECS and n >= PAGE_MIN_BLOCKS:
+        function, grid, threads = _module(index).pages, (1, min(n, 65535)), PAGE_THREADS
+    else:
+        function, grid, threads = _module(index).blocks, (max(1, min(-(-vecs // THREADS), 64)), min(n, 65535)), THREADS
+    _in_context(index, optional_cupy().cuda.driver.launchKernel, function, *grid, 1, threads, 1, 1,
                 0, current_stream(src.device),
                 _parameters((src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), n, vecs)), 0)
 
@@ -79,16 +110,23 @@ def _block_bytes(t: torch.Tensor) -> int:
     return t.numel() // t.shape[0] * t.element_size() if t.shape[0] else 0
 
 
+@dataclass(frozen=True)
+class _Kernels:
+    owners: tuple  # CuPy's RawModule and RawKernels, which keep the functions loaded
+    blocks: int  # CUfunction of copy_blocks
+    pages: int  # CUfunction of copy_pages
+
+
 @functools.cache
-def _module(device_index: int):
-    """The compiled kernel for a GPU, or None without CuPy (the reference path then)."""
+def _module(device_index: int) -> _Kernels | None:
+    """The compiled kernels for a GPU, or None without CuPy (the reference path then)."""
     try:
         import cupy
 
         with cupy.cuda.Device(device_index):
-            kernel = cupy.RawKernel(_SOURCE, "copy_blocks")
-            kernel.compile()
-            return kernel
+            module = cupy.RawModule(code=_SOURCE)
+            blocks, pages = module.get_function("copy_blocks"), module.get_function("copy_pages")
+            return _Kernels((module, blocks, pages), blocks.kernel.ptr, pages.kernel.ptr)
     except Exception:  # noqa: BLE001 (no CuPy, no compiler: the torch path serves)
         return None
 

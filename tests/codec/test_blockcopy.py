@@ -58,6 +58,22 @@ def test_gpu_kernel_writes_the_reference_bits(dtype, shape):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(16, 8, 128), (8, 8, 128), (4, 5, 24)])  # 32 KiB, 16 KiB, 60 vectors
+def test_many_pages_take_the_page_kernel_and_write_the_reference_bits(shape):
+    blocks = blockcopy.PAGE_MIN_BLOCKS + 476
+    src, dst = _cache(2 * blocks, shape, torch.bfloat16, "cuda", 8), _cache(2 * blocks, shape, torch.bfloat16, "cuda", 9)
+    generator = torch.Generator().manual_seed(10)
+    src_ids = torch.randperm(2 * blocks, generator=generator)[:blocks].tolist()
+    dst_ids = torch.randperm(2 * blocks, generator=generator)[:blocks].tolist()
+    expected = _expected(src, src_ids, dst, dst_ids)
+    assert src[0].nbytes // blockcopy.VEC <= blockcopy.PAGE_VECS and blockcopy._kernel_fits(src, dst)
+    blockcopy.copy_blocks(src, torch.tensor(src_ids, device="cuda"), dst, torch.tensor(dst_ids, device="cuda"))
+    torch.cuda.synchronize()
+    assert bits_equal(dst, expected)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_kernel_writes_into_a_peer_gpu():
     src, dst = _cache(64, (16, 8, 128), torch.bfloat16, "cuda:0", 6), _cache(64, (16, 8, 128), torch.bfloat16, "cuda:1", 7)
