@@ -42,14 +42,17 @@ def device_segmented_crc(payload: Any) -> int:
     import torch
 
     segments = -(-n // SEGMENT_BYTES)
+    last = n - (segments - 1) * SEGMENT_BYTES
     device = payload.device.index if payload.device.index is not None else torch.cuda.current_device()
     # On torch's current stream (not CuPy's legacy default, which would wait for every stream).
     stream = _cupy_stream(cupy, torch.cuda.current_stream(device), device)
     with cupy.cuda.Device(device), stream:
         data = cupy.asarray(payload)  # no copy: CUDA array interface
         out = cupy.empty(segments, dtype=cupy.uint32)
-        threads = 128
-        _kernel(device)((-(-segments // threads),), (threads,), (data, np.uint64(n), out, _table_on_device(device)))
+        grid = min(-(-segments // _WARPS), _MAX_BLOCKS)
+        _kernel(device)((grid,), (32 * _WARPS,), (data, np.uint64(n), np.uint64(segments), out,
+                                                  _tables_on_device(device), np.uint32(_zeros_crc(SEGMENT_BYTES)),
+                                                  np.uint32(_zeros_crc(last))))
         return google_crc32c.value(out.get(stream=stream).astype("<u4").tobytes())
 
 
@@ -81,12 +84,55 @@ def _table() -> np.ndarray:
     return table
 
 
+# The kernel splits a segment into 32 pieces of 128 bytes, one per lane of a warp, and joins their
+# CRCs in a tree of five steps. CRC32C without its initial and final inversion (``R``) is linear:
+# R(A + B) = S_|B|(R(A)) ^ R(B), where S_k is the CRC of k zero bytes from a given register (a
+# 32 x 32 bit matrix, applied as four byte tables). A piece's CRC takes eight bytes at a time
+# (slicing-by-8). With the inversions, CRC(M) = R(M) ^ CRC(zeros of len(M)), and a short segment
+# is read as zeros before its bytes, which R ignores.
+_PIECE_BYTES = 128
+_LEVELS = 5  # 32 pieces
+_WARPS = 8  # segments per CTA at a time
+_MAX_BLOCKS = 1024  # CTAs loop over the segments: each loads the tables once
+
+
 @functools.lru_cache(maxsize=None)
-def _table_on_device(device: int) -> Any:
+def _zeros_crc(n: int) -> int:
+    return google_crc32c.value(bytes(n))
+
+
+def _byte_tables(images: np.ndarray) -> np.ndarray:
+    """Four 256-entry tables applying the linear map whose images of the 32 bits are ``images``."""
+    bits = (np.arange(256, dtype=np.uint32)[:, None] >> np.arange(8, dtype=np.uint32)) & 1
+    return np.stack([np.bitwise_xor.reduce(np.where(bits == 1, images[8 * k:8 * k + 8], np.uint32(0)), axis=1)
+                     for k in range(4)]).astype(np.uint32)
+
+
+@functools.lru_cache(maxsize=1)
+def tables() -> np.ndarray:
+    """The kernel's tables, flat: slicing-by-8 (8 x 256), then the zero-byte shifts by 128 << l
+    bytes for each tree level l (5 x 4 x 256)."""
+    base = _table()
+    slicing = [base]
+    for _ in range(7):
+        slicing.append((slicing[-1] >> 8) ^ base[slicing[-1] & 0xFF])
+    shifts = []
+    images = np.uint32(1) << np.arange(32, dtype=np.uint32)
+    done = 0
+    for level in range(_LEVELS):
+        for _ in range((_PIECE_BYTES << level) - done):
+            images = base[images & 0xFF] ^ (images >> 8)
+        done = _PIECE_BYTES << level
+        shifts.append(_byte_tables(images))
+    return np.concatenate([np.concatenate(slicing), np.concatenate(shifts).reshape(-1)]).astype(np.uint32)
+
+
+@functools.lru_cache(maxsize=None)
+def _tables_on_device(device: int) -> Any:
     import cupy
 
     with cupy.cuda.Device(device):
-        return cupy.asarray(_table())
+        return cupy.asarray(tables())
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,29 +143,56 @@ def _kernel(device: int) -> Any:
         return cupy.RawKernel(_SOURCE, "segment_crc32c")
 
 
-# One thread per segment, the table in shared memory; aligned words are taken four bytes at a time.
+# A warp per 4 KiB segment, 128 bytes per lane (eight 16-byte loads where the segment is whole and
+# aligned, else byte by byte), the tables in shared memory.
 _SOURCE = r"""
+#define TABLE_WORDS (28 * 256)
+__device__ __forceinline__ unsigned int shift(const unsigned int* t, unsigned int c) {
+    return t[c & 0xFF] ^ t[256 + ((c >> 8) & 0xFF)] ^ t[512 + ((c >> 16) & 0xFF)] ^ t[768 + (c >> 24)];
+}
+__device__ __forceinline__ unsigned int step8(const unsigned int* t, unsigned int c, unsigned int one,
+                                              unsigned int two) {
+    c ^= one;
+    return t[7 * 256 + (c & 0xFF)] ^ t[6 * 256 + ((c >> 8) & 0xFF)] ^ t[5 * 256 + ((c >> 16) & 0xFF)]
+         ^ t[4 * 256 + (c >> 24)] ^ t[3 * 256 + (two & 0xFF)] ^ t[2 * 256 + ((two >> 8) & 0xFF)]
+         ^ t[256 + ((two >> 16) & 0xFF)] ^ t[two >> 24];
+}
 extern "C" __global__ void segment_crc32c(const unsigned char* data, unsigned long long n,
-                                          unsigned int* out, const unsigned int* table_global) {
-    __shared__ unsigned int table[256];
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = table_global[i];
+                                          unsigned long long segments, unsigned int* out,
+                                          const unsigned int* tables, unsigned int zeros_full,
+                                          unsigned int zeros_last) {
+    __shared__ unsigned int t[TABLE_WORDS];
+    for (int i = threadIdx.x; i < TABLE_WORDS; i += blockDim.x) t[i] = tables[i];
     __syncthreads();
-    unsigned long long segment = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned long long start = segment * 4096ULL;
-    if (start >= n) return;
-    unsigned long long end = start + 4096ULL < n ? start + 4096ULL : n;
-    unsigned int crc = 0xFFFFFFFFu;
-    unsigned long long i = start;
-    if ((((unsigned long long)(data + i)) & 3ULL) == 0) {
-        for (; i + 4 <= end; i += 4) {
-            crc ^= *(const unsigned int*)(data + i);
-            crc = table[crc & 0xFF] ^ (crc >> 8);
-            crc = table[crc & 0xFF] ^ (crc >> 8);
-            crc = table[crc & 0xFF] ^ (crc >> 8);
-            crc = table[crc & 0xFF] ^ (crc >> 8);
+    const int lane = threadIdx.x & 31;
+    const unsigned long long warps = (unsigned long long)gridDim.x * (blockDim.x >> 5);
+    for (unsigned long long seg = (unsigned long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+         seg < segments; seg += warps) {
+        const unsigned long long start = seg * 4096ULL;
+        const unsigned long long len = n - start < 4096ULL ? n - start : 4096ULL;
+        unsigned int c = 0;
+        if (len == 4096ULL && (((unsigned long long)(data + start)) & 15ULL) == 0) {
+            const uint4* p = (const uint4*)(data + start + lane * 128);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const uint4 v = __ldg(p + k);
+                c = step8(t, c, v.x, v.y);
+                c = step8(t, c, v.z, v.w);
+            }
+        } else {  // read as 4096 bytes: zeros, then the segment's
+            const long long pad = 4096LL - (long long)len;
+            for (int i = 0; i < 128; ++i) {
+                const long long at = (long long)lane * 128 + i - pad;
+                const unsigned int b = at >= 0 ? data[start + at] : 0u;
+                c = t[(c ^ b) & 0xFF] ^ (c >> 8);
+            }
         }
+#pragma unroll
+        for (int level = 0; level < 5; ++level) {
+            const unsigned int right = __shfl_down_sync(0xFFFFFFFFu, c, 1 << level);
+            if ((lane & ((2 << level) - 1)) == 0) c = shift(t + 2048 + level * 1024, c) ^ right;
+        }
+        if (lane == 0) out[seg] = c ^ (len == 4096ULL ? zeros_full : zeros_last);
     }
-    for (; i < end; ++i) crc = table[(crc ^ data[i]) & 0xFF] ^ (crc >> 8);
-    out[segment] = crc ^ 0xFFFFFFFFu;
 }
 """

@@ -7,6 +7,7 @@ import asyncio
 import os
 
 import google_crc32c
+import numpy as np
 import pytest
 import torch
 
@@ -29,6 +30,44 @@ def test_the_kernels_table_is_crc32c():
     data = os.urandom(997)
     assert _bytewise(data) == google_crc32c.value(data)
     assert _bytewise(b"123456789") == 0xE3069283  # the CRC32C check value
+
+
+def _kernel_model(data: bytes) -> int:
+    """The GPU kernel's arithmetic in NumPy: 32 lanes of 128 bytes per segment, read as zeros
+    then the segment's bytes, eight bytes a step through the slicing tables (a short segment byte
+    by byte), joined in a tree through the shift tables."""
+    tables = checksum.tables().astype(np.uint32)
+    slicing, shifts = tables[:2048].reshape(8, 256), tables[2048:].reshape(5, 4, 256)
+    crcs = []
+    for start in range(0, len(data), checksum.SEGMENT_BYTES):
+        segment = data[start:start + checksum.SEGMENT_BYTES]
+        padded = np.frombuffer(bytes(4096 - len(segment)) + segment, dtype=np.uint8).reshape(32, 128)
+        c = np.zeros(32, dtype=np.uint32)
+        if len(segment) == 4096:
+            words = padded.copy().view("<u4").reshape(32, 32)
+            for k in range(0, 32, 2):
+                c ^= words[:, k]
+                two = words[:, k + 1]
+                c = (slicing[7][c & 0xFF] ^ slicing[6][(c >> 8) & 0xFF] ^ slicing[5][(c >> 16) & 0xFF]
+                     ^ slicing[4][c >> 24] ^ slicing[3][two & 0xFF] ^ slicing[2][(two >> 8) & 0xFF]
+                     ^ slicing[1][(two >> 16) & 0xFF] ^ slicing[0][two >> 24])
+        else:
+            for i in range(128):
+                c = slicing[0][(c ^ padded[:, i]) & 0xFF] ^ (c >> 8)
+        for level in range(5):
+            step = 1 << level
+            for lane in range(0, 32, 2 * step):
+                t = shifts[level]
+                v = c[lane]
+                c[lane] = t[0][v & 0xFF] ^ t[1][(v >> 8) & 0xFF] ^ t[2][(v >> 16) & 0xFF] ^ t[3][v >> 24] ^ c[lane + step]
+        crcs.append(int(c[0]) ^ google_crc32c.value(bytes(len(segment))))
+    return google_crc32c.value(np.array(crcs, dtype="<u4").tobytes())
+
+
+@pytest.mark.parametrize("size", [1, 100, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_the_kernels_tables_and_tree_give_the_segmented_crc(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    assert _kernel_model(data) == checksum.segmented_crc(data)
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
