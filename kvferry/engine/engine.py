@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,10 @@ GPU_CHUNK_BYTES = 256 << 20
 CPU_CHUNK_BYTES = 4 << 20
 CPU_MESSAGE_BYTES = 16 << 20
 LEARN_BYTES = 16 << 20  # a codebook learned from the data is learned from at most this much of it
+# A codebook learned from a region's data serves its transfers for this long: learning one costs a
+# GPU transfer ~1 ms before its announce (H200, SplitZip: gather, histogram, a synchronization),
+# and KV's value distribution drifts far slower. A stale codebook costs ratio, never exactness.
+RELEARN_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -320,11 +325,20 @@ class Engine:
             if p.bound_for == codec.name:
                 continue
             try:
-                book = codebook if learn is None else learn(self._sample(p))
+                book = codebook if learn is None else self._learned(codec.name, learn, p)
                 p.bound = codec.bind(book, p.region.layout, None if p.reference is None else p.reference.tensor)
                 p.bound_for = codec.name
             except codecs.CodecError as exc:
                 raise BadRequest(f"codec {codec.name!r} cannot code region {p.region.name!r}: {exc}") from None
+
+    def _learned(self, name: str, learn: Any, p: Pair) -> Any:
+        """What codec ``name`` learned from the pair's region within ``RELEARN_SECONDS``, or learns
+        now from the pair's first blocks."""
+        now = time.monotonic()
+        entry = p.region.learned.get(name)
+        if entry is None or now - entry[1] > RELEARN_SECONDS:
+            entry = p.region.learned[name] = (learn(self._sample(p)), now)
+        return entry[0]
 
     def _sample(self, p: Pair) -> torch.Tensor:
         """The first blocks of a pair's first chunk (at most ``LEARN_BYTES``): what a codec that

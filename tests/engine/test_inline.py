@@ -65,10 +65,12 @@ def test_an_announce_that_cannot_be_packed_fails_the_transfer_and_frees_the_regi
     _run(body)
 
 
-def test_a_codec_learns_its_codebook_once_per_transfer():
+def test_a_codec_learns_its_codebook_once_and_relearns_it_after_a_while(monkeypatch):
     """SplitZip without a named codebook: learned from the first blocks of the transfer and bound
-    to every chunk (not recalibrated per chunk), the frames still exact."""
+    to every chunk (not recalibrated per chunk); the region's next transfers reuse it within
+    ``RELEARN_SECONDS`` and learn again after; the frames exact throughout."""
     from kvferry import codec
+    from kvferry.engine import engine as engine_module
 
     async def body(a, b):
         seen = []
@@ -78,15 +80,24 @@ def test_a_codec_learns_its_codebook_once_per_transfer():
             seen.append(sample.shape[0])
             return learn(self, sample)
 
+        async def send(src, dst):
+            spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of(src),
+                                dst_blocks=Blocks.of(dst), codec="splitzip")
+            record = await a.wait(a.submit(spec).id, 5)
+            assert record["state"] == "done"
+            assert torch.equal(b.regions.get("dst").tensor[dst].view(torch.int16),
+                               a.regions.get("src").tensor[src].view(torch.int16))
+
         type(codec.get("splitzip")).learn = counting
         try:
-            spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of([3, 1, 0]),
-                                dst_blocks=Blocks.of([0, 2, 3]), codec="splitzip")
-            record = await a.wait(a.submit(spec).id, 5)
+            await send([3, 1, 0], [0, 2, 3])
+            assert seen == [3]  # once, on the transfer's blocks (3 fit a chunk)
+            await send([2, 0], [1, 3])
+            assert seen == [3]  # the region's codebook, learned a moment ago
+            monkeypatch.setattr(engine_module, "RELEARN_SECONDS", -1.0)
+            await send([2, 0], [1, 3])
+            assert seen == [3, 2]
         finally:
             type(codec.get("splitzip")).learn = learn
-        assert record["state"] == "done" and seen == [3]  # once, on the transfer's blocks (3 fit a chunk)
-        assert torch.equal(b.regions.get("dst").tensor[[0, 2, 3]].view(torch.int16),
-                           a.regions.get("src").tensor[[3, 1, 0]].view(torch.int16))
 
     _run(body)
