@@ -1,7 +1,8 @@
 """Running codec work for the pipelines: on the codec's own CUDA stream per direction, inline for
-small chunks (a thread hop costs more than the work), in a worker thread for large ones (so the
-event loop keeps the wire busy); every chunk's time feeds ``auto``'s speeds. And the receive
-buffers, reused across chunks and transfers."""
+small host chunks and GPU chunks (a thread hop costs more than the work, or than launching kernels
+and waiting for them), in a worker thread for large host ones (so the event loop keeps the wire
+busy); every chunk's time feeds ``auto``'s speeds. And the receive buffers, reused across chunks
+and transfers."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from .policy import CodecSpeed, Policy
 # Below this many raw bytes a chunk is coded on the event loop: a thread hop costs ~50-100 µs,
 # more than coding a few blocks.
 INLINE_BYTES = 256 << 10
+# On a GPU the loop only launches kernels and waits for them, ~0.3-0.5 ms for a whole 256 MiB
+# chunk on an H200, while a hop to a worker thread that slept costs 0.15-0.35 ms each way there
+# (fourteenth session): GPU chunks up to this size are coded on the loop.
+INLINE_GPU_BYTES = 256 << 20
 
 
 # A same-host GPU write of at most this many bytes is waited for on the event loop: 1 GiB is
@@ -84,7 +89,7 @@ class CodecRunner:
 
     async def _run(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
                    work: Callable, *args: Any) -> Any:
-        if raw_bytes <= INLINE_BYTES:
+        if raw_bytes <= (INLINE_GPU_BYTES if cache.is_cuda else INLINE_BYTES):
             return self._timed(direction, codec, cache, raw_bytes, work, *args)
         return await self._in_thread(self._timed, direction, codec, cache, raw_bytes, work, *args)
 
