@@ -342,8 +342,8 @@ class Engine:
 
     def _sample(self, p: Pair) -> torch.Tensor:
         """The first blocks of a pair's first chunk (at most ``LEARN_BYTES``): what a codec that
-        learns its codebook from the data learns it from, once per transfer and region. Learning
-        it per chunk cost a GPU chunk more than its encoding (H200: 1 GiB of blocks gathered and
+        learns its codebook from the data learns it from, at most once per region and
+        ``RELEARN_SECONDS``. Learning it per chunk cost a GPU chunk more than its encoding (H200: 1 GiB of blocks gathered and
         histogrammed at 49 GB/s, encoded at 1,878)."""
         region = p.region
         count = max(1, min(p.blocks_per_chunk, LEARN_BYTES // max(1, region.block_bytes)))
