@@ -343,8 +343,8 @@ class Engine:
     def _sample(self, p: Pair) -> torch.Tensor:
         """The first blocks of a pair's first chunk (at most ``LEARN_BYTES``): what a codec that
         learns its codebook from the data learns it from, at most once per region and
-        ``RELEARN_SECONDS``. Learning it per chunk cost a GPU chunk more than its encoding (H200: 1 GiB of blocks gathered and
-        histogrammed at 49 GB/s, encoded at 1,878)."""
+        ``RELEARN_SECONDS``. Learning it per chunk cost a GPU chunk more than its encoding (H200:
+        1 GiB of blocks gathered and histogrammed at 49 GB/s, encoded at 1,878)."""
         region = p.region
         count = max(1, min(p.blocks_per_chunk, LEARN_BYTES // max(1, region.block_bytes)))
         bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels

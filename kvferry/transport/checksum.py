@@ -145,8 +145,8 @@ def _kernel(device: int) -> Any:
 
 # A warp per 4 KiB segment, 128 bytes per lane (eight 16-byte loads where the segment is whole and
 # aligned, else byte by byte), the tables in shared memory.
-_SOURCE = r"""
-#define TABLE_WORDS (28 * 256)
+_SOURCE = f"#define LEVELS {_LEVELS}\n" + r"""
+#define TABLE_WORDS ((8 + 4 * LEVELS) * 256)
 __device__ __forceinline__ unsigned int shift(const unsigned int* t, unsigned int c) {
     return t[c & 0xFF] ^ t[256 + ((c >> 8) & 0xFF)] ^ t[512 + ((c >> 16) & 0xFF)] ^ t[768 + (c >> 24)];
 }
@@ -188,7 +188,7 @@ extern "C" __global__ void segment_crc32c(const unsigned char* data, unsigned lo
             }
         }
 #pragma unroll
-        for (int level = 0; level < 5; ++level) {
+        for (int level = 0; level < LEVELS; ++level) {
             const unsigned int right = __shfl_down_sync(0xFFFFFFFFu, c, 1 << level);
             if ((lane & ((2 << level) - 1)) == 0) c = shift(t + 2048 + level * 1024, c) ^ right;
         }
