@@ -286,7 +286,7 @@ class Incoming:
             region = self.pairs[pair_index].region
             capacity = self.codec.capacity((count, *region.block_shape), region.tensor.dtype)
             buffer = self.engine.buffers.take(capacity, region.tensor.device)
-            self.receives[i] = self.engine.listener.expect(self.tags[i], buffer)
+            self.receives[i] = self.engine.listener.expect(self.tags[i], buffer, defer_check=True)
 
     def post_ahead(self) -> None:
         """Receives for the first transport chunks, before the next message is read (the sender
@@ -308,9 +308,10 @@ class Incoming:
                 raw = count * pair.region.block_bytes
                 if i == 0:
                     t.mark("first_byte")
+                receive = self.receives.get(i)
                 try:
                     await engine.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
-                                              pair.bound, raw)
+                                              pair.bound, raw, check=receive.start_check if receive else None)
                 except codecs.CodecError as exc:
                     raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
                 if i in self.receives:

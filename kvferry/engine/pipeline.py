@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from typing import Any, Awaitable, Callable
 
@@ -57,8 +58,12 @@ class CodecRunner:
         return await self._run("encode", codec, cache, raw_bytes, codec.encode_blocks, cache, ids, book)
 
     async def decode(self, codec: codecs.Codec, frame: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor,
-                     book: Any, raw_bytes: int) -> None:
-        await self._run("decode", codec, cache, raw_bytes, codec.decode_blocks, frame, cache, ids, book)
+                     book: Any, raw_bytes: int, check: Callable[[], Callable[[], None]] | None = None) -> None:
+        """Decode ``frame`` into blocks ``ids`` of ``cache``. ``check`` (a receive's ``start_check``)
+        is launched on the decode's stream first and its verdict taken after the decode's wait:
+        the frame's CRCs cost no wait of their own, and a mismatch fails the chunk (whose blocks
+        are then not reported written)."""
+        await self._run("decode", codec, cache, raw_bytes, codec.decode_blocks, frame, cache, ids, book, check=check)
 
     def encode_now(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
                    raw_bytes: int) -> torch.Tensor:
@@ -88,19 +93,28 @@ class CodecRunner:
         return result
 
     async def _run(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
-                   work: Callable, *args: Any) -> Any:
+                   work: Callable, *args: Any, check: Callable[[], Callable[[], None]] | None = None) -> Any:
         if raw_bytes <= (INLINE_GPU_BYTES if cache.is_cuda else INLINE_BYTES):
-            return self._timed(direction, codec, cache, raw_bytes, work, *args)
-        return await self._in_thread(self._timed, direction, codec, cache, raw_bytes, work, *args)
+            return self._timed(direction, codec, cache, raw_bytes, work, *args, check=check)
+        return await self._in_thread(functools.partial(self._timed, check=check), direction, codec, cache, raw_bytes,
+                                     work, *args)
 
     def _timed(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
-               work: Callable, *args: Any) -> Any:
+               work: Callable, *args: Any, check: Callable[[], Callable[[], None]] | None = None) -> Any:
         started = time.perf_counter()
         stream = self._streams.get(direction) if cache.is_cuda else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            result = work(*args)
-            if stream is not None:
-                stream.synchronize()  # the chunk is done (sent or written) only when its GPU work is
+            verdict = check() if check is not None else None
+            try:
+                result = work(*args)
+                if stream is not None:
+                    stream.synchronize()  # the chunk is done (sent or written) only when its GPU work is
+            except Exception:
+                if verdict is not None:
+                    verdict()  # bytes that failed their CRC explain a frame the codec refused
+                raise
+        if verdict is not None:
+            verdict()
         seconds = time.perf_counter() - started
         self._on_seconds(direction, seconds)
         self._policy.observe_codec(codec.name, direction, raw_bytes, seconds)

@@ -8,6 +8,8 @@ from the same bytes, whichever side computes it.
 from __future__ import annotations
 
 import functools
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import google_crc32c
@@ -32,35 +34,55 @@ def segmented_crc(data: Any) -> int:
 def device_segmented_crc(payload: Any) -> int:
     """The segmented CRC32C of a CUDA uint8 tensor, computed on its device (CuPy kernel) on the
     current stream; falls back to the host reference without CuPy."""
+    return start_device_segmented_crc(payload)()
+
+
+def start_device_segmented_crc(payload: Any) -> Callable[[], int]:
+    """Launch ``device_segmented_crc`` on the current stream without waiting: the returned
+    function gives the value once the stream has run. A consumer that synchronizes the stream
+    anyway (a decode) pays no wait of its own for the check."""
     n = payload.numel()
     if n == 0:
-        return google_crc32c.value(b"")
+        return functools.partial(google_crc32c.value, b"")
     try:
         import cupy
     except ImportError:  # correct, if slow: the bytes go to the host once
-        return segmented_crc(payload.cpu().numpy())
+        return functools.partial(segmented_crc, payload.cpu().numpy())
     import torch
 
+    if not payload.is_contiguous():
+        payload = payload.contiguous()
     segments = -(-n // SEGMENT_BYTES)
     last = n - (segments - 1) * SEGMENT_BYTES
     device = payload.device.index if payload.device.index is not None else torch.cuda.current_device()
     # On torch's current stream (not CuPy's legacy default, which would wait for every stream).
-    stream = _cupy_stream(cupy, torch.cuda.current_stream(device), device)
-    with cupy.cuda.Device(device), stream:
-        data = cupy.asarray(payload)  # no copy: CUDA array interface
-        out = cupy.empty(segments, dtype=cupy.uint32)
-        grid = min(-(-segments // _WARPS), _MAX_BLOCKS)
-        _kernel(device)((grid,), (32 * _WARPS,), (data, np.uint64(n), np.uint64(segments), out,
-                                                  _tables_on_device(device), np.uint32(_zeros_crc(SEGMENT_BYTES)),
-                                                  np.uint32(_zeros_crc(last))))
-        return google_crc32c.value(out.get(stream=stream).astype("<u4").tobytes())
+    # This sits on every device message's path, at both ends: raw pointers, a cached stream and
+    # one pinned read keep its host side to a few tens of microseconds.
+    handle = torch._C._cuda_getCurrentRawStream(device)
+    out = torch.empty(segments, dtype=torch.int32, device=payload.device)  # stream-ordered: freed safely
+    host = torch.empty(segments, dtype=torch.int32, pin_memory=True)  # held by ``value`` until read
+    runtime = cupy.cuda.runtime
+    with cupy.cuda.Device(device), _external_stream(cupy, handle, device):
+        _kernel(device)((min(-(-segments // _WARPS), _MAX_BLOCKS),), (32 * _WARPS,),
+                        (np.uint64(payload.data_ptr()), np.uint64(n), np.uint64(segments), np.uint64(out.data_ptr()),
+                         _tables_on_device(device), np.uint32(_zeros_crc(SEGMENT_BYTES)), np.uint32(_zeros_crc(last))))
+        runtime.memcpyAsync(host.data_ptr(), out.data_ptr(), 4 * segments, runtime.memcpyDeviceToHost, handle)
+
+    def value() -> int:
+        with cupy.cuda.Device(device):
+            runtime.streamSynchronize(handle)
+        return google_crc32c.value(host.numpy().tobytes())  # x86 and CUDA: little-endian already
+
+    return value
 
 
-def _cupy_stream(cupy: Any, stream: Any, device: int) -> Any:
-    """A torch stream as CuPy's (``Stream.from_external`` where this CuPy has it)."""
-    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
-        return cupy.cuda.Stream.from_external(stream)
-    return cupy.cuda.ExternalStream(stream.cuda_stream, device)
+@functools.lru_cache(maxsize=64)
+def _external_stream(cupy: Any, handle: int, device: int) -> Any:
+    """torch's stream ``handle`` as CuPy's (kernels launch on CuPy's current stream). CuPy
+    deprecates ``ExternalStream`` for objects with ``__cuda_stream__``; a raw handle has none."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device)
 
 
 def verify(region: Any, expected: int, segmented: bool) -> bool:

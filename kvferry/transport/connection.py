@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -39,13 +40,18 @@ _DISCARD_CHUNK = 1 << 20
 class Receive:
     """A posted receive: the buffer a transfer with ``tag`` will be written into.
 
-    ``wait`` returns the transfer's size once its last byte is in the buffer and fails if the
-    transfer makes no progress for ``timeout`` seconds.
+    ``wait`` returns the transfer's size once its last byte is in the buffer (checked, unless the
+    consumer deferred the check: ``start_check``) and fails if the transfer makes no progress for
+    ``timeout`` seconds.
     """
 
-    def __init__(self, tag: int, buffer: Any, mailbox: Mailbox):
+    def __init__(self, tag: int, buffer: Any, mailbox: Mailbox, defer_check: bool = False):
         self.tag = tag
         self.buffer = Buffer(buffer, writable=True)
+        # A device buffer's consumer may check the payload's CRCs itself, on its own stream with
+        # its own work (``start_check``): the check then costs no wait of its own on the path.
+        self.defer_check = defer_check and bool(getattr(buffer, "is_cuda", False))
+        self._checks: list[tuple[int, int, tuple[int, bool]]] = []
         self.total: int | None = None
         self.received = 0
         self._unacked = 0
@@ -74,6 +80,26 @@ class Receive:
                 async with asyncio.timeout(remaining):
                     await asyncio.shield(self._future)
         return self._future.result()
+
+    def start_check(self) -> Callable[[], None]:
+        """For a ``defer_check`` receive, once ``wait`` returned: launch the checks of the bytes
+        received on the current CUDA stream; the returned function raises ``CorruptPayload`` if
+        any failed (it waits for the stream). Until it returns, the bytes are unverified."""
+        pending = []
+        for offset, length, (expected, segmented) in self._checks:
+            region = self.buffer.region(offset, offset + length)
+            if segmented:
+                pending.append((offset, length, expected, checksum.start_device_segmented_crc(region)))
+            else:  # a host sender's payload into this GPU: its CRC needs the bytes on the host
+                pending.append((offset, length, expected, functools.partial(checksum.crc, region.cpu().numpy())))
+
+        def check() -> None:
+            for offset, length, expected, value in pending:
+                if value() != expected:
+                    raise CorruptPayload(f"transfer {self.tag:#x}: bytes [{offset}, {offset + length}) failed "
+                                         "their CRC32C")
+
+        return check
 
     def cancel(self) -> None:
         self.fail(TransportClosed(f"receive {self.tag:#x} cancelled"))
@@ -117,15 +143,16 @@ class Mailbox:
         while len(self._refused) > self._max_refused:
             del self._refused[next(iter(self._refused))]
 
-    def expect(self, tag: int, buffer: Any) -> Receive:
-        """Post a receive of transfer ``tag`` into ``buffer`` (host or CUDA, contiguous).
+    def expect(self, tag: int, buffer: Any, defer_check: bool = False) -> Receive:
+        """Post a receive of transfer ``tag`` into ``buffer`` (host or CUDA, contiguous); with
+        ``defer_check``, a CUDA buffer's payload CRCs are left to ``Receive.start_check``.
 
         Raises:
             ValueError: a receive for ``tag`` is already posted, or the buffer is not usable.
         """
         if tag in self._expected:
             raise ValueError(f"a receive for tag {tag:#x} is already posted")
-        receive = Receive(tag, buffer, self)
+        receive = Receive(tag, buffer, self, defer_check)
         self._expected[tag] = receive
         early = self._early.pop(tag, None)
         if early is not None:
@@ -302,15 +329,22 @@ class Connection:
     def post_message(self, *payloads: bytes) -> None:
         """Send MSGs without waiting (from callbacks that cannot await): written here and now when
         nothing is queued or being written before them, else queued behind it; dropped if closed."""
+        self._post([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads])
+
+    def _post(self, messages: list[tuple[Message, Any]]) -> None:
+        """Write ``messages`` without waiting: at once when the link is free and nothing is queued
+        (the reader's CTS and ACKs skip a hop through the control task: each hop is a wake-up on
+        a message's path), else behind what is queued; dropped if closed."""
         if self._error is not None:
             return
         if not self._control.empty() or not self._try_lock():
-            for payload in payloads:
-                self._control.put_nowait(Message(MessageType.MSG, length=len(payload)))
-                self._control.put_nowait(bytes(payload))
+            for message, payload in messages:
+                self._control.put_nowait(message)
+                if payload is not None:
+                    self._control.put_nowait(bytes(payload))
             return
         try:
-            self._write_locked([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads])
+            self._write_locked(messages)
         except Exception as exc:  # nobody awaits this: the connection fails (and says why) instead
             failure = exc if isinstance(exc, TransportError) else ProtocolError(f"cannot write a message: {exc!r}")
             asyncio.ensure_future(self._fail(failure))
@@ -491,17 +525,16 @@ class Connection:
         receive.total = total
         self._receives[receive.tag] = receive
         if not eager:
-            self._control.put_nowait(Message(MessageType.CTS, receive.tag, total=total))
+            self._post([(Message(MessageType.CTS, receive.tag, total=total), None)])
         if total == 0:
             self._complete(receive)
 
     def _reject(self, tag: int, reason: str) -> None:
         text = reason.encode()[: wire.MAX_REASON_BYTES]
-        self._control.put_nowait(Message(MessageType.REJECT, tag, length=len(text)))
-        self._control.put_nowait(text)
+        self._post([(Message(MessageType.REJECT, tag, length=len(text)), memoryview(text))])
 
     def _complete(self, receive: Receive) -> None:
-        self._control.put_nowait(Message(MessageType.ACK, receive.tag, length=receive._unacked, flags=wire.FLAG_DONE))
+        self._post([(Message(MessageType.ACK, receive.tag, length=receive._unacked, flags=wire.FLAG_DONE), None)])
         receive._unacked = 0
         self._receives.pop(receive.tag, None)
         receive._finish()
@@ -594,7 +627,11 @@ class Connection:
             return
         if m.total != receive.total or m.offset + m.length > receive.total:
             raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
-        if not await self.link.recv_payload(receive.buffer.region(m.offset, m.offset + m.length), self._crc(m)):
+        check = self._crc(m)
+        if check is not None and receive.defer_check and not self.link.stages_device_payloads:
+            receive._checks.append((m.offset, m.length, check))
+            check = None
+        if not await self.link.recv_payload(receive.buffer.region(m.offset, m.offset + m.length), check):
             # The framing is intact (the header's own CRC passed): fail this transfer, keep the link.
             self._receives.pop(m.tag, None)
             receive.fail(CorruptPayload(f"transfer {m.tag:#x}: bytes [{m.offset}, {m.offset + m.length}) failed "
@@ -605,7 +642,7 @@ class Connection:
         if receive.received >= receive.total:
             self._complete(receive)
         elif receive._unacked >= self._config.max_inflight_bytes // _ACK_FRACTION:
-            self._control.put_nowait(Message(MessageType.ACK, m.tag, length=receive._unacked))
+            self._post([(Message(MessageType.ACK, m.tag, length=receive._unacked), None)])
             receive._unacked = 0
 
     @staticmethod

@@ -71,9 +71,9 @@ class Listener:
                     log.info("closing idle connection %d from %s", connection.id, connection.peer)
                     await connection.close()
 
-    def expect(self, tag: int, buffer) -> object:
+    def expect(self, tag: int, buffer, defer_check: bool = False) -> object:
         """Post a receive for transfer ``tag`` (see ``Mailbox.expect``)."""
-        return self.mailbox.expect(tag, buffer)
+        return self.mailbox.expect(tag, buffer, defer_check)
 
     async def close(self) -> None:
         """Stop accepting, close every accepted connection, then release the port.

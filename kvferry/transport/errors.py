@@ -9,7 +9,7 @@ the backend's edge and chained with ``from``.
     ├── ProtocolError      the peer sent bytes that are not a valid kvferry transport message
     ├── TransferRejected   the receiver refused a transfer (no such tag, buffer too small, ...)
     ├── AuthenticationFailed  the peer does not hold the shared peer secret (handshake refused)
-    └── CorruptPayload     a payload failed its CRC32C (nothing was handed on)
+    └── CorruptPayload     a payload failed its CRC32C (nothing was handed on, or a deferred check failed)
 """
 
 

@@ -61,3 +61,44 @@ def test_gpu_chunks_are_coded_on_the_loop_up_to_their_limit():
     blocks = pipeline.INLINE_GPU_BYTES // (2 * 65536) + 16
     seen, frame, expected = _where("cuda", blocks, 65536)
     assert seen == ["worker"] and torch.equal(frame, expected)
+
+
+@pytest.mark.parametrize("blocks, block_elems", [(8, 1024), (64, 8192)])  # inline, and in a worker
+def test_a_deferred_check_is_started_before_the_decode_and_its_verdict_wins(blocks, block_elems):
+    """``decode(check=...)``: the check starts before the codec's work and its verdict is taken
+    after; a failed verdict is the error, even when the codec refused the frame too."""
+    from kvferry import transport
+
+    cache = (torch.randn(blocks, block_elems, generator=torch.Generator().manual_seed(1)) * 0.05).to(torch.bfloat16)
+    ids = torch.arange(blocks)
+    splitzip = codecs.get("splitzip")
+    frame = splitzip.encode_blocks(cache, ids, None)
+    order: list[str] = []
+
+    def check(fails: bool):
+        def start():
+            order.append("start")
+
+            def verdict():
+                order.append("verdict")
+                if fails:
+                    raise transport.CorruptPayload("bytes failed their CRC32C")
+            return verdict
+        return start
+
+    async def decode(data: torch.Tensor, fails: bool) -> torch.Tensor:
+        out = torch.zeros_like(cache)
+        runner = pipeline.CodecRunner(torch.device("cpu"), Policy(), lambda direction, s: None)
+        await runner.decode(splitzip, data, out, ids, None, cache.numel() * 2, check=check(fails))
+        return out
+
+    assert torch.equal(asyncio.run(decode(frame, False)).view(torch.int16), cache.view(torch.int16))
+    assert order == ["start", "verdict"]
+    with pytest.raises(transport.CorruptPayload):
+        asyncio.run(decode(frame, True))
+    broken = frame.clone()
+    broken[20] ^= 0xFF  # the header: the codec refuses it, but the failed CRC is what is reported
+    with pytest.raises(transport.CorruptPayload):
+        asyncio.run(decode(broken, True))
+    with pytest.raises(codecs.CodecError):
+        asyncio.run(decode(broken, False))

@@ -161,3 +161,67 @@ def test_a_device_payload_changed_on_the_way_is_refused(backend):
         await listener.close()
 
     run(main(), timeout=60)
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_deferred_check_leaves_the_verdict_to_the_consumer(backend):
+    """A receive into GPU memory with ``defer_check`` (the engine's: it checks with its decode)
+    lands the bytes unverified where the link does not stage them (UCX); ``start_check`` then
+    gives the verdict: a payload changed on the way raises CorruptPayload, a sound one passes.
+    Over TCP the staged copy is checked on the host as before, and the receive itself fails."""
+    async def main():
+        cfg = config(backend, chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        connection = await transport.connect("127.0.0.1", listener.port, cfg)
+        name = "device_segmented_crc" if backend == "ucxx" else "crc"
+        real = getattr(checksum, name)
+
+        def stale(region):
+            value = real(region)
+            region[4097] ^= 0x01
+            return value
+
+        for tag, corrupt in ((1, True), (2, False)):
+            payload = torch.arange(3 << 20, device="cuda").to(torch.uint8)
+            target = torch.zeros_like(payload)
+            receive = listener.expect(tag, target, defer_check=True)
+            setattr(checksum, name, stale if corrupt else real)
+            try:
+                sent = asyncio.ensure_future(connection.send(tag, payload))
+                if backend == "tcp" and corrupt:
+                    with pytest.raises(transport.CorruptPayload):
+                        await receive.wait(cfg.op_timeout)
+                    with pytest.raises(transport.TransportError):
+                        await sent
+                    continue
+                await receive.wait(cfg.op_timeout)
+                await sent
+            finally:
+                setattr(checksum, name, real)
+            verdict = receive.start_check()
+            if corrupt:
+                with pytest.raises(transport.CorruptPayload, match="CRC32C"):
+                    verdict()
+            else:
+                verdict()
+                torch.cuda.synchronize()
+                assert torch.equal(target, payload)
+        await connection.close()
+        await listener.close()
+
+    run(main(), timeout=60)
+
+
+def test_a_host_receive_ignores_defer_check():
+    """Only device buffers defer: a host receive is checked by the transport, as always."""
+    async def main():
+        cfg = config("tcp")
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        receive = listener.expect(3, bytearray(16), defer_check=True)
+        assert not receive.defer_check
+        receive.start_check()()  # nothing deferred: nothing to check
+        receive.cancel()
+        await listener.close()
+
+    run(main(), timeout=30)
