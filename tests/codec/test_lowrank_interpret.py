@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import lent_google_crc32c
 
 ROOT = Path(__file__).parents[2]
 CANDIDATES = [sys.executable, os.environ.get("KVFERRY_TRITON_PYTHON", ""),
@@ -71,11 +72,7 @@ def test_interpreted_kernels_write_the_reference_bytes():
     python = _triton_python()
     if python is None:
         pytest.skip("no Python with Triton found")
-    import google_crc32c
-
-    with tempfile.TemporaryDirectory() as shim:
-        # the Triton venv may lack google_crc32c: lend it this interpreter's (same Python version)
-        os.symlink(Path(google_crc32c.__file__).parent, Path(shim) / "google_crc32c")
+    with lent_google_crc32c() as shim:
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{shim}")
         done = subprocess.run([python, "-c", SCRIPT, str(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz")],
                               env=env, capture_output=True, text=True, timeout=900)

