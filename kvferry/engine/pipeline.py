@@ -109,12 +109,9 @@ class CodecRunner:
                 result = work(*args)
                 if stream is not None:
                     stream.synchronize()  # the chunk is done (sent or written) only when its GPU work is
-            except Exception:
+            finally:
                 if verdict is not None:
-                    verdict()  # bytes that failed their CRC explain a frame the codec refused
-                raise
-        if verdict is not None:
-            verdict()
+                    verdict()  # raises for bytes that failed their CRC, which also explain a refused frame
         seconds = time.perf_counter() - started
         self._on_seconds(direction, seconds)
         self._policy.observe_codec(codec.name, direction, raw_bytes, seconds)
