@@ -15,7 +15,7 @@ from .errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedT
 from .fields import as_bits, split
 from .format import (DEFAULT_CHUNK, HEADER_SIZE, MAX_CHUNK, MAX_NDIM, FrameCodec, Header, Stream,
                      make_header, parse_header, splitzip_size, stored_size)
-from .staging import current_stream, read_to_host
+from .staging import Pending, current_stream, read_to_host
 
 
 def encode(x: torch.Tensor, codebook: Codebook | None = None, *, checksum: bool = False,
@@ -144,6 +144,46 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
                 splitzip_gpu.check_alignment(frame), cache, layout_for(cache.dtype), shape=shape, block_ids=ids,
                 block_elems=_block_elems(cache)):
             return
+    _decode_blocks_parsed(frame, cache, block_ids)
+
+
+def start_encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
+                        codebook: Codebook | None = None) -> Pending[torch.Tensor]:
+    """``encode_blocks`` launched on the current stream where the GPU can code the blocks with
+    ``codebook``: the frame once the stream has run, without blocking the caller meanwhile.
+    Elsewhere it runs ``encode_blocks`` now."""
+    if not (_blocks_on_gpu(cache, DEFAULT_CHUNK) and codebook is not None):
+        return Pending.done(encode_blocks(cache, block_ids, codebook))
+    layout = _check_tensor(cache)
+    ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
+    book = _codebook_for(cache, codebook, layout, DEFAULT_CHUNK)
+    return splitzip_gpu.start_encode(cache, ids, _block_elems(cache), (ids.numel(), *cache.shape[1:]), layout,
+                                     book.exponents, DEFAULT_CHUNK)
+
+
+def start_decode_blocks(frame: torch.Tensor, cache: torch.Tensor,
+                        block_ids: Sequence[int] | torch.Tensor) -> Pending[None]:
+    """``decode_blocks`` launched on the current stream where the GPU checks the frame itself:
+    done once the stream has run (raising as ``decode_blocks`` does), without blocking the caller
+    meanwhile. A frame the GPU declines (a stored one, say) is decoded on the host's terms when
+    the result is asked for, on the stream current then; elsewhere ``decode_blocks`` runs now."""
+    if _unparsed_on_gpu(frame, cache) and _blocks_on_gpu(cache, 8) and cache.dim() <= MAX_NDIM:
+        ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
+        if ids.numel():
+            def declined(taken: bool) -> None:
+                if not taken:
+                    _decode_blocks_parsed(frame, cache, block_ids)
+                    torch.cuda.current_stream(cache.device).synchronize()
+
+            return splitzip_gpu.start_decode_unparsed(
+                splitzip_gpu.check_alignment(frame), cache, layout_for(cache.dtype),
+                shape=(ids.numel(), *cache.shape[1:]), block_ids=ids, block_elems=_block_elems(cache)).then(declined)
+    decode_blocks(frame, cache, block_ids)
+    return Pending.done(None)
+
+
+def _decode_blocks_parsed(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
+    """``decode_blocks`` with the header parsed on the host."""
     header = read_header(frame)
     # Coded frames on the GPU: the validation kernel checks the ids along with the streams.
     on_gpu = (header.codec == FrameCodec.SPLITZIP and _blocks_on_gpu(cache, header.chunk)

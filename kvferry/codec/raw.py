@@ -17,6 +17,7 @@ from .errors import CodebookMismatch, CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
 from .frames import decode, encode_stored, read_header
 from .registry import PositionFree
+from .staging import Pending
 
 
 @functools.lru_cache(maxsize=256)
@@ -90,6 +91,18 @@ class RawCodec(PositionFree):
         if read_header(frame).codec != FrameCodec.STORED:
             raise CorruptFrame("not a stored frame")
         return decode(frame, out=out)
+
+    def start_encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Any = None) -> Pending[torch.Tensor]:
+        frame = self.encode_blocks(cache, block_ids)
+        return Pending.after(frame, frame.device) if frame.is_cuda else Pending.done(frame)
+
+    def start_decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Any = None) -> Pending[None]:
+        """The header is checked on the host first (it decides whether anything is written);
+        the copy into the blocks is what runs on."""
+        self.decode_blocks(frame, cache, block_ids)
+        return Pending.after(None, cache.device) if cache.is_cuda else Pending.done(None)
 
     def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, codebook: Any = None) -> torch.Tensor:
         layout = layout_for(cache.dtype)

@@ -45,7 +45,11 @@ class Codec(Protocol):
     ``identity = True`` (its frames hold the blocks as they are; ``raw``). A codec whose
     receiver must hold the sender's codebook says ``decode_needs_codebook = True``. A codec that,
     given no codebook, learns one from each call's data may offer ``learn(sample)``: the codebook
-    it would learn, so a caller coding many chunks of the same region learns once.
+    it would learn, so a caller coding many chunks of the same region learns once. A codec
+    whose GPU path can run without the host waiting in between may offer
+    ``start_encode_blocks`` and ``start_decode_blocks`` (same arguments): they launch the work on
+    the current stream and return a ``staging.Pending`` of what ``encode_blocks`` /
+    ``decode_blocks`` return, so a caller on an event loop awaits the GPU instead of blocking.
     """
 
     name: str

@@ -11,7 +11,8 @@ from .codebook import Codebook, calibrate
 from .dtypes import supported
 from .format import FrameCodec
 from .registry import PositionFree
-from .frames import decode, decode_blocks, encode, encode_blocks, frame_capacity
+from .frames import decode, decode_blocks, encode, encode_blocks, frame_capacity, start_decode_blocks, start_encode_blocks
+from .staging import Pending
 
 
 class SplitZipCodec(PositionFree):
@@ -52,3 +53,11 @@ class SplitZipCodec(PositionFree):
     def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: Any = None) -> None:
         decode_blocks(frame, cache, block_ids)
+
+    def start_encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Codebook | None = None) -> Pending[torch.Tensor]:
+        return start_encode_blocks(cache, block_ids, codebook)
+
+    def start_decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Any = None) -> Pending[None]:
+        return start_decode_blocks(frame, cache, block_ids)

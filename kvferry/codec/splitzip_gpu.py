@@ -35,7 +35,7 @@ from .checksum import crc32c
 from .dtypes import LAYOUTS, FloatLayout
 from .errors import CorruptFrame, OutputMismatch
 from .format import DEFAULT_CHUNK, HEADER_SIZE, FrameCodec, Header, Stream, make_header, parse_header, stored_size
-from .staging import current_stream, optional_cupy, read_to_host
+from .staging import Pending, current_stream, optional_cupy, read_to_host, start_read
 
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
@@ -343,22 +343,46 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     Raises:
         IndexError: a block id outside the cache.
     """
-    device = source.device
-    plan = _encode_plan(layout, shape, chunk, codebook, device, _tuning())
-    stream = current_stream(device)
-    # The frame's buffer, with 8 aligned bytes after it for the length: one allocation fewer.
-    length_offset = (plan.capacity + 7) // 8 * 8
-    buf = torch.empty(length_offset + 8, dtype=torch.uint8, device=device)
-    _encode_launch(plan, source, block_ids, block_elems, chunk, buf.data_ptr(), buf.data_ptr() + length_offset, stream)
-    length = int(read_to_host(buf, 8, stream, offset=length_offset).view(np.int64)[0])
-    if length < 0:
-        raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
-    frame = buf[:length]
+    buf, length_offset = _encode_buffered(source, block_ids, block_elems, shape, layout, codebook, chunk)
+    stream = current_stream(source.device)
+    frame = _framed(buf, int(read_to_host(buf, 8, stream, offset=length_offset).view(np.int64)[0]), source, block_elems)
     if checksum:
-        header = parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), length)
+        header = parse_header(frame[:HEADER_SIZE].cpu().numpy().tobytes(), frame.numel())
         header = replace(header, stream_crc=crc32c(frame[HEADER_SIZE:].cpu().numpy().data))
         frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
     return frame
+
+
+def start_encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
+                 layout: FloatLayout, codebook: tuple[int, ...], chunk: int) -> Pending[torch.Tensor]:
+    """``encode`` (without a stream checksum) launched on torch's current stream: the frame
+    once it has run, read without blocking the caller meanwhile.
+
+    Raises (from ``result``):
+        IndexError: a block id outside the cache.
+    """
+    buf, length_offset = _encode_buffered(source, block_ids, block_elems, shape, layout, codebook, chunk)
+    return start_read(buf, 8, length_offset).then(
+        lambda length: _framed(buf, int(length.view(np.int64)[0]), source, block_elems))
+
+
+def _encode_buffered(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: int, shape: tuple[int, ...],
+                     layout: FloatLayout, codebook: tuple[int, ...], chunk: int) -> tuple[torch.Tensor, int]:
+    """Launch an encode into a new buffer: (the buffer, the offset of the frame's length in it)."""
+    device = source.device
+    plan = _encode_plan(layout, shape, chunk, codebook, device, _tuning())
+    # The frame's buffer, with 8 aligned bytes after it for the length: one allocation fewer.
+    length_offset = (plan.capacity + 7) // 8 * 8
+    buf = torch.empty(length_offset + 8, dtype=torch.uint8, device=device)
+    _encode_launch(plan, source, block_ids, block_elems, chunk, buf.data_ptr(), buf.data_ptr() + length_offset,
+                   current_stream(device))
+    return buf, length_offset
+
+
+def _framed(buf: torch.Tensor, length: int, source: torch.Tensor, block_elems: int) -> torch.Tensor:
+    if length < 0:
+        raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
+    return buf[:length]
 
 
 # Decode's scratch holds escape offsets for this many chunks of the element count: frames with
@@ -418,6 +442,26 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
         CorruptFrame: the escape streams fail validation. IndexError: a block id outside the
             cache. OutputMismatch: a block id repeats. In every case nothing was written.
     """
+    scratch, nblocks = _decode_launch(frame, out, layout, shape, block_ids, block_elems, max_nchunks,
+                                      stream_crc_verified, chunks_in_blocks)
+    # The kernels after decode_header wrote nothing if anything failed; one sync, at the end.
+    return _verdict(int(read_to_host(scratch, 4, current_stream(frame.device)).view(np.int32)[0]), nblocks)
+
+
+def start_decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout, *,
+                          shape: tuple[int, ...] | None = None, block_ids: torch.Tensor | None = None,
+                          block_elems: int = 0) -> Pending[bool]:
+    """``decode_unparsed`` launched on torch's current stream: its answer once that has run,
+    read without blocking the caller meanwhile (raising as ``decode_unparsed`` does)."""
+    scratch, nblocks = _decode_launch(frame, out, layout, shape, block_ids, block_elems, None, False, True)
+    return start_read(scratch, 4).then(lambda verdict: _verdict(int(verdict.view(np.int32)[0]), nblocks))
+
+
+def _decode_launch(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout, shape: tuple[int, ...] | None,
+                   block_ids: torch.Tensor | None, block_elems: int, max_nchunks: int | None,
+                   stream_crc_verified: bool, chunks_in_blocks: bool) -> tuple[torch.Tensor, int]:
+    """Launch ``decode_unparsed``'s kernels: (the scratch whose first word is the verdict, the
+    cache's block count)."""
     device = frame.device
     nids = 0 if block_ids is None else block_ids.numel()
     numel = nids * block_elems if block_ids is not None else out.numel()
@@ -453,8 +497,11 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     (plan.lean if lean else plan.dense)(stream, plan.dense_grid, (
         base, params, inclusive, numel, out.data_ptr(), ids, block_elems, flags,
     ), every_block=plan.dense_uncapped)
-    # The kernels after decode_header wrote nothing if anything failed; one sync, at the end.
-    verdict = int(read_to_host(scratch, 4, stream).view(np.int32)[0])
+    return scratch, nblocks
+
+
+def _verdict(verdict: int, nblocks: int) -> bool:
+    """``decode_unparsed``'s answer from its verdict word."""
     if verdict & _FLAG_HOST:
         return False
     if verdict & _BAD_ID:

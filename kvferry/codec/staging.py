@@ -6,11 +6,50 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Callable, Generic, TypeVar
 
 import numpy as np
 import torch
 
 _local = threading.local()
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class Pending(Generic[T]):
+    """GPU work launched on a stream, and what the host learns from it once that has run (a
+    frame's length, a verdict). ``ready`` asks without waiting, so an event loop can await the
+    GPU without blocking; ``result`` waits if need be, then reads."""
+
+    __slots__ = ("_event", "_finish")
+
+    def __init__(self, finish: Callable[[], T], event: torch.cuda.Event | None = None):
+        self._finish = finish
+        self._event = event
+
+    @classmethod
+    def done(cls, value: T) -> Pending[T]:
+        """Work already finished (a host path, or one that had to wait anyway)."""
+        return cls(lambda: value)
+
+    @classmethod
+    def after(cls, value: T, device: torch.device) -> Pending[T]:
+        """``value`` once ``device``'s current stream has run what was launched on it so far."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return cls(lambda: value, event)
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> T:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._finish()
+
+    def then(self, step: Callable[[T], U]) -> Pending[U]:
+        """The same wait, followed by ``step`` of this result on the host."""
+        return Pending(lambda: step(self._finish()), self._event)
 
 
 def _pinned(nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -58,3 +97,11 @@ def read_to_host(t: torch.Tensor, nbytes: int, stream: int, offset: int = 0) -> 
         buf[:nbytes].copy_(t.reshape(-1).view(torch.uint8)[offset:offset + nbytes], non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()
     return array[:nbytes].copy()
+
+
+def start_read(t: torch.Tensor, nbytes: int, offset: int = 0) -> Pending[np.ndarray]:
+    """``read_to_host`` on torch's current stream, without waiting. The pinned copy is torch's,
+    so its allocator keeps the memory until the copy has run even if the result is never read."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.copy_(t.reshape(-1).view(torch.uint8)[offset:offset + nbytes], non_blocking=True)
+    return Pending.after(host, t.device).then(lambda read: read.numpy().copy())

@@ -95,7 +95,7 @@ class Engine:
         self.spinner = Spinner(settings.spin_seconds(self.device.type), self.metrics.spin_seconds.inc)
         self.codec = CodecRunner(self.device, self.policy,
                                  lambda direction, s: self.metrics.codec_seconds.labels(direction).inc(s),
-                                 self.spinner.in_thread)
+                                 self.spinner.in_thread, settings.transfer_timeout)
         # On a GPU each message costs a UCX rendezvous and Python work, so a frame travels whole;
         # host memory moves in 16 MiB pieces.
         message_bytes = settings.transport_chunk_bytes or (

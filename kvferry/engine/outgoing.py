@@ -209,7 +209,16 @@ class Outgoing:
         offer = link.offer is not None
         inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, self._inline_count(plan, pairs, codec))
         wire_start = time.perf_counter()
-        await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer), *inline)
+        # The first streamed chunk of GPU memory is encoded on the GPU while its announce is written.
+        first = None
+        if not offer and len(inline) < len(plan) and pairs[0].region.tensor.is_cuda:
+            pair_index, start, count = plan[len(inline)]
+            first = asyncio.ensure_future(self._encode_chunk(t, codec, pairs[pair_index], start, count, len(inline)))
+        try:
+            await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer), *inline)
+        except BaseException:
+            _drop(first)
+            raise
         t.mark("announced")
         if inline:
             t.mark("first_byte")
@@ -224,7 +233,7 @@ class Outgoing:
                 await self._write_same_host(t, spec, pairs, helds)
                 return
         if len(inline) < len(plan):
-            await self._stream(t, connection, link, plan, pairs, codec, len(inline))
+            await self._stream(t, connection, link, plan, pairs, codec, len(inline), first)
         t.mark("last_byte")
         wire_s = time.perf_counter() - wire_start
         self.engine.metrics.wire_seconds.inc(wire_s)
@@ -263,9 +272,12 @@ class Outgoing:
         return inline
 
     async def _stream(self, t: Transfer, connection: transport.Connection, link: PeerLink,
-                      plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec, inline: int) -> None:
-        """The chunks after the inline ones, as transport transfers: encoded while earlier ones
-        are on the wire, at most ``max_inflight_chunks`` encoded and unacknowledged."""
+                      plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec, inline: int,
+                      first: asyncio.Future | None = None) -> None:
+        """The chunks after the inline ones, as transport transfers: each sent as soon as it is
+        encoded, the next encoded while earlier ones are on the wire, at most
+        ``max_inflight_chunks`` encoded and unacknowledged. ``first``: the first one's encode,
+        begun already."""
         slots = asyncio.Semaphore(self.engine.settings.max_inflight_chunks)
         sends: list[asyncio.Task] = []
         try:
@@ -275,12 +287,19 @@ class Outgoing:
                 await slots.acquire()
                 if link.reply.done() or any(task.done() and task.exception() for task in sends):
                     break
-                payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, index)
+                if index == inline and first is not None:
+                    payload = await first
+                else:
+                    payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, index)
                 self.engine.metrics.inflight_chunks.inc()
                 eager = index < inline + peer.EAGER_CHUNKS
                 sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots, eager)))
+                # Let the send start (its checksum launched, its first message written) before the
+                # next chunk's encode takes the GPU: the first chunk reaches the link sooner.
+                await asyncio.sleep(0)
             await self._first(link, asyncio.gather(*sends))
         finally:
+            _drop(first)
             for task in sends:
                 task.cancel()
 
@@ -395,6 +414,17 @@ class Outgoing:
         finally:
             self.engine.metrics.inflight_chunks.dec()
             slots.release()
+
+
+def _drop(work: asyncio.Future | None) -> None:
+    """Cancel ``work`` if it is still running, and take any error it ended with (reported otherwise)."""
+    if work is None:
+        return
+    if work.done():
+        if not work.cancelled():
+            work.exception()
+    else:
+        work.cancel()
 
 
 def _failed(exc: Exception) -> asyncio.Future:

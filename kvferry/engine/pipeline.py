@@ -1,8 +1,10 @@
-"""Running codec work for the pipelines: on the codec's own CUDA stream per direction, inline for
-small host chunks and GPU chunks (a thread hop costs more than the work, or than launching kernels
-and waiting for them), in a worker thread for large host ones (so the event loop keeps the wire
-busy); every chunk's time feeds ``auto``'s speeds. And the receive buffers, reused across chunks
-and transfers."""
+"""Running codec work for the pipelines: on the codec's own CUDA stream per direction. GPU chunks
+of codecs that launch without waiting (``start_encode_blocks``) are awaited, the loop polling
+between other work, so that one chunk is coded while others are sent or received; other GPU
+chunks and small host ones run inline (a thread hop costs more than the work, or than launching
+kernels and waiting for them), large host ones in a worker thread (so the event loop keeps the
+wire busy). Every chunk's time feeds ``auto``'s speeds. And the receive buffers, reused across
+chunks and transfers."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from kvferry import codec as codecs
+from kvferry import codec as codecs, transport
 
 from .policy import CodecSpeed, Policy
 
@@ -44,7 +46,7 @@ class CodecRunner:
     """Encodes and decodes chunks for the engine; knows no codec by name."""
 
     def __init__(self, device: torch.device, policy: Policy, on_seconds: Callable[[str, float], None],
-                 in_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread):
+                 in_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread, gpu_timeout: float = 30.0):
         # Codec work runs on streams of its own, one per direction: on torch's default (legacy)
         # stream it would wait for, and hold up, UCX's copies into the same GPU.
         self._streams = ({"encode": torch.cuda.Stream(device), "decode": torch.cuda.Stream(device)}
@@ -52,9 +54,13 @@ class CodecRunner:
         self._policy = policy
         self._on_seconds = on_seconds
         self._in_thread = in_thread  # the engine's, which stops its loop spinning meanwhile
+        self._gpu_timeout = gpu_timeout
 
     async def encode(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
                      raw_bytes: int) -> torch.Tensor:
+        start = getattr(codec, "start_encode_blocks", None)
+        if start is not None and cache.is_cuda:
+            return await self._launched("encode", codec, raw_bytes, start, cache, ids, book)
         return await self._run("encode", codec, cache, raw_bytes, codec.encode_blocks, cache, ids, book)
 
     async def decode(self, codec: codecs.Codec, frame: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor,
@@ -63,6 +69,10 @@ class CodecRunner:
         is launched on the decode's stream first and its verdict taken after the decode's wait:
         the frame's CRCs cost no wait of their own, and a mismatch fails the chunk (whose blocks
         are then not reported written)."""
+        start = getattr(codec, "start_decode_blocks", None)
+        if start is not None and cache.is_cuda:
+            await self._launched("decode", codec, raw_bytes, start, frame, cache, ids, book, check=check)
+            return
         await self._run("decode", codec, cache, raw_bytes, codec.decode_blocks, frame, cache, ids, book, check=check)
 
     def encode_now(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
@@ -92,6 +102,31 @@ class CodecRunner:
                 stream.synchronize()
         return result
 
+    async def _launched(self, direction: str, codec: codecs.Codec, raw_bytes: int, start: Callable, *args: Any,
+                        check: Callable[[], Callable[[], None]] | None = None) -> Any:
+        """GPU work the loop awaits rather than blocks on: launched on the direction's stream (the
+        check first), polled once per turn of the loop, so that UCX's progress and the other
+        chunks' sends and receives run meanwhile; then its result, and the check's verdict."""
+        started = time.perf_counter()
+        stream = self._streams[direction]
+        with torch.cuda.stream(stream):
+            verdict = check() if check is not None else None
+            try:
+                pending = start(*args)
+            except Exception:
+                if verdict is not None:
+                    verdict()  # bytes that failed their CRC explain a refused frame
+                raise
+        await transport.until_ready(pending, timeout=self._gpu_timeout, what=f"{codec.name} {direction}")
+        try:
+            with torch.cuda.stream(stream):  # a frame the GPU declined is decoded here, on this stream
+                result = pending.result()
+        finally:
+            if verdict is not None:
+                verdict()
+        self._observe(direction, codec, raw_bytes, time.perf_counter() - started)
+        return result
+
     async def _run(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
                    work: Callable, *args: Any, check: Callable[[], Callable[[], None]] | None = None) -> Any:
         if raw_bytes <= (INLINE_GPU_BYTES if cache.is_cuda else INLINE_BYTES):
@@ -112,10 +147,12 @@ class CodecRunner:
             finally:
                 if verdict is not None:
                     verdict()  # raises for bytes that failed their CRC, which also explain a refused frame
-        seconds = time.perf_counter() - started
+        self._observe(direction, codec, raw_bytes, time.perf_counter() - started)
+        return result
+
+    def _observe(self, direction: str, codec: codecs.Codec, raw_bytes: int, seconds: float) -> None:
         self._on_seconds(direction, seconds)
         self._policy.observe_codec(codec.name, direction, raw_bytes, seconds)
-        return result
 
     def measure(self, candidates: list[codecs.Codec], device: torch.device, nbytes: int) -> None:
         """Each candidate's speed on this device, per call as the pipeline pays it (no named

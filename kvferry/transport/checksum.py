@@ -39,15 +39,16 @@ def device_segmented_crc(payload: Any) -> int:
 
 def start_device_segmented_crc(payload: Any) -> Callable[[], int]:
     """Launch ``device_segmented_crc`` on the current stream without waiting: the returned
-    function gives the value once the stream has run. A consumer that synchronizes the stream
-    anyway (a decode) pays no wait of its own for the check."""
+    function gives the value once the stream has run (waiting for that if need be) and has a
+    ``ready()`` that asks without waiting. A consumer that synchronizes the stream anyway (a
+    decode) pays no wait of its own for the check."""
     n = payload.numel()
     if n == 0:
-        return functools.partial(google_crc32c.value, b"")
+        return _Known(google_crc32c.value(b""))
     try:
         import cupy
     except ImportError:  # correct, if slow: the bytes go to the host once
-        return functools.partial(segmented_crc, payload.cpu().numpy())
+        return _Known(segmented_crc(payload.cpu().numpy()))
     import torch
 
     if not payload.is_contiguous():
@@ -60,20 +61,46 @@ def start_device_segmented_crc(payload: Any) -> Callable[[], int]:
     # one pinned read keep its host side to a few tens of microseconds.
     handle = torch._C._cuda_getCurrentRawStream(device)
     out = torch.empty(segments, dtype=torch.int32, device=payload.device)  # stream-ordered: freed safely
-    host = torch.empty(segments, dtype=torch.int32, pin_memory=True)  # held by ``value`` until read
-    runtime = cupy.cuda.runtime
     with cupy.cuda.Device(device), _external_stream(cupy, handle, device):
         _kernel(device)((min(-(-segments // _WARPS), _MAX_BLOCKS),), (32 * _WARPS,),
                         (np.uint64(payload.data_ptr()), np.uint64(n), np.uint64(segments), np.uint64(out.data_ptr()),
                          _tables_on_device(device), np.uint32(_zeros_crc(SEGMENT_BYTES)), np.uint32(_zeros_crc(last))))
-        runtime.memcpyAsync(host.data_ptr(), out.data_ptr(), 4 * segments, runtime.memcpyDeviceToHost, handle)
+    # Copied by torch, whose pinned allocator then keeps ``host`` until the copy has run, even
+    # if the value is never asked for (a send that failed first).
+    host = torch.empty(segments, dtype=torch.int32, pin_memory=True)
+    host.copy_(out, non_blocking=True)
+    # An event, not the stream: work launched on the stream later must not hold up the value.
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(payload.device))  # ``handle``
+    return _DeviceCrc(event, host)
 
-    def value() -> int:
-        with cupy.cuda.Device(device):
-            runtime.streamSynchronize(handle)
-        return google_crc32c.value(host.numpy().tobytes())  # x86 and CUDA: little-endian already
 
-    return value
+class _Known:
+    """A CRC computed already."""
+
+    def __init__(self, value: int):
+        self._value = value
+
+    def ready(self) -> bool:
+        return True
+
+    def __call__(self) -> int:
+        return self._value
+
+
+class _DeviceCrc:
+    """A segmented CRC the GPU is computing: the segments' CRCs land in ``host``."""
+
+    def __init__(self, event: Any, host: Any):
+        self._event = event
+        self._host = host
+
+    def ready(self) -> bool:
+        return self._event.query()
+
+    def __call__(self) -> int:
+        self._event.synchronize()
+        return google_crc32c.value(self._host.numpy().tobytes())  # x86 and CUDA: little-endian already
 
 
 @functools.lru_cache(maxsize=64)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import checksum, wire
+from .waiting import until_ready
 from .buffers import Buffer
 from .config import TransportConfig
 from .errors import (CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
@@ -378,21 +379,32 @@ class Connection:
         if tag in self._sends:
             raise ValueError(f"a send with tag {tag:#x} is already in progress on this connection")
         data = Buffer(payload)
+        chunk = self._config.chunk_bytes
         state = self._sends[tag] = _Send()
         try:
+            # GPU to GPU: the payload's CRCs are launched first and awaited without blocking the
+            # loop, behind the rendezvous where there is one.
+            crcs = ([checksum.start_device_segmented_crc(data.region(offset, min(offset + chunk, data.nbytes)))
+                     for offset in range(0, data.nbytes, chunk)]
+                    if data.is_device and not self.link.stages_device_payloads else None)
             rts = Message(MessageType.RTS, tag, total=data.nbytes, flags=wire.FLAG_EAGER if eager else 0)
             if not eager:
                 await self._write(rts)
                 await self._await(state.accepted, timeout, f"transfer {tag:#x}: receiver did not accept")
                 rts = None
-            chunk = self._config.chunk_bytes
-            for offset in range(0, data.nbytes, chunk):
+            if crcs:
+                await until_ready(*crcs, timeout=timeout, what=f"transfer {tag:#x}: checksum")
+            for index, offset in enumerate(range(0, data.nbytes, chunk)):
                 n = min(chunk, data.nbytes - offset)
                 await self._room_for(state, n, timeout)
                 if self._pacer is not None:
                     await self._pacer.admit(n)
                 state.sent += n
-                message = (Message(MessageType.DATA, tag, offset, n, data.nbytes), data.region(offset, offset + n))
+                header = Message(MessageType.DATA, tag, offset, n, data.nbytes)
+                if crcs:
+                    header = dataclasses.replace(header, flags=wire.FLAG_PAYLOAD_CRC | wire.FLAG_SEGMENTED,
+                                                 crc=crcs[index]())
+                message = (header, data.region(offset, offset + n))
                 started = time.monotonic()
                 await self._write_many([(rts, None), message] if rts is not None else [message])
                 if self._pacer is not None:
@@ -463,7 +475,8 @@ class Connection:
         self.last_activity = time.monotonic()
         parts = []
         for message, payload in messages:
-            if payload is not None and len(payload) and message.type in (MessageType.DATA, MessageType.MSG):
+            if payload is not None and len(payload) and message.type in (MessageType.DATA, MessageType.MSG) \
+                    and not message.flags & wire.FLAG_PAYLOAD_CRC:
                 if getattr(payload, "is_cuda", False) and self.link.stages_device_payloads:
                     payload = memoryview(payload.cpu().numpy())  # staged here, so it is checksummed too
                 if getattr(payload, "is_cuda", False):  # it goes GPU to GPU: checksummed on the GPU

@@ -1,4 +1,5 @@
-"""Where the pipeline codes a chunk: on the event loop for small host chunks and for GPU chunks up
+"""Where the pipeline codes a chunk: GPU chunks of codecs that launch without waiting are awaited
+while the loop runs; on the event loop for small host chunks and for other GPU chunks up
 to ``INLINE_GPU_BYTES`` (launching kernels and waiting costs less than a hop to a thread that
 slept), in a worker thread for large host chunks; the frames are the same either way."""
 
@@ -102,3 +103,52 @@ def test_a_deferred_check_is_started_before_the_decode_and_its_verdict_wins(bloc
         asyncio.run(decode(broken, True))
     with pytest.raises(codecs.CodecError):
         asyncio.run(decode(broken, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_chunks_of_launching_codecs_are_awaited_while_the_loop_runs():
+    """SplitZip launches its GPU work and the loop awaits it: another task runs meanwhile, the
+    frame and the decoded blocks are the codec's own, and a failed check still wins."""
+    from kvferry import transport
+
+    cache = (torch.randn(512, 65536, generator=torch.Generator().manual_seed(2)) * 0.05).to(torch.bfloat16).cuda()
+    ids = torch.arange(511, -1, -1, device="cuda")
+    splitzip = codecs.get("splitzip")
+    book = splitzip.learn(cache[:4])
+
+    async def main(fails: bool):
+        turns = 0
+
+        async def other():
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        runner = pipeline.CodecRunner(torch.device("cuda"), Policy(), lambda direction, s: None)
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        try:
+            with torch.cuda.stream(runner._streams["encode"]):
+                torch.cuda._sleep(50_000_000)  # the encode's stream busy a while before it
+            frame = await runner.encode(splitzip, cache, ids, book, cache.numel() * 2)
+            out = torch.zeros_like(cache)
+
+            def check():
+                def verdict():
+                    if fails:
+                        raise transport.CorruptPayload("bytes failed their CRC32C")
+                return verdict
+
+            await runner.decode(splitzip, frame, out, ids, book, cache.numel() * 2, check=check)
+            return frame, out, turns
+        finally:
+            task.cancel()
+
+    frame, out, turns = asyncio.run(main(False))
+    assert turns > 0
+    assert torch.equal(frame, splitzip.encode_blocks(cache, ids, book))
+    assert torch.equal(out.view(torch.int16), cache.view(torch.int16))
+    with pytest.raises(transport.CorruptPayload):
+        asyncio.run(main(True))

@@ -129,12 +129,14 @@ def test_a_device_payload_changed_on_the_way_is_refused(backend):
         connection = await transport.connect("127.0.0.1", listener.port, cfg)
         payload = torch.arange(1 << 20, device="cuda").to(torch.uint8)
         # UCX sends the device bytes (segmented CRC, on the GPU); TCP stages them (host CRC).
-        name = "device_segmented_crc" if backend == "ucxx" else "crc"
+        name = "start_device_segmented_crc" if backend == "ucxx" else "crc"
         real = getattr(checksum, name)
         calls = []
 
         def stale(region):  # the sender's checksum, of the bytes before one of them flipped
             value = real(region)
+            if backend == "ucxx":
+                value = _Computed(value())
             if not calls:
                 region[12345] ^= 0xFF
             calls.append(value)
@@ -174,11 +176,13 @@ def test_a_deferred_check_leaves_the_verdict_to_the_consumer(backend):
         cfg = config(backend, chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
         listener = await transport.listen("127.0.0.1", 0, cfg)
         connection = await transport.connect("127.0.0.1", listener.port, cfg)
-        name = "device_segmented_crc" if backend == "ucxx" else "crc"
+        name = "start_device_segmented_crc" if backend == "ucxx" else "crc"
         real = getattr(checksum, name)
 
         def stale(region):
             value = real(region)
+            if backend == "ucxx":
+                value = _Computed(value())
             region[4097] ^= 0x01
             return value
 
@@ -225,3 +229,16 @@ def test_a_host_receive_ignores_defer_check():
         await listener.close()
 
     run(main(), timeout=30)
+
+
+class _Computed:
+    """A device CRC whose value was taken before the test changed the bytes."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def ready(self) -> bool:
+        return True
+
+    def __call__(self) -> int:
+        return self.value
