@@ -26,12 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 from . import checksum, wire
-from .waiting import until_ready
 from .buffers import Buffer
 from .config import TransportConfig
 from .errors import (CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
 from .link import Link, log
+from .waiting import until_ready
 from .wire import Message, MessageType
 
 _ACK_FRACTION = 4  # acknowledge at least every max_inflight_bytes / 4 received
