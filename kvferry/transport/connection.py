@@ -380,12 +380,12 @@ class Connection:
             raise ValueError(f"a send with tag {tag:#x} is already in progress on this connection")
         data = Buffer(payload)
         chunk = self._config.chunk_bytes
+        spans = [(offset, min(chunk, data.nbytes - offset)) for offset in range(0, data.nbytes, chunk)]
         state = self._sends[tag] = _Send()
         try:
             # GPU to GPU: the payload's CRCs are launched first and awaited without blocking the
             # loop, behind the rendezvous where there is one.
-            crcs = ([checksum.start_device_segmented_crc(data.region(offset, min(offset + chunk, data.nbytes)))
-                     for offset in range(0, data.nbytes, chunk)]
+            crcs = ([checksum.start_device_segmented_crc(data.region(offset, offset + n)) for offset, n in spans]
                     if data.is_device and not self.link.stages_device_payloads else None)
             rts = Message(MessageType.RTS, tag, total=data.nbytes, flags=wire.FLAG_EAGER if eager else 0)
             if not eager:
@@ -394,8 +394,7 @@ class Connection:
                 rts = None
             if crcs:
                 await until_ready(*crcs, timeout=timeout, what=f"transfer {tag:#x}: checksum")
-            for index, offset in enumerate(range(0, data.nbytes, chunk)):
-                n = min(chunk, data.nbytes - offset)
+            for index, (offset, n) in enumerate(spans):
                 await self._room_for(state, n, timeout)
                 if self._pacer is not None:
                     await self._pacer.admit(n)
@@ -470,21 +469,18 @@ class Connection:
             await asyncio.shield(write)
 
     def _parts(self, messages: list[tuple[Message, Any]]) -> list[Any]:
-        """Headers and payloads in order, host payloads checksummed (device ones staged first
-        where the backend stages them anyway)."""
+        """Headers and payloads in order, payloads checksummed unless ``send`` did it on the GPU
+        (device payloads reach here unchecksummed only on backends that stage them: they are
+        staged here, and their host copy checksummed)."""
         self.last_activity = time.monotonic()
         parts = []
         for message, payload in messages:
             if payload is not None and len(payload) and message.type in (MessageType.DATA, MessageType.MSG) \
                     and not message.flags & wire.FLAG_PAYLOAD_CRC:
-                if getattr(payload, "is_cuda", False) and self.link.stages_device_payloads:
-                    payload = memoryview(payload.cpu().numpy())  # staged here, so it is checksummed too
-                if getattr(payload, "is_cuda", False):  # it goes GPU to GPU: checksummed on the GPU
-                    message = dataclasses.replace(message, flags=message.flags | wire.FLAG_PAYLOAD_CRC
-                                                  | wire.FLAG_SEGMENTED, crc=checksum.device_segmented_crc(payload))
-                else:
-                    message = dataclasses.replace(message, flags=message.flags | wire.FLAG_PAYLOAD_CRC,
-                                                  crc=checksum.crc(payload))
+                if getattr(payload, "is_cuda", False):
+                    payload = memoryview(payload.cpu().numpy())
+                message = dataclasses.replace(message, flags=message.flags | wire.FLAG_PAYLOAD_CRC,
+                                              crc=checksum.crc(payload))
             parts.append(message.pack())
             if payload is not None and len(payload):
                 parts.append(payload)
