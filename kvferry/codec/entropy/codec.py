@@ -1,4 +1,4 @@
-"""``entropy``: the registry entry, frames assembled and taken apart around the rANS coder.
+"""``entropy``: the registry entry, frames assembled and taken apart around the Huffman coder.
 
 CPU tensors go through the numpy reference (``reference.py``); CUDA tensors through the GPU
 kernels when they are available (``gpu.py``), otherwise through the reference by way of host
@@ -81,7 +81,7 @@ def encode_reference(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool =
     sym = for_dtype(x.dtype)
     bits = element_bits(x.contiguous())
     numel = bits.size
-    counts, states, words = reference.encode_symbols((bits >> sym.raw_bits).astype(np.int64), book, chunk)
+    counts, words = reference.encode_symbols((bits >> sym.raw_bits).astype(np.int64), book, chunk)
     header = make_header(sym, tuple(x.shape), book, chunk, words.size)
     if header.total >= stored_size(sym.layout, numel):
         return encode_stored(x, checksum=checksum)
@@ -90,7 +90,7 @@ def encode_reference(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool =
         values = torch.from_numpy((bits & ((1 << sym.raw_bits) - 1)).astype(np.int32))
         raw = bitpack.pack(values, sym.raw_bits).numpy().tobytes()
     streams = (pack_codebook(book), book.context_map.astype(np.uint8).tobytes(), counts.tobytes(),
-               states.tobytes(), words.tobytes(), raw)
+               words.tobytes(), raw)
     return assemble(header, streams, checksum)
 
 
@@ -171,8 +171,7 @@ def decode_reference(buf: np.ndarray, header: EntropyHeader) -> torch.Tensor:
     counts = s[Stream.COUNTS].view("<u4")
     starts = check_counts(header, counts)
     sym, n = header.sym, header.numel
-    symbols = reference.decode_symbols(counts, starts, s[Stream.STATES].view("<u4"), s[Stream.WORDS].view("<u2"),
-                                       book, n, header.chunk)
+    symbols = reference.decode_symbols(counts, starts, s[Stream.WORDS].view("<u4"), book, n, header.chunk)
     bits = symbols << sym.raw_bits
     if sym.raw_bits:
         raw = bitpack.unpack(torch.from_numpy(s[Stream.RAW].copy()), n, sym.raw_bits).numpy()
@@ -246,7 +245,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
 
 
 class EntropyCodec(PositionFree):
-    """Channel-aware static rANS: sign+exponent (BF16/FP16) or the whole byte (FP8) coded with
+    """Channel-aware static Huffman codes: sign+exponent (BF16/FP16) or the whole byte (FP8) coded with
     a table chosen per position in the block, the mantissa raw; a stored frame when that does
     not pay. Frames carry their tables, so decode needs no codebook.
 

@@ -1,9 +1,9 @@
-"""The entropy frame's byte layout (entropy format version 1): the one place that knows it.
+"""The entropy frame's byte layout (entropy format version 2): the one place that knows it.
 
 See the "entropy" section of ``kvferry/codec/FORMAT.md``. A frame is the shared 7-byte prefix
-(magic, version, codec id 2), this codec's header, and six streams each 16-byte aligned: the
-tables, the context map, per-chunk word counts, per-chunk final coder states, the rANS words,
-and the raw bits.
+(magic, version, codec id 2), this codec's header, and five streams each 16-byte aligned: the
+tables, the context map, per-chunk word counts, the code words (32-bit), and the raw bits.
+How the words are ordered (lanes, segments, refill points) is ``reference.py``'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..registry import FRAME_MAGIC
 from .codebook import MAX_CONTEXTS, MAX_TABLES, EntropyCodebook, check_tables
 from .symbols import Geometry, SymbolLayout, symbol_layout
 
-ENTROPY_VERSION = 1
+ENTROPY_VERSION = 2
 FRAME_ID = 2
 LANES = 32
 DEFAULT_CHUNK = 32768  # elements per chunk: 1024 steps of 32 lanes
@@ -28,21 +28,22 @@ MAX_CHUNK = 1 << 20
 MAX_NDIM = 8
 STREAM_ALIGN = 16
 FLAG_STREAM_CRC = 0x01
-STATE_LOW = 1 << 16  # rANS states live in [2**16, 2**32); words are 16 bits
-NUM_STREAMS = 6
+STEPS_PER_GROUP = 32  # a group: 32 steps of 32 lanes, split into segments of SEGMENT steps
+SEGMENT = 3  # steps between two refill points (at most 3 codes of CODE_BITS in a 32-bit word)
+NUM_STREAMS = 5
 
 # magic, version, codec, dtype, ndim, prob_bits, flags, tables, lanes, reserved, chunk,
-# geometry (outer, tokens, inner), numel, shape[8], stream lengths[6], reserved, stream crc
-_BODY = struct.Struct("<4sHBBBBBBHHI3QQ8Q6QII")
+# geometry (outer, tokens, inner), numel, shape[8], stream lengths[5], reserved, stream crc
+_BODY = struct.Struct("<4sHBBBBBBHHI3QQ8Q5QII")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
-assert HEADER_SIZE == 176
+assert HEADER_SIZE == 168
 HEADER_BODY = _BODY.size  # the bytes the header's CRC covers
-WORDS_LENGTH_AT = struct.calcsize("<4sHBBBBBBHHI3QQ8Q") + 8 * 4  # the word stream's length (u64) in the header
+WORDS_LENGTH_AT = struct.calcsize("<4sHBBBBBBHHI3QQ8Q") + 8 * 3  # the word stream's length (u64) in the header
 
 
 class Stream:
-    TABLES, MAP, COUNTS, STATES, WORDS, RAW = range(NUM_STREAMS)
+    TABLES, MAP, COUNTS, WORDS, RAW = range(NUM_STREAMS)
 
 
 def align(n: int) -> int:
@@ -54,9 +55,9 @@ def num_chunks(numel: int, chunk: int) -> int:
 
 
 def word_cap(elements: int, sym: SymbolLayout) -> int:
-    """16-bit words of a chunk of ``elements`` stored raw (its symbols packed): a coded chunk
+    """32-bit words of a chunk of ``elements`` stored raw (its symbols packed): a coded chunk
     takes fewer, a chunk of exactly this many is a stored chunk."""
-    return (elements * sym.sym_bits + 15) // 16
+    return (elements * sym.sym_bits + 31) // 32
 
 
 def chunk_caps(numel: int, chunk: int, sym: SymbolLayout) -> np.ndarray:
@@ -125,18 +126,18 @@ class EntropyHeader:
         return replace(self, stream_crc=crc)
 
     def with_words(self, words: int) -> EntropyHeader:
-        """This header with ``words`` 16-bit rANS words (``make_header`` without its table walk)."""
-        lengths = self.lengths[:Stream.WORDS] + (2 * words,) + self.lengths[Stream.WORDS + 1:]
+        """This header with ``words`` 32-bit code words (``make_header`` without its table walk)."""
+        lengths = self.lengths[:Stream.WORDS] + (4 * words,) + self.lengths[Stream.WORDS + 1:]
         offsets, total = stream_offsets(lengths)
         return replace(self, lengths=lengths, offsets=offsets, total=total)
 
 
 def make_header(sym: SymbolLayout, shape: tuple[int, ...], book: EntropyCodebook, chunk: int,
                 words: int) -> EntropyHeader:
-    """Header of a frame about to be written, ``words`` 16-bit rANS words in all."""
+    """Header of a frame about to be written, ``words`` 32-bit code words in all."""
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     n = num_chunks(numel, chunk)
-    lengths = (tables_length(book), book.geometry.contexts, 4 * n, 4 * LANES * n, 2 * words,
+    lengths = (tables_length(book), book.geometry.contexts, 4 * n, 4 * words,
                (numel * sym.raw_bits + 7) // 8)
     offsets, total = stream_offsets(lengths)
     return EntropyHeader(sym, tuple(shape), numel, book.prob_bits, book.tables, chunk, book.geometry,
@@ -155,7 +156,7 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
     body = bytes(buf[:_BODY.size])
     (magic, version, codec_id, dtype_id, ndim, prob_bits, flags, tables, lanes, reserved, chunk,
      outer, tokens, inner, numel, *rest) = _BODY.unpack(body)
-    shape_all, lengths, reserved2, stream_crc = rest[:8], tuple(rest[8:14]), rest[14], rest[15]
+    shape_all, lengths, reserved2, stream_crc = rest[:8], tuple(rest[8:13]), rest[13], rest[14]
     if magic != FRAME_MAGIC:
         raise CorruptFrame(f"bad magic {magic!r}, expected {FRAME_MAGIC!r}")
     if codec_id != FRAME_ID:
@@ -190,11 +191,11 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
         raise CorruptFrame(f"shape {shape} holds {product} elements, header says {numel}")
     n = num_chunks(numel, chunk)
     caps_total = (n - 1) * word_cap(chunk, sym) + word_cap(numel - (n - 1) * chunk, sym) if n else 0
-    fixed = (geometry.contexts, 4 * n, 4 * LANES * n, (numel * sym.raw_bits + 7) // 8)
-    got = (lengths[Stream.MAP], lengths[Stream.COUNTS], lengths[Stream.STATES], lengths[Stream.RAW])
+    fixed = (geometry.contexts, 4 * n, (numel * sym.raw_bits + 7) // 8)
+    got = (lengths[Stream.MAP], lengths[Stream.COUNTS], lengths[Stream.RAW])
     if got != fixed:
         raise CorruptFrame(f"stream lengths {lengths} disagree with the header")
-    if lengths[Stream.WORDS] % 2 or lengths[Stream.WORDS] > 2 * caps_total:
+    if lengths[Stream.WORDS] % 4 or lengths[Stream.WORDS] > 4 * caps_total:
         raise CorruptFrame(f"word stream of {lengths[Stream.WORDS]} bytes")
     if not 2 * tables <= lengths[Stream.TABLES] <= tables * (2 + 4 * sym.alphabet):
         raise CorruptFrame(f"table stream of {lengths[Stream.TABLES]} bytes for {tables} tables")
@@ -248,6 +249,6 @@ def check_counts(header: EntropyHeader, counts: np.ndarray) -> np.ndarray:
         raise CorruptFrame("a chunk's word count exceeds its cap")
     starts = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
-    if 2 * int(starts[-1]) != header.lengths[Stream.WORDS]:
+    if 4 * int(starts[-1]) != header.lengths[Stream.WORDS]:
         raise CorruptFrame("chunk word counts disagree with the word stream's length")
     return starts

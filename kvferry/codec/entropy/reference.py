@@ -1,14 +1,21 @@
 """CPU reference of the entropy coder: it defines the frame's bytes (FORMAT.md, "entropy").
 
-Static rANS with 32-bit states and 16-bit words, ``LANES`` interleaved states per chunk: element
-``k`` of a chunk belongs to lane ``k % 32`` at step ``k // 32``. A decoder step decodes one
-symbol per lane and then, lanes in order, refills each lane whose state fell below 2**16 with
-the chunk's next word; escaped lanes then take their symbol's raw bits from the state, refilled
-the same way. That order is what a warp does with one ballot per refill, and it is why the
-encoder can be written as here: every lane of every chunk advances together, numpy vectorized
-over lanes (a chunk's steps are the only loop), the words landing in a (chunk, step, phase,
-lane) array whose used entries, in order, are the word stream. A chunk that coding would not
-shrink (as many words as its symbols' raw size, or more) is stored: its symbols packed raw.
+Canonical Huffman codes of at most ``CODE_BITS`` bits (``huffman.py``), ``LANES`` interleaved
+bit streams per chunk: element ``k`` of a chunk belongs to lane ``k % 32`` at step ``k // 32``.
+Each lane's stream is MSB first: its codes in step order, and after a segment's codes the raw
+bits of the symbols it escaped in that segment. Steps run in groups of ``STEPS_PER_GROUP``, and a
+group in segments of ``SEGMENT`` steps (the last one shorter); the chunk's last group may be
+short too.
+
+The words of a chunk's lanes are interleaved in the order a warp takes them. At a *refill point*
+every lane whose window holds fewer than ``need`` unread bits takes the chunk's next word (lanes
+in order) and gains 32 bits; a lane's ``j``-th word is bits ``[32 j, 32 j + 32)`` of its stream,
+zero past its end. There is a refill point before every segment (``need`` = CODE_BITS per step of
+the segment) and, where any lane escaped in the segment, one after its codes (``need`` =
+sym_bits per step of the segment), before the escaped bits. So a window never runs dry and never
+needs more than one word at a time: a decoder reads the next ``CODE_BITS`` bits, looks the code
+up, and shifts. A chunk that coding would not shrink (as many words as its symbols' packed size,
+or more) is stored: its symbols packed raw.
 """
 
 from __future__ import annotations
@@ -18,11 +25,11 @@ import torch
 
 from .. import bitpack
 from ..errors import CorruptFrame
+from . import huffman
 from .codebook import EntropyCodebook
-from .format import LANES, STATE_LOW, chunk_caps, num_chunks
+from .format import LANES, SEGMENT, STEPS_PER_GROUP, chunk_caps, num_chunks
+from .huffman import CODE_BITS, LEN_BITS
 from .symbols import SymbolLayout
-
-_MASK16 = np.uint64(0xFFFF)
 
 
 def _grid(values: np.ndarray, nchunks: int, chunk: int, fill: int = 0) -> np.ndarray:
@@ -37,143 +44,188 @@ def element_tables(book: EntropyCodebook, start: int, n: int) -> np.ndarray:
     return book.context_map[book.geometry.context_of(start, n)].astype(np.int64)
 
 
+def segments(steps: int) -> list[tuple[int, int]]:
+    """The segments ``[a, b)`` of a chunk of ``steps`` steps, in order."""
+    out = []
+    for g in range(0, steps, STEPS_PER_GROUP):
+        end = min(g + STEPS_PER_GROUP, steps)
+        out += [(a, min(a + SEGMENT, end)) for a in range(g, end, SEGMENT)]
+    return out
+
+
 def pack_symbols(symbols: np.ndarray, sym: SymbolLayout, cap: int) -> np.ndarray:
     """A stored chunk's words: its symbols as an LSB-first bit stream of ``sym_bits`` fields,
-    zero-padded to ``cap`` 16-bit words."""
+    zero-padded to ``cap`` 32-bit words."""
     packed = bitpack.pack(torch.from_numpy(symbols.astype(np.int32)), sym.sym_bits).numpy()
-    out = np.zeros(2 * cap, dtype=np.uint8)
+    out = np.zeros(4 * cap, dtype=np.uint8)
     out[:packed.size] = packed
-    return out.view("<u2")
+    return out.view("<u4")
 
 
 def unpack_symbols(words: np.ndarray, n: int, sym: SymbolLayout) -> np.ndarray:
     return bitpack.unpack(torch.from_numpy(words.view(np.uint8).copy()), n, sym.sym_bits).numpy().astype(np.int64)
 
 
-def encode_symbols(symbols: np.ndarray, book: EntropyCodebook, chunk: int
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """rANS-code ``symbols`` (flat, int64, each < 2**sym_bits): (word counts u32 per chunk,
-    final states u32 (chunk, lane), words u16). A chunk that would take as many words as its
-    cap or more is stored instead: count = cap, states 0, its symbols packed."""
+class _Schedule:
+    """The refill points and segments of every chunk at once: chunks differ only in how many
+    steps they have (the last may have fewer)."""
+
+    def __init__(self, n: int, chunk: int):
+        self.nchunks = num_chunks(n, chunk)
+        self.steps = chunk // LANES
+        here = np.minimum(chunk, n - np.arange(self.nchunks, dtype=np.int64) * chunk)
+        self.chunk_steps = (here + LANES - 1) // LANES
+
+    def active(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunks that have segment ``[a, b)``, and how many of its steps each has."""
+        have = np.clip(self.chunk_steps - a, 0, b - a)
+        return have > 0, have
+
+
+def encode_symbols(symbols: np.ndarray, book: EntropyCodebook, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Code ``symbols`` (flat, int64, each < 2**sym_bits): (word counts u32 per chunk, words u32).
+    A chunk that would take as many words as its cap or more is stored instead: count = cap,
+    its symbols packed."""
     sym: SymbolLayout = book.symbols
     n = symbols.size
-    nchunks = num_chunks(n, chunk)
-    M = book.prob_bits
+    plan = _Schedule(n, chunk)
+    nchunks, steps = plan.nchunks, plan.steps
+    lengths, codes = huffman.tables_of(book)
     table = element_tables(book, 0, n)
-    freq = book.freqs[table, symbols].astype(np.int64)
-    esc = freq == 0
-    coded = np.where(esc, sym.esc, symbols)
-    freq = book.freqs[table, coded].astype(np.uint64)
-    cum = book.cumulative()[table, coded].astype(np.uint64)
-    valid = _grid(np.ones(n, dtype=bool), nchunks, chunk, False)
+    length = lengths[table, symbols]
+    esc = length == 0
+    code = np.where(esc, codes[table, sym.esc], codes[table, symbols])
+    length = np.where(esc, lengths[table, sym.esc], length)
+    code_g = _grid(code, nchunks, chunk)
+    len_g = _grid(length, nchunks, chunk)
     esc_g = _grid(esc, nchunks, chunk, False)
-    raw_g = _grid(symbols.astype(np.uint64), nchunks, chunk)
-    freq_g = _grid(freq, nchunks, chunk, 1)
-    cum_g = _grid(cum, nchunks, chunk)
-    bound_g = freq_g << np.uint64(32 - M)
-    esc_bound = np.uint64(1 << (32 - sym.sym_bits))
-    steps = chunk // LANES
-    words = np.zeros((nchunks, steps, 2, LANES), dtype=np.uint16)
-    emitted = np.zeros((nchunks, steps, 2, LANES), dtype=bool)
-    x = np.full((nchunks, LANES), STATE_LOW, dtype=np.uint64)
-    b, m = np.uint64(sym.sym_bits), np.uint64(M)
-    s16 = np.uint64(16)
-    for s in range(steps - 1, -1, -1):
-        e = esc_g[:, s]
-        if e.any():  # phase 2 (decoded last, so coded first): the raw symbol bits
-            out = e & (x >= esc_bound)
-            words[:, s, 1] = x & _MASK16
-            emitted[:, s, 1] = out
-            x = np.where(out, x >> s16, x)
-            x = np.where(e, (x << b) + raw_g[:, s], x)
-        v, f = valid[:, s], freq_g[:, s]
-        out = v & (x >= bound_g[:, s])
-        words[:, s, 0] = x & _MASK16
-        emitted[:, s, 0] = out
-        x = np.where(out, x >> s16, x)
-        x = np.where(v, ((x // f) << m) + x % f + cum_g[:, s], x)
-    counts = emitted.sum(axis=(1, 2, 3))
+    raw_g = _grid(symbols, nchunks, chunk)
+    max_words = steps * (CODE_BITS + sym.sym_bits) // 32 + 4
+    lane_words = np.zeros((nchunks, LANES, max_words), dtype=np.uint64)
+    written = np.zeros((nchunks, LANES), dtype=np.int64)  # bits of each lane's stream so far
+    window = np.zeros((nchunks, LANES), dtype=np.int64)  # a decoder's unread bits
+    taken = np.zeros((nchunks, LANES), dtype=np.int64)
+    order: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (chunks, lanes, word index) per point
+    rows = np.arange(nchunks)[:, None]
+    lanes = np.arange(LANES)[None, :]
+
+    def refill(chunks: np.ndarray, need: np.ndarray) -> None:
+        take = chunks[:, None] & (window < need[:, None])
+        c, k = np.nonzero(take)  # chunk-major, lanes in order
+        order.append((c, k, taken[c, k].copy()))
+        taken[take] += 1
+        window[take] += 32
+
+    def append(value: np.ndarray, bits: np.ndarray) -> None:
+        at, shift = written >> 5, written & 31
+        spill = np.maximum(shift + bits - 32, 0)
+        first = (value >> spill) << np.maximum(32 - shift - bits, 0)
+        second = np.where(spill > 0, (value & ((1 << spill) - 1)) << (32 - spill), 0)
+        lane_words[rows, lanes, at] |= first.astype(np.uint64)
+        lane_words[rows, lanes, at + 1] |= second.astype(np.uint64)
+        written[...] += bits
+        window[...] -= bits
+
+    for a, b in segments(steps):
+        chunks, have = plan.active(a, b)
+        refill(chunks, CODE_BITS * have)
+        for s in range(a, b):
+            append(code_g[:, s], len_g[:, s])
+        escaped = esc_g[:, a:b]
+        if escaped.any():
+            chunks = escaped.any(axis=(1, 2))
+            refill(chunks, sym.sym_bits * have)
+            for s in range(a, b):
+                e = escaped[:, s - a]
+                append(np.where(e, raw_g[:, s], 0), np.where(e, sym.sym_bits, 0))
+    counts = taken.sum(axis=1)
     caps = chunk_caps(n, chunk, sym)
     stored = counts >= caps
-    coded_words = words[emitted]
+    c = np.concatenate([o[0] for o in order])
+    k = np.concatenate([o[1] for o in order])
+    j = np.concatenate([o[2] for o in order])
+    by_chunk = np.argsort(c, kind="stable")
+    words = lane_words[c[by_chunk], k[by_chunk], j[by_chunk]].astype(np.uint32)
     if stored.any():
-        pieces = np.split(coded_words, np.cumsum(counts)[:-1])
-        for c in np.flatnonzero(stored):
-            pieces[c] = pack_symbols(symbols[c * chunk:(c + 1) * chunk], sym, int(caps[c]))
-        coded_words = np.concatenate(pieces)
+        pieces = np.split(words, np.cumsum(counts)[:-1])
+        for ci in np.flatnonzero(stored):
+            pieces[ci] = pack_symbols(symbols[ci * chunk:(ci + 1) * chunk], sym, int(caps[ci]))
+        words = np.concatenate(pieces)
         counts = np.where(stored, caps, counts)
-        x[stored] = 0
-    return counts.astype("<u4"), x.astype("<u4"), coded_words.astype("<u2")
+    return counts.astype("<u4"), words.astype("<u4")
 
 
-def decode_symbols(counts: np.ndarray, starts: np.ndarray, states: np.ndarray, words: np.ndarray,
-                   book: EntropyCodebook, n: int, chunk: int) -> np.ndarray:
+def decode_symbols(counts: np.ndarray, starts: np.ndarray, words: np.ndarray, book: EntropyCodebook, n: int,
+                   chunk: int) -> np.ndarray:
     """Inverse of ``encode_symbols``: the ``n`` symbols (int64), every step checked.
 
     Raises:
-        CorruptFrame: a state out of range, a chunk reading past its words or leaving some
-            unread, a lane not ending in the initial state, or a non-canonical escape.
+        CorruptFrame: bits that start no code, a chunk reading past its words or leaving some
+            unread, non-zero bits after a lane's last code, or a non-canonical escape.
     """
     sym = book.symbols
-    nchunks = num_chunks(n, chunk)
-    M = book.prob_bits
-    x = states.reshape(nchunks, LANES).astype(np.uint64)
+    plan = _Schedule(n, chunk)
+    nchunks, steps = plan.nchunks, plan.steps
     stored = counts.astype(np.int64) == chunk_caps(n, chunk, sym)
-    if (x[stored] != 0).any():
-        raise CorruptFrame("a stored chunk has coder states")
-    x[stored] = STATE_LOW  # no steps: it ends where it starts
-    if ((x < STATE_LOW) | (x >= 1 << 32)).any():
-        raise CorruptFrame("a coder state is out of range")
+    lengths, _ = huffman.tables_of(book)
+    lut = huffman.decode_lut(book).astype(np.int64)
     table_g = _grid(element_tables(book, 0, n), nchunks, chunk)
     valid = _grid(np.ones(n, dtype=bool), nchunks, chunk, False)
     valid[stored] = False
-    slot_sym = book.slot_symbols()
-    freqs = book.freqs.astype(np.uint64)
-    cums = book.cumulative().astype(np.uint64)
+    live = ~stored
+    window = np.zeros((nchunks, LANES), dtype=np.uint64)  # unread bits at the top
+    fill = np.zeros((nchunks, LANES), dtype=np.int64)  # how many
     ptr = np.where(stored, starts[1:], starts[:-1])
     end = starts[1:]
-    padded = np.zeros(words.size + 1, dtype=np.uint64)  # a read past the end finds 0, then fails the check
+    padded = np.zeros(words.size + 1, dtype=np.uint64)  # a read past the end finds 0, then fails
     padded[:words.size] = words
-    steps = chunk // LANES
     out = np.zeros((nchunks, steps, LANES), dtype=np.int64)
-    slot_mask, m, b = np.uint64((1 << M) - 1), np.uint64(M), sym.sym_bits
-    low = np.uint64(STATE_LOW)
-    raw_mask = np.uint64((1 << b) - 1)
-    rows = np.arange(nchunks)[:, None]
-    for s in range(steps):
-        v, t = valid[:, s], table_g[:, s]
-        slot = (x & slot_mask).astype(np.int64)
-        symbol = slot_sym[t, slot].astype(np.int64)
-        f, c = freqs[t, symbol], cums[t, symbol]
-        x = np.where(v, f * (x >> m) + slot.astype(np.uint64) - c, x)
-        x, ptr = _refill(x, v & (x < low), ptr, end, padded)
-        e = v & (symbol == sym.esc)
-        if e.any():
-            raw = (x & raw_mask).astype(np.int64)
-            if (e & (book.freqs[t, np.minimum(raw, sym.esc)] != 0)).any():
-                raise CorruptFrame("an escape codes a symbol its table has")
-            symbol = np.where(e, raw, symbol)
-            x = np.where(e, x >> np.uint64(b), x)
-            x, ptr = _refill(x, e & (x < low), ptr, end, padded)
-        out[:, s] = symbol
-    if (ptr != end).any() or (x != STATE_LOW).any():
-        raise CorruptFrame("coded streams do not decode to their end (corrupt words or states)")
-    del rows
+    low = np.uint64((1 << CODE_BITS) - 1)
+
+    def refill(chunks: np.ndarray, need: np.ndarray) -> None:
+        nonlocal ptr
+        take = (chunks & live)[:, None] & (fill < need[:, None])
+        rank = np.cumsum(take, axis=1) - take
+        taken = take.sum(axis=1)
+        if (ptr + taken > end).any():
+            raise CorruptFrame("a chunk reads past its words")
+        w = padded[np.where(take, ptr[:, None] + rank, padded.size - 1)]
+        shift = (32 - fill).astype(np.uint64)
+        window[...] = np.where(take, window | (w << shift), window)
+        fill[...] += 32 * take
+        ptr = ptr + taken
+
+    def consume(bits: np.ndarray) -> np.ndarray:
+        """The next ``bits`` bits of every lane (0 where bits is 0), removed from the window."""
+        b = bits.astype(np.uint64)
+        value = np.where(bits > 0, window >> (np.uint64(64) - b) % np.uint64(64), 0)
+        window[...] = np.where(bits > 0, window << b, window)
+        fill[...] -= bits
+        return value.astype(np.int64)
+
+    for a, b in segments(steps):
+        chunks, have = plan.active(a, b)
+        refill(chunks, CODE_BITS * have)
+        for s in range(a, b):
+            v, t = valid[:, s], table_g[:, s]
+            e = lut[t, ((window >> np.uint64(64 - CODE_BITS)) & low).astype(np.int64)]
+            if (v & (e == 0)).any():
+                raise CorruptFrame("bits that start no code of their table")
+            e = np.where(v, e, 0)
+            consume(e & ((1 << LEN_BITS) - 1))
+            out[:, s] = e >> LEN_BITS
+        escaped = valid[:, a:b] & (out[:, a:b] == sym.esc)
+        if escaped.any():
+            refill(escaped.any(axis=(1, 2)), sym.sym_bits * have)
+            for s in range(a, b):
+                e = escaped[:, s - a]
+                raw = consume(np.where(e, sym.sym_bits, 0))
+                if (e & (lengths[table_g[:, s], raw] != 0)).any():
+                    raise CorruptFrame("an escape codes a symbol its table has")
+                out[:, s] = np.where(e, raw, out[:, s])
+    if (ptr != end).any() or (window[live] != 0).any():
+        raise CorruptFrame("coded streams do not decode to their end (corrupt words)")
     for c in np.flatnonzero(stored):
         span = min(chunk, n - c * chunk)
         out[c].reshape(-1)[:span] = unpack_symbols(words[starts[c]:starts[c + 1]], span, sym)
     return out.reshape(-1)[:n]
-
-
-def _refill(x: np.ndarray, need: np.ndarray, ptr: np.ndarray, end: np.ndarray, padded: np.ndarray
-            ) -> tuple[np.ndarray, np.ndarray]:
-    """Each needy lane, in lane order, takes its chunk's next word."""
-    if not need.any():
-        return x, ptr
-    rank = np.cumsum(need, axis=1) - need
-    idx = ptr[:, None] + rank
-    taken = need.sum(axis=1)
-    if (ptr + taken > end).any():
-        raise CorruptFrame("a chunk reads past its words")
-    w = padded[np.where(need, idx, padded.size - 1)]
-    return np.where(need, (x << np.uint64(16)) | w, x), ptr + taken
