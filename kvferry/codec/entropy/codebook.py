@@ -31,6 +31,7 @@ MAX_TABLES = 255
 MAX_CONTEXTS = 1 << 16
 MIN_PROB_BITS, MAX_PROB_BITS = 10, 14
 _LLOYD_ROUNDS = 25
+_REFINE_ROUNDS = 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,14 +79,6 @@ class EntropyCodebook:
             rows = [np.repeat(np.arange(self.freqs.shape[1], dtype=np.int32), f) for f in self.freqs]
             self._cache["slots"] = np.stack(rows)
         return self._cache["slots"]
-
-    def fingerprint(self) -> bytes:
-        """Canonical binary form of the tables and map (what a frame carries)."""
-        from .format import pack_codebook
-
-        if "packed" not in self._cache:
-            self._cache["packed"] = pack_codebook(self)
-        return self._cache["packed"]
 
     def to_json(self) -> str:
         g = self.geometry
@@ -218,11 +211,7 @@ def cluster(counts: np.ndarray, tables: int) -> np.ndarray:
         if np.array_equal(new, assign):
             break
         assign = new
-    # Renumber clusters in order of first use, so equal inputs give equal maps.
-    _, first = np.unique(assign, return_index=True)
-    rank = np.empty(assign.max() + 1, dtype=np.int64)
-    rank[assign[np.sort(first)]] = np.arange(first.size)
-    return rank[assign]
+    return _renumber(assign)
 
 
 def quantize(counts: np.ndarray, prob_bits: int, esc: int) -> np.ndarray:
@@ -279,17 +268,42 @@ def calibrate(samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int
         raise CodebookMismatch(f"{geometry.contexts} contexts (positions off the token axis); at most "
                                f"{MAX_CONTEXTS}: calibrate on a smaller block or name the token axis")
     counts = context_counts(items, geometry, sym)
-    assign = cluster(counts, tables)
-    n_tables = int(assign.max()) + 1
-    sums = np.zeros((n_tables, sym.alphabet), dtype=np.int64)
-    np.add.at(sums, assign, counts)
-    freqs = np.stack([quantize(row, prob_bits, sym.esc) for row in sums])
+    assign, freqs, cost = _refine(counts, cluster(counts, tables), prob_bits, sym)
     total = int(counts.sum())
-    bits = 0.0
-    if total:
-        with np.errstate(divide="ignore"):
-            lengths = prob_bits - np.log2(np.maximum(freqs, 1))
-        esc_len = prob_bits - np.log2(freqs[:, sym.esc]) + sym.sym_bits
-        per = np.where(freqs > 0, lengths, esc_len[:, None])
-        bits = float((sums * per).sum() / total)
+    bits = float(cost / total) if total else 0.0
     return EntropyCodebook(layout.name, prob_bits, geometry, freqs, assign.astype(np.uint8), total, round(bits, 4))
+
+
+def _renumber(assign: np.ndarray) -> np.ndarray:
+    """Tables numbered in order of first use, so equal inputs give equal maps."""
+    _, first = np.unique(assign, return_index=True)
+    rank = np.empty(assign.max() + 1, dtype=np.int64)
+    rank[assign[np.sort(first)]] = np.arange(first.size)
+    return rank[assign]
+
+
+def _refine(counts: np.ndarray, assign: np.ndarray, prob_bits: int, sym: SymbolLayout
+            ) -> tuple[np.ndarray, np.ndarray, float]:
+    """(map, frequencies, coded bits) after moving each context to the table whose Huffman
+    codes (what frames are written with, escapes included) code it in the fewest bits, a few
+    rounds. The cross-entropy clustering ignores that code lengths are whole bits."""
+    from .huffman import code_lengths
+
+    best = None
+    for _ in range(_REFINE_ROUNDS + 1):
+        assign = _renumber(assign)
+        sums = np.zeros((int(assign.max()) + 1, sym.alphabet), dtype=np.int64)
+        np.add.at(sums, assign, counts)
+        freqs = np.stack([quantize(row, prob_bits, sym.esc) for row in sums])
+        lengths = np.stack([code_lengths(row) for row in freqs]).astype(np.float64)
+        per = np.where(lengths > 0, lengths, lengths[:, sym.esc:sym.esc + 1] + sym.sym_bits)
+        cost = counts @ per.T  # (contexts, tables)
+        total = float(cost[np.arange(assign.size), assign].sum())
+        if best is not None and total >= best[2]:
+            break
+        best = (assign, freqs, total)
+        new = np.argmin(cost, axis=1)
+        if np.array_equal(new, assign):
+            break
+        assign = new
+    return best

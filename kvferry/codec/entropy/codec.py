@@ -24,7 +24,8 @@ from ..registry import PositionFree, codec_id as frame_codec_id
 from . import reference
 from .codebook import DEFAULT_TABLES, EntropyCodebook, calibrate
 from .format import (DEFAULT_CHUNK, FRAME_ID, HEADER_SIZE, LANES, MAX_CHUNK, EntropyHeader, Stream, check_counts,
-                     make_header, pack_codebook, parse_header, parse_tables)
+                     make_header, pack_map, pack_raw, pack_tables, parse_header, parse_tables, unpack_raw)
+from .huffman import code_tables
 from .symbols import element_bits, for_dtype
 
 
@@ -81,16 +82,13 @@ def encode_reference(x: torch.Tensor, book: EntropyCodebook, *, checksum: bool =
     sym = for_dtype(x.dtype)
     bits = element_bits(x.contiguous())
     numel = bits.size
-    counts, words = reference.encode_symbols((bits >> sym.raw_bits).astype(np.int64), book, chunk)
-    header = make_header(sym, tuple(x.shape), book, chunk, words.size)
+    ct = code_tables(book)
+    counts, words = reference.encode_symbols((bits >> sym.raw_bits).astype(np.int64), ct, chunk)
+    header = make_header(sym, tuple(x.shape), ct, chunk, words.size)
     if header.total >= stored_size(sym.layout, numel):
         return encode_stored(x, checksum=checksum)
-    raw = b""
-    if sym.raw_bits:
-        values = torch.from_numpy((bits & ((1 << sym.raw_bits) - 1)).astype(np.int32))
-        raw = bitpack.pack(values, sym.raw_bits).numpy().tobytes()
-    streams = (pack_codebook(book), book.context_map.astype(np.uint8).tobytes(), counts.tobytes(),
-               words.tobytes(), raw)
+    raw = pack_raw((bits & ((1 << sym.raw_bits) - 1)).astype(np.int64), chunk, sym.raw_bits).tobytes()
+    streams = (pack_tables(ct), pack_map(ct), counts.tobytes(), words.tobytes(), raw)
     return assemble(header, streams, checksum)
 
 
@@ -164,18 +162,14 @@ def decode_reference(buf: np.ndarray, header: EntropyHeader) -> torch.Tensor:
         padding[o:o + n] = False
     if buf[padding].any():
         raise CorruptFrame("padding between streams is not zero")
-    sym_raw = header.sym.raw_bits * header.numel
-    if sym_raw % 8 and int(s[Stream.RAW][-1]) >> (sym_raw % 8):
-        raise CorruptFrame("unused bits of the raw stream are not zero")
-    book = parse_tables(header, s[Stream.TABLES].tobytes(), s[Stream.MAP].tobytes())
+    ct = parse_tables(header, s[Stream.TABLES].tobytes(), s[Stream.MAP].tobytes())
     counts = s[Stream.COUNTS].view("<u4")
     starts = check_counts(header, counts)
     sym, n = header.sym, header.numel
-    symbols = reference.decode_symbols(counts, starts, s[Stream.WORDS].view("<u4"), book, n, header.chunk)
+    symbols = reference.decode_symbols(counts, starts, s[Stream.WORDS].view("<u4"), ct, n, header.chunk)
     bits = symbols << sym.raw_bits
     if sym.raw_bits:
-        raw = bitpack.unpack(torch.from_numpy(s[Stream.RAW].copy()), n, sym.raw_bits).numpy()
-        bits |= raw.astype(np.int64)
+        bits |= unpack_raw(s[Stream.RAW].view("<u4"), n, header.chunk, sym.raw_bits)
     dtype = np.uint16 if sym.layout.total_bits == 16 else np.uint8
     flat = torch.from_numpy(bits.astype(dtype).view(np.int16 if dtype == np.uint16 else np.uint8))
     return flat.view(sym.layout.dtype).view(header.shape)

@@ -17,7 +17,8 @@ from ..checksum import crc32c
 from ..dtypes import layout_by_wire_id
 from ..errors import CorruptFrame
 from ..registry import FRAME_MAGIC
-from .codebook import MAX_CONTEXTS, MAX_TABLES, EntropyCodebook, check_tables
+from .codebook import MAX_CONTEXTS, MAX_TABLES
+from .huffman import CODE_BITS, CodeTables, check_lengths
 from .symbols import Geometry, SymbolLayout, symbol_layout
 
 ENTROPY_VERSION = 2
@@ -32,7 +33,7 @@ STEPS_PER_GROUP = 32  # a group: 32 steps of 32 lanes, split into segments of SE
 SEGMENT = 3  # steps between two refill points (at most 3 codes of CODE_BITS in a 32-bit word)
 NUM_STREAMS = 5
 
-# magic, version, codec, dtype, ndim, prob_bits, flags, tables, lanes, reserved, chunk,
+# magic, version, codec, dtype, ndim, code_bits, flags, tables, lanes, reserved, chunk,
 # geometry (outer, tokens, inner), numel, shape[8], stream lengths[5], reserved, stream crc
 _BODY = struct.Struct("<4sHBBBBBBHHI3QQ8Q5QII")
 _CRC = struct.Struct("<I")
@@ -80,17 +81,140 @@ def stream_offsets(lengths: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     return tuple(offsets), total
 
 
-def pack_codebook(book: EntropyCodebook) -> bytes:
-    """Streams 0 and 1: the tables (per table u16 k, k u16 symbols, k u16 frequencies) and the map."""
+def _bitmap_bytes(sym: SymbolLayout) -> int:
+    return (sym.alphabet + 7) // 8
+
+
+def pack_tables(ct: CodeTables) -> bytes:
+    """Stream 0: per table a bitmap of the symbols it codes (LSB first), then their code lengths
+    in symbol order, 4 bits each (low nibble first, a last odd nibble 0)."""
     parts = []
-    for row in book.freqs:
-        symbols = np.flatnonzero(row).astype("<u2")
-        parts += [struct.pack("<H", symbols.size), symbols.tobytes(), row[symbols].astype("<u2").tobytes()]
+    for row in ct.lengths:
+        present = row > 0
+        parts.append(np.packbits(present, bitorder="little").tobytes())
+        nib = row[present].astype(np.uint8)
+        if nib.size % 2:
+            nib = np.append(nib, np.uint8(0))
+        parts.append((nib[0::2] | nib[1::2] << 4).astype(np.uint8).tobytes())
     return b"".join(parts)
 
 
-def tables_length(book: EntropyCodebook) -> int:
-    return int(sum(2 + 4 * np.count_nonzero(row) for row in book.freqs))
+def tables_length(ct: CodeTables) -> int:
+    per = _bitmap_bytes(ct.sym)
+    return int(sum(per + (np.count_nonzero(row) + 1) // 2 for row in ct.lengths))
+
+
+def map_bits(tables: int) -> int:
+    """Bits of a context map entry: as few as name every table."""
+    return max(1, (tables - 1).bit_length())
+
+
+def map_length(contexts: int, tables: int) -> int:
+    return (contexts * map_bits(tables) + 7) // 8
+
+
+def pack_map(ct: CodeTables) -> bytes:
+    """Stream 1: the table of each context, ``map_bits`` bits each, LSB first."""
+    b = map_bits(ct.tables)
+    bits = (ct.context_map.astype(np.int64)[:, None] >> np.arange(b)) & 1
+    return np.packbits(bits.reshape(-1).astype(np.uint8), bitorder="little").tobytes()
+
+
+def unpack_map(data: bytes, contexts: int, tables: int) -> np.ndarray:
+    b = map_bits(tables)
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+    if bits[contexts * b:].any():
+        raise CorruptFrame("context map's padding bits are not zero")
+    return (bits[:contexts * b].reshape(contexts, b).astype(np.int64) << np.arange(b)).sum(axis=1).astype(np.uint8)
+
+
+def chunk_raw_words(steps: int, raw_bits: int) -> int:
+    """32-bit raw words of a chunk of ``steps`` steps: per group of STEPS_PER_GROUP steps, each
+    lane's fields packed into as few words as hold them."""
+    whole, rest = divmod(steps, STEPS_PER_GROUP)
+    return LANES * (raw_bits * whole + (rest * raw_bits + 31) // 32)
+
+
+def raw_length(numel: int, chunk: int, raw_bits: int) -> int:
+    """Bytes of the raw stream."""
+    n = num_chunks(numel, chunk)
+    if not n or not raw_bits:
+        return 0
+    last = numel - (n - 1) * chunk
+    return 4 * ((n - 1) * chunk_raw_words(chunk // LANES, raw_bits) + chunk_raw_words(-(-last // LANES), raw_bits))
+
+
+def _pack_chunks(grid: np.ndarray, steps: int, raw_bits: int) -> np.ndarray:
+    """Raw words (chunks, chunk_raw_words) of chunks whose fields are ``grid`` (chunks, steps, lane)."""
+    parts = []
+    for g in range(0, steps, STEPS_PER_GROUP):
+        gl = min(STEPS_PER_GROUP, steps - g)
+        words = np.zeros((grid.shape[0], (gl * raw_bits + 31) // 32, LANES), dtype=np.uint64)
+        for s in range(gl):
+            bit = raw_bits * s
+            w, sh = bit >> 5, bit & 31
+            f = grid[:, g + s].astype(np.uint64)
+            words[:, w] |= (f << np.uint64(sh)) & np.uint64(0xFFFFFFFF)
+            if sh + raw_bits > 32:
+                words[:, w + 1] |= f >> np.uint64(32 - sh)
+        parts.append(words.reshape(grid.shape[0], -1))
+    return np.concatenate(parts, axis=1).astype(np.uint32)
+
+
+def _unpack_chunks(words: np.ndarray, steps: int, raw_bits: int) -> np.ndarray:
+    out = np.zeros((words.shape[0], steps, LANES), dtype=np.int64)
+    at = 0
+    mask = np.uint64((1 << raw_bits) - 1)
+    for g in range(0, steps, STEPS_PER_GROUP):
+        gl = min(STEPS_PER_GROUP, steps - g)
+        nw = (gl * raw_bits + 31) // 32
+        lane_words = words[:, at:at + nw * LANES].reshape(-1, nw, LANES).astype(np.uint64)
+        at += nw * LANES
+        for s in range(gl):
+            bit = raw_bits * s
+            w, sh = bit >> 5, bit & 31
+            v = lane_words[:, w] >> np.uint64(sh)
+            if sh + raw_bits > 32:
+                v |= lane_words[:, w + 1] << np.uint64(32 - sh)
+            out[:, g + s] = (v & mask).astype(np.int64)
+    return out
+
+
+def _raw_parts(numel: int, chunk: int) -> tuple[int, int, int]:
+    """(full chunks, steps of a full chunk, steps of the last chunk)."""
+    n = num_chunks(numel, chunk)
+    return n - 1, chunk // LANES, -(-(numel - (n - 1) * chunk) // LANES)
+
+
+def pack_raw(fields: np.ndarray, chunk: int, raw_bits: int) -> np.ndarray:
+    """Stream 4: the raw fields (flat, one per element) as u32 words, per chunk and group of
+    steps, lane k's words at 32 w + k."""
+    numel = fields.size
+    if not numel or not raw_bits:
+        return np.zeros(0, dtype="<u4")
+    full, steps, last_steps = _raw_parts(numel, chunk)
+    grid = np.zeros(full * chunk + last_steps * LANES, dtype=np.int64)
+    grid[:numel] = fields
+    head = _pack_chunks(grid[:full * chunk].reshape(full, steps, LANES), steps, raw_bits).reshape(-1)
+    tail = _pack_chunks(grid[full * chunk:].reshape(1, last_steps, LANES), last_steps, raw_bits).reshape(-1)
+    return np.concatenate([head, tail]).astype("<u4")
+
+
+def unpack_raw(words: np.ndarray, numel: int, chunk: int, raw_bits: int) -> np.ndarray:
+    """Inverse of ``pack_raw`` (``words`` of ``raw_length`` bytes).
+
+    Raises:
+        CorruptFrame: a non-zero bit that belongs to no element.
+    """
+    full, steps, last_steps = _raw_parts(numel, chunk)
+    split = full * chunk_raw_words(steps, raw_bits)
+    head = _unpack_chunks(words[:split].reshape(full, -1), steps, raw_bits).reshape(-1)
+    tail = _unpack_chunks(words[split:].reshape(1, -1), last_steps, raw_bits).reshape(-1)
+    fields = np.concatenate([head, tail])
+    fields[numel:] = 0
+    if not np.array_equal(pack_raw(fields[:numel], chunk, raw_bits), words):
+        raise CorruptFrame("raw stream bits outside any element are not zero")
+    return fields[:numel]
 
 
 @dataclass(frozen=True)
@@ -100,7 +224,7 @@ class EntropyHeader:
     sym: SymbolLayout
     shape: tuple[int, ...]
     numel: int
-    prob_bits: int
+    code_bits: int
     tables: int
     chunk: int
     geometry: Geometry
@@ -118,7 +242,7 @@ class EntropyHeader:
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         g = self.geometry
         body = _BODY.pack(FRAME_MAGIC, ENTROPY_VERSION, FRAME_ID, self.sym.layout.wire_id, len(self.shape),
-                          self.prob_bits, flags, self.tables, LANES, 0, self.chunk, g.outer, g.tokens, g.inner,
+                          self.code_bits, flags, self.tables, LANES, 0, self.chunk, g.outer, g.tokens, g.inner,
                           self.numel, *shape, *self.lengths, 0, self.stream_crc or 0)
         return body + _CRC.pack(crc32c(body))
 
@@ -132,15 +256,15 @@ class EntropyHeader:
         return replace(self, lengths=lengths, offsets=offsets, total=total)
 
 
-def make_header(sym: SymbolLayout, shape: tuple[int, ...], book: EntropyCodebook, chunk: int,
+def make_header(sym: SymbolLayout, shape: tuple[int, ...], ct: CodeTables, chunk: int,
                 words: int) -> EntropyHeader:
     """Header of a frame about to be written, ``words`` 32-bit code words in all."""
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     n = num_chunks(numel, chunk)
-    lengths = (tables_length(book), book.geometry.contexts, 4 * n, 4 * words,
-               (numel * sym.raw_bits + 7) // 8)
+    lengths = (tables_length(ct), map_length(ct.geometry.contexts, ct.tables), 4 * n, 4 * words,
+               raw_length(numel, chunk, sym.raw_bits))
     offsets, total = stream_offsets(lengths)
-    return EntropyHeader(sym, tuple(shape), numel, book.prob_bits, book.tables, chunk, book.geometry,
+    return EntropyHeader(sym, tuple(shape), numel, CODE_BITS, ct.tables, chunk, ct.geometry,
                          lengths, offsets, total, None)
 
 
@@ -154,7 +278,7 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
     if frame_size < HEADER_SIZE or len(buf) < HEADER_SIZE:
         raise CorruptFrame(f"entropy frame of {frame_size} bytes is shorter than its {HEADER_SIZE}-byte header")
     body = bytes(buf[:_BODY.size])
-    (magic, version, codec_id, dtype_id, ndim, prob_bits, flags, tables, lanes, reserved, chunk,
+    (magic, version, codec_id, dtype_id, ndim, code_bits, flags, tables, lanes, reserved, chunk,
      outer, tokens, inner, numel, *rest) = _BODY.unpack(body)
     shape_all, lengths, reserved2, stream_crc = rest[:8], tuple(rest[8:13]), rest[13], rest[14]
     if magic != FRAME_MAGIC:
@@ -172,6 +296,8 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
     sym = symbol_layout(layout)
     if flags & ~FLAG_STREAM_CRC or reserved or reserved2 or (not flags & FLAG_STREAM_CRC and stream_crc):
         raise CorruptFrame(f"unknown flags or reserved bits {flags:#x}")
+    if code_bits != CODE_BITS:
+        raise CorruptFrame(f"codes of up to {code_bits} bits; this build reads {CODE_BITS}")
     if lanes != LANES:
         raise CorruptFrame(f"{lanes} lanes; this build codes {LANES}")
     if not (LANES <= chunk <= MAX_CHUNK and chunk % LANES == 0):
@@ -191,50 +317,59 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
         raise CorruptFrame(f"shape {shape} holds {product} elements, header says {numel}")
     n = num_chunks(numel, chunk)
     caps_total = (n - 1) * word_cap(chunk, sym) + word_cap(numel - (n - 1) * chunk, sym) if n else 0
-    fixed = (geometry.contexts, 4 * n, (numel * sym.raw_bits + 7) // 8)
+    fixed = (map_length(geometry.contexts, tables), 4 * n, raw_length(numel, chunk, sym.raw_bits))
     got = (lengths[Stream.MAP], lengths[Stream.COUNTS], lengths[Stream.RAW])
     if got != fixed:
         raise CorruptFrame(f"stream lengths {lengths} disagree with the header")
     if lengths[Stream.WORDS] % 4 or lengths[Stream.WORDS] > 4 * caps_total:
         raise CorruptFrame(f"word stream of {lengths[Stream.WORDS]} bytes")
-    if not 2 * tables <= lengths[Stream.TABLES] <= tables * (2 + 4 * sym.alphabet):
+    per = _bitmap_bytes(sym)
+    if not tables * per <= lengths[Stream.TABLES] <= tables * (per + (sym.alphabet + 1) // 2):
         raise CorruptFrame(f"table stream of {lengths[Stream.TABLES]} bytes for {tables} tables")
     offsets, total = stream_offsets(lengths)
     if frame_size != total:
         raise CorruptFrame(f"frame is {frame_size} bytes, header describes {total}")
-    return EntropyHeader(sym, shape, numel, prob_bits, tables, chunk, geometry, lengths, offsets, total,
+    return EntropyHeader(sym, shape, numel, code_bits, tables, chunk, geometry, lengths, offsets, total,
                          stream_crc if flags & FLAG_STREAM_CRC else None)
 
 
-def parse_tables(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) -> EntropyCodebook:
-    """The codebook a frame carries, checked completely (the decoder indexes with it).
+def parse_tables(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) -> CodeTables:
+    """The code tables a frame carries, checked completely (the decoder indexes with them).
 
     Raises:
         CorruptFrame: malformed tables or map.
     """
     sym = header.sym
-    freqs = np.zeros((header.tables, sym.alphabet), dtype=np.int32)
-    pos, data = 0, table_bytes
+    per = _bitmap_bytes(sym)
+    lengths = np.zeros((header.tables, sym.alphabet), dtype=np.int64)
+    data = np.frombuffer(table_bytes, dtype=np.uint8)
+    pos = 0
     for t in range(header.tables):
-        if pos + 2 > len(data):
+        if pos + per > data.size:
             raise CorruptFrame("table stream ends inside a table")
-        (k,) = struct.unpack_from("<H", data, pos)
-        end = pos + 2 + 4 * k
-        if not 1 <= k <= sym.alphabet or end > len(data):
-            raise CorruptFrame(f"table {t} has a bad symbol count {k}")
-        symbols = np.frombuffer(data, dtype="<u2", count=k, offset=pos + 2).astype(np.int64)
-        counts = np.frombuffer(data, dtype="<u2", count=k, offset=pos + 2 + 2 * k).astype(np.int32)
-        if (np.diff(symbols) <= 0).any() or symbols[-1] >= sym.alphabet or (counts == 0).any():
-            raise CorruptFrame(f"table {t}: symbols not increasing, out of range, or zero frequencies")
-        freqs[t, symbols] = counts
-        pos = end
-    if pos != len(data):
+        present = np.unpackbits(data[pos:pos + per], bitorder="little").astype(bool)
+        if present[sym.alphabet:].any():
+            raise CorruptFrame(f"table {t} names a symbol past the alphabet")
+        present = present[:sym.alphabet]
+        k = int(present.sum())
+        nbytes = (k + 1) // 2
+        if pos + per + nbytes > data.size:
+            raise CorruptFrame(f"table {t} has more symbols than the stream holds lengths for")
+        nib = data[pos + per:pos + per + nbytes]
+        both = np.stack([nib & 15, nib >> 4], axis=1).reshape(-1)
+        if both[k:].any():
+            raise CorruptFrame(f"table {t}: a padding nibble is not zero")
+        lengths[t, present] = both[:k]
+        pos += per + nbytes
+    if pos != data.size:
         raise CorruptFrame("table stream has trailing bytes")
-    cmap = np.frombuffer(map_bytes, dtype=np.uint8).copy()
-    problem = check_tables(freqs, cmap, header.prob_bits, sym, header.geometry)
+    problem = check_lengths(lengths, sym)
+    cmap = unpack_map(map_bytes, header.geometry.contexts, header.tables)
+    if problem is None and cmap.size and int(cmap.max()) >= header.tables:
+        problem = "context map names a table that does not exist"
     if problem:
-        raise CorruptFrame(f"frame's codebook: {problem}")
-    return EntropyCodebook(sym.layout.name, header.prob_bits, header.geometry, freqs, cmap)
+        raise CorruptFrame(f"frame's code tables: {problem}")
+    return CodeTables(sym, header.geometry, lengths, cmap)
 
 
 def check_counts(header: EntropyHeader, counts: np.ndarray) -> np.ndarray:

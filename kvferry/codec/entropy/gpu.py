@@ -4,7 +4,7 @@ chunk, writing the reference's bytes.
 Encode: one pass codes every chunk into a slot of its own and writes the raw stream straight
 into the frame's buffer; a one-block scan sums the word counts, and a second pass places the
 frame in that buffer from the total (its raw stream where the coder wrote it) and moves the
-tables, each chunk's words, counts and states into place. Then one read of the total (the
+tables, each chunk's words and counts into place. Then one read of the total (the
 call's only synchronization, after all the device's work) and the header. Block ids, where
 given, are read by the coder itself (no gathered copy). Decode: one read of the frame's
 first bytes (header, tables), the padding check and the scan, the coder into fresh memory,
@@ -33,8 +33,11 @@ from ..registry import FRAME_MAGIC
 from ..splitzip_gpu import _in_context, _parameters
 from ..staging import current_stream, optional_cupy, read_to_host
 from .codebook import EntropyCodebook
+from . import huffman
 from .format import (FRAME_ID, HEADER_BODY, HEADER_SIZE, LANES, WORDS_LENGTH_AT, EntropyHeader, Stream, align,
-                     chunk_caps, make_header, num_chunks, pack_codebook, parse_header, parse_tables, word_cap)
+                     chunk_caps, chunk_raw_words, make_header, num_chunks, pack_map, pack_tables, parse_header, parse_tables,
+                     word_cap)
+from .huffman import CodeTables, code_tables
 from .symbols import SymbolLayout, for_dtype
 
 _SOURCE = Path(__file__).with_name("entropy_cuda.cu")
@@ -45,7 +48,6 @@ _LAYOUTS = ((9, 7, 2), (6, 10, 2), (8, 0, 1))  # (coded bits, raw bits, bytes): 
 _PREFIX = 64 << 10  # bytes decode reads first: header, tables and map of common frames
 _CODEC_AT = 6
 _MAX_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-SLOT_HEAD = 256  # the source's SLOT_HEAD: words before each chunk's slot that the encoder may spill into
 
 
 @functools.cache
@@ -57,9 +59,8 @@ def available() -> bool:
 @functools.cache
 def _module(device_index: int):
     cupy = optional_cupy()
-    names = [name for s, r, b in _LAYOUTS for name in (
-        f"entropy_encode<{s},{r},{b},0>", f"entropy_encode<{s},{r},{b},1>", f"entropy_decode<{s},{r},{b}>",
-        f"entropy_decode_fast<{s},{r},{b}>")]
+    names = [f"entropy_{kind}<{s},{r},{b},{fast}>" for s, r, b in _LAYOUTS for kind in ("encode", "decode")
+             for fast in (0, 1)]
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
         module.compile()
@@ -89,7 +90,7 @@ def _kernel(device_index: int, name: str, threads: int = THREADS) -> _Kernel:
     function = _module(device_index).get_function(name)
     with cupy.cuda.Device(device_index):
         handle = function.kernel.ptr
-        if name.endswith(",1>") or "_fast<" in name:
+        if name.endswith(",1>"):
             cupy.cuda.driver.funcSetAttribute(handle, _MAX_SHARED, _device_limits(device_index)[1])
     return _Kernel(handle, threads, device_index, function)
 
@@ -109,43 +110,26 @@ def _device_limits(device_index: int) -> tuple[int, int]:
 class _Tables:
     """A codebook's tables on one device, in the kernels' layouts (entropy_cuda.cu)."""
 
-    enc: torch.Tensor  # (tables, 2**S) x (magic, cum | (2**M - f) << 14 | ceil(log2 f) << 28)
-    slot: torch.Tensor  # (tables, 2**M) u16: symbol of each slot
-    fc: torch.Tensor  # (tables, alphabet) u32: f | cum << 16
+    enc: torch.Tensor  # (tables, 2**S) u32: code | length << 16, ESC_FLAG for the escape's
+    lut: torch.Tensor  # (tables, 2**CODE_BITS) u16: symbol << LEN_BITS | length
     cmap: torch.Tensor  # context map
     ptab: torch.Tensor | None  # table of each position of one period, where short enough
     ptab4: torch.Tensor | None  # tables of positions j, j + 32, j + 64, j + 96 (mod period) in word j
     enc_smem: int  # bytes of shared memory the fast encoder needs, 0 if it does not fit
-    dec_smem: int  # likewise the fast decoder (which also needs ptab4)
+    dec_smem: int  # likewise the fast decoder
 
-    def geo(self, book: EntropyCodebook, ptab4: bool = False) -> tuple[int, ...]:
-        g = book.geometry
-        ptab = self.ptab4 if ptab4 else self.ptab
-        return (ptab.data_ptr() if ptab is not None else 0, self.cmap.data_ptr(), g.period, g.tokens * g.inner,
-                g.inner)
-
-
-def encode_table(book: EntropyCodebook) -> np.ndarray:
-    """(tables, 2**S, 2) uint32: the encoder's entry of each (table, symbol), the escape's for
-    a symbol the table lacks; x / f is ((x - t) >> s1 + t) >> s2 with t = umulhi(x, magic)."""
-    sym = book.symbols
-    freqs, cum = book.freqs.astype(np.int64), book.cumulative().astype(np.int64)
-    f, c = freqs[:, :sym.esc], cum[:, :sym.esc]
-    missing = f == 0
-    f = np.where(missing, freqs[:, sym.esc:sym.esc + 1], f)
-    c = np.where(missing, cum[:, sym.esc:sym.esc + 1], c)
-    bits = np.frexp((f - 1).astype(np.float64))[1].astype(np.int64)  # ceil(log2 f)
-    magic = ((np.int64(1) << 32) * ((np.int64(1) << bits) - f)) // f + 1
-    y = c | ((1 << book.prob_bits) - f) << 14 | bits << 28
-    return np.stack([magic, y], axis=-1).astype(np.uint32)
+    def geo(self, ct: CodeTables) -> tuple[int, ...]:
+        g = ct.geometry
+        return (self.ptab.data_ptr() if self.ptab is not None else 0, self.cmap.data_ptr(), g.period,
+                g.tokens * g.inner, g.inner)
 
 
-def _tables_on(book: EntropyCodebook, device: torch.device) -> _Tables:
+def _tables_on(ct: CodeTables, device: torch.device) -> _Tables:
     key = ("gpu", str(device))
-    if key not in book._cache:
-        g = book.geometry
+    if key not in ct._cache:
+        g = ct.geometry
         ptab = None
-        cmap = torch.from_numpy(book.context_map.astype(np.uint8)).to(device)
+        cmap = torch.from_numpy(ct.context_map.astype(np.uint8)).to(device)
         ptab4 = None
         if 32 <= g.period <= PTAB_MAX:
             j = torch.arange(g.period, dtype=torch.int64, device=device)
@@ -153,24 +137,18 @@ def _tables_on(book: EntropyCodebook, device: torch.device) -> _Tables:
             if PTAB4_MIN <= g.period <= PTAB4_MAX:
                 wide = ptab.to(torch.int32)
                 ptab4 = sum(wide.roll(-32 * k) << (8 * k) for k in range(4))
-        enc = torch.from_numpy(encode_table(book).view(np.int32)).to(device)
-        fc = torch.from_numpy((book.freqs.astype(np.int64) | book.cumulative() << 16).astype(np.uint32).view(np.int32))
-        slot = torch.from_numpy(book.slot_symbols().astype(np.uint16).view(np.int16))
+        enc = torch.from_numpy(huffman.encode_table(ct).view(np.int32)).to(device)
+        lut = torch.from_numpy(huffman.decode_lut(ct).view(np.int16)).to(device)
         _, limit = _device_limits(device.index or 0)
-        enc_bytes, dec_bytes = enc.numel() * 4, fc.numel() * 4 + slot.numel() * 2
-        book._cache[key] = _Tables(enc, slot.to(device), fc.to(device), cmap, ptab, ptab4,
-                                   enc_bytes if ptab is not None and enc_bytes <= limit else 0,
-                                   dec_bytes if ptab4 is not None and dec_bytes <= limit else 0)
-    return book._cache[key]
+        enc_bytes, dec_bytes = enc.numel() * 4, lut.numel() * 2
+        ct._cache[key] = _Tables(enc, lut, cmap, ptab, ptab4,
+                                 enc_bytes if enc_bytes <= limit else 0, dec_bytes if dec_bytes <= limit else 0)
+    return ct._cache[key]
 
 
 def _coder(kind: str, sym: SymbolLayout, device_index: int, smem: int, nchunks: int) -> tuple[_Kernel, int]:
     """The fast build (tables in ``smem`` bytes of shared memory) or the generic one, and its grid."""
-    layout = f"{sym.sym_bits},{sym.raw_bits},{sym.layout.itemsize}"
-    if kind == "decode":
-        name = f"entropy_decode_fast<{layout}>" if smem else f"entropy_decode<{layout}>"
-    else:
-        name = f"entropy_encode<{layout},{int(bool(smem))}>"
+    name = f"entropy_{kind}<{sym.sym_bits},{sym.raw_bits},{sym.layout.itemsize},{int(bool(smem))}>"
     sms, _ = _device_limits(device_index)
     per_sm = 1 if smem else 2
     return _kernel(device_index, name), min(-(-nchunks * 32 // THREADS), sms * per_sm)
@@ -199,22 +177,22 @@ class _EncodePlan:
     prefix_on: dict  # device -> the empty header and ``between`` there, for the assemble kernel
 
 
-def _encode_plan(book: EntropyCodebook, sym: SymbolLayout, shape: tuple[int, ...], chunk: int) -> _EncodePlan:
+def _encode_plan(ct: CodeTables, sym: SymbolLayout, shape: tuple[int, ...], chunk: int) -> _EncodePlan:
     key = ("plan", shape, chunk, sym.layout.name)
-    if key not in book._cache:
-        empty = make_header(sym, shape, book, chunk, 0)
+    if key not in ct._cache:
+        empty = make_header(sym, shape, ct, chunk, 0)
         o, ln = empty.offsets, empty.lengths
         n = empty.numel
         caps = chunk_caps(n, chunk, sym)
-        raw_at = align(o[Stream.WORDS] + 2 * int(caps.sum()))
+        raw_at = align(o[Stream.WORDS] + 4 * int(caps.sum()))
         between = np.zeros(o[Stream.COUNTS] - HEADER_SIZE, dtype=np.uint8)
-        tables = np.frombuffer(pack_codebook(book), dtype=np.uint8)
+        tables = np.frombuffer(pack_tables(ct), dtype=np.uint8)
         between[o[Stream.TABLES] - HEADER_SIZE:][:tables.size] = tables
-        between[o[Stream.MAP] - HEADER_SIZE:][:ln[Stream.MAP]] = book.context_map.astype(np.uint8)
-        book._cache[key] = _EncodePlan(sym, n, num_chunks(n, chunk), word_cap(chunk, sym),
-                                       int(caps[-1]) if caps.size else 0, raw_at,
-                                       raw_at + 4 * sym.raw_bits * -(-n // LANES) + 16, between.tobytes(), empty, {})
-    return book._cache[key]
+        between[o[Stream.MAP] - HEADER_SIZE:][:ln[Stream.MAP]] = np.frombuffer(pack_map(ct), dtype=np.uint8)
+        ct._cache[key] = _EncodePlan(sym, n, num_chunks(n, chunk), word_cap(chunk, sym),
+                                     int(caps[-1]) if caps.size else 0, raw_at, raw_at + ln[Stream.RAW] + 16,
+                                     between.tobytes(), empty, {})
+    return ct._cache[key]
 
 
 def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...], book: EntropyCodebook, *,
@@ -228,37 +206,36 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
     nothing is left to write after it."""
     sym = for_dtype(source.dtype)
     device = source.device
-    plan = _encode_plan(book, sym, tuple(shape), chunk)
+    ct = code_tables(book)
+    plan = _encode_plan(ct, sym, tuple(shape), chunk)
     n, nchunks, stream = plan.n, plan.nchunks, current_stream(device)
     buf = torch.empty(plan.buffer, dtype=torch.uint8, device=device)
     total_words = 0
     if nchunks:
-        tabs = _tables_on(book, device)
+        tabs = _tables_on(ct, device)
         prefix = plan.prefix_on.get(device)
         if prefix is None:
             prefix = plan.prefix_on.setdefault(device, torch.frombuffer(
                 bytearray(plan.empty.pack() + plan.between), dtype=torch.uint8).to(device))
-        # one allocation: word sums (int64), counts, states, slots (each SLOT_HEAD words and the
-        # chunk's cap; and a word past them that assemble may read)
-        stride = SLOT_HEAD + plan.cap
-        scratch = torch.empty(nchunks * (8 + 4 + 4 * LANES + 2 * stride) + 16, dtype=torch.uint8, device=device)
+        # one allocation: word sums (int64), counts, slots (each the chunk's cap of words)
+        stride = plan.cap
+        scratch = torch.empty(nchunks * (8 + 4 + 4 * stride) + 16, dtype=torch.uint8, device=device)
         cum = scratch.data_ptr()
         counts_at = cum + 8 * nchunks
-        states_at = counts_at + 4 * nchunks
-        slots = states_at + 4 * LANES * nchunks
+        slots = counts_at + 4 * nchunks
         block = source[0].numel() if ids is not None else 1
         kernel, grid = _coder("encode", sym, device.index or 0, tabs.enc_smem, nchunks)
         ptab4 = tabs.ptab4.data_ptr() if tabs.ptab4 is not None else 0
         kernel(stream, grid, (
-            source.data_ptr(), ids.data_ptr() if ids is not None else 0, block, n, chunk, nchunks, book.prob_bits,
-            tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(book), ptab4, slots, stride, counts_at, states_at,
-            buf.data_ptr() + plan.raw_at), tabs.enc_smem)
+            source.data_ptr(), ids.data_ptr() if ids is not None else 0, block, n, chunk, nchunks,
+            tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(ct), ptab4, slots, stride, counts_at,
+            buf.data_ptr() + plan.raw_at, chunk_raw_words(chunk // LANES, sym.raw_bits)), tabs.enc_smem)
         _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (counts_at, nchunks, cum) + (0,) * 14)
         o = plan.empty.offsets
         _kernel(device.index or 0, "entropy_assemble", 256)(stream, min(-(-nchunks // 8), 1 << 16), (
-            slots, counts_at, states_at, cum, plan.cap, plan.cap_last, stride, nchunks, buf.data_ptr(),
-            plan.raw_at, prefix.data_ptr(), HEADER_BODY, WORDS_LENGTH_AT, prefix.numel(), o[Stream.COUNTS],
-            o[Stream.STATES], o[Stream.WORDS], int(plan.empty.lengths[Stream.RAW] > 0)))
+            slots, counts_at, cum, stride, nchunks, buf.data_ptr(), plan.raw_at, prefix.data_ptr(), HEADER_BODY,
+            WORDS_LENGTH_AT, prefix.numel(), o[Stream.COUNTS], o[Stream.WORDS],
+            int(plan.empty.lengths[Stream.RAW] > 0)))
         total_words = int(read_to_host(scratch, 8, stream, offset=8 * (nchunks - 1)).view(np.int64)[0])
     header = plan.empty.with_words(total_words)
     if header.total >= stored_size(sym.layout, n):
@@ -274,26 +251,26 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
     return frame
 
 
-_BOOKS: dict[tuple, tuple[bytes, EntropyCodebook]] = {}
+_BOOKS: dict[tuple, tuple[bytes, CodeTables]] = {}
 _BOOKS_LOCK = threading.Lock()
 
 
-def _frame_book(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) -> EntropyCodebook:
-    """The frame's codebook, parsed once per distinct tables (frames of one codebook repeat
-    them), so that its device tables are built once too. Found by a CRC of the bytes (hashing
+def _frame_tables(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) -> CodeTables:
+    """The frame's code tables, parsed once per distinct tables (frames of one codebook repeat
+    them), so that their device tables are built once too. Found by a CRC of the bytes (hashing
     tens of KiB in Python costs the call more) and then compared whole."""
     both = table_bytes + map_bytes
-    key = (header.sym.layout.name, header.prob_bits, header.tables, header.geometry, len(table_bytes), crc32c(both))
+    key = (header.sym.layout.name, header.code_bits, header.tables, header.geometry, len(table_bytes), crc32c(both))
     with _BOOKS_LOCK:
         held = _BOOKS.get(key)
     if held is not None and held[0] == both:
         return held[1]
-    book = parse_tables(header, table_bytes, map_bytes)
+    ct = parse_tables(header, table_bytes, map_bytes)
     with _BOOKS_LOCK:
         if len(_BOOKS) >= 32:
             _BOOKS.clear()
-        _BOOKS[key] = (both, book)
-    return book
+        _BOOKS[key] = (both, ct)
+    return ct
 
 
 def read_prefix(frame: torch.Tensor) -> np.ndarray:
@@ -344,9 +321,9 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> t
         raise CorruptFrame("stream checksum mismatch")
     if len(prefix) < o[Stream.COUNTS]:
         prefix = read_to_host(frame, o[Stream.COUNTS], stream)
-    book = _frame_book(header, prefix[o[Stream.TABLES]:][:ln[Stream.TABLES]].tobytes(),
+    ct = _frame_tables(header, prefix[o[Stream.TABLES]:][:ln[Stream.TABLES]].tobytes(),
                        prefix[o[Stream.MAP]:][:ln[Stream.MAP]].tobytes())
-    tabs = _tables_on(book, device)
+    tabs = _tables_on(ct, device)
     itemsize = sym.layout.itemsize
     nchunks = header.nchunks
     size = (n * itemsize + 15) // 16 * 16 or 16
@@ -357,25 +334,24 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> t
     for off, length in zip(o, ln):
         gaps += [end, max(0, min(off, frame.numel()) - end)]
         end = max(end, off + length)
-    gaps = gaps[2:]
-    used = sym.raw_bits * n % 8
+    gaps = gaps[2:] + [0, 0]  # the scan checks five gaps; this format has four
     _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (
-        base + o[Stream.COUNTS], nchunks, cum, base, *gaps, o[Stream.RAW] + ln[Stream.RAW] - 1, used, err.data_ptr()))
+        base + o[Stream.COUNTS], nchunks, cum, base, *gaps, o[Stream.RAW] + ln[Stream.RAW] - 1, 0, err.data_ptr()))
     if nchunks:
         cap, cap_last = word_cap(header.chunk, sym), word_cap(n - (nchunks - 1) * header.chunk, sym)
         kernel, grid = _coder("decode", sym, device.index or 0, tabs.dec_smem, nchunks)
+        ptab4 = tabs.ptab4.data_ptr() if tabs.ptab4 is not None else 0
         kernel(stream, grid, (
-            base + o[Stream.WORDS], ln[Stream.WORDS] // 2, base + o[Stream.COUNTS], cum,
-            base + o[Stream.STATES], tabs.slot.data_ptr(), tabs.fc.data_ptr(), tabs.slot.numel() // 2,
-            tabs.fc.numel(), *tabs.geo(book, bool(tabs.dec_smem)), n, header.chunk, nchunks, cap, cap_last,
-            book.prob_bits, base + o[Stream.RAW] if ln[Stream.RAW] else 0, (ln[Stream.RAW] + 3) // 4,
+            base + o[Stream.WORDS], ln[Stream.WORDS] // 4, base + o[Stream.COUNTS], cum, tabs.lut.data_ptr(),
+            tabs.lut.numel() // 2, tabs.enc.data_ptr(), ptab4, *tabs.geo(ct), n, header.chunk, nchunks, cap,
+            cap_last, base + o[Stream.RAW] if ln[Stream.RAW] else 0, chunk_raw_words(header.chunk // LANES, sym.raw_bits),
             out.data_ptr(), err.data_ptr()), tabs.dec_smem)
     return out, err
 
 
 def _verdict(err: torch.Tensor) -> None:
     if int(read_to_host(err, 4, current_stream(err.device)).view(np.int32)[0]):
-        raise CorruptFrame("coded streams do not decode to their end (corrupt counts, words, states, escapes "
+        raise CorruptFrame("coded streams do not decode to their end (corrupt counts, words, escapes "
                            "or padding)")
 
 

@@ -1,16 +1,19 @@
 """Canonical, length-limited Huffman codes derived from a codebook's frequency tables.
 
-A frame carries frequencies (the codebook's tables); both ends derive the same codes from them
-with this module, so the codes are part of the format: change nothing here without a new
-entropy format version. Codes are at most ``CODE_BITS`` long, so a decoder finds any code with
+A codebook holds frequencies; the encoder derives code lengths from them here and a frame
+carries the lengths, from which both ends build the same canonical codes. Codes are part of
+the format: change nothing here without a new entropy format version. Codes are at most ``CODE_BITS`` long, so a decoder finds any code with
 one lookup of the stream's next ``CODE_BITS`` bits, and a table's lookup fits in 2 KiB.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from .codebook import EntropyCodebook
+from .symbols import Geometry, SymbolLayout
 
 CODE_BITS = 10  # longest code: one lookup of 2**10 entries decodes any symbol
 LEN_BITS = 4  # a lookup entry is symbol << LEN_BITS | length
@@ -65,38 +68,75 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
     return codes
 
 
-def tables_of(book: EntropyCodebook) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, codes) of every table, (tables, alphabet) int64 each; cached on the book."""
-    if "huffman" not in book._cache:
+@dataclass(frozen=True, eq=False)
+class CodeTables:
+    """The codes a frame is written with: each table's code lengths (0: the table lacks the
+    symbol, which is then escaped) and the context map that picks a table per position."""
+
+    sym: SymbolLayout
+    geometry: Geometry
+    lengths: np.ndarray  # (tables, alphabet) int64, ESC last
+    context_map: np.ndarray  # (contexts,) uint8
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def tables(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def codes(self) -> np.ndarray:
+        if "codes" not in self._cache:
+            self._cache["codes"] = np.stack([canonical_codes(row) for row in self.lengths])
+        return self._cache["codes"]
+
+
+def check_lengths(lengths: np.ndarray, sym: SymbolLayout) -> str | None:
+    """Why ``lengths`` are not a frame's code tables, or None: every table has the escape, no
+    code is longer than CODE_BITS, and the codes are complete (Kraft sum 1; a lone symbol: 1 bit)."""
+    if lengths.ndim != 2 or lengths.shape[1] != sym.alphabet:
+        return f"code tables must be rows of {sym.alphabet} lengths"
+    if ((lengths < 0) | (lengths > CODE_BITS)).any():
+        return f"a code is longer than {CODE_BITS} bits"
+    if (lengths[:, sym.esc] == 0).any():
+        return "every table needs the escape symbol"
+    for t, row in enumerate(lengths):
+        used = row[row > 0]
+        kraft = int((np.int64(1) << (CODE_BITS - used)).sum())
+        if kraft != 1 << CODE_BITS and not (used.size == 1 and used[0] == 1):
+            return f"table {t}'s codes are not complete"
+    return None
+
+
+def code_tables(book: EntropyCodebook) -> CodeTables:
+    """The codes ``book``'s frequencies give (cached on the book)."""
+    if "code_tables" not in book._cache:
         lengths = np.stack([code_lengths(row) for row in book.freqs])
-        codes = np.stack([canonical_codes(row) for row in lengths])
-        book._cache["huffman"] = (lengths, codes)
-    return book._cache["huffman"]
+        book._cache["code_tables"] = CodeTables(book.symbols, book.geometry, lengths, book.context_map)
+    return book._cache["code_tables"]
 
 
-def decode_lut(book: EntropyCodebook) -> np.ndarray:
+def decode_lut(ct: CodeTables) -> np.ndarray:
     """(tables, 2**CODE_BITS) uint16: for each table and each value of the stream's next
     CODE_BITS bits, symbol << LEN_BITS | length of the code they start with; 0 where they start
-    no code (an incomplete code's gap: a corrupt stream)."""
-    if "lut" not in book._cache:
-        lengths, codes = tables_of(book)
+    no code (a lone symbol's table: a corrupt stream)."""
+    if "lut" not in ct._cache:
+        lengths, codes = ct.lengths, ct.codes
         lut = np.zeros((lengths.shape[0], 1 << CODE_BITS), dtype=np.uint16)
         for t in range(lengths.shape[0]):
             for s in np.flatnonzero(lengths[t]):
                 n = int(lengths[t, s])
                 first = int(codes[t, s]) << (CODE_BITS - n)
                 lut[t, first:first + (1 << (CODE_BITS - n))] = s << LEN_BITS | n
-        book._cache["lut"] = lut
-    return book._cache["lut"]
+        ct._cache["lut"] = lut
+    return ct._cache["lut"]
 
 
-def encode_table(book: EntropyCodebook) -> np.ndarray:
+def encode_table(ct: CodeTables) -> np.ndarray:
     """(tables, 2**sym_bits) uint32: code | length << 16 of each symbol; for a symbol its table
     lacks, the escape's code and length with ESC_FLAG (its own bits follow later)."""
-    if "enc" not in book._cache:
-        esc = book.symbols.esc
-        lengths, codes = tables_of(book)
-        entry = codes | lengths << 16
-        table = np.where(lengths[:, :esc] > 0, entry[:, :esc], entry[:, esc:esc + 1] | ESC_FLAG)
-        book._cache["enc"] = table.astype(np.uint32)
-    return book._cache["enc"]
+    if "enc" not in ct._cache:
+        esc = ct.sym.esc
+        entry = ct.codes | ct.lengths << 16
+        table = np.where(ct.lengths[:, :esc] > 0, entry[:, :esc], entry[:, esc:esc + 1] | ESC_FLAG)
+        ct._cache["enc"] = table.astype(np.uint32)
+    return ct._cache["enc"]

@@ -26,9 +26,8 @@ import torch
 from .. import bitpack
 from ..errors import CorruptFrame
 from . import huffman
-from .codebook import EntropyCodebook
 from .format import LANES, SEGMENT, STEPS_PER_GROUP, chunk_caps, num_chunks
-from .huffman import CODE_BITS, LEN_BITS
+from .huffman import CODE_BITS, LEN_BITS, CodeTables
 from .symbols import SymbolLayout
 
 
@@ -39,9 +38,9 @@ def _grid(values: np.ndarray, nchunks: int, chunk: int, fill: int = 0) -> np.nda
     return out.reshape(nchunks, chunk // LANES, LANES)
 
 
-def element_tables(book: EntropyCodebook, start: int, n: int) -> np.ndarray:
+def element_tables(ct: CodeTables, start: int, n: int) -> np.ndarray:
     """Table of elements ``start .. start+n-1`` (int64)."""
-    return book.context_map[book.geometry.context_of(start, n)].astype(np.int64)
+    return ct.context_map[ct.geometry.context_of(start, n)].astype(np.int64)
 
 
 def segments(steps: int) -> list[tuple[int, int]]:
@@ -82,16 +81,16 @@ class _Schedule:
         return have > 0, have
 
 
-def encode_symbols(symbols: np.ndarray, book: EntropyCodebook, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_symbols(symbols: np.ndarray, ct: CodeTables, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     """Code ``symbols`` (flat, int64, each < 2**sym_bits): (word counts u32 per chunk, words u32).
     A chunk that would take as many words as its cap or more is stored instead: count = cap,
     its symbols packed."""
-    sym: SymbolLayout = book.symbols
+    sym: SymbolLayout = ct.sym
     n = symbols.size
     plan = _Schedule(n, chunk)
     nchunks, steps = plan.nchunks, plan.steps
-    lengths, codes = huffman.tables_of(book)
-    table = element_tables(book, 0, n)
+    lengths, codes = ct.lengths, ct.codes
+    table = element_tables(ct, 0, n)
     length = lengths[table, symbols]
     esc = length == 0
     code = np.where(esc, codes[table, sym.esc], codes[table, symbols])
@@ -155,7 +154,7 @@ def encode_symbols(symbols: np.ndarray, book: EntropyCodebook, chunk: int) -> tu
     return counts.astype("<u4"), words.astype("<u4")
 
 
-def decode_symbols(counts: np.ndarray, starts: np.ndarray, words: np.ndarray, book: EntropyCodebook, n: int,
+def decode_symbols(counts: np.ndarray, starts: np.ndarray, words: np.ndarray, ct: CodeTables, n: int,
                    chunk: int) -> np.ndarray:
     """Inverse of ``encode_symbols``: the ``n`` symbols (int64), every step checked.
 
@@ -163,13 +162,13 @@ def decode_symbols(counts: np.ndarray, starts: np.ndarray, words: np.ndarray, bo
         CorruptFrame: bits that start no code, a chunk reading past its words or leaving some
             unread, non-zero bits after a lane's last code, or a non-canonical escape.
     """
-    sym = book.symbols
+    sym = ct.sym
     plan = _Schedule(n, chunk)
     nchunks, steps = plan.nchunks, plan.steps
     stored = counts.astype(np.int64) == chunk_caps(n, chunk, sym)
-    lengths, _ = huffman.tables_of(book)
-    lut = huffman.decode_lut(book).astype(np.int64)
-    table_g = _grid(element_tables(book, 0, n), nchunks, chunk)
+    lengths = ct.lengths
+    lut = huffman.decode_lut(ct).astype(np.int64)
+    table_g = _grid(element_tables(ct, 0, n), nchunks, chunk)
     valid = _grid(np.ones(n, dtype=bool), nchunks, chunk, False)
     valid[stored] = False
     live = ~stored
