@@ -168,8 +168,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         TableCursor tcur{ptab4, TableOf{ptab, cmap, period, tc, cc}, (first + lane) % period, (int)period};
         int pos = 0, nb = 0, q0 = -1, q1 = -1, pb = 0;
         unsigned long long acc = 0;
-        auto reserve = [&](const int need_bits) {
-            const bool need = nb < need_bits;
+        auto reserve = [&](const bool need) {
             const u32 mask = __ballot_sync(FULL, need);
             const int r = pos + __popc(mask & below);
             if (need) {
@@ -192,12 +191,14 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
             }
         };
         // One segment of `len` steps from step s; `full`: every lane of every step is in the chunk
-        // and the tables come from t3 (a byte a step). Hands back the steps' raw fields.
-        auto segment = [&](const int s, const int len, const bool full, const u32 t3, u32* fields) {
-            reserve(CODE_BITS * len);
-            u32 syms[SEGMENT], escs = 0;
+        // and the tables come from t3 (a byte a step); `exact`: the chunk's last group, whose
+        // refills take what the codes need. Hands back the steps' raw fields.
+        auto segment = [&](const int s, const int len, const bool full, const u32 t3, u32* fields, const bool exact) {
+            u32 syms[SEGMENT], es[SEGMENT], escs = 0;
+            int bits_needed = 0;
 #pragma unroll
             for (int u = 0; u < SEGMENT; u++) {
+                es[u] = 0;
                 if (u < len) {
                     const bool v = full || ((s + u) << 5) + lane < here;
                     const u32 bits = v ? (u32)*sp : 0u;
@@ -205,27 +206,30 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                     advance();
                     syms[u] = bits >> R;
                     fields[u] = R ? bits & ((1u << RW) - 1) : 0u;
-                    const u32 e = enc[(t << S) | syms[u]];
                     if (v) {
-                        append(e & 0xffffu, (int)((e >> 16) & 0xff));
-                        if (e & ESC_FLAG) escs |= 1u << u;
+                        es[u] = enc[(t << S) | syms[u]];
+                        bits_needed += (int)((es[u] >> 16) & 0xff);
+                        if (es[u] & ESC_FLAG) escs |= 1u << u;
                     }
                 }
             }
+            reserve(exact ? bits_needed > nb : nb < CODE_BITS * len);
+#pragma unroll
+            for (int u = 0; u < SEGMENT; u++)
+                if (u < len) append(es[u] & 0xffffu, (int)((es[u] >> 16) & 0xff));
             flush();
             if (__any_sync(FULL, escs != 0)) {
-                reserve(S * len);
+                reserve(exact ? S * __popc(escs) > nb : nb < S * len);
 #pragma unroll
                 for (int u = 0; u < SEGMENT; u++)
                     if (u < len && (escs >> u & 1u)) append(syms[u], S);
                 flush();
             }
         };
-        const int whole = here >> 5;
         for (int g = 0; g < steps; g += GROUP) {
             const int gl = min(GROUP, steps - g);
             u32* rg = rc + (i64)g * R;  // this group's raw words: 32 R per whole group before it
-            if (FAST && ptab4 && gl == GROUP && g + GROUP <= whole) {
+            if (FAST && ptab4 && g + GROUP < steps) {  // a whole group, not the chunk's last
                 u32 tv = 0, rw[RW];
 #pragma unroll
                 for (int w = 0; w < RW; w++) rw[w] = 0;
@@ -241,7 +245,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                             t3 |= ((tv >> (8 * (st & 3))) & 0xffu) << (8 * u);
                         }
                     }
-                    segment(g + s0, sl, true, t3, fields);
+                    segment(g + s0, sl, true, t3, fields, false);
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) {
                         if (R && u < sl) {
@@ -259,7 +263,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                 for (int s0 = 0; s0 < gl; s0 += SEGMENT) {
                     const int sl = min(SEGMENT, gl - s0);
                     u32 fields[SEGMENT];
-                    segment(g + s0, sl, false, 0u, fields);
+                    segment(g + s0, sl, false, 0u, fields, g + GROUP >= steps);
                     if (R) {
                         for (int u = 0; u < sl; u++) {
                             racc |= (unsigned long long)fields[u] << rbits;
@@ -470,8 +474,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
         u32 hi = 0, lo = 0;
         u32 w0 = lane < len ? wc[lane] : 0u, w1 = lane + 32 < len ? wc[lane + 32] : 0u;
         u32 w2 = lane + 64 < len ? wc[lane + 64] : 0u;
-        auto refill = [&](const int need_bits) {  // a shuffle reads its lane index mod 32
-            const bool need = nb < need_bits;
+        auto refill = [&](const bool need) {  // a shuffle reads its lane index mod 32
             const u32 mask = __ballot_sync(FULL, need);
             const int idx = pos + __popc(mask & below);
             const u32 w = __shfl_sync(FULL, lane >= pos ? w0 : w1, idx & 31);
@@ -489,17 +492,38 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
         TableCursor tcur{ptab4, TableOf{ptab, cmap, period, tc, cc}, (first + lane) % period, (int)period};
         T* op = oc + lane;
         // The symbols of one segment of `sl` steps from step s; `full`: every lane of every step
-        // in the chunk, tables from t3 (a byte a step).
-        auto segment = [&](const int s, const int sl, const bool full, const u32 t3, u32* syms) {
-            refill(CODE_BITS * sl);
+        // in the chunk, tables from t3 (a byte a step); `exact`: the chunk's last group, whose
+        // refills take what the codes need (learnt by decoding them from the window first: past
+        // its unread bits the window is zero, so a code that does not fit reads as longer).
+        auto segment = [&](const int s, const int sl, const bool full, const u32 t3, u32* syms, const bool exact) {
             int tabs[SEGMENT];
+#pragma unroll
+            for (int u = 0; u < SEGMENT; u++)
+                if (u < sl) tabs[u] = full ? (int)((t3 >> (8 * u)) & 0xff) : tcur.step_generic();
+            if (exact) {
+                u32 th = hi, tl = lo;
+                int used = 0;
+#pragma unroll
+                for (int u = 0; u < SEGMENT; u++) {
+                    if (u < sl && ((s + u) << 5) + lane < here) {
+                        const u32 e = lut[(tabs[u] << CODE_BITS) | (th >> (32 - CODE_BITS))];
+                        const u32 l = e & ((1u << LEN_BITS) - 1);
+                        used += e ? (int)l : 64;
+                        th = __funnelshift_l(tl, th, l);
+                        tl <<= l;
+                    }
+                }
+                refill(used > nb);
+            } else {
+                refill(nb < CODE_BITS * sl);
+            }
             bool esc_any = false;
+            int escs = 0;
 #pragma unroll
             for (int u = 0; u < SEGMENT; u++) {
                 if (u < sl) {
                     const bool v = full || ((s + u) << 5) + lane < here;
-                    const int t = full ? (int)((t3 >> (8 * u)) & 0xff) : tcur.step_generic();
-                    tabs[u] = t;
+                    const int t = tabs[u];
                     const u32 e = lut[(t << CODE_BITS) | (hi >> (32 - CODE_BITS))];
                     u32 l = e & ((1u << LEN_BITS) - 1);
                     if (!full && !v) l = 0;
@@ -509,10 +533,11 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                     nb -= (int)l;
                     syms[u] = full || v ? e >> LEN_BITS : 0u;
                     esc_any |= syms[u] == ESC;
+                    escs += syms[u] == ESC;
                 }
             }
             if (__any_sync(FULL, esc_any)) {
-                refill(S * sl);
+                refill(exact ? S * escs > nb : nb < S * sl);
 #pragma unroll
                 for (int u = 0; u < SEGMENT; u++) {
                     if (u < sl && syms[u] == ESC) {
@@ -526,10 +551,9 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                 }
             }
         };
-        const int whole = here >> 5;
         for (int g = 0; g < steps; g += GROUP) {
             const int gl = min(GROUP, steps - g);
-            if (FAST && ptab4 && gl == GROUP && g + GROUP <= whole) {
+            if (FAST && ptab4 && g + GROUP < steps) {  // a whole group, not the chunk's last
                 u32 tv = 0, rw[RW];
 #pragma unroll
                 for (int w = 0; w < RW; w++) rw[w] = R ? ld_stream(rc + (i64)g * R + 32 * w) : 0u;
@@ -545,7 +569,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                             t3 |= ((tv >> (8 * (st & 3))) & 0xffu) << (8 * u);
                         }
                     }
-                    segment(g + s0, sl, true, t3, syms);
+                    segment(g + s0, sl, true, t3, syms, false);
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) {
                         if (u < sl) {
@@ -563,7 +587,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                 for (int s0 = 0; s0 < gl; s0 += SEGMENT) {
                     const int sl = min(SEGMENT, gl - s0);
                     u32 syms[SEGMENT];
-                    segment(g + s0, sl, false, 0u, syms);
+                    segment(g + s0, sl, false, 0u, syms, g + GROUP >= steps);
                     for (int u = 0; u < sl; u++) {
                         const int st = g + s0 + u;
                         const u32 rv = R ? raw_field<RW>(rc, st) : 0u;

@@ -14,8 +14,11 @@ zero past its end. There is a refill point before every segment (``need`` = CODE
 the segment) and, where any lane escaped in the segment, one after its codes (``need`` =
 sym_bits per step of the segment), before the escaped bits. So a window never runs dry and never
 needs more than one word at a time: a decoder reads the next ``CODE_BITS`` bits, looks the code
-up, and shifts. A chunk that coding would not shrink (as many words as its symbols' packed size,
-or more) is stored: its symbols packed raw.
+up, and shifts. In a chunk's last group ``need`` is exact instead: the bits the lane's codes (or
+escaped bits) up to the next refill point take, which a decoder learns by decoding them from its
+window first; so a lane ends its chunk with less than a word of padding, where the worst case
+would leave it about one. A chunk that coding would not shrink (as many words as its symbols'
+packed size, or more) is stored: its symbols packed raw.
 """
 
 from __future__ import annotations
@@ -75,10 +78,12 @@ class _Schedule:
         here = np.minimum(chunk, n - np.arange(self.nchunks, dtype=np.int64) * chunk)
         self.chunk_steps = (here + LANES - 1) // LANES
 
-    def active(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Chunks that have segment ``[a, b)``, and how many of its steps each has."""
+    def active(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Chunks that have segment ``[a, b)``, how many of its steps each has, and whether it
+        lies in the chunk's last group (exact refills)."""
         have = np.clip(self.chunk_steps - a, 0, b - a)
-        return have > 0, have
+        exact = a // STEPS_PER_GROUP == (self.chunk_steps - 1) // STEPS_PER_GROUP
+        return have > 0, have, exact
 
 
 def encode_symbols(symbols: np.ndarray, ct: CodeTables, chunk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,7 +114,8 @@ def encode_symbols(symbols: np.ndarray, ct: CodeTables, chunk: int) -> tuple[np.
     lanes = np.arange(LANES)[None, :]
 
     def refill(chunks: np.ndarray, need: np.ndarray) -> None:
-        take = chunks[:, None] & (window < need[:, None])
+        """``need``: bits per (chunk, lane)."""
+        take = chunks[:, None] & (window < need)
         c, k = np.nonzero(take)  # chunk-major, lanes in order
         order.append((c, k, taken[c, k].copy()))
         taken[take] += 1
@@ -126,14 +132,15 @@ def encode_symbols(symbols: np.ndarray, ct: CodeTables, chunk: int) -> tuple[np.
         window[...] -= bits
 
     for a, b in segments(steps):
-        chunks, have = plan.active(a, b)
-        refill(chunks, CODE_BITS * have)
+        chunks, have, exact = plan.active(a, b)
+        exact = exact[:, None]
+        refill(chunks, np.where(exact, len_g[:, a:b].sum(axis=1), CODE_BITS * have[:, None]))
         for s in range(a, b):
             append(code_g[:, s], len_g[:, s])
         escaped = esc_g[:, a:b]
         if escaped.any():
             chunks = escaped.any(axis=(1, 2))
-            refill(chunks, sym.sym_bits * have)
+            refill(chunks, np.where(exact, sym.sym_bits * escaped.sum(axis=1), sym.sym_bits * have[:, None]))
             for s in range(a, b):
                 e = escaped[:, s - a]
                 append(np.where(e, raw_g[:, s], 0), np.where(e, sym.sym_bits, 0))
@@ -183,7 +190,7 @@ def decode_symbols(counts: np.ndarray, starts: np.ndarray, words: np.ndarray, ct
 
     def refill(chunks: np.ndarray, need: np.ndarray) -> None:
         nonlocal ptr
-        take = (chunks & live)[:, None] & (fill < need[:, None])
+        take = (chunks & live)[:, None] & (fill < need)
         rank = np.cumsum(take, axis=1) - take
         taken = take.sum(axis=1)
         if (ptr + taken > end).any():
@@ -202,9 +209,23 @@ def decode_symbols(counts: np.ndarray, starts: np.ndarray, words: np.ndarray, ct
         fill[...] -= bits
         return value.astype(np.int64)
 
+    def tentative(a: int, b: int) -> np.ndarray:
+        """Bits each lane's codes of steps a..b-1 take, decoded from its window (past its
+        unread bits the window is zero, so a code that does not fit reads as longer than them;
+        bits that start no code count as not fitting)."""
+        used = np.zeros((nchunks, LANES), dtype=np.int64)
+        for s in range(a, b):
+            peek = np.where(used < 64, window << np.minimum(used, 63).astype(np.uint64), 0)
+            e = lut[table_g[:, s], ((peek >> np.uint64(64 - CODE_BITS)) & low).astype(np.int64)]
+            used += np.where(valid[:, s], np.where(e == 0, 64, e & ((1 << LEN_BITS) - 1)), 0)
+        return used
+
     for a, b in segments(steps):
-        chunks, have = plan.active(a, b)
-        refill(chunks, CODE_BITS * have)
+        chunks, have, exact = plan.active(a, b)
+        need = np.broadcast_to(CODE_BITS * have[:, None], (nchunks, LANES))
+        if exact.any():
+            need = np.where(exact[:, None], tentative(a, b), need)
+        refill(chunks, need)
         for s in range(a, b):
             v, t = valid[:, s], table_g[:, s]
             e = lut[t, ((window >> np.uint64(64 - CODE_BITS)) & low).astype(np.int64)]
@@ -215,7 +236,8 @@ def decode_symbols(counts: np.ndarray, starts: np.ndarray, words: np.ndarray, ct
             out[:, s] = e >> LEN_BITS
         escaped = valid[:, a:b] & (out[:, a:b] == sym.esc)
         if escaped.any():
-            refill(escaped.any(axis=(1, 2)), sym.sym_bits * have)
+            refill(escaped.any(axis=(1, 2)), np.where(exact[:, None], sym.sym_bits * escaped.sum(axis=1),
+                                                      sym.sym_bits * have[:, None]))
             for s in range(a, b):
                 e = escaped[:, s - a]
                 raw = consume(np.where(e, sym.sym_bits, 0))
