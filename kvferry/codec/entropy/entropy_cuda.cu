@@ -153,17 +153,21 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         u32* rc = raw + (i64)c * raw_chunk + lane;
         i64 blk = ids ? first / block : 0;
         int off = ids ? (int)(first - blk * block) : 0;
+        const i64 nblocks = ids ? n / block : 0;
         const T* sp = (const T*)src + (ids ? ids[blk] * block + off : first) + lane;
-        auto advance = [&]() {  // to the next step's element
+        // This lane's element of the next step not yet loaded (0 where v is false), and on.
+        auto load_next = [&](const bool v) {
+            const u32 bits = v ? (u32)*sp : 0u;
             sp += 32;
             if (ids) {
                 off += 32;
                 if (off == (int)block) {
                     off = 0;
                     blk++;
-                    if (blk < n / block) sp = (const T*)src + ids[blk] * block + lane;
+                    if (blk < nblocks) sp = (const T*)src + ids[blk] * block + lane;
                 }
             }
+            return bits;
         };
         TableCursor tcur{ptab4, TableOf{ptab, cmap, period, tc, cc}, (first + lane) % period, (int)period};
         int pos = 0, nb = 0, q0 = -1, q1 = -1, pb = 0;
@@ -190,39 +194,38 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                 q1 = -1;
             }
         };
-        // One segment of `len` steps from step s; `full`: every lane of every step is in the chunk
-        // and the tables come from t3 (a byte a step); `exact`: the chunk's last group, whose
-        // refills take what the codes need. Hands back the steps' raw fields.
-        auto segment = [&](const int s, const int len, const bool full, const u32 t3, u32* fields, const bool exact) {
-            u32 syms[SEGMENT], es[SEGMENT], escs = 0;
-            int bits_needed = 0;
+        // One segment of `len` steps from step s whose elements are `in` (loaded ahead); `full`:
+        // every lane of every step is in the chunk and the tables come from t3 (a byte a step);
+        // `exact`: the chunk's last group, whose refills take what the codes need. Hands back the
+        // steps' raw fields.
+        auto segment = [&](const int s, const int len, const bool full, const u32 t3, const u32* in, u32* fields,
+                           const bool exact) {
+            const int before = nb;  // the window a decoder has at this refill point
+            int used = 0;
+            u32 escs = 0;
 #pragma unroll
             for (int u = 0; u < SEGMENT; u++) {
-                es[u] = 0;
                 if (u < len) {
                     const bool v = full || ((s + u) << 5) + lane < here;
-                    const u32 bits = v ? (u32)*sp : 0u;
                     const int t = full ? (int)((t3 >> (8 * u)) & 0xff) : tcur.step_generic();
-                    advance();
-                    syms[u] = bits >> R;
-                    fields[u] = R ? bits & ((1u << RW) - 1) : 0u;
-                    if (v) {
-                        es[u] = enc[(t << S) | syms[u]];
-                        bits_needed += (int)((es[u] >> 16) & 0xff);
-                        if (es[u] & ESC_FLAG) escs |= 1u << u;
-                    }
+                    fields[u] = R ? in[u] & ((1u << RW) - 1) : 0u;
+                    const u32 e = enc[(t << S) | (in[u] >> R)];
+                    const int l = v ? (int)((e >> 16) & 0xff) : 0;
+                    acc = acc << l | (v ? e & 0xffffu : 0u);
+                    pb += l;
+                    used += l;
+                    if (v && (e & ESC_FLAG)) escs |= 1u << u;
                 }
             }
-            reserve(exact ? bits_needed > nb : nb < CODE_BITS * len);
-#pragma unroll
-            for (int u = 0; u < SEGMENT; u++)
-                if (u < len) append(es[u] & 0xffffu, (int)((es[u] >> 16) & 0xff));
+            nb -= used;
+            reserve(exact ? used > before : before < CODE_BITS * len);
             flush();
             if (__any_sync(FULL, escs != 0)) {
-                reserve(exact ? S * __popc(escs) > nb : nb < S * len);
+                const int esc_bits = S * __popc(escs);
+                reserve(exact ? esc_bits > nb : nb < S * len);
 #pragma unroll
                 for (int u = 0; u < SEGMENT; u++)
-                    if (u < len && (escs >> u & 1u)) append(syms[u], S);
+                    if (u < len && (escs >> u & 1u)) append(in[u] >> R, S);
                 flush();
             }
         };
@@ -230,12 +233,18 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
             const int gl = min(GROUP, steps - g);
             u32* rg = rc + (i64)g * R;  // this group's raw words: 32 R per whole group before it
             if (FAST && ptab4 && g + GROUP < steps) {  // a whole group, not the chunk's last
-                u32 tv = 0, rw[RW];
+                u32 tv = 0, rw[RW], cur[SEGMENT], nxt[SEGMENT];
 #pragma unroll
                 for (int w = 0; w < RW; w++) rw[w] = 0;
 #pragma unroll
+                for (int u = 0; u < SEGMENT; u++) cur[u] = load_next(true);
+#pragma unroll
                 for (int k = 0; k < (GROUP + SEGMENT - 1) / SEGMENT; k++) {
                     const int s0 = k * SEGMENT, sl = min(SEGMENT, GROUP - s0);
+                    const int nl = min(SEGMENT, GROUP - s0 - sl);  // the next segment's steps
+#pragma unroll
+                    for (int u = 0; u < SEGMENT; u++)
+                        if (u < nl) nxt[u] = load_next(true);
                     u32 t3 = 0, fields[SEGMENT];
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) {
@@ -245,7 +254,9 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                             t3 |= ((tv >> (8 * (st & 3))) & 0xffu) << (8 * u);
                         }
                     }
-                    segment(g + s0, sl, true, t3, fields, false);
+                    segment(g + s0, sl, true, t3, cur, fields, false);
+#pragma unroll
+                    for (int u = 0; u < SEGMENT; u++) cur[u] = nxt[u];
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) {
                         if (R && u < sl) {
@@ -262,10 +273,15 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                 int rbits = 0, rword = 0;
                 for (int s0 = 0; s0 < gl; s0 += SEGMENT) {
                     const int sl = min(SEGMENT, gl - s0);
-                    u32 fields[SEGMENT];
-                    segment(g + s0, sl, false, 0u, fields, g + GROUP >= steps);
+                    u32 in[SEGMENT], fields[SEGMENT];
+#pragma unroll
+                    for (int u = 0; u < SEGMENT; u++)
+                        if (u < sl) in[u] = load_next(((g + s0 + u) << 5) + lane < here);
+                    segment(g + s0, sl, false, 0u, in, fields, g + GROUP >= steps);
                     if (R) {
-                        for (int u = 0; u < sl; u++) {
+#pragma unroll
+                        for (int u = 0; u < SEGMENT; u++) {
+                            if (u >= sl) break;
                             racc |= (unsigned long long)fields[u] << rbits;
                             rbits += R;
                             if (rbits >= 32) {

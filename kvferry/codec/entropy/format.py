@@ -195,9 +195,11 @@ def pack_raw(fields: np.ndarray, chunk: int, raw_bits: int) -> np.ndarray:
     full, steps, last_steps = _raw_parts(numel, chunk)
     grid = np.zeros(full * chunk + last_steps * LANES, dtype=np.int64)
     grid[:numel] = fields
-    head = _pack_chunks(grid[:full * chunk].reshape(full, steps, LANES), steps, raw_bits).reshape(-1)
     tail = _pack_chunks(grid[full * chunk:].reshape(1, last_steps, LANES), last_steps, raw_bits).reshape(-1)
-    return np.concatenate([head, tail]).astype("<u4")
+    if full:
+        head = _pack_chunks(grid[:full * chunk].reshape(full, steps, LANES), steps, raw_bits).reshape(-1)
+        tail = np.concatenate([head, tail])
+    return tail.astype("<u4")
 
 
 def unpack_raw(words: np.ndarray, numel: int, chunk: int, raw_bits: int) -> np.ndarray:
@@ -208,9 +210,9 @@ def unpack_raw(words: np.ndarray, numel: int, chunk: int, raw_bits: int) -> np.n
     """
     full, steps, last_steps = _raw_parts(numel, chunk)
     split = full * chunk_raw_words(steps, raw_bits)
-    head = _unpack_chunks(words[:split].reshape(full, -1), steps, raw_bits).reshape(-1)
-    tail = _unpack_chunks(words[split:].reshape(1, -1), last_steps, raw_bits).reshape(-1)
-    fields = np.concatenate([head, tail])
+    fields = _unpack_chunks(words[split:].reshape(1, -1), last_steps, raw_bits).reshape(-1)
+    if full:
+        fields = np.concatenate([_unpack_chunks(words[:split].reshape(full, -1), steps, raw_bits).reshape(-1), fields])
     fields[numel:] = 0
     if not np.array_equal(pack_raw(fields[:numel], chunk, raw_bits), words):
         raise CorruptFrame("raw stream bits outside any element are not zero")
