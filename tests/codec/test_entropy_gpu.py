@@ -10,6 +10,8 @@ from kvferry import codec
 from kvferry.codec import entropy
 from kvferry.codec.entropy import gpu
 from kvferry.codec.entropy.codec import encode_reference
+from kvferry.codec.entropy.format import Stream
+from kvferry.codec.entropy.huffman import code_tables
 from tests.codec.test_entropy_roundtrip import kv_like, stored_chunks, with_specials
 from tests.conftest import DTYPES, bits_equal
 
@@ -56,7 +58,6 @@ def test_gpu_corruption_raises_and_writes_nothing():
     for checksum in (True, False):
         frame = entropy.encode(x.cuda(), book, checksum=checksum, chunk=4096)
         h = entropy.read_header(frame)
-        from kvferry.codec.entropy.format import Stream
         positions = [10, h.offsets[Stream.COUNTS]]
         if checksum:  # unchecksummed, a flipped word bit can decode to other symbols (test_entropy_corruption)
             positions += [h.offsets[Stream.WORDS] + 1, h.offsets[Stream.WORDS] + 3]
@@ -93,6 +94,15 @@ def test_gpu_generic_kernels():
             _both_ways(x, book, chunk, checksum=False)
 
 
+def test_gpu_tables_in_global_memory():
+    """Tables too many for shared memory take the coders' builds that read them from global memory."""
+    book = entropy.calibrate(kv_like((4, 64, 256), torch.bfloat16, seed=15), token_axis=1, tables=200)
+    assert gpu._tables_on(code_tables(book), torch.device("cuda")).dec_smem == 0, book.tables
+    x = with_specials(kv_like((4, 300, 256), torch.bfloat16, seed=16), seed=17)
+    for chunk in (4096, 32768):
+        _both_ways(x, book, chunk, checksum=False)
+
+
 @pytest.mark.parametrize("shape", [(12, 3, 20, 8), (12, 500, 7)], ids=["whole-steps", "partial-steps"])
 def test_gpu_blocks_bf16(shape):
     """Blocks of whole 32-element steps are read and written in place; others go through copies."""
@@ -107,7 +117,7 @@ def test_gpu_blocks_bf16(shape):
     assert torch.equal(dst[ids].view(torch.int16), cache[ids].view(torch.int16))
     assert not dst.view(torch.int16)[[1, 3, 5, 6, 8, 10]].any()
     bad = frame.clone()
-    bad[entropy.read_header(frame).offsets[3] + 1] ^= 0x10  # a coder state
+    bad[entropy.read_header(frame).offsets[Stream.COUNTS]] ^= 0x10  # a chunk's word count
     before = dst.clone()
     with pytest.raises(codec.CorruptFrame):
         entropy.decode_blocks(bad, dst, ids)

@@ -64,6 +64,10 @@ __device__ __forceinline__ u32 unpack_field(u32 v, int lane) {
     return __funnelshift_r(lo, hi, bit & 31) & ((1u << B) - 1);
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
 // A streamed word, its 256-byte neighbourhood brought into L2 on a miss.
 __device__ __forceinline__ u32 ld_stream(const u32* p) {
     u32 v;
@@ -95,24 +99,42 @@ template <> struct Elem<2> { typedef u16 T; };
 #define GROUP 32
 #define ESC_FLAG 0x80000000u
 
-// The table of this lane's element at each step: from ptab4 (FULL groups) or per step.
+// The tables of this lane's elements, four steps a word of ptab4 (whole groups; period >= 128),
+// loaded eight steps ahead of their use: a load's latency would otherwise stall the chain.
 struct TableCursor {
     const u32* ptab4;
+    int per, j;  // j: this lane's position in the period eight steps after the next
+    u32 a, b;  // the next two words
+    __device__ __forceinline__ void start(int at) {
+        j = at;
+        a = ptab4[j];
+        advance();
+        b = ptab4[j];
+        advance();
+    }
+    __device__ __forceinline__ void advance() {
+        j += 128;
+        if (j >= per) j -= per;
+    }
+    // The tables of the next four steps, a byte each.
+    __device__ __forceinline__ u32 four() {
+        const u32 v = a;
+        a = b;
+        b = ptab4[j];
+        advance();
+        return v;
+    }
+};
+
+// The table of each step one by one (short groups, and periods without ptab4).
+struct TableSteps {
     TableOf tab;
     i64 j;  // this lane's position in the period at the next step
-    int per;
-    __device__ __forceinline__ int step_generic() {
+    __device__ __forceinline__ int next() {
         const int t = tab.at(j);
         j += 32;
         while (j >= tab.period) j -= tab.period;
         return t;
-    }
-    // The tables of the next four steps, a byte each (ptab4: period >= 128).
-    __device__ __forceinline__ u32 four() {
-        const u32 v = ptab4[j];
-        j += 128;
-        if (j >= per) j -= per;
-        return v;
     }
 };
 
@@ -169,7 +191,8 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
             }
             return bits;
         };
-        TableCursor tcur{ptab4, TableOf{ptab, cmap, period, tc, cc}, (first + lane) % period, (int)period};
+        TableCursor tcur{ptab4, (int)period};
+        if (FAST && ptab4) tcur.start((int)((first + lane) % period));
         int pos = 0, nb = 0, q0 = -1, q1 = -1, pb = 0;
         unsigned long long acc = 0;
         auto reserve = [&](const bool need) {
@@ -198,8 +221,8 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
         // every lane of every step is in the chunk and the tables come from t3 (a byte a step);
         // `exact`: the chunk's last group, whose refills take what the codes need. Hands back the
         // steps' raw fields.
-        auto segment = [&](const int s, const int len, const bool full, const u32 t3, const u32* in, u32* fields,
-                           const bool exact) {
+        auto segment = [&](const int s, const int len, const bool full, const u32 t3, TableSteps* ts, const u32* in,
+                           u32* fields, const bool exact) {
             const int before = nb;  // the window a decoder has at this refill point
             int used = 0;
             u32 escs = 0;
@@ -207,7 +230,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
             for (int u = 0; u < SEGMENT; u++) {
                 if (u < len) {
                     const bool v = full || ((s + u) << 5) + lane < here;
-                    const int t = full ? (int)((t3 >> (8 * u)) & 0xff) : tcur.step_generic();
+                    const int t = full ? (int)((t3 >> (8 * u)) & 0xff) : ts->next();
                     fields[u] = R ? in[u] & ((1u << RW) - 1) : 0u;
                     const u32 e = enc[(t << S) | (in[u] >> R)];
                     const int l = v ? (int)((e >> 16) & 0xff) : 0;
@@ -238,6 +261,8 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                 for (int w = 0; w < RW; w++) rw[w] = 0;
 #pragma unroll
                 for (int u = 0; u < SEGMENT; u++) cur[u] = load_next(true);
+                // Lane k brings the row of the step 32 + k steps on into L2 (the next group's).
+                if (!ids || off + ((GROUP + lane) << 5) < (int)block) prefetch_l2(sp + ((GROUP + lane - 1) << 5));
 #pragma unroll
                 for (int k = 0; k < (GROUP + SEGMENT - 1) / SEGMENT; k++) {
                     const int s0 = k * SEGMENT, sl = min(SEGMENT, GROUP - s0);
@@ -254,7 +279,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                             t3 |= ((tv >> (8 * (st & 3))) & 0xffu) << (8 * u);
                         }
                     }
-                    segment(g + s0, sl, true, t3, cur, fields, false);
+                    segment(g + s0, sl, true, t3, nullptr, cur, fields, false);
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) cur[u] = nxt[u];
 #pragma unroll
@@ -263,12 +288,12 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                             const int bit = R * (s0 + u), w = bit >> 5, sh = bit & 31;
                             rw[w] |= fields[u] << sh;
                             if (sh + R > 32) rw[w + 1] |= fields[u] >> (32 - sh);
+                            if (sh + R >= 32) rg[32 * w] = rw[w];  // word w is complete
                         }
                     }
                 }
-#pragma unroll
-                for (int w = 0; w < R; w++) rg[32 * w] = rw[w];
             } else {
+                TableSteps tsteps{TableOf{ptab, cmap, period, tc, cc}, (first + lane + ((i64)g << 5)) % period};
                 unsigned long long racc = 0;
                 int rbits = 0, rword = 0;
                 for (int s0 = 0; s0 < gl; s0 += SEGMENT) {
@@ -277,7 +302,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++)
                         if (u < sl) in[u] = load_next(((g + s0 + u) << 5) + lane < here);
-                    segment(g + s0, sl, false, 0u, in, fields, g + GROUP >= steps);
+                    segment(g + s0, sl, false, 0u, &tsteps, in, fields, g + GROUP >= steps);
                     if (R) {
 #pragma unroll
                         for (int u = 0; u < SEGMENT; u++) {
@@ -505,17 +530,19 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                 w2 = base + 64 + lane < len ? wc[base + 64 + lane] : 0u;
             }
         };
-        TableCursor tcur{ptab4, TableOf{ptab, cmap, period, tc, cc}, (first + lane) % period, (int)period};
+        TableCursor tcur{ptab4, (int)period};
+        if (FAST && ptab4) tcur.start((int)((first + lane) % period));
         T* op = oc + lane;
         // The symbols of one segment of `sl` steps from step s; `full`: every lane of every step
         // in the chunk, tables from t3 (a byte a step); `exact`: the chunk's last group, whose
         // refills take what the codes need (learnt by decoding them from the window first: past
         // its unread bits the window is zero, so a code that does not fit reads as longer).
-        auto segment = [&](const int s, const int sl, const bool full, const u32 t3, u32* syms, const bool exact) {
+        auto segment = [&](const int s, const int sl, const bool full, const u32 t3, TableSteps* ts, u32* syms,
+                           const bool exact) {
             int tabs[SEGMENT];
 #pragma unroll
             for (int u = 0; u < SEGMENT; u++)
-                if (u < sl) tabs[u] = full ? (int)((t3 >> (8 * u)) & 0xff) : tcur.step_generic();
+                if (u < sl) tabs[u] = full ? (int)((t3 >> (8 * u)) & 0xff) : ts->next();
             if (exact) {
                 u32 th = hi, tl = lo;
                 int used = 0;
@@ -573,6 +600,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                 u32 tv = 0, rw[RW];
 #pragma unroll
                 for (int w = 0; w < RW; w++) rw[w] = R ? ld_stream(rc + (i64)g * R + 32 * w) : 0u;
+                if (R && lane < R) prefetch_l2(rc + (i64)(g + GROUP) * R + 31 * lane);  // the next group's line `lane`
 #pragma unroll
                 for (int k = 0; k < (GROUP + SEGMENT - 1) / SEGMENT; k++) {
                     const int s0 = k * SEGMENT, sl = min(SEGMENT, GROUP - s0);
@@ -585,7 +613,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                             t3 |= ((tv >> (8 * (st & 3))) & 0xffu) << (8 * u);
                         }
                     }
-                    segment(g + s0, sl, true, t3, syms, false);
+                    segment(g + s0, sl, true, t3, nullptr, syms, false);
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) {
                         if (u < sl) {
@@ -600,10 +628,11 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                     }
                 }
             } else {
+                TableSteps tsteps{TableOf{ptab, cmap, period, tc, cc}, (first + lane + ((i64)g << 5)) % period};
                 for (int s0 = 0; s0 < gl; s0 += SEGMENT) {
                     const int sl = min(SEGMENT, gl - s0);
                     u32 syms[SEGMENT];
-                    segment(g + s0, sl, false, 0u, syms, g + GROUP >= steps);
+                    segment(g + s0, sl, false, 0u, &tsteps, syms, g + GROUP >= steps);
                     for (int u = 0; u < sl; u++) {
                         const int st = g + s0 + u;
                         const u32 rv = R ? raw_field<RW>(rc, st) : 0u;
