@@ -1,4 +1,4 @@
-"""The ``entropy`` codec: channel-aware static rANS coding of KV (FORMAT.md, "entropy").
+"""The ``entropy`` codec: channel-aware static Huffman coding of KV (FORMAT.md, "entropy").
 
     book = calibrate(k_layers, token_axis=2)    # [layers, heads, tokens, head_dim] samples
     frame = encode(k, book)                     # tables and context map travel in the frame

@@ -65,21 +65,6 @@ class EntropyCodebook:
     def tables(self) -> int:
         return int(self.freqs.shape[0])
 
-    def cumulative(self) -> np.ndarray:
-        """Start of each symbol's slot range, (tables, alphabet) int64."""
-        if "cum" not in self._cache:
-            c = np.zeros_like(self.freqs, dtype=np.int64)
-            c[:, 1:] = np.cumsum(self.freqs, axis=1)[:, :-1]
-            self._cache["cum"] = c
-        return self._cache["cum"]
-
-    def slot_symbols(self) -> np.ndarray:
-        """Decode table: the symbol owning each slot, (tables, 2**prob_bits) int32."""
-        if "slots" not in self._cache:
-            rows = [np.repeat(np.arange(self.freqs.shape[1], dtype=np.int32), f) for f in self.freqs]
-            self._cache["slots"] = np.stack(rows)
-        return self._cache["slots"]
-
     def to_json(self) -> str:
         g = self.geometry
         return json.dumps({

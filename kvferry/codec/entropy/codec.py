@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import bitpack
 from ..checksum import crc32c
 from ..dtypes import layout_for
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
