@@ -45,11 +45,14 @@ def kernel_us(fn, name):
     return ev[0].device_time_total / ev[0].count if ev else float("nan")
 
 for name in sys.argv[1:] or VARIANTS:
-    src = SRC.replace("// A streamed word", TOUCH + "// A streamed word")
-    for a, b in VARIANTS[name]:
-        assert a in src, (name, a)
-        src = src.replace(a, b)
-    path = Path(f"/tmp/ev2_{name}.cu"); path.write_text(src)
+    if name.endswith(".cu"):
+        path = Path(name)
+    else:
+        src = SRC.replace("// A streamed word", TOUCH + "// A streamed word")
+        for a, b in VARIANTS[name]:
+            assert a in src, (name, a)
+            src = src.replace(a, b)
+        path = Path(f"/tmp/ev2_{name}.cu"); path.write_text(src)
     gpu._SOURCE = path
     gpu._module.cache_clear(); gpu._kernel.cache_clear()
     f = entropy.encode(x, book, checksum=False)
