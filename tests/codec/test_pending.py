@@ -10,7 +10,7 @@ import torch
 from kvferry import codec as codecs
 from kvferry.codec.staging import Pending
 
-LAUNCHING = ["raw", "splitzip"]
+LAUNCHING = ["raw", "splitzip", "entropy"]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -63,16 +63,19 @@ def test_launched_decode_refuses_what_the_waiting_one_refuses_and_writes_nothing
     broken[20] ^= 0xFF  # the header
     with pytest.raises(codecs.CorruptFrame):
         codec.start_decode_blocks(broken, out, ids).result()
-    if name == "splitzip":  # the engine checks ids at submit; SplitZip's kernels check them again
+    if name != "raw":  # the engine checks ids at submit; these kernels check them again
         with pytest.raises(IndexError):
             codec.start_decode_blocks(frame, out, torch.tensor([0, 1, 2, 99], device="cuda")).result()
+        with pytest.raises(codecs.OutputMismatch):
+            codec.start_decode_blocks(frame, out, torch.tensor([0, 1, 2, 1], device="cuda")).result()
     assert not out.view(torch.int16).any()
 
 
 @pytest.mark.gpu
 @gpu
-def test_launched_splitzip_encode_checks_block_ids_on_the_device():
-    codec = codecs.get("splitzip")
+@pytest.mark.parametrize("name", ["splitzip", "entropy"])
+def test_launched_encode_checks_block_ids_on_the_device(name):
+    codec = codecs.get(name)
     cache = _cache("cuda")
     pending = codec.start_encode_blocks(cache, torch.tensor([0, 12], device="cuda"), codec.learn(cache[:4]))
     with pytest.raises(IndexError):
@@ -81,12 +84,14 @@ def test_launched_splitzip_encode_checks_block_ids_on_the_device():
 
 @pytest.mark.gpu
 @gpu
-def test_a_launch_does_not_wait_for_the_gpu():
+@pytest.mark.parametrize("name", ["splitzip", "entropy"])
+def test_a_launch_does_not_wait_for_the_gpu(name):
     """While a long kernel holds the stream, the launch returns and the result is not ready."""
-    codec = codecs.get("splitzip")
+    codec = codecs.get(name)
     cache = _cache("cuda", blocks=256)
     ids = torch.arange(256, device="cuda")
     book = codec.learn(cache[:4])
+    codec.encode_blocks(cache, ids, book)  # the codebook's device tables, built once
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles ahead of the encode on this stream
     pending = codec.start_encode_blocks(cache, ids, book)

@@ -20,6 +20,7 @@ from ..format import FrameCodec, stored_size
 from ..frames import decode as decode_frame, checked_block_ids
 from ..frames import encode_stored
 from ..registry import PositionFree, codec_id as frame_codec_id
+from ..staging import Pending
 from . import reference
 from .codebook import DEFAULT_TABLES, EntropyCodebook, calibrate
 from .format import (DEFAULT_CHUNK, FRAME_ID, HEADER_SIZE, LANES, MAX_CHUNK, EntropyHeader, Stream, check_counts,
@@ -189,7 +190,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
         if gpu.available() and gpu.takes_blocks(cache):  # the coder reads the blocks in place
             book = _book_for(cache, codebook)
             shape = (ids.numel(), *cache.shape[1:])
-            frame = gpu.encode(cache.detach(), ids, shape, book, checksum=checksum, chunk=chunk)
+            frame = gpu.encode(cache.detach(), ids, shape, book, checksum=checksum, chunk=chunk, blocks=cache.shape[0])
             if frame is not None:
                 return frame
     bits = layout_for(cache.dtype).int_dtype  # index_select lacks float8 kernels
@@ -235,6 +236,53 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
                              f"{cache.dtype}{list(expected)}")
     bits = layout_for(cache.dtype).int_dtype
     cache.view(bits).index_copy_(0, ids, blocks.to(cache.device).view(bits))
+
+
+def start_encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
+                        codebook: EntropyCodebook | None = None) -> Pending[torch.Tensor]:
+    """``encode_blocks`` (no stream CRC, the registry's) launched on the current stream where the
+    GPU codes the blocks in place: the frame once the stream has run, the block ids checked on
+    the device, without blocking the caller meanwhile. Elsewhere it runs ``encode_blocks`` now."""
+    _check_tensor(cache)
+    if cache.is_cuda and codebook is not None:
+        from . import gpu
+
+        if gpu.available() and gpu.takes_blocks(cache):
+            ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
+            if ids.numel():
+                book = _book_for(cache, codebook)
+                shape = (ids.numel(), *cache.shape[1:])
+                pending = gpu.start_encode(cache.detach(), ids, shape, book, checksum=False, chunk=DEFAULT_CHUNK,
+                                           blocks=cache.shape[0])
+                return pending.then(lambda frame: frame if frame is not None
+                                    else encode_blocks(cache, ids, codebook, checksum=False))
+    return Pending.done(encode_blocks(cache, block_ids, codebook, checksum=False))
+
+
+def start_decode_blocks(frame: torch.Tensor, cache: torch.Tensor,
+                        block_ids: Sequence[int] | torch.Tensor) -> Pending[None]:
+    """``decode_blocks`` launched on the current stream where the GPU writes the blocks itself:
+    done once the stream has run (raising as ``decode_blocks`` does; the block ids are checked
+    on the device), without blocking the caller meanwhile, but for the read of the frame's
+    header. Elsewhere, and for stored frames, ``decode_blocks`` runs now."""
+    _check_tensor(cache)
+    if isinstance(frame, torch.Tensor) and frame.is_cuda and frame.device == cache.device and cache.dim():
+        from . import gpu
+
+        block_bytes = cache[0].numel() * cache.element_size()
+        if gpu.available() and gpu.scatters(cache, block_bytes):
+            prefix = gpu.read_prefix(frame)
+            if not gpu.is_stored(prefix):
+                ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
+                header = gpu.header_of(frame, prefix)
+                expected = (ids.numel(), *cache.shape[1:])
+                if header.sym.layout.dtype != cache.dtype or header.shape != expected:
+                    raise OutputMismatch(f"frame holds {header.sym.layout.name}{list(header.shape)}, blocks need "
+                                         f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
+                if ids.numel():
+                    return gpu.start_decode_blocks(frame, header, prefix, cache, ids)
+    decode_blocks(frame, cache, block_ids)
+    return Pending.done(None)
 
 
 class EntropyCodec(PositionFree):
@@ -287,3 +335,11 @@ class EntropyCodec(PositionFree):
     def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: Any = None) -> None:
         decode_blocks(frame, cache, block_ids)
+
+    def start_encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: EntropyCodebook | None = None) -> Pending[torch.Tensor]:
+        return start_encode_blocks(cache, block_ids, codebook)
+
+    def start_decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Any = None) -> Pending[None]:
+        return start_decode_blocks(frame, cache, block_ids)

@@ -151,8 +151,9 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
     const void* __restrict__ src, const i64* __restrict__ ids, i64 block, i64 n, i64 chunk_, i64 nchunks_,
     const u32* __restrict__ enc_g, i64 enc_words, const u8* __restrict__ ptab, const u8* __restrict__ cmap,
     i64 period, i64 tc, i64 cc, const u32* __restrict__ ptab4, u32* __restrict__ slots, i64 stride,
-    u32* __restrict__ counts, u32* __restrict__ raw, i64 raw_chunk)
+    u32* __restrict__ counts, u32* __restrict__ raw, i64 raw_chunk, const int* __restrict__ err)
 {
+    if (err && *(volatile const int*)err) return;  // block ids the check refused: read nothing
     typedef typename Elem<EB>::T T;
     constexpr int RW = R ? R : 1;
     extern __shared__ u32 enc_s[];
@@ -351,8 +352,9 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
 extern "C" __global__ void entropy_assemble(
     const u32* __restrict__ slots, const u32* __restrict__ counts, const i64* __restrict__ cum, i64 stride,
     i64 nchunks, u8* __restrict__ buf, i64 raw_at, const u8* __restrict__ prefix, i64 body, i64 words_length_at,
-    i64 prefix_len, i64 counts_at, i64 words_at, i64 has_raw)
+    i64 prefix_len, i64 counts_at, i64 words_at, i64 has_raw, const int* __restrict__ err)
 {
+    if (err && *(volatile const int*)err) return;  // the coder did not run: no total to place a frame by
     const int lane = threadIdx.x & 31;
     const i64 total = cum[nchunks - 1];
     const i64 words_end = words_at + 4 * total;
@@ -710,6 +712,25 @@ extern "C" __global__ void __launch_bounds__(1024) entropy_scan(
         carry += sums[31];
         __syncthreads();
     }
+}
+
+// Block ids checked on the device, so that launching work on them needs no host read: every
+// id in 0..blocks-1 (else err |= 2) and, where `hits` (zeroed, one int a block) is given, none
+// twice (else err |= 4). One block of threads; `reset` first zeroes err (the encoder's).
+extern "C" __global__ void entropy_check_ids(const i64* __restrict__ ids, i64 n, i64 blocks,
+                                             int* __restrict__ hits, int* __restrict__ err, i64 reset)
+{
+    if (reset) {
+        if (threadIdx.x == 0) *err = 0;
+        __syncthreads();
+    }
+    int bad = 0;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const i64 id = ids[i];
+        if (id < 0 || id >= blocks) bad |= 2;
+        else if (hits && atomicAdd(hits + id, 1) > 0) bad |= 4;
+    }
+    if (bad) atomicOr(err, bad);
 }
 
 // Decoded elements into their blocks (dst + ids[b] * block_bytes, or dst itself when ids is

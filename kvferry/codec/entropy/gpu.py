@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from ..checksum import crc32c
-from ..errors import CorruptFrame
+from ..errors import CorruptFrame, OutputMismatch
 from ..format import FrameCodec, stored_size
 from ..registry import FRAME_MAGIC
 from ..splitzip_gpu import _in_context, _parameters
-from ..staging import current_stream, optional_cupy, read_to_host
+from ..staging import Pending, current_stream, optional_cupy, read_to_host, start_read
 from .codebook import EntropyCodebook
 from . import huffman
 from .format import (FRAME_ID, HEADER_BODY, HEADER_SIZE, LANES, WORDS_LENGTH_AT, EntropyHeader, Stream, align,
@@ -196,53 +196,80 @@ def _encode_plan(ct: CodeTables, sym: SymbolLayout, shape: tuple[int, ...], chun
 
 
 def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...], book: EntropyCodebook, *,
-           checksum: bool, chunk: int) -> torch.Tensor | None:
+           checksum: bool, chunk: int, blocks: int = 0) -> torch.Tensor | None:
     """The reference's frame of ``source`` (flat contiguous, ``shape`` elements), or of the
-    blocks ``source[ids]`` of a contiguous cache (``takes_blocks``); None where a stored frame
-    would not be larger.
+    blocks ``source[ids]`` of a contiguous cache of ``blocks`` blocks (``takes_blocks``); None
+    where a stored frame would not be larger.
 
-    The device places the frame from the word total itself and completes its header, so the
-    host's one read (the total, which the frame's size needs) waits for the whole encode and
-    nothing is left to write after it."""
+    Raises:
+        IndexError: a block id outside the cache (checked on the device; nothing read).
+    """
+    return start_encode(source, ids, shape, book, checksum=checksum, chunk=chunk, blocks=blocks).result()
+
+
+def start_encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...], book: EntropyCodebook, *,
+                 checksum: bool, chunk: int, blocks: int = 0) -> Pending[torch.Tensor | None]:
+    """``encode`` launched on the current stream: the frame once the stream has run.
+
+    The device checks the block ids, places the frame from the word total itself and completes
+    its header, so the host's one read (the total, which the frame's size needs) comes after all
+    of the device's work and nothing is left to write after it."""
     sym = for_dtype(source.dtype)
     device = source.device
     ct = code_tables(book)
     plan = _encode_plan(ct, sym, tuple(shape), chunk)
     n, nchunks, stream = plan.n, plan.nchunks, current_stream(device)
     buf = torch.empty(plan.buffer, dtype=torch.uint8, device=device)
-    total_words = 0
-    if nchunks:
-        tabs = _tables_on(ct, device)
-        prefix = plan.prefix_on.get(device)
-        if prefix is None:
-            prefix = plan.prefix_on.setdefault(device, torch.frombuffer(
-                bytearray(plan.empty.pack() + plan.between), dtype=torch.uint8).to(device))
-        # one allocation: word sums (int64), counts, slots (each the chunk's cap of words)
-        stride = plan.cap
-        scratch = torch.empty(nchunks * (8 + 4 + 4 * stride) + 16, dtype=torch.uint8, device=device)
-        cum = scratch.data_ptr()
-        counts_at = cum + 8 * nchunks
-        slots = counts_at + 4 * nchunks
-        block = source[0].numel() if ids is not None else 1
-        kernel, grid = _coder("encode", sym, device.index or 0, tabs.enc_smem, nchunks)
-        ptab4 = tabs.ptab4.data_ptr() if tabs.ptab4 is not None else 0
-        kernel(stream, grid, (
-            source.data_ptr(), ids.data_ptr() if ids is not None else 0, block, n, chunk, nchunks,
-            tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(ct), ptab4, slots, stride, counts_at,
-            buf.data_ptr() + plan.raw_at, chunk_raw_words(chunk // LANES, sym.raw_bits)), tabs.enc_smem)
-        _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (counts_at, nchunks, cum) + (0,) * 14)
-        o = plan.empty.offsets
-        _kernel(device.index or 0, "entropy_assemble", 256)(stream, min(-(-nchunks // 8), 1 << 16), (
-            slots, counts_at, cum, stride, nchunks, buf.data_ptr(), plan.raw_at, prefix.data_ptr(), HEADER_BODY,
-            WORDS_LENGTH_AT, prefix.numel(), o[Stream.COUNTS], o[Stream.WORDS],
-            int(plan.empty.lengths[Stream.RAW] > 0)))
-        total_words = int(read_to_host(scratch, 8, stream, offset=8 * (nchunks - 1)).view(np.int64)[0])
+    if not nchunks:
+        return Pending.done(_encoded(plan, buf, sym, 0, checksum))
+    tabs = _tables_on(ct, device)
+    prefix = plan.prefix_on.get(device)
+    if prefix is None:
+        prefix = plan.prefix_on.setdefault(device, torch.frombuffer(
+            bytearray(plan.empty.pack() + plan.between), dtype=torch.uint8).to(device))
+    # one allocation: word sums (int64), the ids' verdict (int32 and padding), counts, slots
+    # (each the chunk's cap of words)
+    stride = plan.cap
+    scratch = torch.empty(nchunks * (8 + 4 + 4 * stride) + 24, dtype=torch.uint8, device=device)
+    cum = scratch.data_ptr()
+    err = cum + 8 * nchunks if ids is not None else 0
+    counts_at = cum + 8 * nchunks + 8
+    slots = counts_at + 4 * nchunks
+    index = device.index or 0
+    block = source[0].numel() if ids is not None else 1
+    if ids is not None:
+        _kernel(index, "entropy_check_ids", 1024)(stream, 1, (ids.data_ptr(), ids.numel(), blocks, 0, err, 1))
+    kernel, grid = _coder("encode", sym, index, tabs.enc_smem, nchunks)
+    ptab4 = tabs.ptab4.data_ptr() if tabs.ptab4 is not None else 0
+    kernel(stream, grid, (
+        source.data_ptr(), ids.data_ptr() if ids is not None else 0, block, n, chunk, nchunks,
+        tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(ct), ptab4, slots, stride, counts_at,
+        buf.data_ptr() + plan.raw_at, chunk_raw_words(chunk // LANES, sym.raw_bits), err), tabs.enc_smem)
+    _kernel(index, "entropy_scan", 1024)(stream, 1, (counts_at, nchunks, cum) + (0,) * 14)
+    o = plan.empty.offsets
+    _kernel(index, "entropy_assemble", 256)(stream, min(-(-nchunks // 8), 1 << 16), (
+        slots, counts_at, cum, stride, nchunks, buf.data_ptr(), plan.raw_at, prefix.data_ptr(), HEADER_BODY,
+        WORDS_LENGTH_AT, prefix.numel(), o[Stream.COUNTS], o[Stream.WORDS],
+        int(plan.empty.lengths[Stream.RAW] > 0), err))
+
+    def finish(read: np.ndarray) -> torch.Tensor | None:
+        if ids is not None and int(read[8:12].view(np.int32)[0]):
+            raise IndexError(f"block ids must be in 0..{blocks - 1}")
+        return _encoded(plan, buf, sym, int(read[:8].view(np.int64)[0]), checksum)
+
+    return start_read(scratch, 16, offset=8 * (nchunks - 1)).then(finish)
+
+
+def _encoded(plan: _EncodePlan, buf: torch.Tensor, sym: SymbolLayout, total_words: int,
+             checksum: bool) -> torch.Tensor | None:
+    """The frame the device placed in ``buf`` for ``total_words`` words, or None where a stored
+    frame would not be larger."""
     header = plan.empty.with_words(total_words)
-    if header.total >= stored_size(sym.layout, n):
+    if header.total >= stored_size(sym.layout, plan.n):
         return None
     start = plan.raw_at - header.offsets[Stream.RAW]
     frame = buf[start:start + header.total]
-    if not nchunks:  # else the device wrote the header
+    if not plan.nchunks:  # else the device wrote the header
         frame[:header.offsets[Stream.COUNTS]].copy_(
             torch.frombuffer(bytearray(header.pack() + plan.between), dtype=torch.uint8))
     if checksum:
@@ -305,9 +332,11 @@ def header_of(frame: torch.Tensor, prefix: np.ndarray) -> EntropyHeader:
     return parse_header(prefix[:HEADER_SIZE].tobytes(), frame.numel())
 
 
-def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray, ids: torch.Tensor | None = None,
+            blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The frame's elements decoded into fresh memory (16-byte aligned, padded to 16 bytes) and
-    the device's verdict (0: every check passed), neither read yet.
+    the device's verdict (0: every check passed; with ``ids``, also checked against a cache of
+    ``blocks`` blocks), neither read yet.
 
     Raises:
         CorruptFrame: a check the host makes (stream CRC, tables).
@@ -337,6 +366,10 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> t
     gaps = gaps[2:] + [0, 0]  # the scan checks five gaps; this format has four
     _kernel(device.index or 0, "entropy_scan", 1024)(stream, 1, (
         base + o[Stream.COUNTS], nchunks, cum, base, *gaps, o[Stream.RAW] + ln[Stream.RAW] - 1, 0, err.data_ptr()))
+    if ids is not None and ids.numel():  # after the scan, which sets err rather than adding to it
+        hits = torch.zeros(max(blocks, 1), dtype=torch.int32, device=device)
+        _kernel(device.index or 0, "entropy_check_ids", 1024)(stream, 1, (
+            ids.data_ptr(), ids.numel(), blocks, hits.data_ptr(), err.data_ptr(), 0))
     if nchunks:
         cap, cap_last = word_cap(header.chunk, sym), word_cap(n - (nchunks - 1) * header.chunk, sym)
         kernel, grid = _coder("decode", sym, device.index or 0, tabs.dec_smem, nchunks)
@@ -349,8 +382,15 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray) -> t
     return out, err
 
 
-def _verdict(err: torch.Tensor) -> None:
-    if int(read_to_host(err, 4, current_stream(err.device)).view(np.int32)[0]):
+def _verdict(err: torch.Tensor | np.ndarray, blocks: int = 0) -> None:
+    """Raise what the device found (``err`` on the device, or read already)."""
+    code = int((read_to_host(err, 4, current_stream(err.device)) if isinstance(err, torch.Tensor) else err)
+               .view(np.int32)[0])
+    if code & 2:
+        raise IndexError(f"block ids must be in 0..{blocks - 1}")
+    if code & 4:
+        raise OutputMismatch("block ids repeat")
+    if code:
         raise CorruptFrame("coded streams do not decode to their end (corrupt counts, words, escapes "
                            "or padding)")
 
@@ -398,7 +438,7 @@ def decode_blocks(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray
     decoded, err = _decode(frame, header, prefix)
     itemsize = header.sym.layout.itemsize
     block_bytes = (cache[0].numel() if ids.numel() else 0) * itemsize
-    if cache.is_contiguous() and cache.data_ptr() % 16 == 0 and block_bytes % 16 == 0 and ids.numel():
+    if scatters(cache, block_bytes) and ids.numel():
         _scatter(decoded, cache.data_ptr(), ids, block_bytes, ids.numel(), err)
         _verdict(err)
         return
@@ -408,3 +448,22 @@ def decode_blocks(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray
     bits = torch.int16 if itemsize == 2 else torch.uint8
     blocks = decoded[:header.numel * itemsize].view(bits).view(ids.numel(), *cache.shape[1:])
     cache.view(bits).index_copy_(0, ids, blocks)
+
+
+def scatters(cache: torch.Tensor, block_bytes: int) -> bool:
+    """Whether decoded blocks go into ``cache`` by the scatter kernel (16-byte pieces)."""
+    return cache.is_contiguous() and cache.data_ptr() % 16 == 0 and block_bytes % 16 == 0 and block_bytes > 0
+
+
+def start_decode_blocks(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray, cache: torch.Tensor,
+                        ids: torch.Tensor) -> Pending[None]:
+    """``decode_blocks`` launched on the current stream, the block ids (unchecked by the
+    caller) checked on the device too: done once the stream has run, raising as
+    ``decode_blocks`` does (and IndexError / OutputMismatch for bad ids); nothing is written
+    unless every check passed. The caller knows ``scatters(cache, ...)`` holds."""
+    blocks = cache.shape[0]
+    decoded, err = _decode(frame, header, prefix, ids, blocks)
+    block_bytes = cache[0].numel() * header.sym.layout.itemsize
+    _scatter(decoded, cache.data_ptr(), ids, block_bytes, ids.numel(), err)
+
+    return start_read(err, 4).then(lambda read: _verdict(read, blocks))
