@@ -224,9 +224,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         blocks = decode_frame(frame)
     else:
         header = gpu.header_of(frame, prefix) if gpu is not None else read_header(frame)
-        if header.sym.layout.dtype != cache.dtype or header.shape != expected:
-            raise OutputMismatch(f"frame holds {header.sym.layout.name}{list(header.shape)}, blocks need "
-                                 f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
+        _check_blocks(header, cache, expected)
         if gpu is not None:
             gpu.decode_blocks(frame, header, prefix, cache, ids)
             return
@@ -236,6 +234,13 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
                              f"{cache.dtype}{list(expected)}")
     bits = layout_for(cache.dtype).int_dtype
     cache.view(bits).index_copy_(0, ids, blocks.to(cache.device).view(bits))
+
+
+def _check_blocks(header: EntropyHeader, cache: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """Raises OutputMismatch unless the frame holds blocks of ``cache``'s dtype, ``expected`` in all."""
+    if header.sym.layout.dtype != cache.dtype or header.shape != expected:
+        raise OutputMismatch(f"frame holds {header.sym.layout.name}{list(header.shape)}, blocks need "
+                             f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
 
 
 def start_encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
@@ -275,10 +280,7 @@ def start_decode_blocks(frame: torch.Tensor, cache: torch.Tensor,
             if not gpu.is_stored(prefix):
                 ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
                 header = gpu.header_of(frame, prefix)
-                expected = (ids.numel(), *cache.shape[1:])
-                if header.sym.layout.dtype != cache.dtype or header.shape != expected:
-                    raise OutputMismatch(f"frame holds {header.sym.layout.name}{list(header.shape)}, blocks need "
-                                         f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
+                _check_blocks(header, cache, (ids.numel(), *cache.shape[1:]))
                 if ids.numel():
                     return gpu.start_decode_blocks(frame, header, prefix, cache, ids)
     decode_blocks(frame, cache, block_ids)
