@@ -122,3 +122,11 @@ def test_gpu_blocks_bf16(shape):
     with pytest.raises(codec.CorruptFrame):
         entropy.decode_blocks(bad, dst, ids)
     assert torch.equal(dst.view(torch.int16), before.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_calibration_counts_on_the_gpu_as_on_the_cpu(dtype):
+    """A codebook learned from GPU samples (counted there) is the one their host copies give."""
+    x = with_specials(kv_like((4, 256, 32), dtype, seed=18), seed=19)
+    on_gpu = entropy.calibrate(x.cuda(), token_axis=1, tables=8)
+    assert on_gpu.to_json() == entropy.calibrate(x, token_axis=1, tables=8).to_json()
