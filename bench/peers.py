@@ -120,6 +120,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
             for size in sizes:
                 count = max(1, size // BLOCK_BYTES)
                 seconds, at_receiver, exact, ratio, chosen, stages = [], [], True, 0.0, "", {}
+                reason = ""
                 sent: dict[str, float] = {}  # transfer id -> created on the sender (one host, one clock)
                 for repeat in range(args.repeats + 1):  # the first is a warm-up
                     src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
@@ -140,6 +141,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
                         sent[record["id"]] = record["created"]
                         ratio = record["bytes_raw"] / max(1, record["bytes_wire"]) if record["bytes_wire"] else 1.0
                         chosen = record.get("chosen_codec") or codec
+                        reason = record.get("choice_reason") or ""
                 # The receiver's records, asked once (a query between transfers slows the next one).
                 for incoming in receiver._call("GET", "/v1/transfers",
                                                params={"direction": "in", "limit": 10 * len(sent) + 10}).json():
@@ -148,6 +150,8 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
                 how = f"{codec}" + (f" ({chosen})" if codec == "auto" else "")
                 rows.append(_row("kvferry", how, count, seconds, exact, ratio, link_gbps))
                 rows[-1]["stages_median_ms"] = {k: statistics.median(v) * 1e3 for k, v in stages.items()}
+                if reason:  # auto's, for the last repeat
+                    rows[-1]["choice_reason"] = reason
                 print(_line(rows[-1]), flush=True)
                 if len(at_receiver) == len(seconds):
                     rows.append(_row("kvferry", how + ", at the receiver", count, at_receiver, exact, ratio, link_gbps))

@@ -59,6 +59,9 @@ def element_bits(x: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+MIN_PERIOD = 128  # elements: four steps of 32 lanes
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Where an element sits within its period ``outer x tokens x inner`` (the shape of one block
@@ -81,10 +84,13 @@ class Geometry:
     @classmethod
     def of(cls, shape: tuple[int, ...], token_axis: int | None) -> Geometry:
         """Geometry of a block of ``shape`` whose tokens run along ``token_axis``. Without a
-        token axis every axis but the last is taken for tokens: contexts are channels."""
+        token axis every axis but the last is taken for tokens: contexts are channels, and the
+        period is as few rows as reach ``MIN_PERIOD`` elements (the same contexts, and the small
+        per-position tables the GPU coders' fast path needs, where the whole block would make
+        them as large as it)."""
         shape = tuple(max(int(d), 1) for d in shape) or (1,)
         if token_axis is None:
-            return cls(1, int(np.prod(shape[:-1], dtype=np.int64)), shape[-1])
+            return cls(1, -(-MIN_PERIOD // shape[-1]), shape[-1])
         axis = token_axis + len(shape) if token_axis < 0 else token_axis
         if not 0 <= axis < len(shape):
             raise ValueError(f"token_axis {token_axis} is not an axis of shape {shape}")
