@@ -111,3 +111,20 @@ def test_context_map_packs_to_as_few_bits_as_name_a_table():
         bad[-1] |= 0x80
         with pytest.raises(codec.CorruptFrame):
             unpack_map(bytes(bad), ct.geometry.contexts, ct.tables)
+
+
+def test_registry_frames_take_smaller_chunks_when_small():
+    """The registry's frames keep at least WARPS_WANTED chunks down to MIN_REGISTRY_CHUNK: a
+    chunk is one GPU warp's work."""
+    from kvferry.codec.entropy.codec import MIN_REGISTRY_CHUNK, WARPS_WANTED, chunk_for
+
+    assert chunk_for(1 << 30) == entropy.DEFAULT_CHUNK
+    assert chunk_for(8 << 20) == 4096 == MIN_REGISTRY_CHUNK and chunk_for(100) == MIN_REGISTRY_CHUNK
+    assert chunk_for(32 << 20) * WARPS_WANTED <= 32 << 20
+    c = codec.get("entropy")
+    x = kv_like((64, 16, 32), torch.bfloat16, seed=21)
+    frame = c.encode_blocks(x, torch.arange(64), c.learn(x[:8]))
+    assert entropy.read_header(frame).chunk == chunk_for(x.numel())
+    out = torch.zeros_like(x)
+    c.decode_blocks(frame, out, torch.arange(64))
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))

@@ -29,6 +29,21 @@ from .huffman import code_tables
 from .symbols import element_bits, for_dtype
 
 
+MIN_REGISTRY_CHUNK = 4096  # elements: a chunk costs its count and under a word a lane of padding
+WARPS_WANTED = 2048  # chunks a frame should have: one warp each, half an H200's at a time
+
+
+def chunk_for(numel: int) -> int:
+    """Elements per chunk for the registry's frames of ``numel`` elements: the default, halved
+    while that leaves a frame fewer than WARPS_WANTED chunks, down to MIN_REGISTRY_CHUNK. A chunk
+    is one warp's serial work, so a small frame in few chunks leaves most of a GPU idle (16 MiB
+    in chunks of 32768: 256 warps, ~20 GB/s); smaller chunks cost ratio (~1% at 4096)."""
+    chunk = DEFAULT_CHUNK
+    while chunk > MIN_REGISTRY_CHUNK and numel < chunk * WARPS_WANTED:
+        chunk //= 2
+    return chunk
+
+
 def _check_tensor(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise UnsupportedTensor(f"expected a torch.Tensor, got {type(x).__name__}")
@@ -257,11 +272,17 @@ def start_encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Te
             if ids.numel():
                 book = _book_for(cache, codebook)
                 shape = (ids.numel(), *cache.shape[1:])
-                pending = gpu.start_encode(cache.detach(), ids, shape, book, checksum=False, chunk=DEFAULT_CHUNK,
+                chunk = chunk_for(ids.numel() * cache[0].numel())
+                pending = gpu.start_encode(cache.detach(), ids, shape, book, checksum=False, chunk=chunk,
                                            blocks=cache.shape[0])
                 return pending.then(lambda frame: frame if frame is not None
-                                    else encode_blocks(cache, ids, codebook, checksum=False))
-    return Pending.done(encode_blocks(cache, block_ids, codebook, checksum=False))
+                                    else encode_blocks(cache, ids, codebook, checksum=False, chunk=chunk))
+    return Pending.done(encode_blocks(cache, block_ids, codebook, checksum=False, chunk=_blocks_chunk(cache, block_ids)))
+
+
+def _blocks_chunk(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> int:
+    count = block_ids.numel() if isinstance(block_ids, torch.Tensor) else len(block_ids)
+    return chunk_for(count * (cache[0].numel() if cache.dim() and cache.shape[0] else 1))
 
 
 def start_decode_blocks(frame: torch.Tensor, cache: torch.Tensor,
@@ -294,7 +315,8 @@ class EntropyCodec(PositionFree):
 
     The registry entry (the engine's calls) writes frames without the stream CRC: the transport
     checks every payload already, and a host CRC of a GPU frame costs a device-to-host copy of
-    it. The module-level ``encode`` still adds one by default."""
+    it. The module-level ``encode`` still adds one by default. Its frames' chunk follows their
+    size (``chunk_for``), so that small frames still keep a GPU busy."""
 
     name = "entropy"
     frame_id = FRAME_ID
@@ -325,14 +347,14 @@ class EntropyCodec(PositionFree):
         return EntropyCodebook.from_json(text)
 
     def encode(self, x: torch.Tensor, codebook: EntropyCodebook | None = None) -> torch.Tensor:
-        return encode(x, codebook, checksum=False)
+        return encode(x, codebook, checksum=False, chunk=chunk_for(x.numel()))
 
     def decode(self, frame: torch.Tensor, codebook: Any = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         return decode(frame, out=out)
 
     def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: EntropyCodebook | None = None) -> torch.Tensor:
-        return encode_blocks(cache, block_ids, codebook, checksum=False)
+        return encode_blocks(cache, block_ids, codebook, checksum=False, chunk=_blocks_chunk(cache, block_ids))
 
     def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: Any = None) -> None:
