@@ -198,16 +198,12 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
     _check_tensor(cache)
     if not (LANES <= chunk <= MAX_CHUNK and chunk % LANES == 0):
         raise ValueError(f"chunk must be a multiple of {LANES} in {LANES}..{MAX_CHUNK}")
+    pending = _launch_encode(cache, block_ids, codebook, checksum, chunk)
+    if pending is not None:  # the coder reads the blocks in place, their ids checked on the device
+        frame = pending.result()
+        if frame is not None:
+            return frame
     ids = checked_block_ids(block_ids, cache)
-    if cache.is_cuda and codebook is not None and ids.numel():
-        from . import gpu
-
-        if gpu.available() and gpu.takes_blocks(cache):  # the coder reads the blocks in place
-            book = _book_for(cache, codebook)
-            shape = (ids.numel(), *cache.shape[1:])
-            frame = gpu.encode(cache.detach(), ids, shape, book, checksum=checksum, chunk=chunk, blocks=cache.shape[0])
-            if frame is not None:
-                return frame
     bits = layout_for(cache.dtype).int_dtype  # index_select lacks float8 kernels
     blocks = cache.view(bits).index_select(0, ids).view(cache.dtype)
     return encode(blocks, codebook, checksum=checksum, chunk=chunk)
@@ -222,6 +218,10 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         IndexError: a block id outside the cache.
     """
     _check_tensor(cache)
+    pending = _launch_decode(frame, cache, block_ids)
+    if pending is not None:  # the GPU writes the blocks, their ids checked on the device
+        pending.result()
+        return
     ids = checked_block_ids(block_ids, cache, unique=True)
     expected = (ids.numel(), *cache.shape[1:])
     gpu = None
@@ -258,26 +258,59 @@ def _check_blocks(header: EntropyHeader, cache: torch.Tensor, expected: tuple[in
                              f"{str(cache.dtype).removeprefix('torch.')}{list(expected)}")
 
 
+def _launch_encode(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: EntropyCodebook | None,
+                   checksum: bool, chunk: int) -> Pending[torch.Tensor | None] | None:
+    """The GPU encode of ``cache[block_ids]`` launched (None where the GPU does not code these
+    blocks in place): the frame, or None where a stored frame would not be larger, once the
+    stream has run; the ids are checked on the device (IndexError)."""
+    if not (cache.is_cuda and codebook is not None):
+        return None
+    from . import gpu
+
+    if not (gpu.available() and gpu.takes_blocks(cache)):
+        return None
+    ids = checked_block_ids(block_ids, cache, check=False)
+    if not ids.numel():
+        return None
+    book = _book_for(cache, codebook)
+    return gpu.start_encode(cache.detach(), ids, (ids.numel(), *cache.shape[1:]), book, checksum=checksum,
+                            chunk=chunk, blocks=cache.shape[0])
+
+
+def _launch_decode(frame: torch.Tensor, cache: torch.Tensor,
+                   block_ids: Sequence[int] | torch.Tensor) -> Pending[None] | None:
+    """The GPU decode of an entropy frame into ``cache[block_ids]`` launched after one read of
+    its header (None where the GPU does not write these blocks itself, or the frame is a stored
+    one): done once the stream has run, raising as ``decode_blocks`` does; the ids are checked
+    on the device (IndexError, OutputMismatch for repeats) and nothing is written unless every
+    check passed."""
+    if not (isinstance(frame, torch.Tensor) and frame.is_cuda and frame.device == cache.device and cache.dim()):
+        return None
+    from . import gpu
+
+    if not (gpu.available() and gpu.scatters(cache, cache[0].numel() * cache.element_size())):
+        return None
+    prefix = gpu.read_prefix(frame)
+    if gpu.is_stored(prefix):
+        return None
+    ids = checked_block_ids(block_ids, cache, check=False)
+    header = gpu.header_of(frame, prefix)
+    _check_blocks(header, cache, (ids.numel(), *cache.shape[1:]))
+    return gpu.start_decode_blocks(frame, header, prefix, cache, ids) if ids.numel() else None
+
+
 def start_encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                         codebook: EntropyCodebook | None = None) -> Pending[torch.Tensor]:
     """``encode_blocks`` (no stream CRC, the registry's) launched on the current stream where the
     GPU codes the blocks in place: the frame once the stream has run, the block ids checked on
     the device, without blocking the caller meanwhile. Elsewhere it runs ``encode_blocks`` now."""
     _check_tensor(cache)
-    if cache.is_cuda and codebook is not None:
-        from . import gpu
-
-        if gpu.available() and gpu.takes_blocks(cache):
-            ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
-            if ids.numel():
-                book = _book_for(cache, codebook)
-                shape = (ids.numel(), *cache.shape[1:])
-                chunk = chunk_for(ids.numel() * cache[0].numel())
-                pending = gpu.start_encode(cache.detach(), ids, shape, book, checksum=False, chunk=chunk,
-                                           blocks=cache.shape[0])
-                return pending.then(lambda frame: frame if frame is not None
-                                    else encode_blocks(cache, ids, codebook, checksum=False, chunk=chunk))
-    return Pending.done(encode_blocks(cache, block_ids, codebook, checksum=False, chunk=_blocks_chunk(cache, block_ids)))
+    chunk = _blocks_chunk(cache, block_ids)
+    pending = _launch_encode(cache, block_ids, codebook, False, chunk)
+    if pending is None:
+        return Pending.done(encode_blocks(cache, block_ids, codebook, checksum=False, chunk=chunk))
+    return pending.then(lambda frame: frame if frame is not None
+                        else encode_blocks(cache, block_ids, codebook, checksum=False, chunk=chunk))
 
 
 def _blocks_chunk(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> int:
@@ -292,18 +325,9 @@ def start_decode_blocks(frame: torch.Tensor, cache: torch.Tensor,
     on the device), without blocking the caller meanwhile, but for the read of the frame's
     header. Elsewhere, and for stored frames, ``decode_blocks`` runs now."""
     _check_tensor(cache)
-    if isinstance(frame, torch.Tensor) and frame.is_cuda and frame.device == cache.device and cache.dim():
-        from . import gpu
-
-        block_bytes = cache[0].numel() * cache.element_size()
-        if gpu.available() and gpu.scatters(cache, block_bytes):
-            prefix = gpu.read_prefix(frame)
-            if not gpu.is_stored(prefix):
-                ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
-                header = gpu.header_of(frame, prefix)
-                _check_blocks(header, cache, (ids.numel(), *cache.shape[1:]))
-                if ids.numel():
-                    return gpu.start_decode_blocks(frame, header, prefix, cache, ids)
+    pending = _launch_decode(frame, cache, block_ids)
+    if pending is not None:
+        return pending
     decode_blocks(frame, cache, block_ids)
     return Pending.done(None)
 
