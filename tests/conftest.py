@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import tempfile
@@ -13,6 +14,27 @@ import torch
 DATA = Path(__file__).parent / "data"
 KV_SAMPLE = Path(__file__).parents[1] / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
+
+
+class LoopTurns:
+    """``async with LoopTurns() as t``: a task counts the event loop's turns (``t.turns``) while
+    the block runs, the proof that an await inside it let other work run."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self._task: asyncio.Task | None = None
+
+    async def _count(self) -> None:
+        while True:
+            self.turns += 1
+            await asyncio.sleep(0)
+
+    async def __aenter__(self) -> LoopTurns:
+        self._task = asyncio.create_task(self._count())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ import torch
 from kvferry import codec as codecs
 from kvferry.engine import pipeline
 from kvferry.engine.policy import Policy
+from tests.conftest import LoopTurns
 
 
 def _where(device: str, blocks: int, block_elems: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
@@ -118,18 +119,9 @@ def test_gpu_chunks_of_launching_codecs_are_awaited_while_the_loop_runs():
     book = splitzip.learn(cache[:4])
 
     async def main(fails: bool):
-        turns = 0
-
-        async def other():
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
         runner = pipeline.CodecRunner(torch.device("cuda"), Policy(), lambda direction, s: None)
-        task = asyncio.create_task(other())
-        await asyncio.sleep(0)
-        try:
+        async with LoopTurns() as loop:
+            await asyncio.sleep(0)
             with torch.cuda.stream(runner._streams["encode"]):
                 torch.cuda._sleep(50_000_000)  # the encode's stream busy a while before it
             frame = await runner.encode(splitzip, cache, ids, book, cache.numel() * 2)
@@ -142,9 +134,7 @@ def test_gpu_chunks_of_launching_codecs_are_awaited_while_the_loop_runs():
                 return verdict
 
             await runner.decode(splitzip, frame, out, ids, book, cache.numel() * 2, check=check)
-            return frame, out, turns
-        finally:
-            task.cancel()
+        return frame, out, loop.turns
 
     frame, out, turns = asyncio.run(main(False))
     assert turns > 0

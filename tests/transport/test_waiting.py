@@ -9,6 +9,7 @@ import pytest
 
 from kvferry.transport import TransportTimeout
 from kvferry.transport.waiting import until_ready
+from tests.conftest import LoopTurns
 
 
 class _After:
@@ -24,18 +25,9 @@ class _After:
 
 def test_other_tasks_run_while_it_waits():
     async def main():
-        turns = 0
-
-        async def other():
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(other())
-        await until_ready(_After(3), _After(20), timeout=5, what="test")
-        task.cancel()
-        return turns
+        async with LoopTurns() as loop:
+            await until_ready(_After(3), _After(20), timeout=5, what="test")
+        return loop.turns
 
     assert asyncio.run(main()) >= 10
 

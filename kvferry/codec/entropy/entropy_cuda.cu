@@ -65,6 +65,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 __device__ __forceinline__ void touch(const void* p) {
     unsigned v;
     asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"((size_t)p & ~(size_t)3));
+    (void)v;
 }
 
 // A streamed word, its 256-byte neighbourhood brought into L2 on a miss.
@@ -104,6 +105,7 @@ struct TableCursor {
     const u32* ptab4;
     int per, j;  // j: this lane's position in the period eight steps after the next
     u32 a, b;  // the next two words
+    u32 word;  // the one in use
     __device__ __forceinline__ void start(int at) {
         j = at;
         a = ptab4[j];
@@ -122,6 +124,20 @@ struct TableCursor {
         b = ptab4[j];
         advance();
         return v;
+    }
+    // The tables of the segment of `sl` steps at step s0 of a whole group (both constants once
+    // unrolled), a byte each: a word of ptab4 every four steps.
+    __device__ __forceinline__ u32 segment(const int s0, const int sl) {
+        u32 t3 = 0;
+#pragma unroll
+        for (int u = 0; u < SEGMENT; u++) {
+            if (u < sl) {
+                const int st = s0 + u;
+                if ((st & 3) == 0) word = four();
+                t3 |= ((word >> (8 * (st & 3))) & 0xffu) << (8 * u);
+            }
+        }
+        return t3;
     }
 };
 
@@ -256,7 +272,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
             const int gl = min(GROUP, steps - g);
             u32* rg = rc + (i64)g * R;  // this group's raw words: 32 R per whole group before it
             if (FAST && ptab4 && g + GROUP < steps) {  // a whole group, not the chunk's last
-                u32 tv = 0, rw[RW], cur[SEGMENT], nxt[SEGMENT];
+                u32 rw[RW], cur[SEGMENT], nxt[SEGMENT];
 #pragma unroll
                 for (int w = 0; w < RW; w++) rw[w] = 0;
 #pragma unroll
@@ -270,16 +286,8 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++)
                         if (u < nl) nxt[u] = load_next(true);
-                    u32 t3 = 0, fields[SEGMENT];
-#pragma unroll
-                    for (int u = 0; u < SEGMENT; u++) {
-                        if (u < sl) {
-                            const int st = s0 + u;
-                            if ((st & 3) == 0) tv = tcur.four();
-                            t3 |= ((tv >> (8 * (st & 3))) & 0xffu) << (8 * u);
-                        }
-                    }
-                    segment(g + s0, sl, true, t3, nullptr, cur, fields, false);
+                    u32 fields[SEGMENT];
+                    segment(g + s0, sl, true, tcur.segment(s0, sl), nullptr, cur, fields, false);
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) cur[u] = nxt[u];
 #pragma unroll
@@ -598,23 +606,15 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
         for (int g = 0; g < steps; g += GROUP) {
             const int gl = min(GROUP, steps - g);
             if (FAST && ptab4 && g + GROUP < steps) {  // a whole group, not the chunk's last
-                u32 tv = 0, rw[RW];
+                u32 rw[RW];
 #pragma unroll
                 for (int w = 0; w < RW; w++) rw[w] = R ? ld_stream(rc + (i64)g * R + 32 * w) : 0u;
                 if (R && lane < R) prefetch_l2(rc + (i64)(g + GROUP) * R + 31 * lane);  // the next group's line `lane`
 #pragma unroll
                 for (int k = 0; k < (GROUP + SEGMENT - 1) / SEGMENT; k++) {
                     const int s0 = k * SEGMENT, sl = min(SEGMENT, GROUP - s0);
-                    u32 t3 = 0, syms[SEGMENT];
-#pragma unroll
-                    for (int u = 0; u < SEGMENT; u++) {
-                        if (u < sl) {
-                            const int st = s0 + u;
-                            if ((st & 3) == 0) tv = tcur.four();
-                            t3 |= ((tv >> (8 * (st & 3))) & 0xffu) << (8 * u);
-                        }
-                    }
-                    segment(g + s0, sl, true, t3, nullptr, syms, false);
+                    u32 syms[SEGMENT];
+                    segment(g + s0, sl, true, tcur.segment(s0, sl), nullptr, syms, false);
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) {
                         if (u < sl) {
