@@ -63,9 +63,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // A load whose value is never used: it brings p's line into the caches (measured a little
 // better than a prefetch instruction for the encoder's elements) and stalls nothing.
 __device__ __forceinline__ void touch(const void* p) {
-    unsigned v;
-    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"((size_t)p & ~(size_t)3));
-    (void)v;
+    asm volatile("{ .reg .u32 t; ld.global.nc.u32 t, [%0]; }" :: "l"((size_t)p & ~(size_t)3));
 }
 
 // A streamed word, its 256-byte neighbourhood brought into L2 on a miss.
