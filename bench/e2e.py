@@ -6,7 +6,8 @@ over emulated links, next to the SplitZip Appendix-B model.
     python bench/e2e.py --plot-only bench/results/e2e.json
 
 Layout: one block = 16 tokens of every layer's K and V, ``[32 layers, 2, 16, 8 heads, 128]``
-bf16 (2 MiB), filled by tiling the real KV sample in ``tests/data``. The prefill side's cache
+bf16 (2 MiB), filled with the real KV sample by position (``demo.llama_blocks``: each position one
+layer, K/V, head and channel of the sample, as in a serving engine's cache). The prefill side's cache
 lives in this process and is shared with the senders by CUDA IPC (shared memory on a CPU
 machine), as a serving engine shares it; the decode side's cache is an ``owned`` region of the
 receiving sidecar. One receiver on the second GPU (the first when only one is visible) and one
@@ -40,7 +41,7 @@ import torch  # noqa: E402
 
 from kvferry import codec  # noqa: E402
 from kvferry.client import Client  # noqa: E402
-from kvferry.demo import free_port, load_kv, start_sidecar, stop_sidecars, wait_ready  # noqa: E402
+from kvferry.demo import LLAMA_AXES, free_port, llama_blocks, start_sidecar, stop_sidecars, wait_ready  # noqa: E402
 from kvferry.engine.engine import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
 
 KV_SAMPLE = ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
@@ -80,11 +81,10 @@ def pick_devices(wanted: str) -> tuple[str, str]:
 
 
 def fill_cache(blocks: int, layers: int, device: str) -> torch.Tensor:
-    """The prefill cache: the real KV sample's values tiled into ``blocks`` Llama-shaped blocks."""
-    sample = load_kv(KV_SAMPLE).reshape(-1).to(device)
-    shape = (blocks, layers, 2, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
-    elements = blocks * layers * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM
-    return sample.repeat(-(-elements // sample.numel()))[:elements].view(shape).contiguous()
+    """The prefill cache: the real KV sample laid out by position into ``blocks`` Llama-shaped
+    blocks (``demo.llama_blocks``)."""
+    return llama_blocks(KV_SAMPLE, blocks, layers=layers, device=device, heads=KV_HEADS, head_dim=HEAD_DIM,
+                        block_tokens=BLOCK_TOKENS)
 
 
 def time_codec(cache: torch.Tensor, blocks_per_chunk: int, decode_device: str, calls: int = 10) -> dict:
@@ -197,7 +197,7 @@ def sweep(args) -> dict:
         kind = "cuda_ipc" if cache.is_cuda else "shm"
         for link in args.links:
             client = rig.client(f"sender-{link}")
-            _, handle = client.region_from_tensor("src", cache, kind=kind)
+            _, handle = client.region_from_tensor("src", cache, kind=kind, axes=LLAMA_AXES)
             if handle is not None:
                 shm.append(handle)
             client.put_codebook("kv", codec_speed["codebook"])

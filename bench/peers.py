@@ -1,5 +1,5 @@
 """kvferry beside NIXL, same machine, same run, same KV layout: a Llama-3-8B-shaped paged cache
-(blocks of ``[32, 2, 16, 8, 128]`` bf16 = 2 MiB, real KV tiled) moved between two processes to
+(blocks of ``[32, 2, 16, 8, 128]`` bf16 = 2 MiB, real KV laid out by position) moved between two processes to
 random destination blocks.
 
     python bench/peers.py [--device cuda|cpu] [--gpus 1|2] [--backend ucxx|tcp] [--sizes 2M,64M,256M,1G,4G]
@@ -53,19 +53,11 @@ def _size(text: str) -> int:
 
 
 def tiled_cache(blocks: int, device: str):
-    """``blocks`` blocks of real KV (the package's SmolLM2 sample, tiled), the same in every process."""
-    import torch
+    """``blocks`` blocks of real KV (the package's SmolLM2 sample, each position of a block the
+    same layer, K/V, head and channel of it: ``demo.llama_blocks``), the same in every process."""
+    from kvferry.demo import llama_blocks
 
-    from kvferry.demo import load_kv
-
-    sample = load_kv(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz").reshape(-1)
-    per_block = BLOCK_BYTES // 2
-    cache = torch.empty(blocks * per_block, dtype=torch.bfloat16, device=device)
-    flat = sample.to(device)
-    for start in range(0, cache.numel(), flat.numel()):
-        n = min(flat.numel(), cache.numel() - start)
-        cache[start:start + n] = flat[:n]
-    return cache.view(blocks, *BLOCK_SHAPE)
+    return llama_blocks(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz", blocks, device=device)
 
 
 def plan(blocks_total: int, count: int, seed: int) -> tuple[list[int], list[int]]:
@@ -96,7 +88,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
     import torch
 
     from kvferry.client import Client
-    from kvferry.demo import free_port, start_sidecar, stop_sidecars, wait_ready
+    from kvferry.demo import LLAMA_AXES, free_port, start_sidecar, stop_sidecars, wait_ready
 
     ports = [(free_port(), free_port()) for _ in range(2)]
     env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_LINK_GBPS": str(link_gbps)}
@@ -110,8 +102,9 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
         kind = "cuda_ipc" if args.device == "cuda" else "shm"
         src = tiled_cache(blocks_total, args.src_device)
         dst = torch.zeros_like(src, device=args.dst_device)
-        _, handle = sender.region_from_tensor("src", src, kind=kind)
-        _, dst_handle = receiver.region_from_tensor("dst", dst, kind=kind)
+        axes = None if args.no_axes else LLAMA_AXES
+        _, handle = sender.region_from_tensor("src", src, kind=kind, axes=axes)
+        _, dst_handle = receiver.region_from_tensor("dst", dst, kind=kind, axes=axes)
         keep += [handle, dst_handle]
         if kind == "shm":  # the receiver writes the segment: read the blocks back from it
             dst = torch.frombuffer(dst_handle.buf, dtype=torch.bfloat16).view(blocks_total, *BLOCK_SHAPE)
@@ -372,6 +365,8 @@ def main() -> int:
     parser.add_argument("--links", default="", help="emulated links in GB/s for kvferry (e.g. 12.5,25,50)")
     parser.add_argument("--link-min-bytes", type=_size, default="1G", help="sizes run on emulated links")
     parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--no-axes", action="store_true",
+                        help="register the regions without naming their axes (codecs then model channels only)")
     parser.add_argument("--no-kvferry", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -386,7 +381,7 @@ def main() -> int:
         device_name = torch.cuda.get_device_name()
     print(f"kvferry vs NIXL, {time.strftime('%Y-%m-%d')}, {device_name}, two processes on one host, "
           f"{'two GPUs' if two else 'one ' + ('GPU' if args.device == 'cuda' else 'CPU')}; "
-          f"blocks {list(BLOCK_SHAPE)} bf16 (2 MiB), real KV tiled\n`{' '.join(sys.argv)}`\n")
+          f"blocks {list(BLOCK_SHAPE)} bf16 (2 MiB), real KV by position (`demo.llama_blocks`)\n`{' '.join(sys.argv)}`\n")
     print("| system | how | link | size | median ms | p90 ms | GB/s | ratio | bit-exact |\n"
           "|---|---|---|---:|---:|---:|---:|---:|---|")
     links = [float(x) for x in args.links.split(",")] if args.links else []

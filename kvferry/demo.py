@@ -76,6 +76,40 @@ def load_kv(path: Path):
                         for layer in range(30) for kind in "kv"])
 
 
+LLAMA_AXES = ("layer", "kv", "token", "head", "channel")
+
+
+def llama_blocks(path: Path, blocks: int, layers: int = 32, device: str = "cpu", heads: int = 8,
+                 head_dim: int = 128, block_tokens: int = 16):
+    """``blocks`` paged-cache blocks ``[layers, 2, block_tokens, heads, head_dim]`` (axes
+    ``LLAMA_AXES``) filled with the sample's real KV so that every position keeps what it means:
+    layer l holds the sample's layer l mod 30, head h channel d the sample's head (2h + d // 64)
+    mod 3 channel d mod 64, and block b the sample's tokens 16b .. 16b + 15 (both chunks, 1,022
+    tokens, wrapped; the blocks repeat every 64). A flat tiling of the sample would mix layers and heads within a position,
+    which a serving engine's cache never does."""
+    import numpy as np
+    import torch
+
+    z = np.load(path)
+    kv = torch.stack([torch.stack([torch.cat([torch.from_numpy(z[f"c{c}_l{layer}_{kind}"].view(np.int16))
+                                              for c in (0, 1)], dim=1) for kind in "kv"])
+                      for layer in range(30)])  # [30, 2, 3 heads, 1022 tokens, 64] int16
+    src_heads = (2 * torch.arange(heads)[:, None] + torch.arange(head_dim)[None, :] // 64) % kv.shape[2]
+    channels = torch.arange(head_dim) % kv.shape[4]
+    period = -(-kv.shape[3] // block_tokens)  # blocks until the tokens wrap
+    tokens = torch.arange(period * block_tokens) % kv.shape[3]
+    layer_ids = torch.arange(layers) % kv.shape[0]
+    x = kv[layer_ids][:, :, :, tokens].permute(0, 1, 3, 2, 4)  # [layers, 2, tokens, 3, 64]
+    x = x[..., src_heads, channels[None, :].expand(heads, -1)]  # [layers, 2, tokens, heads, dim]
+    base = x.reshape(layers, 2, period, block_tokens, heads, head_dim)
+    base = base.permute(2, 0, 1, 3, 4, 5).contiguous().to(device)  # [period, layers, 2, tokens, heads, dim]
+    out = torch.empty((blocks, *base.shape[1:]), dtype=torch.int16, device=device)
+    for start in range(0, blocks, period):
+        n = min(period, blocks - start)
+        out[start:start + n] = base[:n]
+    return out.view(torch.bfloat16)
+
+
 def run_demo(data: Path, backend: str) -> int:
     import torch
 

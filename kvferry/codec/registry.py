@@ -44,8 +44,9 @@ class Codec(Protocol):
     but the data and a codebook they can calibrate from it). A codec may also say
     ``identity = True`` (its frames hold the blocks as they are; ``raw``). A codec whose
     receiver must hold the sender's codebook says ``decode_needs_codebook = True``. A codec that,
-    given no codebook, learns one from each call's data may offer ``learn(sample)``: the codebook
-    it would learn, so a caller coding many chunks of the same region learns once. A codec
+    given no codebook, learns one from each call's data may offer ``learn(sample, layout)``: the
+    codebook it would learn from ``[blocks, *block]`` (``layout``: the block's named axes, or
+    None), so a caller coding many chunks of the same region learns once. A codec
     whose GPU path can run without the host waiting in between may offer
     ``start_encode_blocks`` and ``start_decode_blocks`` (same arguments): they launch the work on
     the current stream and return a ``staging.Pending`` of what ``encode_blocks`` /

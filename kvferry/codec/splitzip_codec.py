@@ -10,6 +10,7 @@ import torch
 from .codebook import Codebook, calibrate
 from .dtypes import supported
 from .format import FrameCodec
+from .layout import BlockLayout
 from .registry import PositionFree
 from .frames import decode, decode_blocks, encode, encode_blocks, frame_capacity, start_decode_blocks, start_encode_blocks
 from .staging import Pending
@@ -34,8 +35,9 @@ class SplitZipCodec(PositionFree):
         # One global exponent table: the token axis does not change it.
         return calibrate(samples)
 
-    def learn(self, sample: torch.Tensor) -> Codebook:
-        """What ``encode`` without a codebook would calibrate on ``sample``."""
+    def learn(self, sample: torch.Tensor, layout: BlockLayout | None = None) -> Codebook:
+        """What ``encode`` without a codebook would calibrate on ``sample`` (one global table:
+        the block layout does not change it)."""
         return calibrate(sample)
 
     def codebook_from_json(self, text: str | bytes) -> Codebook:

@@ -47,11 +47,12 @@ log = logging.getLogger("kvferry.engine")
 GPU_CHUNK_BYTES = 256 << 20
 CPU_CHUNK_BYTES = 4 << 20
 CPU_MESSAGE_BYTES = 16 << 20
-LEARN_BYTES = 16 << 20  # a codebook learned from the data is learned from at most this much of it
-# A codebook learned from a region's data serves its transfers for this long: learning one costs a
-# GPU transfer ~1 ms before its announce (H200, SplitZip: gather, histogram, a synchronization),
-# and KV's value distribution drifts far slower. A stale codebook costs ratio, never exactness.
-RELEARN_SECONDS = 1.0
+LEARN_BYTES = 16 << 20  # a codebook learned from the data is learned from at most this much of it,
+RELEARN_BYTES = 64 << 20  # or this much in a thread on a GPU (a position-aware codebook fits better)
+# A codebook learned from a region's data is relearned, in a thread while transfers go on with
+# it, once it is this old: KV's value distribution drifts slowly, and a stale codebook costs
+# ratio, never exactness.
+RELEARN_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class Engine:
         self.mapper = ipc.Mapper()  # receivers' memory lent to us, opened once
         self.leases = Leases()  # standing leases of same-host memory, held and lent
         self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
+        self._learning: dict[tuple[str, str], asyncio.Task] = {}  # (region, codec) -> its learning in a thread
         self.outgoing = Outgoing(self)
         self.admission = Admission(self)
         self.ready = False
@@ -155,6 +157,7 @@ class Engine:
         tasks = [t.task for t in self.transfers.all() if t.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(0)  # let the control loops write the last CANCELs
+        await self.learned()
         if self.pool is not None:
             await self.pool.close()
         if self.listener is not None:
@@ -334,21 +337,59 @@ class Engine:
                 raise BadRequest(f"codec {codec.name!r} cannot code region {p.region.name!r}: {exc}") from None
 
     def _learned(self, name: str, learn: Any, p: Pair) -> Any:
-        """What codec ``name`` learned from the pair's region within ``RELEARN_SECONDS``, or learns
-        now from the pair's first blocks."""
-        now = time.monotonic()
-        entry = p.region.learned.get(name)
-        if entry is None or now - entry[1] > RELEARN_SECONDS:
-            entry = p.region.learned[name] = (learn(self._sample(p)), now)
+        """What codec ``name`` learned from the pair's region. The region's first transfer learns
+        at once without the block layout; learning with it (a position-aware codec's 65,536
+        contexts of a Llama-shaped block took ~0.5 s), and relearning after ``RELEARN_SECONDS``,
+        run in a thread while transfers use what there is."""
+        region = p.region
+        entry = region.learned.get(name)
+        if entry is None:
+            entry = region.learned[name] = (learn(self._sample(p), None), time.monotonic(), region.layout is None)
+        if not entry[2] or time.monotonic() - entry[1] > RELEARN_SECONDS:
+            self._relearn(name, learn, p)
         return entry[0]
 
-    def _sample(self, p: Pair) -> torch.Tensor:
+    def _relearn(self, name: str, learn: Any, p: Pair) -> None:
+        key = (p.region.name, name)
+        if key in self._learning:
+            return
+        region = p.region
+        sample = self._sample(p, RELEARN_BYTES if region.tensor.is_cuda else LEARN_BYTES)
+        made = None
+        if sample.is_cuda:  # the thread's stream must see the sample this one makes
+            made = torch.cuda.Event()
+            made.record(torch.cuda.current_stream(sample.device))
+
+        def work() -> Any:
+            if made is not None:
+                torch.cuda.current_stream(sample.device).wait_event(made)
+            return learn(sample, region.layout)
+
+        async def relearn() -> None:
+            try:
+                book = await asyncio.to_thread(work)
+                region.learned[name] = (book, time.monotonic(), True)
+            except Exception as exc:  # the codebook in use stays until the next relearn
+                log.warning("learning a %s codebook of region %r failed: %s", name, region.name, exc)
+                if name in region.learned:
+                    region.learned[name] = (region.learned[name][0], time.monotonic(), True)
+            finally:
+                self._learning.pop(key, None)
+
+        self._learning[key] = asyncio.get_running_loop().create_task(relearn(), name=f"kvferry-learn-{name}")
+
+    async def learned(self) -> None:
+        """Wait for the codebooks being learned in threads (tests; shutdown)."""
+        while self._learning:
+            await asyncio.gather(*self._learning.values(), return_exceptions=True)
+
+    def _sample(self, p: Pair, limit: int = LEARN_BYTES) -> torch.Tensor:
         """The first blocks of a pair's first chunk (at most ``LEARN_BYTES``): what a codec that
         learns its codebook from the data learns it from, at most once per region and
         ``RELEARN_SECONDS``. Learning it per chunk cost a GPU chunk more than its encoding (H200:
         1 GiB of blocks gathered and histogrammed at 49 GB/s, encoded at 1,878)."""
         region = p.region
-        count = max(1, min(p.blocks_per_chunk, LEARN_BYTES // max(1, region.block_bytes)))
+        count = max(1, min(p.blocks_per_chunk, limit // max(1, region.block_bytes)))
         bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
         return region.tensor.view(bits).index_select(0, p.ids[:count]).view(region.tensor.dtype)
 

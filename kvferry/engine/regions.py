@@ -53,7 +53,7 @@ class Region:
     ipc_export: tuple[bytes, int] | None = None  # cuda_ipc: the worker's (handle, offset), to lend on
     closing: bool = False  # being deleted: lent to no sender
     shm_name: str = ""  # shm: the segment's name (what a same-host sender is lent)
-    learned: dict[str, tuple[Any, float]] = field(default_factory=dict)  # codec -> (codebook, when): Engine.bind
+    learned: dict[str, tuple[Any, float, bool]] = field(default_factory=dict)  # codec -> (codebook, when, with layout)
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
 
     @property

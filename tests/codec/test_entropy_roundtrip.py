@@ -181,6 +181,31 @@ def test_calibration_is_deterministic_and_bounded():
     assert entropy.calibrate(samples, token_axis=2).geometry == entropy.Geometry(4 * 128, 32, 1)
 
 
+def test_block_calibration_takes_one_block_as_its_period():
+    """``calibrate_blocks`` (and the registry's ``calibrate`` / ``learn`` given an engine's block
+    axes) fit the block's positions, not the stack's: the same codebook as the blocks given one
+    by one, and with the token axis named, contexts for every other position of the block."""
+    blocks = kv_like((6, 2, 8, 32), torch.bfloat16, seed=4)  # [blocks, kv, token, channel]
+    book = entropy.calibrate_blocks(blocks, token_axis=1, tables=6)
+    assert book.geometry == entropy.Geometry(2, 8, 32)
+    assert book.to_json() == entropy.calibrate(list(blocks), token_axis=1, tables=6).to_json()
+    c = codec.get("entropy")
+    by_axes = c.calibrate(blocks, axes=("block", "kv", "token", "channel"), tables=6)
+    assert by_axes.to_json() == book.to_json()
+    assert c.calibrate(blocks, token_axis=2, axes=("block", "kv", "token", "channel"),
+                       tables=6).to_json() == book.to_json()
+    learned = c.learn(blocks, codec.BlockLayout((2, 8, 32), ("kv", "token", "channel")))
+    assert learned.geometry == entropy.Geometry(2, 8, 32) and learned.context_map.size == 64
+    assert c.learn(blocks, None).geometry.contexts == 32  # channels only: no token axis known
+    assert c.learn(blocks, codec.BlockLayout((2, 8, 32), ("kv", "seq", "channel"))).geometry.contexts == 32
+    frame = c.encode(blocks, learned)
+    assert bits_equal(c.decode(frame), blocks)
+    with pytest.raises(codec.CodebookMismatch):
+        entropy.calibrate_blocks(blocks[0, 0, 0])
+    with pytest.raises(codec.CodebookMismatch):
+        entropy.calibrate_blocks(blocks, token_axis=3)
+
+
 def test_calibration_refuses_bad_samples():
     with pytest.raises(codec.CodebookMismatch):
         entropy.calibrate([])

@@ -68,7 +68,8 @@ def test_an_announce_that_cannot_be_packed_fails_the_transfer_and_frees_the_regi
 def test_a_codec_learns_its_codebook_once_and_relearns_it_after_a_while(monkeypatch):
     """SplitZip without a named codebook: learned from the first blocks of the transfer and bound
     to every chunk (not recalibrated per chunk); the region's next transfers reuse it within
-    ``RELEARN_SECONDS`` and learn again after; the frames exact throughout."""
+    ``RELEARN_SECONDS``, and after that a thread relearns it while the transfer goes on with the
+    old one; the frames exact throughout."""
     from kvferry import codec
     from kvferry.engine import engine as engine_module
 
@@ -76,9 +77,9 @@ def test_a_codec_learns_its_codebook_once_and_relearns_it_after_a_while(monkeypa
         seen = []
         learn = type(codec.get("splitzip")).learn
 
-        def counting(self, sample):
-            seen.append(sample.shape[0])
-            return learn(self, sample)
+        def counting(self, sample, layout=None):
+            seen.append((sample.shape[0], layout))
+            return learn(self, sample, layout)
 
         async def send(src, dst):
             spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of(src),
@@ -91,13 +92,57 @@ def test_a_codec_learns_its_codebook_once_and_relearns_it_after_a_while(monkeypa
         type(codec.get("splitzip")).learn = counting
         try:
             await send([3, 1, 0], [0, 2, 3])
-            assert seen == [3]  # once, on the transfer's blocks (3 fit a chunk)
+            assert seen == [(3, None)]  # once, on the transfer's blocks (3 fit a chunk)
             await send([2, 0], [1, 3])
-            assert seen == [3]  # the region's codebook, learned a moment ago
+            await a.learned()
+            assert seen == [(3, None)]  # the region's codebook, learned a moment ago
             monkeypatch.setattr(engine_module, "RELEARN_SECONDS", -1.0)
+            first = a.regions.get("src").learned["splitzip"]
             await send([2, 0], [1, 3])
-            assert seen == [3, 2]
+            await a.learned()
+            assert seen == [(3, None), (2, None)]
+            assert a.regions.get("src").learned["splitzip"][1] > first[1]
         finally:
             type(codec.get("splitzip")).learn = learn
 
     _run(body)
+
+
+def test_a_region_with_named_axes_learns_entropy_contexts_per_position_in_a_thread():
+    """The first transfer learns a channel codebook at once; a thread then learns one with the
+    region's token axis (contexts: every other position of the block), which the next transfer
+    uses; both exact."""
+    async def main():
+        a, b = (Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=5))
+                for _ in range(2))
+        for e in (a, b):
+            await e.start()
+        try:
+            shape = (2, 2, 4, 64)  # layer, kv, token, channel
+            src = await a.register_region(RegionSpec("src", 8, shape, "bfloat16",
+                                                     axes=("layer", "kv", "token", "channel")))
+            scale = torch.logspace(-3, 2, 2 * 2 * 64).view(2, 2, 1, 64)  # every (layer, kv, channel) its own
+            src.tensor.copy_((torch.randn(8, *shape) * scale).to(torch.bfloat16))
+            dst = await b.register_region(RegionSpec("dst", 8, shape, "bfloat16"))
+
+            async def send(ids):
+                spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of(ids),
+                                    dst_blocks=Blocks.of(ids[::-1]), codec="entropy")
+                record = await a.wait(a.submit(spec).id, 10)
+                assert record["state"] == "done"
+                assert torch.equal(dst.tensor[ids[::-1]].view(torch.int16), src.tensor[ids].view(torch.int16))
+                return record
+
+            await send([0, 1, 2, 3])
+            quick = src.learned["entropy"]
+            assert quick[0].geometry.contexts == 64 and not quick[2]  # channels, the layout still to come
+            await a.learned()
+            book, _, final = src.learned["entropy"]
+            assert final and book.geometry.period == 2 * 2 * 4 * 64 and book.geometry.contexts == 2 * 2 * 64
+            await send([4, 5, 6, 7])
+            assert src.learned["entropy"][0] is book  # used, not relearned
+        finally:
+            for e in (a, b):
+                await e.close()
+
+    asyncio.run(main())

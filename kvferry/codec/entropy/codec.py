@@ -7,6 +7,7 @@ copies. Either way the bytes are the reference's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,12 +18,13 @@ from ..checksum import crc32c
 from ..dtypes import layout_for
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..format import FrameCodec, stored_size
+from ..layout import BlockLayout
 from ..frames import decode as decode_frame, checked_block_ids
 from ..frames import encode_stored
 from ..registry import PositionFree, codec_id as frame_codec_id
 from ..staging import Pending
 from . import reference
-from .codebook import DEFAULT_TABLES, EntropyCodebook, calibrate
+from .codebook import DEFAULT_TABLES, MAX_CONTEXTS, EntropyCodebook, calibrate, calibrate_blocks
 from .format import (DEFAULT_CHUNK, FRAME_ID, HEADER_SIZE, LANES, MAX_CHUNK, EntropyHeader, Stream, check_counts,
                      make_header, pack_map, pack_raw, pack_tables, parse_header, parse_tables, unpack_raw)
 from .huffman import code_tables
@@ -361,10 +363,24 @@ class EntropyCodec(PositionFree):
     def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None,
                   axes: Sequence[str] | None = None,
                   tables: int = DEFAULT_TABLES) -> EntropyCodebook:
+        """``calibrate``; samples whose first axis is named ``block`` (an engine's blocks) get one
+        block as their period, and their ``token`` axis if named and ``token_axis`` is not."""
+        if axes and axes[0] == "block" and isinstance(samples, torch.Tensor):
+            if token_axis is None and "token" in axes:
+                token_axis = list(axes).index("token")
+            return calibrate_blocks(samples, token_axis=None if token_axis is None else token_axis - 1,
+                                    tables=tables)
         return calibrate(samples, token_axis=token_axis, tables=tables)
 
-    def learn(self, sample: torch.Tensor) -> EntropyCodebook:
-        """What ``encode`` without a codebook would calibrate on ``sample``."""
+    def learn(self, sample: torch.Tensor, layout: BlockLayout | None = None) -> EntropyCodebook:
+        """What ``encode`` without a codebook would calibrate on ``sample`` (``[blocks, *block]``);
+        with a ``layout`` that names the token axis, contexts are every other position of the
+        block (its layers, K/V, heads and channels), where the KV's statistics differ."""
+        token = layout.index("token") if layout is not None else None
+        if token is not None:
+            shape = layout.shape
+            if math.prod(shape[:token]) * math.prod(shape[token + 1:]) <= MAX_CONTEXTS:
+                return calibrate_blocks(sample, token_axis=token)
         return self_codebook(sample)
 
     def codebook_from_json(self, text: str | bytes) -> EntropyCodebook:
