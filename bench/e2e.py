@@ -41,7 +41,8 @@ import torch  # noqa: E402
 
 from kvferry import codec  # noqa: E402
 from kvferry.client import Client  # noqa: E402
-from kvferry.demo import LLAMA_AXES, free_port, llama_blocks, start_sidecar, stop_sidecars, wait_ready  # noqa: E402
+from kvferry.demo import (LLAMA_AXES, free_port, llama_blocks, settle, start_sidecar, stop_sidecars,  # noqa: E402
+                          wait_ready)
 from kvferry.engine.engine import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
 
 KV_SAMPLE = ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
@@ -60,6 +61,7 @@ class Point:
     chosen: str
     exact: bool
     error: str | None = None
+    reason: str = ""  # why auto chose what it chose (the last transfer's)
 
     @property
     def median_s(self) -> float:
@@ -237,12 +239,16 @@ def measure(rig: Rig, cache: torch.Tensor, link: str, tokens: int, codecs: list[
     blocks = tokens // BLOCK_TOKENS
     points = {name: Point(link, tokens, name, blocks * block_bytes_len(cache), [], 0, "", True) for name in codecs}
     expected = {b: block_bytes(cache, b) for b in samples}
+    for name in codecs:  # a warm-up each, then what the sender learned from it settles
+        run_point(rig, link, tokens, name, expected)
+    settle(rig.client(f"sender-{link}"), "src")
     for _ in range(repeats):
         for name, point in points.items():
             result, exact = run_point(rig, link, tokens, name, expected)
             point.exact &= exact
             point.bytes_wire = result["bytes_wire"]
             point.chosen = result.get("chosen_codec") or name
+            point.reason = result.get("choice_reason") or ""
             if result["state"] == "done" and result["seconds"]:
                 point.seconds.append(result["seconds"])
             else:

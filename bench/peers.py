@@ -88,7 +88,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
     import torch
 
     from kvferry.client import Client
-    from kvferry.demo import LLAMA_AXES, free_port, start_sidecar, stop_sidecars, wait_ready
+    from kvferry.demo import LLAMA_AXES, free_port, settle, start_sidecar, stop_sidecars, wait_ready
 
     ports = [(free_port(), free_port()) for _ in range(2)]
     env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_LINK_GBPS": str(link_gbps)}
@@ -127,6 +127,8 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
                         raise RuntimeError(f"kvferry {codec} {size}: {record}")
                     exact &= all(torch.equal(_bits(dst[d]), _bits(src[s]).to(dst.device)) for s, d in
                                  zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
+                    if not repeat:  # measure what a sidecar that has run a while codes with
+                        settle(sender, "src")
                     if repeat:
                         seconds.append(record["seconds"])
                         for stage, at in record["stages"].items():

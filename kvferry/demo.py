@@ -66,6 +66,17 @@ def wait_ready(client: Client, process: subprocess.Popen, timeout: float = 60.0)
     raise RuntimeError("sidecar did not become ready")
 
 
+def settle(client: Client, region: str, timeout: float = 30.0) -> None:
+    """Wait until what the sidecar learned from ``region`` has settled (learned with the block's
+    axes, in a thread after the region's first transfers), as in a sidecar that has run a while."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(entry["settled"] for entry in (client.region(region).get("learned") or {}).values()):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the codebooks of region {region!r} did not settle in {timeout:.0f} s")
+
+
 def load_kv(path: Path):
     """The sample's 60 K/V tensors ([3, 511, 64] bf16 each) of chunk 0 as 60 blocks."""
     import numpy as np

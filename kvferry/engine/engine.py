@@ -135,10 +135,10 @@ class Engine:
         self.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self._on_message)
         self.metrics.info.info({"version": __version__, "transport_backend": self.backend, "device": str(self.device),
                                 "codecs": ",".join(codecs.names())})
-        # On a GPU a sample of 16 MiB made per-call costs look like per-byte ones: entropy's
-        # decode measured 20-33 GB/s there, ~10x what a pipeline chunk sees.
+        # Speeds per pipeline chunk, from samples of at most 64 MiB (1 MiB on a CPU) and a
+        # quarter of that: a call's fixed cost and its cost per byte, extrapolated to the chunk.
         sample = min(self.chunk_bytes, 64 << 20 if self.device.type == "cuda" else 1 << 20)
-        await self.spinner.in_thread(self.codec.measure, codecs.lossless(), self.device, sample)
+        await self.spinner.in_thread(self.codec.measure, codecs.lossless(), self.device, sample, self.chunk_bytes)
         self.ready = True
         log.info("data plane: %s listener on %s:%d; codecs on %s: %s", self.backend, self.settings.data_host,
                  self.listener.port, self.device, self.policy.codecs)
@@ -339,22 +339,32 @@ class Engine:
     def _learned(self, name: str, learn: Any, p: Pair) -> Any:
         """What codec ``name`` learned from the pair's region. The region's first transfer learns
         at once without the block layout; learning with it (a position-aware codec's 65,536
-        contexts of a Llama-shaped block took ~0.5 s), and relearning after ``RELEARN_SECONDS``,
-        run in a thread while transfers use what there is."""
+        contexts of a Llama-shaped block took ~1 s), and relearning after ``RELEARN_SECONDS`` or
+        from a transfer with four times the blocks to learn from, run in a thread while
+        transfers use what there is."""
         region = p.region
         entry = region.learned.get(name)
         if entry is None:
-            entry = region.learned[name] = (learn(self._sample(p), None), time.monotonic(), region.layout is None)
-        if not entry[2] or time.monotonic() - entry[1] > RELEARN_SECONDS:
+            sample = self._sample(p, LEARN_BYTES)
+            entry = region.learned[name] = (learn(sample, None), time.monotonic(), region.layout is None,
+                                            sample.shape[0])
+        if (not entry[2] or time.monotonic() - entry[1] > RELEARN_SECONDS
+                or self._sample_blocks(p, self._relearn_bytes(region)) >= 4 * entry[3]):
             self._relearn(name, learn, p)
         return entry[0]
+
+    @staticmethod
+    def _relearn_bytes(region: Region) -> int:
+        return RELEARN_BYTES if region.tensor.is_cuda else LEARN_BYTES
 
     def _relearn(self, name: str, learn: Any, p: Pair) -> None:
         key = (p.region.name, name)
         if key in self._learning:
             return
         region = p.region
-        sample = self._sample(p, RELEARN_BYTES if region.tensor.is_cuda else LEARN_BYTES)
+        sample = self._sample(p, self._relearn_bytes(region))
+        book, when, _, blocks = region.learned[name]
+        region.learned[name] = (book, when, False, blocks)  # unsettled (a region's description says so) until done
         made = None
         if sample.is_cuda:  # the thread's stream must see the sample this one makes
             made = torch.cuda.Event()
@@ -367,12 +377,10 @@ class Engine:
 
         async def relearn() -> None:
             try:
-                book = await asyncio.to_thread(work)
-                region.learned[name] = (book, time.monotonic(), True)
+                region.learned[name] = (await asyncio.to_thread(work), time.monotonic(), True, sample.shape[0])
             except Exception as exc:  # the codebook in use stays until the next relearn
                 log.warning("learning a %s codebook of region %r failed: %s", name, region.name, exc)
-                if name in region.learned:
-                    region.learned[name] = (region.learned[name][0], time.monotonic(), True)
+                region.learned[name] = (book, time.monotonic(), True, blocks)
             finally:
                 self._learning.pop(key, None)
 
@@ -383,15 +391,19 @@ class Engine:
         while self._learning:
             await asyncio.gather(*self._learning.values(), return_exceptions=True)
 
-    def _sample(self, p: Pair, limit: int = LEARN_BYTES) -> torch.Tensor:
-        """The first blocks of a pair's first chunk (at most ``LEARN_BYTES``): what a codec that
+    @staticmethod
+    def _sample_blocks(p: Pair, limit: int) -> int:
+        return max(1, min(p.blocks_per_chunk, len(p.index), limit // max(1, p.region.block_bytes)))
+
+    def _sample(self, p: Pair, limit: int) -> torch.Tensor:
+        """The first blocks of a pair's first chunk (at most ``limit`` bytes): what a codec that
         learns its codebook from the data learns it from, at most once per region and
         ``RELEARN_SECONDS``. Learning it per chunk cost a GPU chunk more than its encoding (H200:
         1 GiB of blocks gathered and histogrammed at 49 GB/s, encoded at 1,878)."""
         region = p.region
-        count = max(1, min(p.blocks_per_chunk, limit // max(1, region.block_bytes)))
         bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
-        return region.tensor.view(bits).index_select(0, p.ids[:count]).view(region.tensor.dtype)
+        ids = p.ids[:self._sample_blocks(p, limit)]
+        return region.tensor.view(bits).index_select(0, ids).view(region.tensor.dtype)
 
     def _candidates(self, requested: str, dtype: torch.dtype) -> list[str]:
         if requested == "auto":

@@ -154,36 +154,57 @@ class CodecRunner:
         self._on_seconds(direction, seconds)
         self._policy.observe_codec(codec.name, direction, raw_bytes, seconds)
 
-    def measure(self, candidates: list[codecs.Codec], device: torch.device, nbytes: int) -> None:
-        """Each candidate's speed on this device, per call as the pipeline pays it (no named
-        codebook: a chunk is coded with what the codec learns from it), best of three after a
-        warm-up; and its ratio on a Gaussian sample, until real transfers say better. Blocks are
-        shaped like KV (tokens, heads, channels)."""
+    def measure(self, candidates: list[codecs.Codec], device: torch.device, nbytes: int, chunk_bytes: int = 0) -> None:
+        """Each candidate's speed on this device per pipeline chunk (``chunk_bytes``, default
+        ``nbytes``), per call as the pipeline pays it: with the codebook the codec learns once, as
+        ``Engine.bind`` does, best of three after a warm-up, at ``nbytes`` and a quarter of it, so
+        that a call's fixed cost and its cost per byte extrapolate to the chunk (entropy's decode
+        of 64 MiB measured a fifth of its speed on a 256 MiB chunk, all of it per call). The
+        ratio is the sample's (Gaussian KV-shaped blocks) until real transfers say better."""
         block = (16, 8, 128)
         per_block = 16 * 8 * 128 * 2
-        blocks = max(4, nbytes // per_block)
+        blocks = max(8, nbytes // per_block)
         sample = (torch.randn(blocks, *block, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
-        cache = sample.to(device)
-        ids = torch.arange(blocks, device=device)
-        target = torch.empty_like(cache)
+        sample = sample.to(device)
+        target = torch.empty_like(sample)
+        chunk = chunk_bytes or blocks * per_block
         for codec in candidates:
-            encode_s, decode_s, frame = [], [], None
-            for _ in range(4):
-                start = time.perf_counter()
-                frame = codec.encode_blocks(cache, ids, None)
-                if cache.is_cuda:
-                    torch.cuda.synchronize(device)
-                middle = time.perf_counter()
-                codec.decode_blocks(frame, target, ids, None)
-                if cache.is_cuda:
-                    torch.cuda.synchronize(device)
-                encode_s.append(middle - start)
-                decode_s.append(time.perf_counter() - middle)
-            raw = cache.numel() * 2
+            points = [self._time(codec, sample[:n], target) for n in (blocks, blocks // 4)]
             speed = self._policy.codecs.setdefault(codec.name, CodecSpeed())
-            speed.encode_gbps = raw / min(encode_s[1:]) / 1e9
-            speed.decode_gbps = raw / min(decode_s[1:]) / 1e9
-            speed.ratio = raw / frame.numel()
+            speed.encode_gbps = _per_chunk(chunk, [(raw, e) for raw, e, _, _ in points])
+            speed.decode_gbps = _per_chunk(chunk, [(raw, d) for raw, _, d, _ in points])
+            speed.ratio = points[0][0] / points[0][3]
+
+    @staticmethod
+    def _time(codec: codecs.Codec, cache: torch.Tensor, target: torch.Tensor) -> tuple[int, float, float, int]:
+        """(raw bytes, encode s, decode s, frame bytes) of ``cache``'s blocks, best of three."""
+        ids = torch.arange(cache.shape[0], device=cache.device)
+        learn = getattr(codec, "learn", None)
+        book = codec.bind(learn(cache, None) if learn is not None else None, None)
+        encode_s, decode_s, frame = [], [], None
+        for _ in range(4):
+            start = time.perf_counter()
+            frame = codec.encode_blocks(cache, ids, book)
+            if cache.is_cuda:
+                torch.cuda.synchronize(cache.device)
+            middle = time.perf_counter()
+            codec.decode_blocks(frame, target, ids, None)
+            if cache.is_cuda:
+                torch.cuda.synchronize(cache.device)
+            encode_s.append(middle - start)
+            decode_s.append(time.perf_counter() - middle)
+        return cache.numel() * cache.element_size(), min(encode_s[1:]), min(decode_s[1:]), frame.numel()
+
+
+def _per_chunk(chunk: int, points: list[tuple[int, float]]) -> float:
+    """GB/s at ``chunk`` bytes a call from two (bytes, seconds) points: a fixed cost per call
+    plus a cost per byte (the larger point's speed where the two do not fit that)."""
+    (n1, t1), (n2, t2) = points
+    per_byte = (t1 - t2) / (n1 - n2) if n1 != n2 else 0.0
+    fixed = t1 - per_byte * n1
+    if per_byte <= 0 or fixed < 0:
+        return n1 / t1 / 1e9
+    return chunk / (fixed + per_byte * chunk) / 1e9
 
 
 class BufferPool:

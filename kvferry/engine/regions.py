@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,7 @@ class Region:
     ipc_export: tuple[bytes, int] | None = None  # cuda_ipc: the worker's (handle, offset), to lend on
     closing: bool = False  # being deleted: lent to no sender
     shm_name: str = ""  # shm: the segment's name (what a same-host sender is lent)
-    learned: dict[str, tuple[Any, float, bool]] = field(default_factory=dict)  # codec -> (codebook, when, with layout)
+    learned: dict[str, tuple[Any, float, bool, int]] = field(default_factory=dict)  # codec -> (codebook, when, settled, blocks)
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
 
     @property
@@ -69,7 +70,11 @@ class Region:
         return {"name": self.name, "kind": self.kind, "num_blocks": self.num_blocks,
                 "block_shape": list(self.block_shape), "dtype": self.dtype, "device": str(self.tensor.device),
                 "block_bytes": self.block_bytes, "busy_transfers": sorted(self.busy),
-                "axes": list(self.axes) if self.axes else None}
+                "axes": list(self.axes) if self.axes else None,
+                # what codecs learned from the data: "settled" once learned with the block's axes
+                # (or without, where none are named); before that, a quick codebook in use
+                "learned": {name: {"age_s": round(time.monotonic() - when, 3), "settled": settled, "blocks": blocks}
+                            for name, (_, when, settled, blocks) in self.learned.items()}}
 
     def resolve(self, blocks: Blocks | list[int]) -> torch.Tensor:
         """Block ids as an index tensor on the region's device (checked once, here).

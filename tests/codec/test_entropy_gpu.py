@@ -84,6 +84,23 @@ def test_gpu_blocks():
     assert torch.equal(dst[ids], cache.view(torch.uint8)[ids])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_gpu_block_period_tables_a_word_per_context(dtype):
+    """A block's period of whole token rows (a codebook learned with the token axis) takes the
+    coders' FAST = 2 builds, whose tables are a word per context: the CPU's bytes both ways."""
+    cache = with_specials(kv_like((6, 2, 64, 512), dtype, seed=21), seed=22).cuda()
+    book = entropy.calibrate_blocks(cache[:3], token_axis=1, tables=12)
+    assert book.geometry.period > gpu.COMPACT_FROM
+    assert gpu._tables_on(code_tables(book), torch.device("cuda")).p4 == (15, 9)
+    ids = torch.tensor([5, 0, 3, 1], device="cuda")
+    frame = entropy.encode_blocks(cache, ids, book, chunk=4096)
+    assert torch.equal(frame.cpu(), entropy.encode_blocks(cache.cpu(), ids.cpu(), book, chunk=4096))
+    dst = torch.zeros_like(cache.view(torch.uint8))
+    entropy.decode_blocks(frame, dst.view(dtype), ids)
+    assert torch.equal(dst[ids], cache.view(torch.uint8)[ids])
+    _both_ways(cache[2:5].cpu(), book, chunk=8192, checksum=False)
+
+
 def test_gpu_generic_kernels():
     """A period under 32 elements takes the kernels' step-by-step tables (no per-position table)."""
     for dtype in DTYPES:

@@ -16,7 +16,7 @@ from kvferry.codec.entropy import huffman
 from kvferry.codec.entropy.format import (LANES, Stream, chunk_raw_words, map_bits, pack_map, pack_raw,
                                           raw_length, unpack_map, unpack_raw)
 from kvferry.codec.entropy.reference import element_tables
-from kvferry.codec.entropy.symbols import element_bits
+from kvferry.codec.entropy.symbols import Geometry, element_bits
 from tests.codec.test_entropy_roundtrip import kv_like, with_specials
 
 
@@ -128,3 +128,24 @@ def test_registry_frames_take_smaller_chunks_when_small():
     out = torch.zeros_like(x)
     c.decode_blocks(frame, out, torch.arange(64))
     assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+
+
+def test_table_words_per_context_match_the_words_per_position():
+    """The fast coders' ``ptab4`` a word per context (FAST = 2) gives, at every position a lane
+    visits (its lane index mod 128), the word the table per position has there."""
+    from kvferry.codec.entropy import gpu
+
+    g = Geometry(3, 16, 1024)
+    cmap = torch.randint(0, 32, (g.contexts,), generator=torch.Generator().manual_seed(3), dtype=torch.int64)
+    j = torch.arange(g.period)
+    ptab = cmap[(j // (g.tokens * g.inner)) * g.inner + j % g.inner].to(torch.uint8)
+    compact, (hi, lo) = gpu._ptab4(g, ptab)
+    assert (hi, lo) == (14, 10) and compact.numel() == g.contexts
+    wide = ptab.to(torch.int32)
+    per_position = sum(wide.roll(-32 * k) << (8 * k) for k in range(4))
+    visited = j[j % 128 < 32]
+    assert torch.equal(compact[((visited >> hi) << lo) | (visited & ((1 << lo) - 1))], per_position[visited])
+    small = Geometry(1, 4, 128)  # short periods keep a word per position
+    assert gpu._ptab4(small, torch.zeros(small.period, dtype=torch.uint8))[1] == (0, 0)
+    odd = Geometry(2, 48, 640)  # rows not a power of two either
+    assert gpu._ptab4(odd, torch.zeros(odd.period, dtype=torch.uint8))[1] == (0, 0)

@@ -133,14 +133,23 @@ def test_a_region_with_named_axes_learns_entropy_contexts_per_position_in_a_thre
                 assert torch.equal(dst.tensor[ids[::-1]].view(torch.int16), src.tensor[ids].view(torch.int16))
                 return record
 
-            await send([0, 1, 2, 3])
+            await send([0, 1])
             quick = src.learned["entropy"]
             assert quick[0].geometry.contexts == 64 and not quick[2]  # channels, the layout still to come
+            assert not src.describe()["learned"]["entropy"]["settled"]
             await a.learned()
-            book, _, final = src.learned["entropy"]
-            assert final and book.geometry.period == 2 * 2 * 4 * 64 and book.geometry.contexts == 2 * 2 * 64
-            await send([4, 5, 6, 7])
+            assert src.learned["entropy"][2] and src.learned["entropy"][3] == 2
+            await send([0, 1, 2, 3, 4, 5, 6, 7])  # four times the blocks: relearned from them
+            await a.learned()
+            book, _, final, blocks = src.learned["entropy"]
+            assert final and blocks == 8
+            assert book.geometry.period == 2 * 2 * 4 * 64 and book.geometry.contexts == 2 * 2 * 64
+            await send([4, 5, 6, 7, 0, 1, 2, 3])
             assert src.learned["entropy"][0] is book  # used, not relearned
+            await send([0])  # a transfer of fewer blocks does not relearn
+            assert src.learned["entropy"][0] is book and not a._learning
+            described = src.describe()["learned"]["entropy"]
+            assert described["settled"] and described["blocks"] == 8
         finally:
             for e in (a, b):
                 await e.close()

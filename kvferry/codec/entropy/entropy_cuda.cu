@@ -5,7 +5,7 @@
 // Each chunk is a chain of dependent steps and the SM issues an instruction nearly every
 // cycle, so the instructions a step bound the coders: a decoded symbol is one lookup of the
 // window's top CODE_BITS bits and a shift, and a refill (a ballot and a shuffle) serves a
-// segment of three steps. The fast builds (FAST = 1) keep the tables in shared memory; the
+// segment of three steps. The fast builds (FAST = 1, 2) keep the tables in shared memory; the
 // generic builds read them from global memory.
 //
 // All integer kernel parameters are 64-bit: the host passes every argument as 8 bytes.
@@ -99,39 +99,49 @@ template <> struct Elem<2> { typedef u16 T; };
 
 // The tables of this lane's elements, four steps a word of ptab4 (whole groups; period >= 128),
 // loaded eight steps ahead of their use: a load's latency would otherwise stall the chain.
+// Position j's word is ptab4[j], or with COMPACT (the FAST = 2 builds) ptab4[((j >> hi) << lo)
+// | (j & (2**lo - 1))]: a word per context of a block of 2**(hi - lo) token rows of 2**lo
+// positions (a multiple of 128). A cache block's period of a million positions needs that:
+// its 65,536 contexts' words stay in the caches, where a word per position missed them. The
+// index costs a register the other builds keep.
+template <bool COMPACT>
 struct TableCursor {
     const u32* ptab4;
-    int per, j;  // j: this lane's position in the period eight steps after the next
+    int j;  // this lane's position in the period eight steps after the next
     u32 a, b;  // the next two words
     u32 word;  // the one in use
-    __device__ __forceinline__ void start(int at) {
-        j = at;
-        a = ptab4[j];
-        advance();
-        b = ptab4[j];
-        advance();
+    // per, hi and lo are kernel parameters, passed down so that they take no registers.
+    __device__ __forceinline__ u32 at(const i64 hi, const i64 lo) const {
+        return ptab4[COMPACT ? ((j >> (int)hi) << (int)lo) | (j & ((1 << (int)lo) - 1)) : j];
     }
-    __device__ __forceinline__ void advance() {
+    __device__ __forceinline__ void start(int from, const i64 per, const i64 hi, const i64 lo) {
+        j = from;
+        a = at(hi, lo);
+        advance(per);
+        b = at(hi, lo);
+        advance(per);
+    }
+    __device__ __forceinline__ void advance(const i64 per) {
         j += 128;
-        if (j >= per) j -= per;
+        if (j >= (int)per) j -= (int)per;
     }
     // The tables of the next four steps, a byte each.
-    __device__ __forceinline__ u32 four() {
+    __device__ __forceinline__ u32 four(const i64 per, const i64 hi, const i64 lo) {
         const u32 v = a;
         a = b;
-        b = ptab4[j];
-        advance();
+        b = at(hi, lo);
+        advance(per);
         return v;
     }
     // The tables of the segment of `sl` steps at step s0 of a whole group (both constants once
     // unrolled), a byte each: a word of ptab4 every four steps.
-    __device__ __forceinline__ u32 segment(const int s0, const int sl) {
+    __device__ __forceinline__ u32 segment(const int s0, const int sl, const i64 per, const i64 hi, const i64 lo) {
         u32 t3 = 0;
 #pragma unroll
         for (int u = 0; u < SEGMENT; u++) {
             if (u < sl) {
                 const int st = s0 + u;
-                if ((st & 3) == 0) word = four();
+                if ((st & 3) == 0) word = four(per, hi, lo);
                 t3 |= ((word >> (8 * (st & 3))) & 0xffu) << (8 * u);
             }
         }
@@ -164,7 +174,8 @@ template <int S, int R, int EB, int FAST>
 __global__ void __launch_bounds__(1024, 1) entropy_encode(
     const void* __restrict__ src, const i64* __restrict__ ids, i64 block, i64 n, i64 chunk_, i64 nchunks_,
     const u32* __restrict__ enc_g, i64 enc_words, const u8* __restrict__ ptab, const u8* __restrict__ cmap,
-    i64 period, i64 tc, i64 cc, const u32* __restrict__ ptab4, u32* __restrict__ slots, i64 stride,
+    i64 period, i64 tc, i64 cc, const u32* __restrict__ ptab4, i64 p4hi, i64 p4lo, u32* __restrict__ slots,
+    i64 stride,
     u32* __restrict__ counts, u32* __restrict__ raw, i64 raw_chunk, const int* __restrict__ err)
 {
     if (err && *(volatile const int*)err) return;  // block ids the check refused: read nothing
@@ -205,8 +216,8 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
             }
             return bits;
         };
-        TableCursor tcur{ptab4, (int)period};
-        if (FAST && ptab4) tcur.start((int)((first + lane) % period));
+        TableCursor<FAST == 2> tcur{ptab4};
+        if (FAST && ptab4) tcur.start((int)((first + lane) % period), period, p4hi, p4lo);
         int pos = 0, nb = 0, q0 = -1, q1 = -1, pb = 0;
         unsigned long long acc = 0;
         auto reserve = [&](const bool need) {
@@ -285,7 +296,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_encode(
                     for (int u = 0; u < SEGMENT; u++)
                         if (u < nl) nxt[u] = load_next(true);
                     u32 fields[SEGMENT];
-                    segment(g + s0, sl, true, tcur.segment(s0, sl), nullptr, cur, fields, false);
+                    segment(g + s0, sl, true, tcur.segment(s0, sl, period, p4hi, p4lo), nullptr, cur, fields, false);
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) cur[u] = nxt[u];
 #pragma unroll
@@ -487,6 +498,7 @@ template <int S, int R, int EB, int FAST>
 __global__ void __launch_bounds__(1024, 1) entropy_decode(
     const u32* __restrict__ words, i64 total_words, const u32* __restrict__ counts, const i64* __restrict__ cum,
     const u16* __restrict__ lut_g, i64 lut_words, const u32* __restrict__ enc_g, const u32* __restrict__ ptab4,
+    i64 p4hi, i64 p4lo,
     const u8* __restrict__ ptab, const u8* __restrict__ cmap, i64 period, i64 tc, i64 cc, i64 n, i64 chunk_,
     i64 nchunks_, i64 cap_, i64 cap_last_, const u32* __restrict__ raw, i64 raw_chunk, u8* __restrict__ out_,
     int* __restrict__ err)
@@ -537,8 +549,8 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                 w2 = base + 64 + lane < len ? wc[base + 64 + lane] : 0u;
             }
         };
-        TableCursor tcur{ptab4, (int)period};
-        if (FAST && ptab4) tcur.start((int)((first + lane) % period));
+        TableCursor<FAST == 2> tcur{ptab4};
+        if (FAST && ptab4) tcur.start((int)((first + lane) % period), period, p4hi, p4lo);
         T* op = oc + lane;
         // The symbols of one segment of `sl` steps from step s; `full`: every lane of every step
         // in the chunk, tables from t3 (a byte a step); `exact`: the chunk's last group, whose
@@ -612,7 +624,7 @@ __global__ void __launch_bounds__(1024, 1) entropy_decode(
                 for (int k = 0; k < (GROUP + SEGMENT - 1) / SEGMENT; k++) {
                     const int s0 = k * SEGMENT, sl = min(SEGMENT, GROUP - s0);
                     u32 syms[SEGMENT];
-                    segment(g + s0, sl, true, tcur.segment(s0, sl), nullptr, syms, false);
+                    segment(g + s0, sl, true, tcur.segment(s0, sl, period, p4hi, p4lo), nullptr, syms, false);
 #pragma unroll
                     for (int u = 0; u < SEGMENT; u++) {
                         if (u < sl) {

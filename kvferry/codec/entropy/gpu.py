@@ -38,12 +38,13 @@ from .format import (FRAME_ID, HEADER_BODY, HEADER_SIZE, LANES, WORDS_LENGTH_AT,
                      chunk_caps, chunk_raw_words, make_header, num_chunks, pack_map, pack_tables, parse_header, parse_tables,
                      word_cap)
 from .huffman import CodeTables, code_tables
-from .symbols import SymbolLayout, for_dtype
+from .symbols import Geometry, SymbolLayout, for_dtype
 
 _SOURCE = Path(__file__).with_name("entropy_cuda.cu")
 THREADS = 1024  # per block of the coders: one block of 32 warps per SM shares the tables
 PTAB_MAX = 1 << 27  # per-position table ids for periods up to 128 Mi elements (one byte each)
 PTAB4_MIN, PTAB4_MAX = 128, 1 << 24  # periods the fast decode takes (ptab4: four bytes a position)
+COMPACT_FROM = 1 << 15  # longer periods of whole token rows take ptab4 a word per context
 _LAYOUTS = ((9, 7, 2), (6, 10, 2), (8, 0, 1))  # (coded bits, raw bits, bytes): 16-bit floats, FP8
 _PREFIX = 64 << 10  # bytes decode reads first: header, tables and map of common frames
 _CODEC_AT = 6
@@ -60,7 +61,7 @@ def available() -> bool:
 def _module(device_index: int):
     cupy = optional_cupy()
     names = [f"entropy_{kind}<{s},{r},{b},{fast}>" for s, r, b in _LAYOUTS for kind in ("encode", "decode")
-             for fast in (0, 1)]
+             for fast in (0, 1, 2)]
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",), name_expressions=names)
         module.compile()
@@ -90,7 +91,7 @@ def _kernel(device_index: int, name: str, threads: int = THREADS) -> _Kernel:
     function = _module(device_index).get_function(name)
     with cupy.cuda.Device(device_index):
         handle = function.kernel.ptr
-        if name.endswith(",1>"):
+        if name.endswith((",1>", ",2>")):
             cupy.cuda.driver.funcSetAttribute(handle, _MAX_SHARED, _device_limits(device_index)[1])
     return _Kernel(handle, threads, device_index, function)
 
@@ -114,7 +115,8 @@ class _Tables:
     lut: torch.Tensor  # (tables, 2**CODE_BITS) u16: symbol << LEN_BITS | length
     cmap: torch.Tensor  # context map
     ptab: torch.Tensor | None  # table of each position of one period, where short enough
-    ptab4: torch.Tensor | None  # tables of positions j, j + 32, j + 64, j + 96 (mod period) in word j
+    ptab4: torch.Tensor | None  # tables of a context's position and the next three 32 on (``_ptab4``)
+    p4: tuple[int, int]  # ptab4's (hi, lo): (0, 0) a word per position, else per context (``_ptab4``)
     enc_smem: int  # bytes of shared memory the fast encoder needs, 0 if it does not fit
     dec_smem: int  # likewise the fast decoder
 
@@ -130,25 +132,48 @@ def _tables_on(ct: CodeTables, device: torch.device) -> _Tables:
         g = ct.geometry
         ptab = None
         cmap = torch.from_numpy(ct.context_map.astype(np.uint8)).to(device)
-        ptab4 = None
+        ptab4, p4 = None, (0, 0)
         if 32 <= g.period <= PTAB_MAX:
             j = torch.arange(g.period, dtype=torch.int64, device=device)
             ptab = cmap[(j // (g.tokens * g.inner)) * g.inner + j % g.inner]
-            if PTAB4_MIN <= g.period <= PTAB4_MAX:
-                wide = ptab.to(torch.int32)
-                ptab4 = sum(wide.roll(-32 * k) << (8 * k) for k in range(4))
+            ptab4, p4 = _ptab4(g, ptab)
         enc = torch.from_numpy(huffman.encode_table(ct).view(np.int32)).to(device)
         lut = torch.from_numpy(huffman.decode_lut(ct).view(np.int16)).to(device)
         _, limit = _device_limits(device.index or 0)
         enc_bytes, dec_bytes = enc.numel() * 4, lut.numel() * 2
-        ct._cache[key] = _Tables(enc, lut, cmap, ptab, ptab4,
+        ct._cache[key] = _Tables(enc, lut, cmap, ptab, ptab4, p4,
                                  enc_bytes if enc_bytes <= limit else 0, dec_bytes if dec_bytes <= limit else 0)
     return ct._cache[key]
 
 
-def _coder(kind: str, sym: SymbolLayout, device_index: int, smem: int, nchunks: int) -> tuple[_Kernel, int]:
-    """The fast build (tables in ``smem`` bytes of shared memory) or the generic one, and its grid."""
-    name = f"entropy_{kind}<{sym.sym_bits},{sym.raw_bits},{sym.layout.itemsize},{int(bool(smem))}>"
+def _ptab4(g: Geometry, ptab: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int]]:
+    """The fast coders' tables four steps a word (``TableCursor``) and its (hi, lo): a word per
+    position of the period, (0, 0), or for a large period of whole token rows of a power of two
+    times 128 positions, a word per context (the contexts' first row's positions)."""
+    if not PTAB4_MIN <= g.period:
+        return None, (0, 0)
+    wide = ptab.to(torch.int32)
+    rows, row = g.tokens, g.inner
+    if g.period > COMPACT_FROM and rows > 1 and row % 128 == 0 and _pow2(row) and _pow2(rows):
+        c = torch.arange(g.outer * row, dtype=torch.int64, device=ptab.device)
+        at = (c // row) * (row * rows) + c % row
+        return sum(wide[at + 32 * k] << (8 * k) for k in range(4)), ((row * rows).bit_length() - 1,
+                                                                      row.bit_length() - 1)
+    if g.period > PTAB4_MAX:
+        return None, (0, 0)
+    return sum(wide.roll(-32 * k) << (8 * k) for k in range(4)), (0, 0)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _coder(kind: str, sym: SymbolLayout, device_index: int, tabs: _Tables, nchunks: int) -> tuple[_Kernel, int]:
+    """The fast build (tables in shared memory; ptab4 a word per position or per context) or the
+    generic one, and its grid."""
+    smem = tabs.enc_smem if kind == "encode" else tabs.dec_smem
+    fast = (2 if tabs.p4[0] else 1) if smem else 0
+    name = f"entropy_{kind}<{sym.sym_bits},{sym.raw_bits},{sym.layout.itemsize},{fast}>"
     sms, _ = _device_limits(device_index)
     per_sm = 1 if smem else 2
     return _kernel(device_index, name), min(-(-nchunks * 32 // THREADS), sms * per_sm)
@@ -239,11 +264,11 @@ def start_encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[in
     block = source[0].numel() if ids is not None else 1
     if ids is not None:
         _kernel(index, "entropy_check_ids", 1024)(stream, 1, (ids.data_ptr(), ids.numel(), blocks, 0, err, 1))
-    kernel, grid = _coder("encode", sym, index, tabs.enc_smem, nchunks)
+    kernel, grid = _coder("encode", sym, index, tabs, nchunks)
     ptab4 = tabs.ptab4.data_ptr() if tabs.ptab4 is not None else 0
     kernel(stream, grid, (
         source.data_ptr(), ids.data_ptr() if ids is not None else 0, block, n, chunk, nchunks,
-        tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(ct), ptab4, slots, stride, counts_at,
+        tabs.enc.data_ptr(), tabs.enc.numel(), *tabs.geo(ct), ptab4, *tabs.p4, slots, stride, counts_at,
         buf.data_ptr() + plan.raw_at, chunk_raw_words(chunk // LANES, sym.raw_bits), err), tabs.enc_smem)
     _kernel(index, "entropy_scan", 1024)(stream, 1, (counts_at, nchunks, cum) + (0,) * 14)
     o = plan.empty.offsets
@@ -372,11 +397,11 @@ def _decode(frame: torch.Tensor, header: EntropyHeader, prefix: np.ndarray, ids:
             ids.data_ptr(), ids.numel(), blocks, hits.data_ptr(), err.data_ptr(), 0))
     if nchunks:
         cap, cap_last = word_cap(header.chunk, sym), word_cap(n - (nchunks - 1) * header.chunk, sym)
-        kernel, grid = _coder("decode", sym, device.index or 0, tabs.dec_smem, nchunks)
+        kernel, grid = _coder("decode", sym, device.index or 0, tabs, nchunks)
         ptab4 = tabs.ptab4.data_ptr() if tabs.ptab4 is not None else 0
         kernel(stream, grid, (
             base + o[Stream.WORDS], ln[Stream.WORDS] // 4, base + o[Stream.COUNTS], cum, tabs.lut.data_ptr(),
-            tabs.lut.numel() // 2, tabs.enc.data_ptr(), ptab4, *tabs.geo(ct), n, header.chunk, nchunks, cap,
+            tabs.lut.numel() // 2, tabs.enc.data_ptr(), ptab4, *tabs.p4, *tabs.geo(ct), n, header.chunk, nchunks, cap,
             cap_last, base + o[Stream.RAW] if ln[Stream.RAW] else 0, chunk_raw_words(header.chunk // LANES, sym.raw_bits),
             out.data_ptr(), err.data_ptr()), tabs.dec_smem)
     return out, err
