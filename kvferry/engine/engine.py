@@ -121,7 +121,7 @@ class Engine:
         self.mapper = ipc.Mapper()  # receivers' memory lent to us, opened once
         self.leases = Leases()  # standing leases of same-host memory, held and lent
         self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
-        self._learning: dict[tuple[str, str], asyncio.Task] = {}  # (region, codec) -> its learning in a thread
+        self._learning: dict[tuple[str, str], _Learning] = {}  # (region, codec) -> its learning in a thread
         self.outgoing = Outgoing(self)
         self.admission = Admission(self)
         self.ready = False
@@ -339,57 +339,44 @@ class Engine:
     def _learned(self, name: str, learn: Any, p: Pair) -> Any:
         """What codec ``name`` learned from the pair's region. The region's first transfer learns
         at once without the block layout; learning with it (a position-aware codec's 65,536
-        contexts of a Llama-shaped block took ~1 s), and relearning after ``RELEARN_SECONDS`` or
-        from a transfer with four times the blocks to learn from, run in a thread while
-        transfers use what there is."""
+        contexts of a Llama-shaped block took ~1 s), and relearning from a transfer with four
+        times the blocks to learn from, or after ``RELEARN_SECONDS`` from one with at least half
+        of them, run in a thread while transfers use what there is."""
         region = p.region
         entry = region.learned.get(name)
         if entry is None:
             sample = self._sample(p, LEARN_BYTES)
             entry = region.learned[name] = (learn(sample, None), time.monotonic(), region.layout is None,
                                             sample.shape[0])
-        if (not entry[2] or time.monotonic() - entry[1] > RELEARN_SECONDS
-                or self._sample_blocks(p, self._relearn_bytes(region)) >= 4 * entry[3]):
-            self._relearn(name, learn, p)
+        key = (region.name, name)
+        learning = self._learning.get(key)
+        n = self._sample_blocks(p, self._relearn_bytes(region))
+        if learning is not None:
+            if n >= 4 * learning.blocks:
+                learning.then(self._relearn_sample(p))
+        elif (not entry[2] or n >= 4 * entry[3]
+              or (time.monotonic() - entry[1] > RELEARN_SECONDS and 2 * n >= entry[3])):
+            self._learning[key] = _Learning(self, region, name, learn, self._relearn_sample(p))
         return entry[0]
 
     @staticmethod
     def _relearn_bytes(region: Region) -> int:
         return RELEARN_BYTES if region.tensor.is_cuda else LEARN_BYTES
 
-    def _relearn(self, name: str, learn: Any, p: Pair) -> None:
-        key = (p.region.name, name)
-        if key in self._learning:
-            return
-        region = p.region
-        sample = self._sample(p, self._relearn_bytes(region))
-        book, when, _, blocks = region.learned[name]
-        region.learned[name] = (book, when, False, blocks)  # unsettled (a region's description says so) until done
+    def _relearn_sample(self, p: Pair) -> tuple[torch.Tensor, Any]:
+        """A sample to learn from in a thread, and the event its making records on a GPU (the
+        thread's stream waits for it)."""
+        sample = self._sample(p, self._relearn_bytes(p.region))
         made = None
-        if sample.is_cuda:  # the thread's stream must see the sample this one makes
+        if sample.is_cuda:
             made = torch.cuda.Event()
             made.record(torch.cuda.current_stream(sample.device))
-
-        def work() -> Any:
-            if made is not None:
-                torch.cuda.current_stream(sample.device).wait_event(made)
-            return learn(sample, region.layout)
-
-        async def relearn() -> None:
-            try:
-                region.learned[name] = (await asyncio.to_thread(work), time.monotonic(), True, sample.shape[0])
-            except Exception as exc:  # the codebook in use stays until the next relearn
-                log.warning("learning a %s codebook of region %r failed: %s", name, region.name, exc)
-                region.learned[name] = (book, time.monotonic(), True, blocks)
-            finally:
-                self._learning.pop(key, None)
-
-        self._learning[key] = asyncio.get_running_loop().create_task(relearn(), name=f"kvferry-learn-{name}")
+        return sample, made
 
     async def learned(self) -> None:
         """Wait for the codebooks being learned in threads (tests; shutdown)."""
         while self._learning:
-            await asyncio.gather(*self._learning.values(), return_exceptions=True)
+            await asyncio.gather(*(learning.task for learning in self._learning.values()), return_exceptions=True)
 
     @staticmethod
     def _sample_blocks(p: Pair, limit: int) -> int:
@@ -611,4 +598,43 @@ def _address(value: str) -> tuple[str, int]:
         raise BadRequest(f"peer must be the receiving sidecar's data address host:port, not {value!r}")
     return host, int(port)
 
+
+class _Learning:
+    """A codec learning a region's codebook in a thread, then from the sample queued meanwhile
+    (a later transfer with more blocks to learn from); the region's entry is unsettled until
+    the last is learned."""
+
+    def __init__(self, engine: Engine, region: Region, name: str, learn: Any,
+                 sample: tuple[torch.Tensor, Any]):
+        self.engine, self.region, self.name, self.learn = engine, region, name, learn
+        self.next: tuple[torch.Tensor, Any] | None = None
+        self.blocks = sample[0].shape[0]
+        book, when, _, blocks = region.learned[name]
+        region.learned[name] = (book, when, False, blocks)
+        self.task = asyncio.get_running_loop().create_task(self._run(sample), name=f"kvferry-learn-{name}")
+
+    def then(self, sample: tuple[torch.Tensor, Any]) -> None:
+        """Learn from ``sample`` next, in place of what was queued."""
+        self.next = sample
+        self.blocks = max(self.blocks, sample[0].shape[0])
+
+    def _work(self, sample: torch.Tensor, made: Any) -> Any:
+        if made is not None:
+            torch.cuda.current_stream(sample.device).wait_event(made)
+        return self.learn(sample, self.region.layout)
+
+    async def _run(self, sample: tuple[torch.Tensor, Any]) -> None:
+        region, name = self.region, self.name
+        try:
+            while sample is not None:
+                try:
+                    book = await asyncio.to_thread(self._work, *sample)
+                    region.learned[name] = (book, time.monotonic(), False, sample[0].shape[0])
+                except Exception as exc:  # the codebook in use stays until the next relearn
+                    log.warning("learning a %s codebook of region %r failed: %s", name, region.name, exc)
+                sample, self.next = self.next, None
+        finally:
+            book, _, _, blocks = region.learned[name]
+            region.learned[name] = (book, time.monotonic(), True, blocks)
+            self.engine._learning.pop((region.name, name), None)
 

@@ -155,3 +155,48 @@ def test_a_region_with_named_axes_learns_entropy_contexts_per_position_in_a_thre
                 await e.close()
 
     asyncio.run(main())
+
+
+def test_a_transfer_with_more_blocks_while_a_codebook_is_learned_queues_its_sample():
+    """A relearn in a thread that a transfer with four times its blocks overtakes learns from
+    that transfer's blocks next; the region stays unsettled until then."""
+    import threading
+
+    from kvferry import codec
+
+    async def body(a, b):
+        gate, seen = threading.Event(), []
+        learn = type(codec.get("splitzip")).learn
+
+        def gated(self, sample, layout=None):
+            if threading.current_thread() is not threading.main_thread():  # the engine's relearning
+                gate.wait(10)
+            seen.append(sample.shape[0])
+            return learn(self, sample, layout)
+
+        async def send(ids):
+            spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of(ids),
+                                dst_blocks=Blocks.of(ids), codec="splitzip")
+            assert (await a.wait(a.submit(spec).id, 5))["state"] == "done"
+
+        type(codec.get("splitzip")).learn = gated
+        try:
+            src = a.regions.get("src")
+            src.learned["splitzip"] = (learn(codec.get("splitzip"), src.tensor[:1]), 0.0, True, 1)
+            from kvferry.engine import engine as engine_module
+            engine_module.RELEARN_SECONDS, saved = -1.0, engine_module.RELEARN_SECONDS
+            try:
+                await send([0])  # stale: relearned from one block, held at the gate
+            finally:
+                engine_module.RELEARN_SECONDS = saved
+            assert not src.describe()["learned"]["splitzip"]["settled"]
+            await send([0, 1, 2, 3])  # four times as many: queued behind it
+            gate.set()
+            await a.learned()
+            assert seen == [1, 4]
+            entry = src.describe()["learned"]["splitzip"]
+            assert entry["settled"] and entry["blocks"] == 4
+        finally:
+            type(codec.get("splitzip")).learn = learn
+
+    _run(body)
