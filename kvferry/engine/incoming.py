@@ -32,7 +32,8 @@ class Admission:
 
     def accept(self, connection: transport.Connection, transfer_id: str, announce: peer.Announce) -> None:
         """Validate an announced transfer and post its first receives, or refuse it."""
-        plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs))
+        plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
+                                bool(announce.flags & peer.FLAG_TAPERED))
         tags = [peer.chunk_tag(transfer_id, i) for i in range(len(plan))]
         try:
             if announce.flags & peer.FLAG_WRITTEN:
@@ -239,6 +240,7 @@ class Incoming:
         t.bytes_raw += raw
         t.blocks_done += blocks
         self.completed += 1
+        self.engine.metrics.chunks.labels("in").inc()
 
     def _done(self) -> None:
         """Every block is written: done here, and the sender is told at once."""

@@ -24,6 +24,8 @@ class Metrics:
                                buckets=(1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.6, 2.0), registry=r)
         self.codec_seconds = Counter("kvferry_codec_seconds", "Time in the codec", ["op"], registry=r)
         self.wire_seconds = Counter("kvferry_wire_seconds", "Time sending chunks", registry=r)
+        self.chunks = Counter("kvferry_chunks", "Pipeline chunks coded and moved (a tapered plan has two more)",
+                              ["direction"], registry=r)
         self.latency = Histogram("kvferry_transfer_seconds", "Transfer latency, submit to done",
                                  ["direction", "codec"],
                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60),

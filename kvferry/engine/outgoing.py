@@ -204,7 +204,10 @@ class Outgoing:
             await self._write_same_host(t, spec, pairs, helds, leased=True)
             return
         codec, book = self._choose(t, spec, pairs, candidates, book)
-        plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
+        # On a slow link the plan is tapered: the first bytes leave, and the last are decoded, sooner.
+        tapered = self.engine.policy.tapers(t.peer, pairs[0].blocks_per_chunk * pairs[0].region.block_bytes,
+                                            t.chosen_codec)
+        plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs), tapered)
         link.offer = self._offer(connection, spec, pairs, codec)
         offer = link.offer is not None
         inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, self._inline_count(plan, pairs, codec))
@@ -215,7 +218,8 @@ class Outgoing:
             pair_index, start, count = plan[len(inline)]
             first = asyncio.ensure_future(self._encode_chunk(t, codec, pairs[pair_index], start, count, len(inline)))
         try:
-            await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer), *inline)
+            await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer,
+                                                         peer.FLAG_TAPERED if tapered else 0), *inline)
         except BaseException:
             _drop(first)
             raise
@@ -383,6 +387,7 @@ class Outgoing:
             payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
         t.bytes_raw += nbytes
         t.bytes_wire += payload.numel()
+        self.engine.metrics.chunks.labels("out").inc()
         return payload
 
     async def _first(self, link: PeerLink, work: asyncio.Future) -> None:

@@ -23,7 +23,8 @@ stands for b, b + stride, ..., count of them).
               block shape, u32 blocks per chunk, str8 reference region ("" = none: the receiver's
               region of predictor KV for the same blocks); then u32 inline chunks, 16 bytes host id
               (all 0: no same-host write offered), u8 flags (bit 0 WRITTEN: the sender already wrote
-              every block into memory this connection holds a standing lease on)
+              every block into memory this connection holds a standing lease on; bit 1 TAPERED: the
+              chunk plan's first and last chunks are split, ``plan_chunks``)
     CHUNK     u32 chunk index, then the chunk's frame (the rest of the message)
     ACCEPT    u16 targets (0, or one per pair: the receiver takes the same-host write offer), per
               target: 64 bytes handle (CUDA IPC handle; for host shared memory its name, NUL-padded),
@@ -88,6 +89,8 @@ class Kind(IntEnum):
 
 LINK_ID = "0" * 32  # the transfer id of messages about the connection, not a transfer
 FLAG_WRITTEN = 1  # ANNOUNCE: every block is already written under a standing lease
+FLAG_TAPERED = 2  # ANNOUNCE: the chunk plan is tapered (``plan_chunks``)
+TAPER = 8  # a tapered plan's first and last chunks give an eighth of their blocks a chunk of its own
 HOST_MEMORY = bytes(16)  # a Target's device UUID for host shared memory
 
 
@@ -201,13 +204,22 @@ def codebook_digest(codebook_json: str) -> bytes:
     return hashlib.blake2b(codebook_json.encode(), digest_size=8).digest()
 
 
-def plan_chunks(blocks: int, blocks_per_chunk: tuple[int, ...]) -> list[tuple[int, int, int]]:
+def plan_chunks(blocks: int, blocks_per_chunk: tuple[int, ...], tapered: bool = False) -> list[tuple[int, int, int]]:
     """Chunks as (pair index, first block index, block count): pair by pair, ``blocks_per_chunk[p]``
-    blocks at a time. Both ends compute it from the announce."""
+    blocks at a time. Both ends compute it from the announce. ``tapered`` (the TAPERED flag):
+    the first ``1 / TAPER`` of the first chunk and the last ``1 / TAPER`` of the last one are chunks
+    of their own, so that on a slow link the first bytes leave, and the last are decoded, sooner."""
     plan = []
     for pair, per_chunk in enumerate(blocks_per_chunk):
         for start in range(0, blocks, per_chunk):
             plan.append((pair, start, min(per_chunk, blocks - start)))
+    if tapered and plan:
+        pair, start, count = plan[0]
+        if count // TAPER:
+            plan[:1] = [(pair, start, count // TAPER), (pair, start + count // TAPER, count - count // TAPER)]
+        pair, start, count = plan[-1]
+        if count // TAPER:
+            plan[-1:] = [(pair, start, count - count // TAPER), (pair, start + count - count // TAPER, count // TAPER)]
     return plan
 
 
@@ -363,7 +375,7 @@ def unpack(data: bytes | bytearray) -> Message:
         (inline,) = r.unpack("I")
         host = r.take(16)
         (flags,) = r.unpack("B")
-        if flags & ~FLAG_WRITTEN:
+        if flags & ~(FLAG_WRITTEN | FLAG_TAPERED):
             raise ProtocolViolation(f"unknown announce flags {flags:#x}")
         body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, host, flags)
     elif kind == Kind.CHUNK:

@@ -16,6 +16,15 @@ import time
 from dataclasses import dataclass, field
 
 
+# A chunk plan is tapered (its first and last chunks split, ``peer.plan_chunks``) where a chunk
+# spends this long on the link and its coding (encode and decode) this long: the two messages
+# the taper adds cost ~0.25 ms each on the GPU hosts measured, and it saves seven eighths of the
+# first chunk's encode and of the last one's decode. SplitZip's 256 MiB chunk codes in ~0.5 ms
+# (the taper measured level: bench/RESULTS.md, sixteenth session), entropy's in ~1.2 ms.
+TAPER_WIRE_SECONDS = 3e-3
+TAPER_CODING_SECONDS = 0.8e-3
+
+
 @dataclass
 class CodecSpeed:
     """GB/s of raw bytes through the codec on this device, and the ratio it achieves."""
@@ -66,6 +75,19 @@ class Policy:
                            for c, s in self.codecs.items() if c in names)
         return best, (f"predicted {listed} (link {link:.2f} GB/s{'' if peer in self.link_gbps else ' assumed'}; "
                       f"{detail})")
+
+    def tapers(self, peer: str, chunk_bytes: int, codec: str) -> bool:
+        """Whether a transfer to ``peer`` should taper its chunk plan (``peer.plan_chunks``): a
+        full chunk spends at least ``TAPER_WIRE_SECONDS`` on the link and ``TAPER_CODING_SECONDS``
+        being coded, so that the two messages the taper adds cost less than what it saves at
+        both ends (seven eighths of a chunk's encode before the first byte leaves, and of its
+        decode after the last arrives)."""
+        speed = self.codecs.get(codec)
+        if speed is None or speed.encode_gbps <= 0 or speed.decode_gbps <= 0:
+            return False
+        link = self.link_gbps.get(peer, self.assumed_link_gbps) * 1e9
+        coding = chunk_bytes / (speed.encode_gbps * 1e9) + chunk_bytes / (speed.decode_gbps * 1e9)
+        return chunk_bytes / max(speed.ratio, 1.0) / link >= TAPER_WIRE_SECONDS and coding >= TAPER_CODING_SECONDS
 
     def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None) -> None:
         """A whole transfer's speed, as the sender saw it (fixed costs included)."""

@@ -34,6 +34,10 @@ GOLDEN = {
                         HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "02" "02000000" "03000000"
                         "01000000" "40000000" "2c010000" "0100" "0164" "01" "04000000" "01000000" "00" "00000000"
                         + "00" * 16 + "00"),
+    "announce_tapered": (peer.Message(TID, peer.Announce("splitzip", "bfloat16", Blocks(ids=(2,)),
+                                                          (peer.PairLayout("d", (4,), 1),), flags=peer.FLAG_TAPERED)),
+                         HEAD.format(kind=1) + "0873706c69747a69700862666c6f6174313600" + "00" * 8 + "00" + "01000000"
+                         "02000000" "0100" "0164" "01" "04000000" "01000000" "00" "00000000" + "00" * 16 + "02"),
     "chunk": (peer.Message(TID, peer.Chunk(3, b"KVFZ\x01")), HEAD.format(kind=7) + "030000004b56465a01"),
     "accept": (peer.Message(TID, peer.Accept()), HEAD.format(kind=2) + "0000"),
     "accept_ipc": (peer.Message(TID, peer.Accept((peer.Target(bytes(range(64)), 4096, bytes([9] * 16), 80),))),
@@ -99,6 +103,27 @@ def test_tags_and_plan_follow_from_the_announce():
     assert peer.plan_chunks(5, (2, 5)) == [(0, 0, 2), (0, 2, 2), (0, 4, 1), (1, 0, 5)]
 
 
+TAPERED = {
+    (64, (16,)): [(0, 0, 2), (0, 2, 14), (0, 16, 16), (0, 32, 16), (0, 48, 14), (0, 62, 2)],
+    (20, (16,)): [(0, 0, 2), (0, 2, 14), (0, 16, 4)],  # a last chunk too small to split
+    (16, (16,)): [(0, 0, 2), (0, 2, 13), (0, 15, 1)],  # one chunk: split at both ends
+    (7, (16,)): [(0, 0, 7)],
+    (40, (16, 8)): [(0, 0, 2), (0, 2, 14), (0, 16, 16), (0, 32, 8), (1, 0, 8), (1, 8, 8), (1, 16, 8), (1, 24, 8),
+                    (1, 32, 7), (1, 39, 1)],
+}
+
+
+@pytest.mark.parametrize("blocks, per_chunk", sorted(TAPERED))
+def test_a_tapered_plan_splits_its_first_and_last_chunks_and_covers_the_same_blocks(blocks, per_chunk):
+    tapered = peer.plan_chunks(blocks, per_chunk, tapered=True)
+    assert tapered == TAPERED[blocks, per_chunk]
+
+    def covered(plan):
+        return [(pair, start + i) for pair, start, count in plan for i in range(count)]
+
+    assert covered(tapered) == covered(peer.plan_chunks(blocks, per_chunk))  # the same blocks, in order
+
+
 def test_unpackable_ids_are_refused():
     with pytest.raises(ProtocolViolation):
         peer.pack(peer.Message("not-hex", peer.Accept()))
@@ -120,6 +145,6 @@ def test_messages_parse_the_same_from_the_transports_bytearray():
 
 def test_unknown_announce_flags_are_refused():
     raw = bytearray.fromhex(GOLDEN["announce_written"][1])
-    raw[-1] = 0x03
+    raw[-1] = 0x04
     with pytest.raises(ProtocolViolation, match="flags"):
         peer.unpack(bytes(raw))

@@ -193,3 +193,28 @@ def test_a_whole_request_is_one_transfer(pair):
     for layer in (0, 17, 31):
         got = _blocks(b.client, f"rd{tag}{layer}", [blocks, blocks + 100, 2 * blocks - 1], sources[layer])
         assert bits_equal(got, sources[layer][[0, 100, blocks - 1]])
+
+
+def test_a_slow_link_tapers_the_plan_at_both_ends_and_stays_exact(kv):
+    """Where a chunk spends long on the link (here an emulated 0.2 GB/s), the sender tapers the
+    chunk plan (its first and last chunks split) and says so in the announce, and the receiver
+    follows the same plan; on a fast link the plan stays plain. The receiver's chunk counter
+    shows which plan ran; the blocks are exact either way."""
+    from kvferry.engine import peer
+
+    blocks = 40
+    per_chunk = (2 << 20) // (kv[0].numel() * kv.element_size())
+    order = list(range(blocks - 1, -1, -1))
+    for link, tapered in ((("KVFERRY_LINK_GBPS", "0.2"), True), (("KVFERRY_ASSUMED_LINK_GBPS", "1000"), False)):
+        env = {"KVFERRY_CHUNK_BYTES": str(2 << 20), "KVFERRY_TRANSFER_TIMEOUT": "30", link[0]: link[1]}
+        a, b = spawn("tcp", env), spawn("tcp", env)
+        try:
+            a.client.region_from_tensor("src", kv[:blocks])
+            b.client.create_region("dst", blocks, list(kv.shape[1:]), "bfloat16")
+            transfer = a.client.submit("src", range(blocks), b.data, "dst", order, codec="splitzip")
+            assert a.client.wait(transfer, timeout=60)["state"] == "done"
+            assert _counter(b.client, "kvferry_chunks") == len(peer.plan_chunks(blocks, (per_chunk,), tapered))
+            assert bits_equal(_blocks(b.client, "dst", order, kv), kv[:blocks])
+        finally:
+            stop(a, b)
+    assert len(peer.plan_chunks(blocks, (per_chunk,), True)) == len(peer.plan_chunks(blocks, (per_chunk,))) + 2

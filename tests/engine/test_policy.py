@@ -93,3 +93,15 @@ def test_measured_speeds_follow_repeats():
     assert math.isclose(policy.measured[("p", "raw", 31)][0], 0.7 * (1 << 30) / 1e9 + 0.3 * (1 << 30) / 0.5e9)
     policy.observe_transfer("p", "raw", 1 << 10, 1e-6, now=0.0)
     assert ("p", "raw", 11) not in policy.measured
+
+
+def test_a_plan_is_tapered_only_where_a_chunk_spends_long_on_the_link_and_in_its_codec():
+    slow = _policy(450, 450, 1.53, link=25)  # entropy's speeds: a 256 MiB chunk codes in 1.2 ms
+    assert slow.tapers("p", 256 * MiB, "coded")  # ~7 ms of a 25 GB/s link per chunk
+    assert not slow.tapers("p", 4 * MiB, "coded")  # a CPU chunk: ~0.1 ms on the link
+    slow.observe_link("p", 1 << 30, (1 << 30) / 200e9)  # this peer's link turned out fast
+    assert not slow.tapers("p", 256 * MiB, "coded")
+    assert slow.tapers("other", 256 * MiB, "coded")  # an unmeasured peer: the assumed link
+    fast = _policy(900, 1100, 1.33, link=25)  # SplitZip's: 0.5 ms, less than two messages save
+    assert not fast.tapers("p", 256 * MiB, "coded")
+    assert not fast.tapers("p", 256 * MiB, "unmeasured")
