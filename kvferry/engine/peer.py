@@ -1,4 +1,4 @@
-"""The peer protocol between sidecars (version 4): the one place that knows its byte layout.
+"""The peer protocol between sidecars (version 5): the one place that knows its byte layout.
 
 Peer messages ride as MSG payloads on the authenticated transport connection (``transport/wire.py``),
 in order with the chunks they describe; sidecars never call each other over HTTP. All integers are
@@ -6,8 +6,8 @@ little-endian. Every message starts with a 24-byte header:
 
     offset size field
          0    4 magic b"KVFP"
-         4    1 version (4; 3 had no spread block lists, 2 no standing leases, 1 no reference
-                    regions)
+         4    1 version (5; 4 had no tapered chunk plans, 3 no spread block lists, 2 no
+                    standing leases, 1 no reference regions)
          5    1 type (Kind)
          6    2 reserved (0)
          8   16 transfer id (the 16 bytes of its 32-hex-digit id; all 0 for REVOKE and REVOKED,
@@ -63,7 +63,7 @@ from .blocks import Blocks, Range
 from .errors import ProtocolViolation
 
 MAGIC = b"KVFP"
-VERSION = 4
+VERSION = 5
 _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
