@@ -50,9 +50,9 @@ CPU_MESSAGE_BYTES = 16 << 20
 LEARN_BYTES = 16 << 20  # a codebook learned from the data is learned from at most this much of it,
 RELEARN_BYTES = 64 << 20  # or this much in a thread on a GPU (a position-aware codebook fits better)
 # A codebook learned from a region's data is relearned, in a thread while transfers go on with
-# it, once it is this old: KV's value distribution drifts slowly, and a stale codebook costs
-# ratio, never exactness.
-RELEARN_SECONDS = 30.0
+# it, once it is this old: KV's value distribution drifts slowly, a stale codebook costs ratio,
+# never exactness, and each relearn costs the host ~1 s of a core (H200 host, 65,536 contexts).
+RELEARN_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -636,5 +636,6 @@ class _Learning:
         finally:
             book, _, _, blocks = region.learned[name]
             region.learned[name] = (book, time.monotonic(), True, blocks)
-            self.engine._learning.pop((region.name, name), None)
+            if self.engine._learning.get((region.name, name)) is self:  # not a namesake region's
+                del self.engine._learning[(region.name, name)]
 

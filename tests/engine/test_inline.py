@@ -112,6 +112,10 @@ def test_a_region_with_named_axes_learns_entropy_contexts_per_position_in_a_thre
     """The first transfer learns a channel codebook at once; a thread then learns one with the
     region's token axis (contexts: every other position of the block), which the next transfer
     uses; both exact."""
+    import threading
+
+    from kvferry import codec
+
     async def main():
         a, b = (Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=5))
                 for _ in range(2))
@@ -133,10 +137,23 @@ def test_a_region_with_named_axes_learns_entropy_contexts_per_position_in_a_thre
                 assert torch.equal(dst.tensor[ids[::-1]].view(torch.int16), src.tensor[ids].view(torch.int16))
                 return record
 
-            await send([0, 1])
-            quick = src.learned["entropy"]
-            assert quick[0].geometry.contexts == 64 and not quick[2]  # channels, the layout still to come
-            assert not src.describe()["learned"]["entropy"]["settled"]
+            learn = type(codec.get("entropy")).learn
+            gate = threading.Event()
+
+            def gated(self, sample, layout=None):  # the thread's learning waits for the test
+                if threading.current_thread() is not threading.main_thread():
+                    gate.wait(10)
+                return learn(self, sample, layout)
+
+            type(codec.get("entropy")).learn = gated
+            try:
+                await send([0, 1])
+                quick = src.learned["entropy"]
+                assert quick[0].geometry.contexts == 64 and not quick[2]  # channels, the layout still to come
+                assert not src.describe()["learned"]["entropy"]["settled"]
+            finally:
+                gate.set()
+                type(codec.get("entropy")).learn = learn
             await a.learned()
             assert src.learned["entropy"][2] and src.learned["entropy"][3] == 2
             await send([0, 1, 2, 3, 4, 5, 6, 7])  # four times the blocks: relearned from them
