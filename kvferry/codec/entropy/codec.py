@@ -7,7 +7,6 @@ copies. Either way the bytes are the reference's.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ from .codebook import DEFAULT_TABLES, MAX_CONTEXTS, EntropyCodebook, calibrate, 
 from .format import (DEFAULT_CHUNK, FRAME_ID, HEADER_SIZE, LANES, MAX_CHUNK, EntropyHeader, Stream, check_counts,
                      make_header, pack_map, pack_raw, pack_tables, parse_header, parse_tables, unpack_raw)
 from .huffman import code_tables
-from .symbols import element_bits, for_dtype
+from .symbols import Geometry, element_bits, for_dtype
 
 
 MIN_REGISTRY_CHUNK = 4096  # elements: a chunk costs its count and under a word a lane of padding
@@ -377,10 +376,8 @@ class EntropyCodec(PositionFree):
         with a ``layout`` that names the token axis, contexts are every other position of the
         block (its layers, K/V, heads and channels), where the KV's statistics differ."""
         token = layout.index("token") if layout is not None else None
-        if token is not None:
-            shape = layout.shape
-            if math.prod(shape[:token]) * math.prod(shape[token + 1:]) <= MAX_CONTEXTS:
-                return calibrate_blocks(sample, token_axis=token)
+        if token is not None and Geometry.of(layout.shape, token).contexts <= MAX_CONTEXTS:
+            return calibrate_blocks(sample, token_axis=token)
         return self_codebook(sample)
 
     def codebook_from_json(self, text: str | bytes) -> EntropyCodebook:

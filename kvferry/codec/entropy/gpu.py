@@ -150,17 +150,16 @@ def _ptab4(g: Geometry, ptab: torch.Tensor) -> tuple[torch.Tensor | None, tuple[
     """The fast coders' tables four steps a word (``TableCursor``) and its (hi, lo): a word per
     position of the period, (0, 0), or for a large period of whole token rows of a power of two
     times 128 positions, a word per context (the contexts' first row's positions)."""
-    if not PTAB4_MIN <= g.period:
+    rows, row = g.tokens, g.inner
+    compact = g.period > COMPACT_FROM and rows > 1 and row % 128 == 0 and _pow2(row) and _pow2(rows)
+    if g.period < PTAB4_MIN or (g.period > PTAB4_MAX and not compact):
         return None, (0, 0)
     wide = ptab.to(torch.int32)
-    rows, row = g.tokens, g.inner
-    if g.period > COMPACT_FROM and rows > 1 and row % 128 == 0 and _pow2(row) and _pow2(rows):
+    if compact:
         c = torch.arange(g.outer * row, dtype=torch.int64, device=ptab.device)
         at = (c // row) * (row * rows) + c % row
         return sum(wide[at + 32 * k] << (8 * k) for k in range(4)), ((row * rows).bit_length() - 1,
                                                                       row.bit_length() - 1)
-    if g.period > PTAB4_MAX:
-        return None, (0, 0)
     return sum(wide.roll(-32 * k) << (8 * k) for k in range(4)), (0, 0)
 
 
