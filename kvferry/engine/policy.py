@@ -6,7 +6,9 @@ k·max(e, w, d) + (e + w + d − max). Each codec's encode/decode speed and rati
 chunks see; the link speed follows what real transfers see. Measured beats modelled: once every
 candidate has recently moved transfers of about this size (same power of two) to this peer,
 ``auto`` takes the one that was fastest, since the model assumes stages overlap perfectly and a
-busy host does not give it that.
+busy host does not give it that. A codec the model puts within ``EXPLORE_MARGIN`` of its best is
+tried once, after the best has been measured, so that ``auto`` corrects its own model without a
+user naming every codec; one far behind is never tried.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from dataclasses import dataclass, field
 # (the taper measured level: bench/RESULTS.md, sixteenth session), entropy's in ~1.2 ms.
 TAPER_WIRE_SECONDS = 3e-3
 TAPER_CODING_SECONDS = 0.8e-3
+# A codec predicted at most this much slower than the model's best is worth one measured transfer
+# (per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
+# ~10% on a 50 GB/s link (bench/RESULTS.md, eighteenth session), and a try costs at most this.
+EXPLORE_MARGIN = 1.25
 
 
 @dataclass
@@ -57,23 +63,33 @@ class Policy:
 
     def choose(self, peer: str, raw_bytes: int, chunk_bytes: int, candidates: list[str] | None = None,
                now: float | None = None) -> tuple[str, str]:
-        """(codec, why) for a transfer of ``raw_bytes`` to ``peer``."""
+        """(codec, why) for a transfer of ``raw_bytes`` to ``peer``: the fastest measured once
+        every plausible candidate (predicted within ``EXPLORE_MARGIN`` of the best) has fresh
+        measurements; else a plausible one not yet measured, once the model's best is; else the
+        model's best."""
         names = [c for c in (candidates if candidates is not None else self.codecs) if c in self.codecs]
         if not names:
             raise ValueError("no codec to choose from")
         now = time.monotonic() if now is None else now
-        seen = {c: self.measured.get((peer, c, raw_bytes.bit_length())) for c in names}
-        if len(names) > 1 and all(e is not None and now - e[1] <= self.measured_ttl_s for e in seen.values()):
-            best = max(names, key=lambda c: seen[c][0])
-            listed = " vs ".join(f"{c} {seen[c][0]:.2f}" for c in names)
-            return best, f"measured {listed} GB/s for transfers of this size to this peer"
         times = {c: self.predict(peer, raw_bytes, chunk_bytes, c) for c in names}
         best = min(names, key=lambda c: times[c])  # min keeps the first of equals
+        plausible = [c for c in sorted(names, key=lambda c: times[c]) if times[c] <= times[best] * EXPLORE_MARGIN]
+        size_class = raw_bytes.bit_length()
+        fresh = {c: e[0] for c in names
+                 if (e := self.measured.get((peer, c, size_class))) is not None and now - e[1] <= self.measured_ttl_s}
+        if len(fresh) > 1 and all(c in fresh for c in plausible):
+            fastest = max(fresh, key=lambda c: fresh[c])
+            listed = " vs ".join(f"{c} {fresh[c]:.2f}" for c in names if c in fresh)
+            return fastest, f"measured {listed} GB/s for transfers of this size to this peer"
+        predicted = " vs ".join(f"{c} {times[c] * 1e3:.2f} ms" for c in names)
+        untried = [c for c in plausible if c not in fresh]
+        if best in fresh and untried:
+            return untried[0], (f"trying {untried[0]} once: predicted {predicted}, within {EXPLORE_MARGIN:g}× of "
+                                f"{best}, which is measured ({fresh[best]:.2f} GB/s) at this size to this peer")
         link = self.link_gbps.get(peer, self.assumed_link_gbps)
-        listed = " vs ".join(f"{c} {times[c] * 1e3:.2f} ms" for c in names)
         detail = ", ".join(f"{c} {s.encode_gbps:.2f}/{s.decode_gbps:.2f} GB/s ×{s.ratio:.3f}"
                            for c, s in self.codecs.items() if c in names)
-        return best, (f"predicted {listed} (link {link:.2f} GB/s{'' if peer in self.link_gbps else ' assumed'}; "
+        return best, (f"predicted {predicted} (link {link:.2f} GB/s{'' if peer in self.link_gbps else ' assumed'}; "
                       f"{detail})")
 
     def tapers(self, peer: str, chunk_bytes: int, codec: str) -> bool:

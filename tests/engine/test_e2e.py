@@ -48,15 +48,15 @@ def test_owned_to_owned_real_kv_bit_exact(pair, kv, codec_name):
     if codec_name == "entropy":  # a codebook learned from the region's first blocks
         assert result["ratio"] > 1.4
     if codec_name == "auto":
-        # auto chooses among the lossless codecs that need nothing but the data; once all of them
-        # have moved transfers of this size to this peer, by their measured speeds
+        # auto chooses among the lossless codecs that need nothing but the data; once the
+        # plausible ones have moved transfers of this size to this peer, by their measured speeds
         reason = result["choice_reason"]
         lossless = [c.name for c in codec.lossless()]
-        assert result["chosen_codec"] in lossless and reason.startswith(("predicted", "measured"))
+        assert result["chosen_codec"] in lossless and reason.startswith(("predicted", "measured", "trying"))
         if reason.startswith("measured"):
             words = reason.removeprefix("measured ").split(" GB/s")[0].split(" vs ")
             speeds = {name: float(value) for name, value in (w.split() for w in words)}
-            assert set(speeds) == set(lossless) and speeds[result["chosen_codec"]] == max(speeds.values())
+            assert set(speeds) <= set(lossless) and speeds[result["chosen_codec"]] == max(speeds.values())
 
 
 def test_shm_to_shm(pair, kv):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kvferry.engine.policy import CodecSpeed, Policy
+from kvferry.engine.policy import EXPLORE_MARGIN, CodecSpeed, Policy
 
 MiB = 1 << 20
 COPY = 2000.0  # GB/s of a plain gather on a GPU, what the identity codec costs
@@ -105,3 +105,29 @@ def test_a_plan_is_tapered_only_where_a_chunk_spends_long_on_the_link_and_in_its
     fast = _policy(900, 1100, 1.33, link=25)  # SplitZip's: 0.5 ms, less than two messages save
     assert not fast.tapers("p", 256 * MiB, "coded")
     assert not fast.tapers("p", 256 * MiB, "unmeasured")
+
+
+def test_a_codec_the_model_puts_close_is_tried_once_then_the_measured_fastest_wins():
+    policy = _policy(450, 450, 1.53, link=50)  # entropy-like: close to raw's time on a 50 GB/s link
+    policy.codecs["split"] = CodecSpeed(900, 1100, 1.33)
+    size = 1 << 30
+    times = {c: policy.predict("p", size, 256 * MiB, c) for c in ("raw", "coded", "split")}
+    assert times["coded"] < times["split"] < EXPLORE_MARGIN * times["coded"] < times["raw"]
+    assert policy.choose("p", size, 256 * MiB, now=0.0)[0] == "coded"  # nothing measured: the model
+    policy.observe_transfer("p", "coded", size, 0.0210, now=1.0)
+    choice, reason = policy.choose("p", size, 256 * MiB, now=2.0)
+    assert choice == "split" and reason.startswith("trying split once") and "coded" in reason
+    policy.observe_transfer("p", "split", size, 0.0194, now=3.0)
+    choice, reason = policy.choose("p", size, 256 * MiB, now=4.0)
+    assert choice == "split" and reason.startswith("measured coded 51.13 vs split 55.35 GB/s")  # raw: never tried
+    later = 3.0 + policy.measured_ttl_s + 1  # split's measurement is stale, coded's too: the model again
+    assert policy.choose("p", size, 256 * MiB, now=later)[0] == "coded"
+
+
+def test_a_codec_far_behind_the_model_is_never_tried():
+    policy = _policy(450, 450, 1.53, link=12.5)
+    size = 1 << 30
+    assert policy.predict("p", size, 256 * MiB, "raw") > EXPLORE_MARGIN * policy.predict("p", size, 256 * MiB, "coded")
+    policy.observe_transfer("p", "coded", size, 0.06, now=0.0)
+    choice, reason = policy.choose("p", size, 256 * MiB, now=1.0)
+    assert choice == "coded" and reason.startswith("predicted")
