@@ -7,7 +7,7 @@ chunks see; the link speed follows what real transfers see. Measured beats model
 candidate has recently moved transfers of about this size (same power of two) to this peer,
 ``auto`` takes the one that was fastest, since the model assumes stages overlap perfectly and a
 busy host does not give it that. A codec the model puts within ``EXPLORE_MARGIN`` of its best is
-tried once, after the best has been measured, so that ``auto`` corrects its own model without a
+tried, once the best has been measured, so that ``auto`` corrects its own model without a
 user naming every codec; one far behind is never tried.
 """
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 # (the taper measured level: bench/RESULTS.md, sixteenth session), entropy's in ~1.2 ms.
 TAPER_WIRE_SECONDS = 3e-3
 TAPER_CODING_SECONDS = 0.8e-3
-# A codec predicted at most this much slower than the model's best is worth one measured transfer
-# (per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
+# A codec predicted at most this much slower than the model's best is worth a measured transfer
+# (two, with the first to a peer left out; per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
 # ~10% on a 50 GB/s link (bench/RESULTS.md, eighteenth session), and a try costs at most this.
 EXPLORE_MARGIN = 1.25
 
@@ -50,6 +50,10 @@ class Policy:
     # (peer, codec, size class) -> (GB/s of raw bytes, when last seen on time.monotonic())
     measured: dict[tuple[str, str, int], tuple[float, float]] = field(default_factory=dict)
     measured_ttl_s: float = 600.0
+    # (peer, codec) pairs whose first transfer was seen: a first pays what no later one does
+    # (learning a codebook, building kernels and tables, opening the connection). Left out, it
+    # measured entropy at 3 GB/s on a 25 GB/s link, and ``auto`` then passed entropy over.
+    warmed: set[tuple[str, str]] = field(default_factory=set)
 
     def predict(self, peer: str, raw_bytes: int, chunk_bytes: int, codec: str) -> float:
         """Seconds the pipeline needs for ``raw_bytes`` with ``codec`` (inf if its speed is unknown)."""
@@ -84,7 +88,7 @@ class Policy:
         predicted = " vs ".join(f"{c} {times[c] * 1e3:.2f} ms" for c in names)
         untried = [c for c in plausible if c not in fresh]
         if best in fresh and untried:
-            return untried[0], (f"trying {untried[0]} once: predicted {predicted}, within {EXPLORE_MARGIN:g}× of "
+            return untried[0], (f"trying {untried[0]}: predicted {predicted}, within {EXPLORE_MARGIN:g}× of "
                                 f"{best}, which is measured ({fresh[best]:.2f} GB/s) at this size to this peer")
         link = self.link_gbps.get(peer, self.assumed_link_gbps)
         detail = ", ".join(f"{c} {s.encode_gbps:.2f}/{s.decode_gbps:.2f} GB/s ×{s.ratio:.3f}"
@@ -106,7 +110,11 @@ class Policy:
         return chunk_bytes / max(speed.ratio, 1.0) / link >= TAPER_WIRE_SECONDS and coding >= TAPER_CODING_SECONDS
 
     def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None) -> None:
-        """A whole transfer's speed, as the sender saw it (fixed costs included)."""
+        """A whole transfer's speed, as the sender saw it (fixed costs included); not the first
+        of a codec to a peer (see ``warmed``)."""
+        if (peer, codec) not in self.warmed:
+            self.warmed.add((peer, codec))
+            return
         if seconds > 0 and raw_bytes >= 1 << 20:
             now = time.monotonic() if now is None else now
             key = (peer, codec, raw_bytes.bit_length())

@@ -11,8 +11,10 @@ COPY = 2000.0  # GB/s of a plain gather on a GPU, what the identity codec costs
 
 
 def _policy(encode: float = 0.0, decode: float = 0.0, ratio: float = 1.33, link: float = 12.5) -> Policy:
-    return Policy(codecs={"raw": CodecSpeed(COPY, COPY, 1.0), "coded": CodecSpeed(encode, decode, ratio)},
-                  assumed_link_gbps=link)
+    policy = Policy(codecs={"raw": CodecSpeed(COPY, COPY, 1.0), "coded": CodecSpeed(encode, decode, ratio)},
+                    assumed_link_gbps=link)
+    policy.warmed |= {(peer, codec) for peer in "pq" for codec in ("raw", "coded", "split")}  # first ones seen
+    return policy
 
 
 def test_an_unmeasured_codec_is_never_chosen():
@@ -116,7 +118,7 @@ def test_a_codec_the_model_puts_close_is_tried_once_then_the_measured_fastest_wi
     assert policy.choose("p", size, 256 * MiB, now=0.0)[0] == "coded"  # nothing measured: the model
     policy.observe_transfer("p", "coded", size, 0.0210, now=1.0)
     choice, reason = policy.choose("p", size, 256 * MiB, now=2.0)
-    assert choice == "split" and reason.startswith("trying split once") and "coded" in reason
+    assert choice == "split" and reason.startswith("trying split") and "coded" in reason
     policy.observe_transfer("p", "split", size, 0.0194, now=3.0)
     choice, reason = policy.choose("p", size, 256 * MiB, now=4.0)
     assert choice == "split" and reason.startswith("measured coded 51.13 vs split 55.35 GB/s")  # raw: never tried
@@ -131,3 +133,13 @@ def test_a_codec_far_behind_the_model_is_never_tried():
     policy.observe_transfer("p", "coded", size, 0.06, now=0.0)
     choice, reason = policy.choose("p", size, 256 * MiB, now=1.0)
     assert choice == "coded" and reason.startswith("predicted")
+
+
+def test_the_first_transfer_of_a_codec_to_a_peer_is_not_measured():
+    policy = Policy(codecs={"raw": CodecSpeed(COPY, COPY, 1.0)})
+    policy.observe_transfer("p", "raw", 1 << 30, 1.0, now=0.0)  # learned, built kernels: one-off costs
+    assert not policy.measured
+    policy.observe_transfer("p", "raw", 1 << 30, 0.1, now=0.0)
+    assert math.isclose(policy.measured[("p", "raw", 31)][0], (1 << 30) / 0.1e9)
+    policy.observe_transfer("q", "raw", 1 << 30, 0.1, now=0.0)  # another peer: its first too
+    assert ("q", "raw", 31) not in policy.measured
