@@ -58,6 +58,22 @@ class Blocks:
             return len(self.ids) * (self.spread[0] if self.spread else 1)
         return sum(r.count for r in self.ranges)
 
+    def _check_small(self, num_blocks: int) -> bool:
+        """Check a short list of ids (the latency path: plain Python is faster than a tensor);
+        False, unchecked, for anything else.
+
+        Raises:
+            InvalidBlocks: an id outside ``0..num_blocks-1``, or repeated.
+        """
+        if self.listed is None or not 0 < len(self.ids) <= 256:
+            return False
+        low, high = min(self.ids), max(self.ids)
+        if low < 0 or high >= num_blocks:
+            raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {low}..{high}")
+        if len(set(self.ids)) != len(self.ids):
+            raise InvalidBlocks("block ids repeat")
+        return True
+
     def resolve(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The ids as an int64 tensor on ``device``.
 
@@ -69,12 +85,7 @@ class Blocks:
             raise InvalidBlocks("no blocks given")
         if n > MAX_BLOCKS:
             raise InvalidBlocks(f"{n} blocks is over the limit of {MAX_BLOCKS}")
-        if self.listed is not None and n <= 256:  # small lists (the latency path): plain Python is faster
-            low, high = min(self.ids), max(self.ids)
-            if low < 0 or high >= num_blocks:
-                raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {low}..{high}")
-            if len(set(self.ids)) != n:
-                raise InvalidBlocks("block ids repeat")
+        if self._check_small(num_blocks):
             return torch.tensor(self.ids, dtype=torch.int64, device=device)
         if self.spread is not None:
             count, stride = self.spread
@@ -123,12 +134,30 @@ class Ids:
     never copies them; one that does copies them with the other side's ids in one go (``with_``).
     """
 
-    def __init__(self, host: torch.Tensor):
-        self.host = host
+    def __init__(self, host: torch.Tensor | None, listed: tuple[int, ...] = ()):
+        self._host, self._listed = host, listed
         self._devices: dict[torch.device, torch.Tensor] = {}
 
+    @classmethod
+    def of(cls, blocks: Blocks, num_blocks: int) -> Ids:
+        """``blocks`` checked against a region of ``num_blocks``; a short list stays a tuple until
+        a tensor of it is asked for (a one-block write never asks).
+
+        Raises:
+            InvalidBlocks: as ``Blocks.resolve``.
+        """
+        if blocks._check_small(num_blocks):
+            return cls(None, blocks.ids)
+        return cls(blocks.resolve(num_blocks))
+
+    @property
+    def host(self) -> torch.Tensor:
+        if self._host is None:
+            self._host = torch.tensor(self._listed, dtype=torch.int64)
+        return self._host
+
     def __len__(self) -> int:
-        return self.host.numel()
+        return len(self._listed) if self._host is None else self._host.numel()
 
     def on(self, device: torch.device) -> torch.Tensor:
         if device.type == "cpu":

@@ -122,6 +122,7 @@ class Engine:
         self.leases = Leases()  # standing leases of same-host memory, held and lent
         self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
         self._learning: dict[tuple[str, str], _Learning] = {}  # (region, codec) -> its learning in a thread
+        self._books_used: dict[tuple[str, str], float] = {}  # (region, codec) -> when its last used book was learned
         self.outgoing = Outgoing(self)
         self.admission = Admission(self)
         self.ready = False
@@ -266,7 +267,7 @@ class Engine:
         for src, _ in spec.pairs:
             region = self.regions.get(src)
             if region.num_blocks not in cache:  # checked on the host, copied to a GPU where needed
-                cache[region.num_blocks] = Ids(spec.src_blocks.resolve(region.num_blocks))
+                cache[region.num_blocks] = Ids.of(spec.src_blocks, region.num_blocks)
             per_chunk = max(1, self.chunk_bytes // region.block_bytes)
             pairs.append(Pair(region, cache[region.num_blocks], per_chunk))
         if len(spec.dst_blocks) > peer.MAX_IDS:
@@ -349,6 +350,8 @@ class Engine:
             entry = region.learned[name] = (learn(sample, None), time.monotonic(), region.layout is None,
                                             sample.shape[0])
         key = (region.name, name)
+        p.fresh_book = self._books_used.get(key) != entry[1]
+        self._books_used[key] = entry[1]
         learning = self._learning.get(key)
         n = self._sample_blocks(p, self._relearn_bytes(region))
         if learning is not None:

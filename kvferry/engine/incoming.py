@@ -136,7 +136,7 @@ class Admission:
             # Checked on the host; blocks written before their announce are never indexed here.
             key = region.num_blocks
             if key not in cache:
-                cache[key] = Ids(a.dst_blocks.resolve(region.num_blocks))
+                cache[key] = Ids.of(a.dst_blocks, region.num_blocks)
             reference = self.engine.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
         self.engine.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs

@@ -24,6 +24,9 @@ class Pair:
     reference: Region | None = None  # a predictor's KV for the same blocks (codecs that code against it)
     bound: Any = None  # the codec's codebook bound to this region's layout (``Codec.bind``)
     bound_for: str = ""  # the codec ``bound`` is for (submit binds a named codec once, to check it)
+    # ``bound`` holds a codebook the region learned since its last transfer with the codec: its
+    # first use builds tables at both ends, so the transfer's time is no speed to go by.
+    fresh_book: bool = False
 
     @property
     def ids(self) -> torch.Tensor:

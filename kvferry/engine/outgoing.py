@@ -83,7 +83,7 @@ class Outgoing:
         timeout = self.engine.settings.transfer_timeout
         t.deadline = asyncio.get_running_loop().call_later(
             timeout, self.engine.abort, t, State.FAILED, "PeerError", f"the receiver did not confirm within {timeout:g} s")
-        link.settle = functools.partial(self._replied, t, _raw_bytes(spec, pairs))
+        link.settle = functools.partial(self._replied, t, _measured_bytes(spec, pairs))
         return True
 
     def start_leased(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
@@ -193,7 +193,6 @@ class Outgoing:
     async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
         t.move(State.RUNNING)
-        raw_bytes = _raw_bytes(spec, pairs)
         try:
             connection = await self.engine.pool.get(*address)
         except transport.TransportError as exc:
@@ -247,7 +246,8 @@ class Outgoing:
         done = await self._reply(link, self.engine.settings.transfer_timeout)
         t.blocks_done = done.blocks
         self.engine.finish(t, State.DONE)
-        self.engine.policy.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - t.submitted)
+        self.engine.policy.observe_transfer(t.peer, t.chosen_codec, _measured_bytes(spec, pairs),
+                                            time.perf_counter() - t.submitted)
 
     @staticmethod
     def _inline_count(plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec) -> int:
@@ -364,12 +364,9 @@ class Outgoing:
             region, target = pair.region, held.target
             remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
             if target.num_blocks not in resolved:  # checked on the host
-                resolved[target.num_blocks] = Ids(spec.dst_blocks.resolve(target.num_blocks))
+                resolved[target.num_blocks] = Ids.of(spec.dst_blocks, target.num_blocks)
             if few:
-                bits = codecs.layout_by_name(region.dtype).int_dtype
-                source, destination = region.tensor.view(bits), remote.view(bits)
-                for s, d in zip(spec.src_blocks.listed, spec.dst_blocks.listed):
-                    destination[d].copy_(source[s], non_blocking=True)
+                blockcopy.copy_listed(region.tensor, spec.src_blocks.listed, remote, spec.dst_blocks.listed)
                 continue
             src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], region.tensor.device)
             blockcopy.copy_blocks(region.tensor, src_ids, remote, dst_ids)
@@ -441,6 +438,12 @@ def _failed(exc: Exception) -> asyncio.Future:
 def _destinations(spec: TransferSpec, pairs: list[Pair]) -> tuple[list[str], list[tuple[int, ...]], str]:
     """(destination region names, block shapes, dtype): what a lease must match."""
     return [dst for _, dst in spec.pairs], [p.region.block_shape for p in pairs], pairs[0].region.dtype
+
+
+def _measured_bytes(spec: TransferSpec, pairs: list[Pair]) -> int:
+    """The bytes a transfer's time is a speed of for ``auto`` (``Policy.observe_transfer``): none
+    where a codebook is used for the first time (``Pair.fresh_book``)."""
+    return 0 if any(p.fresh_book for p in pairs) else _raw_bytes(spec, pairs)
 
 
 def _raw_bytes(spec: TransferSpec, pairs: list[Pair]) -> int:

@@ -39,6 +39,18 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or blockcopy._module(0) i
                          reason="needs a CUDA GPU and CuPy")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+@pytest.mark.parametrize("shape", [(16, 8, 128), (7, 3)])  # the GPU's memcpy path; odd sizes: torch's
+def test_a_few_listed_blocks_are_copied_as_the_reference_copies_them(device, shape):
+    src, dst = _cache(12, shape, torch.bfloat16, device, 6), _cache(9, shape, torch.bfloat16, device, 7)
+    src_ids, dst_ids = (11, 0, 5, 5), (3, 8, 0, 1)
+    expected = _expected(src, list(src_ids), dst, list(dst_ids))
+    blockcopy.copy_listed(src, src_ids, dst, dst_ids)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert bits_equal(dst, expected)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -61,3 +61,15 @@ def test_ids_stay_on_the_host_until_a_device_asks_and_two_sides_share_one_copy()
     assert src.on(meta) is a and dst.on(meta) is b  # made once
     again = src.with_(Ids(dst.host), meta)
     assert again[0] is a
+
+
+def test_a_short_list_is_checked_at_once_and_made_a_tensor_only_when_asked():
+    ids = Ids.of(Blocks.of([3, 1]), 8)
+    assert len(ids) == 2 and ids._host is None  # a one-block write by memcpy never asks
+    assert ids.host.tolist() == [3, 1] and ids.host.dtype == torch.int64
+    for bad, match in (([3, 8], "0..7"), ([1, 1], "repeat"), ([-1], "0..7")):
+        with pytest.raises(InvalidBlocks, match=match):
+            Ids.of(Blocks.of(bad), 8)
+    assert Ids.of(Blocks.of(range(2, 6)), 8).host.tolist() == [2, 3, 4, 5]  # ranges: a tensor at once
+    with pytest.raises(InvalidBlocks, match="no blocks"):
+        Ids.of(Blocks.of([]), 8)

@@ -217,3 +217,42 @@ def test_a_transfer_with_more_blocks_while_a_codebook_is_learned_queues_its_samp
             type(codec.get("splitzip")).learn = learn
 
     _run(body)
+
+
+def test_a_transfer_with_a_newly_learned_codebook_is_no_speed_for_auto(monkeypatch):
+    """``auto`` goes by measured transfer speeds; a transfer that uses a codebook for the first
+    time (built its tables) is not one, nor is a codec's first transfer to a peer."""
+    from kvferry.engine import engine as engine_module
+
+    async def main():
+        a, b = (Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=10))
+                for _ in range(2))
+        for e in (a, b):
+            await e.start()
+        try:
+            shape = (16, 1024)  # 32 KiB blocks: 64 of them make a measured (>= 1 MiB) transfer
+            src = await a.register_region(RegionSpec("src", 64, shape, "bfloat16"))
+            src.tensor.copy_((torch.randn(64, *shape) * 0.05).to(torch.bfloat16))
+            await b.register_region(RegionSpec("dst", 64, shape, "bfloat16"))
+            key = (b.data_address, "splitzip", (64 * 32 << 10).bit_length())
+
+            async def send():
+                spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of(range(64)),
+                                    dst_blocks=Blocks.of(range(63, -1, -1)), codec="splitzip")
+                assert (await a.wait(a.submit(spec).id, 10))["state"] == "done"
+                return a.policy.measured.get(key)
+
+            assert await send() is None  # the first: learned its codebook, built kernels
+            await a.learned()
+            measured = await send()
+            assert measured is not None  # the same codebook again: a speed
+            monkeypatch.setattr(engine_module, "RELEARN_SECONDS", -1.0)
+            assert await send() != measured  # relearning in a thread; this one still used the old book
+            measured = a.policy.measured[key]
+            await a.learned()
+            assert await send() == measured  # the relearned codebook's first use: not a speed
+        finally:
+            for e in (a, b):
+                await e.close()
+
+    asyncio.run(main())
