@@ -147,3 +147,15 @@ def test_calibration_counts_on_the_gpu_as_on_the_cpu(dtype):
     x = with_specials(kv_like((4, 256, 32), dtype, seed=18), seed=19)
     on_gpu = entropy.calibrate(x.cuda(), token_axis=1, tables=8)
     assert on_gpu.to_json() == entropy.calibrate(x, token_axis=1, tables=8).to_json()
+
+
+def test_a_codebook_learned_on_the_gpu_comes_with_its_tables_there():
+    """``learn`` (an engine's thread) builds the GPU's tables, so the first transfer with the
+    codebook does not build them on the event loop; frames are the CPU's bytes."""
+    cache = kv_like((6, 2, 16, 256), torch.bfloat16, seed=31).cuda()
+    book = codec.get("entropy").learn(cache[:4], codec.BlockLayout((2, 16, 256), ("kv", "token", "channel")))
+    ct = code_tables(book)
+    assert ("gpu", "cuda:0") in ct._cache
+    ids = torch.tensor([5, 1, 3], device="cuda")
+    frame = entropy.encode_blocks(cache, ids, book)
+    assert torch.equal(frame.cpu(), entropy.encode_blocks(cache.cpu(), ids.cpu(), book))

@@ -196,6 +196,7 @@ def test_block_calibration_takes_one_block_as_its_period():
                        tables=6).to_json() == book.to_json()
     learned = c.learn(blocks, codec.BlockLayout((2, 8, 32), ("kv", "token", "channel")))
     assert learned.geometry == entropy.Geometry(2, 8, 32) and learned.context_map.size == 64
+    assert "code_tables" in learned._cache  # built where it learns (an engine's thread), not at first use
     assert c.learn(blocks, None).geometry.contexts == 32  # channels only: no token axis known
     assert c.learn(blocks, codec.BlockLayout((2, 8, 32), ("kv", "seq", "channel"))).geometry.contexts == 32
     frame = c.encode(blocks, learned)

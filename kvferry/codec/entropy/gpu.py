@@ -146,6 +146,13 @@ def _tables_on(ct: CodeTables, device: torch.device) -> _Tables:
     return ct._cache[key]
 
 
+def tables_ready(ct: CodeTables, device: torch.device) -> None:
+    """``ct``'s tables built on ``device`` ahead of its first call (from another thread: its
+    stream is waited for, so a coder on any stream finds them written)."""
+    _tables_on(ct, device)
+    torch.cuda.current_stream(device).synchronize()
+
+
 def _ptab4(g: Geometry, ptab: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int]]:
     """The fast coders' tables four steps a word (``TableCursor``) and its (hi, lo): a word per
     position of the period, (0, 0), or for a large period of whole token rows of a power of two
