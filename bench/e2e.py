@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from kvferry import codec  # noqa: E402
 from kvferry.client import Client  # noqa: E402
-from kvferry.demo import (LLAMA_AXES, free_port, llama_blocks, settle, start_sidecar, stop_sidecars,  # noqa: E402
+from kvferry.demo import (LLAMA_AXES, free_port, llama_blocks, settle, start_sidecar, stop_sidecars, until_steady,  # noqa: E402
                           wait_ready)
 from kvferry.engine.engine import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
 
@@ -242,6 +242,8 @@ def measure(rig: Rig, cache: torch.Tensor, link: str, tokens: int, codecs: list[
     for name in codecs:  # a warm-up each, then what the sender learned from it settles
         run_point(rig, link, tokens, name, expected)
     settle(rig.client(f"sender-{link}"), "src")
+    if "auto" in codecs:  # and auto has tried what it tries once per peer and size
+        until_steady(lambda: run_point(rig, link, tokens, "auto", expected)[0])
     for _ in range(repeats):
         for name, point in points.items():
             result, exact = run_point(rig, link, tokens, name, expected)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvferry.client import Client, TransferFailed
@@ -75,6 +76,20 @@ def settle(client: Client, region: str, timeout: float = 30.0) -> None:
             return
         time.sleep(0.05)
     raise RuntimeError(f"the codebooks of region {region!r} did not settle in {timeout:.0f} s")
+
+
+def until_steady(run: Callable[[], dict], limit: int = 6) -> None:
+    """Call ``run`` (one ``auto`` transfer, returning its record) until ``auto``'s choice is
+    steady: not a try of a close candidate, and the same codec twice running; at most ``limit``
+    times. A sidecar tries those once per peer, size and ``Policy.measured_ttl_s``: a benchmark
+    of a few repeats would report its tries, where a sidecar that has run a while makes none."""
+    last = None
+    for _ in range(limit):
+        record = run()
+        chosen = record.get("chosen_codec")
+        if not (record.get("choice_reason") or "").startswith("trying") and chosen == last:
+            return
+        last = chosen
 
 
 def load_kv(path: Path):

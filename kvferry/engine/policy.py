@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 TAPER_WIRE_SECONDS = 3e-3
 TAPER_CODING_SECONDS = 0.8e-3
 # A codec predicted at most this much slower than the model's best is worth a measured transfer
-# (two, with the first to a peer left out; per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
+# (per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
 # ~10% on a 50 GB/s link (bench/RESULTS.md, eighteenth session), and a try costs at most this.
 EXPLORE_MARGIN = 1.25
 
@@ -50,10 +50,10 @@ class Policy:
     # (peer, codec, size class) -> (GB/s of raw bytes, when last seen on time.monotonic())
     measured: dict[tuple[str, str, int], tuple[float, float]] = field(default_factory=dict)
     measured_ttl_s: float = 600.0
-    # (peer, codec) pairs whose first transfer was seen: a first pays what no later one does
-    # (learning a codebook, building kernels and tables, opening the connection). Left out, it
-    # measured entropy at 3 GB/s on a 25 GB/s link, and ``auto`` then passed entropy over.
-    warmed: set[tuple[str, str]] = field(default_factory=set)
+    # Peers whose first transfer was seen: it opened the connection (a handshake, the peer's
+    # first messages), which no later transfer pays. A codebook's first use is left out by the
+    # engine (``Pair.fresh_book``); kernels are built by the start-up measurement.
+    warmed: set[str] = field(default_factory=set)
 
     def predict(self, peer: str, raw_bytes: int, chunk_bytes: int, codec: str) -> float:
         """Seconds the pipeline needs for ``raw_bytes`` with ``codec`` (inf if its speed is unknown)."""
@@ -111,9 +111,9 @@ class Policy:
 
     def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None) -> None:
         """A whole transfer's speed, as the sender saw it (fixed costs included); not the first
-        of a codec to a peer (see ``warmed``)."""
-        if (peer, codec) not in self.warmed:
-            self.warmed.add((peer, codec))
+        to a peer (see ``warmed``)."""
+        if peer not in self.warmed:
+            self.warmed.add(peer)
             return
         if seconds > 0 and raw_bytes >= 1 << 20:
             now = time.monotonic() if now is None else now

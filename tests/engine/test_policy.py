@@ -13,7 +13,7 @@ COPY = 2000.0  # GB/s of a plain gather on a GPU, what the identity codec costs
 def _policy(encode: float = 0.0, decode: float = 0.0, ratio: float = 1.33, link: float = 12.5) -> Policy:
     policy = Policy(codecs={"raw": CodecSpeed(COPY, COPY, 1.0), "coded": CodecSpeed(encode, decode, ratio)},
                     assumed_link_gbps=link)
-    policy.warmed |= {(peer, codec) for peer in "pq" for codec in ("raw", "coded", "split")}  # first ones seen
+    policy.warmed |= {"p", "q"}  # their first transfers seen
     return policy
 
 
@@ -135,11 +135,13 @@ def test_a_codec_far_behind_the_model_is_never_tried():
     assert choice == "coded" and reason.startswith("predicted")
 
 
-def test_the_first_transfer_of_a_codec_to_a_peer_is_not_measured():
-    policy = Policy(codecs={"raw": CodecSpeed(COPY, COPY, 1.0)})
-    policy.observe_transfer("p", "raw", 1 << 30, 1.0, now=0.0)  # learned, built kernels: one-off costs
+def test_the_first_transfer_to_a_peer_is_not_measured():
+    policy = Policy(codecs={"raw": CodecSpeed(COPY, COPY, 1.0), "coded": CodecSpeed(300, 300, 1.33)})
+    policy.observe_transfer("p", "raw", 1 << 30, 1.0, now=0.0)  # opened the connection: a one-off cost
     assert not policy.measured
     policy.observe_transfer("p", "raw", 1 << 30, 0.1, now=0.0)
     assert math.isclose(policy.measured[("p", "raw", 31)][0], (1 << 30) / 0.1e9)
-    policy.observe_transfer("q", "raw", 1 << 30, 0.1, now=0.0)  # another peer: its first too
+    policy.observe_transfer("p", "coded", 1 << 30, 0.1, now=0.0)  # another codec, same peer: a speed
+    assert ("p", "coded", 31) in policy.measured
+    policy.observe_transfer("q", "raw", 1 << 30, 0.1, now=0.0)  # another peer: its first
     assert ("q", "raw", 31) not in policy.measured

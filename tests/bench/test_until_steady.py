@@ -1,0 +1,32 @@
+"""The benchmarks' wait for ``auto`` to settle on a codec (``demo.until_steady``)."""
+
+from __future__ import annotations
+
+from kvferry.demo import until_steady
+
+
+def _runs(records: list[dict]):
+    calls = []
+
+    def run() -> dict:
+        calls.append(records[len(calls)])
+        return calls[-1]
+    return run, calls
+
+
+def test_tries_are_waited_out_until_the_same_codec_comes_twice():
+    records = [{"chosen_codec": "entropy", "choice_reason": "predicted ..."},
+               {"chosen_codec": "tca-tbe", "choice_reason": "trying tca-tbe: ..."},
+               {"chosen_codec": "entropy", "choice_reason": "measured ..."},
+               {"chosen_codec": "entropy", "choice_reason": "measured ..."},
+               {"chosen_codec": "entropy", "choice_reason": "measured ..."}]
+    run, calls = _runs(records)
+    until_steady(run)
+    assert len(calls) == 4
+
+
+def test_a_choice_that_never_settles_stops_at_the_limit():
+    records = [{"chosen_codec": c, "choice_reason": f"trying {c}"} for c in ["a", "b"] * 5]
+    run, calls = _runs(records)
+    until_steady(run, limit=6)
+    assert len(calls) == 6
