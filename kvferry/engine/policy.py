@@ -4,11 +4,11 @@ SplitZip's Appendix-B model (a pipeline runs at its slowest stage) plus the pipe
 decides small transfers: with k chunks and per-chunk stage times e, w, d the pipeline takes
 k·max(e, w, d) + (e + w + d − max). Each codec's encode/decode speed and ratio follow what real
 chunks see; the link speed follows what real transfers see. Measured beats modelled: once every
-candidate has recently moved transfers of about this size (same power of two) to this peer,
-``auto`` takes the one that was fastest, since the model assumes stages overlap perfectly and a
-busy host does not give it that. A codec the model puts within ``EXPLORE_MARGIN`` of its best is
-tried, once the best has been measured, so that ``auto`` corrects its own model without a
-user naming every codec; one far behind is never tried.
+plausible candidate (one the model puts within ``EXPLORE_MARGIN`` of its best) has recently moved
+transfers of about this size (same power of two) to this peer, ``auto`` takes the one that was
+fastest, since the model assumes stages overlap perfectly and a busy host does not give it that.
+To get there it tries each plausible candidate once the model's best has been measured, so that
+``auto`` corrects its own model without a user naming every codec; one far behind is never tried.
 """
 
 from __future__ import annotations
