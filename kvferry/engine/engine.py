@@ -228,8 +228,11 @@ class Engine:
         bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
         sample = region.tensor.view(bits).index_select(0, ids).view(region.tensor.dtype)
         try:
-            book = codec.calibrate(sample, token_axis=None if token_axis is None else token_axis + 1,
-                                   axes=("block", *region.axes) if region.axes else None, **(options or {}))
+            if region.axes:  # the stack, its first axis named: codecs that model positions see one block's
+                book = codec.calibrate(sample, token_axis=None if token_axis is None else token_axis + 1,
+                                       axes=("block", *region.axes), **(options or {}))
+            else:  # no names to go by: the blocks one by one, each a sample of the block's positions
+                book = codec.calibrate(list(sample), token_axis=token_axis, **(options or {}))
         except (codecs.CodecError, TypeError, ValueError) as exc:  # TypeError: an option the codec lacks
             raise BadRequest(f"cannot calibrate {codec_name}: {exc}") from None
         return self._keep_codebook(name, codec, book)

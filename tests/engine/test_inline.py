@@ -256,3 +256,35 @@ def test_a_transfer_with_a_newly_learned_codebook_is_no_speed_for_auto(monkeypat
                 await e.close()
 
     asyncio.run(main())
+
+
+def test_a_codebook_calibrated_on_a_region_without_axis_names_fits_one_block():
+    """``calibrate_codebook`` with a token axis on a region whose axes are not named: the blocks
+    are the samples (an entropy period of one block), not their stack; transfers with it exact."""
+    from kvferry.codec import entropy
+
+    async def main():
+        a, b = (Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=10))
+                for _ in range(2))
+        for e in (a, b):
+            await e.start()
+        try:
+            shape = (2, 8, 32)  # kv, token, channel
+            src = await a.register_region(RegionSpec("src", 6, shape, "bfloat16"))
+            scale = torch.logspace(-3, 2, 2 * 32).view(2, 1, 32)
+            src.tensor.copy_((torch.randn(6, *shape) * scale).to(torch.bfloat16))
+            dst = await b.register_region(RegionSpec("dst", 6, shape, "bfloat16"))
+            a.calibrate_codebook("kv", "entropy", "src", [0, 1, 2, 3], token_axis=1, options={"tables": 6})
+            book = a.codebooks["kv"][1]
+            assert book.geometry == entropy.Geometry(2, 8, 32)
+            assert book.to_json() == entropy.calibrate_blocks(src.tensor[:4], token_axis=1, tables=6).to_json()
+            b.codebooks["kv"] = a.codebooks["kv"]
+            spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of([5, 4]),
+                                dst_blocks=Blocks.of([0, 1]), codec="entropy", codebook="kv")
+            assert (await a.wait(a.submit(spec).id, 10))["state"] == "done"
+            assert torch.equal(dst.tensor[[0, 1]].view(torch.int16), src.tensor[[5, 4]].view(torch.int16))
+        finally:
+            for e in (a, b):
+                await e.close()
+
+    asyncio.run(main())
