@@ -25,6 +25,9 @@ those links are modelled as max(its unpaced time, raw bytes / link) and say so.
 region's, and sees the other), NIXL's initiator on GPU 0 and its target on GPU 1; else both on one.
 
 Every request zeroes its sampled destination blocks first and compares them bit for bit after.
+Each codec's first request is a warm-up (the sender then settles what it learned); ``auto`` is
+timed once its choice is steady (``demo.until_steady``: it tries a close codec once per peer,
+size and 10 minutes, which a sidecar that has run a while no longer pays).
 Per size: median and p90 seconds, GB/s of KV moved. Prints a table; ``--json`` writes the rows.
 """
 
