@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_peers_on_a_cpu_without_nixl(tmp_path):
     out = tmp_path / "peers.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--device", "cpu", "--backend", "tcp",
-                          "--no-nixl", "--sizes", "2M,6M", "--repeats", "1", "--links", "0.05",
+                          "--no-nixl", "--sizes", "2M,6M", "--repeats", "1", "--small-repeats", "3", "--links", "0.05",
                           "--link-min-bytes", "6M", "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
