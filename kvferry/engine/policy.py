@@ -14,7 +14,9 @@ To get there it tries each plausible candidate once the model's best has been me
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -29,6 +31,10 @@ TAPER_CODING_SECONDS = 0.8e-3
 # (per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
 # ~10% on a 50 GB/s link (bench/RESULTS.md, eighteenth session), and a try costs at most this.
 EXPLORE_MARGIN = 1.25
+# A measured speed is the median of this many recent transfers: one slow transfer (a host's
+# stall, a 70 ms outlier among 34 ms ones on the GPU hosts measured) does not turn ``auto`` away
+# from a codec until the measurement goes stale, as an average that it pulled down did.
+MEASURED_SAMPLES = 5
 
 
 @dataclass
@@ -47,13 +53,15 @@ class Policy:
     codecs: dict[str, CodecSpeed] = field(default_factory=dict)
     assumed_link_gbps: float = 12.5
     link_gbps: dict[str, float] = field(default_factory=dict)
-    # (peer, codec, size class) -> (GB/s of raw bytes, when last seen on time.monotonic())
+    # (peer, codec, size class) -> (GB/s of raw bytes: the median of the last ``MEASURED_SAMPLES``
+    # transfers, when last seen on time.monotonic())
     measured: dict[tuple[str, str, int], tuple[float, float]] = field(default_factory=dict)
     measured_ttl_s: float = 600.0
     # Peers whose first transfer was seen: it opened the connection (a handshake, the peer's
     # first messages), which no later transfer pays. A codebook's first use is left out by the
     # engine (``Pair.fresh_book``); kernels are built by the start-up measurement.
     warmed: set[str] = field(default_factory=set)
+    _recent: dict[tuple[str, str, int], deque] = field(default_factory=dict, repr=False)  # ``measured``'s samples
 
     def predict(self, peer: str, raw_bytes: int, chunk_bytes: int, codec: str) -> float:
         """Seconds the pipeline needs for ``raw_bytes`` with ``codec`` (inf if its speed is unknown)."""
@@ -119,8 +127,11 @@ class Policy:
             now = time.monotonic() if now is None else now
             key = (peer, codec, raw_bytes.bit_length())
             old = self.measured.get(key)
-            fresh = old is not None and now - old[1] <= self.measured_ttl_s
-            self.measured[key] = (_follow(old[0] if fresh else None, raw_bytes / seconds / 1e9), now)
+            recent = self._recent.setdefault(key, deque(maxlen=MEASURED_SAMPLES))
+            if old is None or now - old[1] > self.measured_ttl_s:
+                recent.clear()
+            recent.append(raw_bytes / seconds / 1e9)
+            self.measured[key] = (statistics.median(recent), now)
 
     def observe_link(self, peer: str, wire_bytes: int, seconds: float) -> None:
         if seconds > 0 and wire_bytes > 1 << 20:

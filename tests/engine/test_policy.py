@@ -88,13 +88,30 @@ def test_measured_speeds_of_every_candidate_decide_once_fresh():
     assert policy.choose("p", size, 256 * MiB, now=1.0 + policy.measured_ttl_s + 1)[0] == "coded"  # stale
 
 
-def test_measured_speeds_follow_repeats():
+def test_measured_speeds_are_the_median_of_recent_transfers():
     policy = _policy()
+    size = 1 << 30
     for seconds in (1.0, 0.5):
-        policy.observe_transfer("p", "raw", 1 << 30, seconds, now=0.0)
-    assert math.isclose(policy.measured[("p", "raw", 31)][0], 0.7 * (1 << 30) / 1e9 + 0.3 * (1 << 30) / 0.5e9)
+        policy.observe_transfer("p", "raw", size, seconds, now=0.0)
+    assert math.isclose(policy.measured[("p", "raw", 31)][0], (size / 1e9 + size / 0.5e9) / 2)
+    for seconds in (0.5, 0.5, 0.5, 0.5):  # the first of five is gone
+        policy.observe_transfer("p", "raw", size, seconds, now=1.0)
+    assert math.isclose(policy.measured[("p", "raw", 31)][0], size / 0.5e9)
+    policy.observe_transfer("p", "raw", size, 2.0, now=1.0 + policy.measured_ttl_s + 1)  # stale: starts again
+    assert math.isclose(policy.measured[("p", "raw", 31)][0], size / 2e9)
     policy.observe_transfer("p", "raw", 1 << 10, 1e-6, now=0.0)
     assert ("p", "raw", 11) not in policy.measured
+
+
+def test_one_slow_transfer_does_not_turn_auto_away_from_the_faster_codec():
+    policy = _policy(450, 450, 1.53, link=50)
+    policy.codecs["split"] = CodecSpeed(900, 1100, 1.33)
+    size = 1 << 30
+    for now in range(3):
+        policy.observe_transfer("p", "coded", size, 0.0200, now=float(now))
+        policy.observe_transfer("p", "split", size, 0.0215, now=float(now))
+    policy.observe_transfer("p", "coded", size, 0.0700, now=3.0)  # a host's stall
+    assert policy.choose("p", size, 256 * MiB, now=4.0)[0] == "coded"
 
 
 def test_a_plan_is_tapered_only_where_a_chunk_spends_long_on_the_link_and_in_its_codec():
