@@ -4,6 +4,7 @@ loopback, in one process): they end exactly once, whatever ends them, and free t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import torch
 
@@ -11,21 +12,27 @@ from kvferry.engine import Blocks, Engine, RegionSpec, Settings, State, Transfer
 from kvferry.engine.blocks import Range
 
 
+@contextlib.asynccontextmanager
+async def _engines(transfer_timeout: float = 5):
+    """Two started engines on the CPU over TCP on loopback, closed after."""
+    engines = [Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=transfer_timeout))
+               for _ in range(2)]
+    for e in engines:
+        await e.start()
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            await e.close()
+
+
 def _run(body):
     async def main():
-        engines = [Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=5))
-                   for _ in range(2)]
-        for e in engines:
-            await e.start()
-        try:
-            a, b = engines
+        async with _engines() as (a, b):
             src = await a.register_region(RegionSpec("src", 4, (64,), "bfloat16"))
             src.tensor.copy_(torch.randn(4, 64).to(torch.bfloat16))
             await b.register_region(RegionSpec("dst", 4, (64,), "bfloat16"))
             await body(a, b)
-        finally:
-            for e in engines:
-                await e.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
 
@@ -117,11 +124,7 @@ def test_a_region_with_named_axes_learns_entropy_contexts_per_position_in_a_thre
     from kvferry import codec
 
     async def main():
-        a, b = (Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=5))
-                for _ in range(2))
-        for e in (a, b):
-            await e.start()
-        try:
+        async with _engines(transfer_timeout=5) as (a, b):
             shape = (2, 2, 4, 64)  # layer, kv, token, channel
             src = await a.register_region(RegionSpec("src", 8, shape, "bfloat16",
                                                      axes=("layer", "kv", "token", "channel")))
@@ -167,9 +170,6 @@ def test_a_region_with_named_axes_learns_entropy_contexts_per_position_in_a_thre
             assert src.learned["entropy"][0] is book and not a._learning
             described = src.describe()["learned"]["entropy"]
             assert described["settled"] and described["blocks"] == 8
-        finally:
-            for e in (a, b):
-                await e.close()
 
     asyncio.run(main())
 
@@ -225,11 +225,7 @@ def test_a_transfer_with_a_newly_learned_codebook_is_no_speed_for_auto(monkeypat
     from kvferry.engine import engine as engine_module
 
     async def main():
-        a, b = (Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=10))
-                for _ in range(2))
-        for e in (a, b):
-            await e.start()
-        try:
+        async with _engines(transfer_timeout=10) as (a, b):
             shape = (16, 1024)  # 32 KiB blocks: 64 of them make a measured (>= 1 MiB) transfer
             src = await a.register_region(RegionSpec("src", 64, shape, "bfloat16"))
             src.tensor.copy_((torch.randn(64, *shape) * 0.05).to(torch.bfloat16))
@@ -251,9 +247,6 @@ def test_a_transfer_with_a_newly_learned_codebook_is_no_speed_for_auto(monkeypat
             measured = a.policy.measured[key]
             await a.learned()
             assert await send() == measured  # the relearned codebook's first use: not a speed
-        finally:
-            for e in (a, b):
-                await e.close()
 
     asyncio.run(main())
 
@@ -264,11 +257,7 @@ def test_a_codebook_calibrated_on_a_region_without_axis_names_fits_one_block():
     from kvferry.codec import entropy
 
     async def main():
-        a, b = (Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=10))
-                for _ in range(2))
-        for e in (a, b):
-            await e.start()
-        try:
+        async with _engines(transfer_timeout=10) as (a, b):
             shape = (2, 8, 32)  # kv, token, channel
             src = await a.register_region(RegionSpec("src", 6, shape, "bfloat16"))
             scale = torch.logspace(-3, 2, 2 * 32).view(2, 1, 32)
@@ -283,8 +272,5 @@ def test_a_codebook_calibrated_on_a_region_without_axis_names_fits_one_block():
                                 dst_blocks=Blocks.of([0, 1]), codec="entropy", codebook="kv")
             assert (await a.wait(a.submit(spec).id, 10))["state"] == "done"
             assert torch.equal(dst.tensor[[0, 1]].view(torch.int16), src.tensor[[5, 4]].view(torch.int16))
-        finally:
-            for e in (a, b):
-                await e.close()
 
     asyncio.run(main())
