@@ -1,16 +1,16 @@
 """One-block transfer latency between two real sidecars, submit to done.
 
     python bench/latency.py [--n 1000] [--long 10000] [--block-kib 64] [--codec raw] [--device cpu|cuda]
-                            [--backend tcp|ucxx] [--dst-kind owned|shm] [--control lane|http] [--json]
+                            [--backend tcp|ucxx] [--dst-kind owned|shm] [--json]
 
 Two ``kvferry serve`` processes on loopback; the sender's client submits one-block transfers one
-after another with ``POST /v1/transfers?wait=`` (one call that answers once the receiver has
-written the block; over the sidecar's control lane, or HTTP with ``--control http``). Reported per run:
+after another with ``POST /v1/transfers?wait=`` (one HTTP call that answers once the receiver has
+written the block). Reported per run:
 
 - ``engine``: the sender's own record, submit to done (the receiver's DONE read back) — what the
   sidecars cost; and its stages (announced, accepted by the peer, first chunk sent, last chunk
   acknowledged, done), medians in ms since submit;
-- ``client``: the call as the caller saw it (adds the control lane's or API's own cost);
+- ``client``: the HTTP call as the caller saw it (adds the control API's own cost);
 - ``receiver``: submit at the sender to done at the receiver (one host, one clock): where a
   standing lease lets the sender write first and announce behind the data, the receiver is done
   one message after the write, as NIXL's target is on its notification.
@@ -91,8 +91,6 @@ def main() -> int:
     parser.add_argument("--dst-kind", default="owned", choices=("owned", "shm"))
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="KVFERRY_CPU_THREADS of both sidecars (0: torch's default)")
-    parser.add_argument("--control", default="lane", choices=("lane", "http"),
-                        help="how the client submits: the sidecar's control lane (default) or HTTP")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
 
@@ -104,7 +102,7 @@ def main() -> int:
     processes = [start_sidecar(p, d, args.backend, env=env, device=args.device) for p, d in ports]
     keep = []
     try:
-        sender, receiver = (Client(f"http://127.0.0.1:{p}", timeout=60, lane=args.control == "lane") for p, _ in ports)
+        sender, receiver = (Client(f"http://127.0.0.1:{p}", timeout=60) for p, _ in ports)
         for client, process in zip((sender, receiver), processes):
             wait_ready(client, process, timeout=120)
         data = (torch.randn(8, elements, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
@@ -118,7 +116,7 @@ def main() -> int:
         run(sender, peer, 50, args.codec)  # warm-up: connection, code paths
         first = run(sender, peer, args.n, args.codec, receiver)
         result = {"device": args.device, "backend": args.backend, "codec": args.codec, "block_bytes": elements * 2,
-                  "dst_kind": args.dst_kind, "control": "lane" if sender.lane_port else "http",
+                  "dst_kind": args.dst_kind,
                   "cpu_threads": args.cpu_threads,
                   "host": platform.node(), "cpu": platform.processor() or platform.machine(),
                   "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
@@ -143,7 +141,7 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     print(f"kvferry one-block latency: {result['block_bytes'] >> 10} KiB {args.codec}, {args.backend}, {args.device}, "
-          f"destination {args.dst_kind}, client over {result['control']}, "
+          f"destination {args.dst_kind}, "
           f"{result['date']}\n`{result['command']}`\n")
     print(f"{'run':<22}{'n':>7}{'median ms':>11}{'p99 ms':>9}{'client median':>15}{'client p99':>12}"
           f"{'receiver median':>17}{'receiver p99':>14}")

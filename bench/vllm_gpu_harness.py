@@ -6,13 +6,13 @@ prefill, pull + get_finished polling + load on the decode) and is checked bit fo
 
 Reported per request size: the time the decode waits for the KV (start of the pull to the pages
 in its cache), the transfer's own time (the sender's record, submit to done), and the difference
-(the connector's overhead: the pull's call (the control lane, or HTTP with ``--control http``), polling, and with ``--layout mirror`` the device
+(the connector's overhead: the HTTP call, polling, and with ``--layout mirror`` the device
 gathers into and out of the mirror). The overhead's parts, on this host's wall clock: the pull's
 start to its request sent, from there to the transfer's record created on the prefill's sidecar,
 and from the transfer's end to its answer read on the decode's side.
 
     python bench/vllm_gpu_harness.py [--tokens 4096] [--requests 20] [--codec auto] [--backend tcp]
-                                     [--layout in-place|mirror] [--control lane|http]
+                                     [--layout in-place|mirror]
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ def main() -> int:
     parser.add_argument("--poll-ms", type=float, default=0.5, help="get_finished interval (vLLM: every step)")
     parser.add_argument("--layout", choices=("in-place", "mirror"), default="in-place",
                         help="lend vLLM's cache itself (default) or a device mirror of it")
-    parser.add_argument("--control", choices=("lane", "http"), default="lane",
-                        help="the decode's pull: over the prefill sidecar's control lane (default) or HTTP")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -75,7 +73,7 @@ def main() -> int:
         d_cache = KvCache(Client(urls[1]), "harness-decode", d_layers, blocks, in_place=in_place)
         p_config = ConnectorConfig(url=urls[0], codec=args.codec)
         producer = Producer(p_config, p_cache)
-        consumer = Consumer(ConnectorConfig(url=urls[1], codec=args.codec, lane=args.control == "lane"), d_cache)
+        consumer = Consumer(ConnectorConfig(url=urls[1], codec=args.codec), d_cache)
         for request in range(args.requests + 1):  # the first warms up
             order = torch.randperm(blocks, generator=torch.Generator().manual_seed(request)).tolist()
             src, dst = order[:per_request], order[per_request:2 * per_request]
@@ -117,8 +115,7 @@ def main() -> int:
     nbytes = rows[0]["bytes_raw"]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"vLLM connector core, {device}, {time.strftime('%Y-%m-%d')}: {args.tokens} tokens of Llama-3-8B KV "
-          f"({nbytes / 2**20:.0f} MiB, {LAYERS} layers) per request, codec {args.codec}, {args.layout}, "
-          f"pulls over {args.control}, {len(rows)} requests\n"
+          f"({nbytes / 2**20:.0f} MiB, {LAYERS} layers) per request, codec {args.codec}, {args.layout}, {len(rows)} requests\n"
           f"`{' '.join(sys.argv)}`\n")
     answer = statistics.median(r["answer_seconds"] for r in rows)
     load = statistics.median(r["load_seconds"] for r in rows)

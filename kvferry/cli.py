@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", help="YAML settings file (also KVFERRY_CONFIG)")
     serve.add_argument("--host", help="control API bind address (default 127.0.0.1; others need a token)")
     serve.add_argument("--port", help="control API port (default 7700)")
-    serve.add_argument("--lane-port", help="control lane port, on the API's host and token (default 0 = any; -1 = off)")
     serve.add_argument("--data-host", help="data listener bind address (default 127.0.0.1; others need a peer secret)")
     serve.add_argument("--data-port", help="data listener port (default 7701; 0 = any)")
     serve.add_argument("--advertise-host", help="address peers use for the data port")

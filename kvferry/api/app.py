@@ -5,13 +5,12 @@ statuses (``errors.py``)."""
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import math
 import re
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -23,12 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry import __version__, codec
 from kvferry.engine.engine import Engine, TransferSpec
-from kvferry.engine.errors import BadRequest, EngineError, NotFound, PayloadTooLarge, TransferFailed, Unauthorized
+from kvferry.engine.errors import BadRequest, EngineError, PayloadTooLarge, TransferFailed, Unauthorized
 from kvferry.engine.regions import RegionSpec
 from kvferry.engine.settings import Settings
 
 from . import errors
-from .lane import LaneServer
 from .models import CODEC, ERRORS, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
 
 log = logging.getLogger("kvferry.api")
@@ -73,12 +71,10 @@ async def readyz(e: EngineDep) -> Response:
 
 
 @health.get("/v1/health", dependencies=[Depends(authorized)], responses={401: ERRORS[401]})
-async def health_v1(e: EngineDep, request: Request) -> dict:
-    """What a peer needs to send here (``data_address``), where the control lane listens
-    (``lane_port``, null when off), and what this sidecar runs."""
+async def health_v1(e: EngineDep) -> dict:
+    """What a peer needs to send here (``data_address``), and what this sidecar runs."""
     return {"status": "ready" if e.ready else "starting", "version": __version__, "backend": e.backend,
-            "device": str(e.device), "data_address": e.data_address, "codecs": codec.names(),
-            "lane_port": getattr(request.app.state, "lane_port", None)}
+            "device": str(e.device), "data_address": e.data_address, "codecs": codec.names()}
 
 
 @health.get("/metrics", response_class=PlainTextResponse,
@@ -211,14 +207,9 @@ def create_app(settings: Settings) -> FastAPI:
         e = Engine(settings)
         app.state.engine = e
         await e.start()
-        lane = LaneServer(e, settings, lane_request) if settings.lane_port >= 0 else None
         try:
-            if lane is not None:
-                app.state.lane_port = await lane.start()
             yield
         finally:
-            if lane is not None:
-                await lane.close()
             await e.close()
 
     # No Swagger UI or ReDoc: they load scripts from a CDN. The schema is at /openapi.json.
@@ -309,13 +300,14 @@ class Lane:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        route = lane_route(scope["method"], scope["path"], scope["query_string"]) if scope["type"] == "http" else None
-        if route is not None:
-            kind, name, wait = route
-            if kind == "submit" and _json(scope):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith(self.PREFIX):  # only these routes parse the query here
+            method, wait = scope["method"], _wait(scope["query_string"])
+            if wait is not None and path == self.PREFIX and method == "POST" and _json(scope):
                 await self._submit(scope, receive, send, wait)
                 return
-            if kind == "record":
+            name = path[len(self.PREFIX) + 1:] if path.startswith(self.PREFIX + "/") else ""
+            if wait is not None and name and "/" not in name and method == "GET":
                 await self._answer(scope, receive, send, transfer_record(scope["app"].state.engine, name, wait))
                 return
         await self.app(scope, receive, send)
@@ -340,51 +332,6 @@ class Lane:
             return
         content, status = result if isinstance(result, tuple) else (result, 200)
         await JSONResponse(content, status_code=status)(scope, receive, send)
-
-
-def lane_route(method: str, path: str, query: bytes) -> tuple[str, str, float] | None:
-    """("submit", "", wait) or ("record", transfer id, wait) for the routes the lanes take as they
-    are; None for anything else (another route, or a query other than ``wait``)."""
-    prefix = Lane.PREFIX
-    if not path.startswith(prefix):  # only these routes parse the query here
-        return None
-    wait = _wait(query)
-    if wait is None:
-        return None
-    if path == prefix and method == "POST":
-        return "submit", "", wait
-    name = path[len(prefix) + 1:] if path.startswith(prefix + "/") else ""
-    if name and "/" not in name and method == "GET":
-        return "record", name, wait
-    return None
-
-
-async def lane_request(e: Engine, method: str, target: str, body: bytes) -> tuple[int, bytes]:
-    """A control-lane request (``lane.py``), answered as the REST API answers it: the routes
-    ``Lane`` takes, by the same handlers, with the same statuses and bodies."""
-    path, _, query = target.partition("?")
-    route = lane_route(method, unquote(path), query.encode("latin-1", "replace"))
-    try:
-        if route is None:
-            raise NotFound("the control lane serves POST /v1/transfers and GET /v1/transfers/{id}, with no "
-                           f"query but wait; not {method} {target[:200]}")
-        kind, name, wait = route
-        if kind == "submit":
-            try:
-                model = TransferBody.model_validate_json(body)
-            except ValidationError as exc:  # what FastAPI answers: the documented 422
-                return 422, _dump({"error": "BadRequest", "detail": _plain(exc.errors())})
-            content, status = await submit_transfer(e, model, wait)
-        else:
-            content, status = await transfer_record(e, name, wait), 200
-    except EngineError as exc:
-        return errors.status_of(exc), _dump(errors.body(exc))
-    return status, _dump(content)
-
-
-def _dump(content: Any) -> bytes:
-    """JSON as ``JSONResponse`` renders it."""
-    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _wait(query: bytes) -> float | None:

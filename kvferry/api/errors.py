@@ -33,16 +33,11 @@ def status_of(exc: errors.EngineError) -> int:
     return 500
 
 
-def body(exc: errors.EngineError) -> dict[str, str]:
-    """The error body (``ErrorBody``) of ``exc``."""
-    content = {"error": type(exc).__name__, "detail": str(exc)}
-    if isinstance(exc, errors.TransferFailed):
-        content["state"] = exc.state
-    return content
-
-
 def response(exc: errors.EngineError) -> JSONResponse:
-    return JSONResponse(body(exc), status_code=status_of(exc))
+    body = {"error": type(exc).__name__, "detail": str(exc)}
+    if isinstance(exc, errors.TransferFailed):
+        body["state"] = exc.state
+    return JSONResponse(body, status_code=status_of(exc))
 
 
 def http_response(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:

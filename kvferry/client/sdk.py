@@ -5,10 +5,8 @@ engine's own exception classes, and ``wait`` on a failed transfer raises ``Trans
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -19,10 +17,7 @@ import httpx
 
 from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
 
-from .lane import LaneExchange, LaneKeepAlive
 from .transport import Exchange, KeepAlive, Reply
-
-log = logging.getLogger("kvferry.client")
 
 TERMINAL = ("done", "failed", "cancelled")
 RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
@@ -43,11 +38,9 @@ class Client:
     """Synchronous client of one sidecar's control API."""
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0, retries: int = 6,
-                 shm_prefix: str = "kvferry-", lane: bool = True):
+                 shm_prefix: str = "kvferry-"):
         """``retries``: how often a 429 or 503 is tried again (exponential backoff with jitter,
-        0.05 s doubling to 2 s); ``shm_prefix``: the sidecar's ``shm_prefix`` setting; ``lane``:
-        submit and wait for transfers over the sidecar's control lane where it has one (found
-        from ``/v1/health`` at the first such call; HTTP where it has none or cannot be reached)."""
+        0.05 s doubling to 2 s); ``shm_prefix``: the sidecar's ``shm_prefix`` setting."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         url = urlsplit(base_url)
         if url.scheme == "http" and url.hostname:  # the lean client (``transport.py``); httpx for TLS
@@ -57,11 +50,6 @@ class Client:
         else:
             self._lean, self._prefix = None, ""
             self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
-        # The lane is the sidecar's own port, so not for a URL behind a path prefix (a proxy's).
-        self._lane: LaneKeepAlive | None = None
-        self._lane_wanted = lane and self._lean is not None and not self._prefix
-        self._lane_lock = threading.Lock()
-        self._host, self._token = url.hostname, token or ""
         self._timeout = timeout
         self._retries = retries
         self._shm_prefix = shm_prefix
@@ -69,15 +57,8 @@ class Client:
     def close(self) -> None:
         if self._lean is not None:
             self._lean.close()
-        if self._lane is not None:
-            self._lane.close()
         if self._http is not None:
             self._http.close()
-
-    @property
-    def lane_port(self) -> int | None:
-        """The control lane's port this client uses (None: it talks HTTP only)."""
-        return None if self._lane is None else self._lane.port
 
     def __enter__(self) -> Client:
         return self
@@ -109,8 +90,8 @@ class Client:
         return self._start(method, path, params, body, content, headers, timeout).response()
 
     def _start(self, method: str, path: str, params: dict[str, Any] | None, body: Any, content: bytes | str | None,
-               headers: dict[str, str] | None, timeout: float | None) -> Exchange | LaneExchange:
-        """Write a request on the lean client (or the lane); the exchange reads its answer."""
+               headers: dict[str, str] | None, timeout: float | None) -> Exchange:
+        """Write a request on the lean client; the exchange reads its answer."""
         timeout = self._timeout if timeout is None else timeout
         headers = dict(headers or {})
         if body is not None:
@@ -120,28 +101,7 @@ class Client:
         target = self._prefix + quote(path, safe="/")
         if params:
             target += "?" + urlencode(params)
-        if self._lane_wanted and _on_lane(method, path, params):
-            lane = self._lane or self._find_lane(timeout)
-            if lane is not None:
-                try:
-                    return lane.send(method, target, data, headers, timeout)
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: HTTP from now on
-                    log.warning("kvferry: the control lane at %s:%s cannot be reached (%s); using HTTP",
-                                lane.host, lane.port, exc)
-                    self._lane_wanted = False
         return self._lean.send(method, target, data, headers, timeout)
-
-    def _find_lane(self, timeout: float) -> LaneKeepAlive | None:
-        """The sidecar's lane, asked for once (``/v1/health``); None if it has none."""
-        with self._lane_lock:
-            if self._lane is None and self._lane_wanted:
-                reply = self._lean.send("GET", "/v1/health", timeout=timeout).response()
-                port = reply.json().get("lane_port") if reply.status_code == 200 else None
-                if isinstance(port, int) and 0 < port < 65536:
-                    self._lane = LaneKeepAlive(self._host, port, self._token)
-                else:
-                    self._lane_wanted = False
-            return self._lane
 
     # ---- regions -----------------------------------------------------------------------------
     def create_region(self, name: str, num_blocks: int, block_shape: Sequence[int], dtype: str,
@@ -312,7 +272,7 @@ class Client:
 class Answer:
     """The record of a transfer sent with ``Client.send_later``, read once by ``result``."""
 
-    def __init__(self, client: Client, call: tuple, exchange: Exchange | LaneExchange | None):
+    def __init__(self, client: Client, call: tuple, exchange: Exchange | None):
         self._client, self._call, self._exchange = client, call, exchange
         self._read = False
 
@@ -402,14 +362,6 @@ class AsyncClient:
 
     async def data_address(self) -> str:
         return (await self._call("GET", "/v1/health")).json()["data_address"]
-
-
-def _on_lane(method: str, path: str, params: dict[str, Any] | None) -> bool:
-    """The calls the control lane carries: a transfer's submit and its record, with at most ``wait``."""
-    if params and set(params) != {"wait"}:
-        return False
-    return (method == "POST" and path == "/v1/transfers") or (
-        method == "GET" and path.startswith("/v1/transfers/") and "/" not in path[len("/v1/transfers/"):])
 
 
 def _checked(response: Reply | httpx.Response, method: str, path: str) -> Reply | httpx.Response:

@@ -96,7 +96,7 @@ class KeepAlive:
                 connection = self._idle.pop() if self._idle else None
             if connection is None:
                 break
-            if not closed_by_peer(connection.sock):
+            if not _closed_by_peer(connection.sock):
                 return connection
             self._drop(connection)
         try:
@@ -237,7 +237,7 @@ def _chunked(rfile: BinaryIO) -> bytes:
         parts.append(data[:-2])
 
 
-def closed_by_peer(sock: socket.socket) -> bool:
+def _closed_by_peer(sock: socket.socket) -> bool:
     """An idle kept-alive socket is readable only if the server closed it (or broke protocol)."""
     try:
         readable, _, _ = select.select([sock], [], [], 0)

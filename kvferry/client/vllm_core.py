@@ -74,7 +74,6 @@ class ConnectorConfig:
     stats_path: str = ""  # decode: append one JSON line per received request (wait, bytes, ratio)
     shm_prefix: str = "kvferry-"  # the local sidecar's shm_prefix setting (CPU mirrors are named so)
     in_place: bool = True  # GPU: lend vLLM's own cache where its layers lie end to end, else a mirror
-    lane: bool = True  # pull over the prefill sidecar's control lane where it has one (else HTTP)
 
     # KVFERRY_TOKEN and KVFERRY_SHM_PREFIX mean what they mean to the sidecar; the connector's own
     # settings are KVFERRY_CONNECTOR_* (a sidecar refuses KVFERRY_* names it does not know).
@@ -83,7 +82,7 @@ class ConnectorConfig:
            "lease_seconds": "KVFERRY_CONNECTOR_LEASE_SECONDS", "load_timeout": "KVFERRY_CONNECTOR_LOAD_TIMEOUT",
            "poll_seconds": "KVFERRY_CONNECTOR_POLL_SECONDS", "region": "KVFERRY_CONNECTOR_REGION",
            "stats_path": "KVFERRY_CONNECTOR_STATS_PATH", "shm_prefix": "KVFERRY_SHM_PREFIX",
-           "in_place": "KVFERRY_CONNECTOR_IN_PLACE", "lane": "KVFERRY_CONNECTOR_LANE"}
+           "in_place": "KVFERRY_CONNECTOR_IN_PLACE"}
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -103,12 +102,11 @@ class ConnectorConfig:
         for name in ("lease_seconds", "load_timeout", "poll_seconds"):
             if name in values:
                 values[name] = float(values[name])
-        for name in ("in_place", "lane"):
-            if isinstance(values.get(name), str):
-                flag = values[name].strip().lower()
-                if flag not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ValueError(f"{name}: {values[name]!r} is not true or false")
-                values[name] = flag in ("1", "true", "yes")
+        if isinstance(values.get("in_place"), str):
+            flag = values["in_place"].strip().lower()
+            if flag not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(f"in_place: {values['in_place']!r} is not true or false")
+            values["in_place"] = flag in ("1", "true", "yes")
         return cls(**values)
 
     @property
@@ -459,8 +457,7 @@ class Consumer:
     def remote(self, url: str) -> Client:
         client = self._clients.get(url)
         if client is None:
-            client = self._clients[url] = Client(url, token=self.config.peer_token(), timeout=10.0,
-                                                 lane=self.config.lane)
+            client = self._clients[url] = Client(url, token=self.config.peer_token(), timeout=10.0)
         return client
 
     def start(self, spec: LoadSpec) -> Pull:

@@ -38,7 +38,6 @@ class Metrics:
         self.spin_seconds = Counter("kvferry_spin_seconds", "Time the event loop busy-polled to keep its CPU awake",
                                     registry=r)
         self.http_requests = Counter("kvferry_http_requests", "Control API requests served", ["method"], registry=r)
-        self.lane_requests = Counter("kvferry_lane_requests", "Control lane requests served", ["method"], registry=r)
         self.info = Info("kvferry_build", "Sidecar build and the transport backend chosen at start-up", registry=r)
 
     def finished(self, state: str, direction: str, codec: str, raw: int, wire: int, seconds: float) -> None:

@@ -21,7 +21,6 @@ GPU_SPIN_MS = 50.0  # spin_ms on a GPU host unless set
 class Settings:
     host: str = "127.0.0.1"  # control API; beyond loopback only with a token
     port: int = 7700  # control API (HTTP)
-    lane_port: int = 0  # control lane (``lane.py``), on the API's host and token; 0: any free port, -1: off
     data_host: str = "127.0.0.1"  # data listener; beyond loopback only with a peer secret
     data_port: int = 7701  # transport listener
     advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
@@ -78,8 +77,6 @@ class Settings:
         for name in ("port", "data_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
-        if not -1 <= self.lane_port < 65536:
-            raise ValueError(f"lane_port: {self.lane_port} is not a port (or -1: off)")
         for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes", "max_region_bytes",
                      "max_connections"):
             if getattr(self, name) <= 0:

@@ -100,9 +100,6 @@ def test_config_extra_over_environment():
     assert ConnectorConfig.load({}, {}).codec == "auto"
     with pytest.raises(ValueError, match="unknown kvferry settings.*codek"):
         ConnectorConfig.load({"codek": "raw"}, {})
-    assert ConnectorConfig.load({}, {}).lane and not ConnectorConfig.load({}, {"KVFERRY_CONNECTOR_LANE": "no"}).lane
-    with pytest.raises(ValueError, match="lane: 'maybe' is not true or false"):
-        ConnectorConfig.load({"lane": "maybe"}, {})
 
 
 def test_layout_finds_the_block_dimension():

@@ -76,9 +76,7 @@ def test_sidecar_ports_probes_and_settings_match_the_daemon():
     sidecar = _sidecar({})
     defaults = Settings()
     ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
-    lane = yaml.safe_load((CHART / "values.yaml").read_text())["ports"]["lane"]
-    assert ports == {"control": defaults.port, "data": defaults.data_port, "lane": lane}
-    assert sidecar["args"][sidecar["args"].index("--lane-port") + 1] == str(lane)
+    assert ports == {"control": defaults.port, "data": defaults.data_port}
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
     env = {e["name"]: e for e in sidecar["env"]}
@@ -276,7 +274,6 @@ def test_services_and_network_policies_select_the_pods(name):
         other_release = dict(pods[next(iter(with_sidecar))], **{"kvferry.io/release": "other"})
         assert not _selects(data["from"][0]["podSelector"], other_release)
     control = by_port[ports["control"]]
-    assert [p["port"] for p in control["ports"]] == [ports["control"], ports["lane"]]
     assert {c for c, labels in pods.items() if _selects(control["from"][0]["podSelector"], labels)} == with_sidecar
     if "prefill" in deployments:
         api = policies["test-kvferry-vllm"]

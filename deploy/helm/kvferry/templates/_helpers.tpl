@@ -63,12 +63,11 @@ this one; within this chart the context is `.`), with the pod's labels from
 - name: kvferry
   image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  args: ["--host", "0.0.0.0", "--port", "{{ .Values.ports.control }}", "--lane-port", "{{ .Values.ports.lane }}",
+  args: ["--host", "0.0.0.0", "--port", "{{ .Values.ports.control }}",
          "--data-host", "0.0.0.0", "--data-port", "{{ .Values.ports.data }}"]
   ports:
     - {name: control, containerPort: {{ .Values.ports.control }}, protocol: TCP}
     - {name: data, containerPort: {{ .Values.ports.data }}, protocol: TCP}
-    - {name: lane, containerPort: {{ .Values.ports.lane }}, protocol: TCP}
   env:
     - name: KVFERRY_ADVERTISE_HOST
       valueFrom: {fieldRef: {fieldPath: status.podIP}}
