@@ -9,7 +9,9 @@ in its cache), the transfer's own time (the sender's record, submit to done), an
 (the connector's overhead: the HTTP call, polling, and with ``--layout mirror`` the device
 gathers into and out of the mirror). The overhead's parts, on this host's wall clock: the pull's
 start to its request sent, from there to the transfer's record created on the prefill's sidecar,
-and from the transfer's end to its answer read on the decode's side.
+and from the transfer's end to its answer read on the decode's side. The transfer's end, split by the
+two sidecars' records: from the sender's announce to the receiver's record, the receiver's own
+time to done, and from there to the sender's done (its DONE on the way back).
 
     python bench/vllm_gpu_harness.py [--tokens 4096] [--requests 20] [--codec auto] [--backend tcp]
                                      [--layout in-place|mirror]
@@ -102,9 +104,15 @@ def main() -> int:
             if request:
                 stats = consumer.stats[-1]
                 created = pull.record["created"]  # on the prefill's sidecar, this host's wall clock
+                announced = created + (pull.record["stages"] or {}).get("announced", float("nan"))
+                incoming = d_cache.client.transfer(pull.transfer_id)  # the decode sidecar's record of it
+                received = incoming["created"] + incoming["seconds"]
                 rows.append({**stats, "bit_exact": exact, "send_seconds": pull.asked_wall - started_wall,
                              "ask_seconds": created - pull.asked_wall,
-                             "reply_seconds": pull.answered_wall - created - stats["transfer_seconds"]})
+                             "reply_seconds": pull.answered_wall - created - stats["transfer_seconds"],
+                             "admit_seconds": incoming["created"] - announced,
+                             "receive_seconds": incoming["seconds"],
+                             "done_back_seconds": created + stats["transfer_seconds"] - received})
         p_cache.close()
         d_cache.close()
     finally:
@@ -131,6 +139,10 @@ def main() -> int:
           f"from there to the transfer's start {split['ask_seconds']:.2f}, "
           f"from the transfer's end to its answer {split['reply_seconds']:.2f}")
     print("transfer stages, median ms since submit: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+    end = {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("admit_seconds", "receive_seconds",
+                                                                    "done_back_seconds")}
+    print(f"the transfer's end, median ms: from its announce to the receiver's record {end['admit_seconds']:.2f}, "
+          f"to the receiver's done {end['receive_seconds']:.2f}, to the sender's done {end['done_back_seconds']:.2f}")
     if args.json:
         args.json.write_text(json.dumps({"device": device, "command": " ".join(sys.argv), "rows": rows}, indent=1))
     return 0 if all(r["bit_exact"] for r in rows) else 1

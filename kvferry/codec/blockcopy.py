@@ -20,15 +20,18 @@ from .staging import current_stream, optional_cupy
 
 _SOURCE = r"""
 // dst block dst_ids[b] = src block src_ids[b]: grid rows take blocks, grid columns pieces of a
-// block; each thread has PER 16-byte loads in flight before its stores.
+// block; each thread has PER 16-byte loads in flight before its stores. A spread (count > 1):
+// row b is id b / count spread by b % count strides, so only the ids cross to the GPU.
 template <int PER>
 __device__ void copy_rows(const int4* __restrict__ src, int4* __restrict__ dst,
                           const long long* __restrict__ src_ids, const long long* __restrict__ dst_ids,
-                          long long blocks, long long vecs) {
+                          long long blocks, long long vecs, long long count, long long src_stride,
+                          long long dst_stride) {
     const long long step = (long long)PER * blockDim.x;
     for (long long b = blockIdx.y; b < blocks; b += gridDim.y) {
-        const int4* from = src + src_ids[b] * vecs;
-        int4* to = dst + dst_ids[b] * vecs;
+        const long long i = b / count, j = b - i * count;
+        const int4* from = src + (src_ids[i] + j * src_stride) * vecs;
+        int4* to = dst + (dst_ids[i] + j * dst_stride) * vecs;
         for (long long base = blockIdx.x * step + threadIdx.x; base < vecs; base += gridDim.x * step) {
             int4 v[PER];
             #pragma unroll
@@ -45,16 +48,18 @@ __device__ void copy_rows(const int4* __restrict__ src, int4* __restrict__ dst,
 
 extern "C" __global__ void copy_blocks(const int4* __restrict__ src, int4* __restrict__ dst,
                                        const long long* __restrict__ src_ids,
-                                       const long long* __restrict__ dst_ids, long long blocks, long long vecs) {
-    copy_rows<1>(src, dst, src_ids, dst_ids, blocks, vecs);
+                                       const long long* __restrict__ dst_ids, long long blocks, long long vecs,
+                                       long long count, long long src_stride, long long dst_stride) {
+    copy_rows<1>(src, dst, src_ids, dst_ids, blocks, vecs, count, src_stride, dst_stride);
 }
 
 // Many small blocks (vLLM's 32 KiB pages), one CTA each (thirteenth session, 16,384 pages:
 // 317 µs vs 375 for copy_blocks; a contiguous memcpy of the same bytes 265).
 extern "C" __global__ void copy_pages(const int4* __restrict__ src, int4* __restrict__ dst,
                                       const long long* __restrict__ src_ids,
-                                      const long long* __restrict__ dst_ids, long long blocks, long long vecs) {
-    copy_rows<4>(src, dst, src_ids, dst_ids, blocks, vecs);
+                                      const long long* __restrict__ dst_ids, long long blocks, long long vecs,
+                                      long long count, long long src_stride, long long dst_stride) {
+    copy_rows<4>(src, dst, src_ids, dst_ids, blocks, vecs, count, src_stride, dst_stride);
 }
 """
 THREADS = 256
@@ -74,6 +79,23 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst
     bits = layout_for(src.dtype).int_dtype  # index_copy_ lacks float8 kernels; the bits are what matter
     blocks = src.view(bits).index_select(0, src_ids.to(src.device)).to(dst.device, non_blocking=True)
     dst.view(bits).index_copy_(0, dst_ids.to(dst.device), blocks)
+
+
+def copy_spread(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, count: int,
+                src_stride: int, dst_stride: int) -> None:
+    """``copy_blocks`` of spread ids: block ``i * count + j`` is ``src_ids[i] + j * src_stride``
+    in ``src`` and ``dst_ids[i] + j * dst_stride`` in ``dst`` (checked already). On a GPU the kernel
+    spreads the ids itself, so only ``ids`` cross to it (vLLM's request across 64 layer planes:
+    256 ids, not 16,384 of each side)."""
+    if _kernel_fits(src, dst):
+        _launch(src, src_ids, dst, dst_ids, count, src_stride, dst_stride)
+        return
+    copy_blocks(src, spread(src_ids, count, src_stride), dst, spread(dst_ids, count, dst_stride))
+
+
+def spread(ids: torch.Tensor, count: int, stride: int) -> torch.Tensor:
+    """Every block of a spread, in ``copy_spread``'s order."""
+    return (ids[:, None] + torch.arange(count, dtype=torch.int64, device=ids.device)[None, :] * stride).reshape(-1)
 
 
 def copy_listed(src: torch.Tensor, src_ids: tuple[int, ...], dst: torch.Tensor, dst_ids: tuple[int, ...]) -> None:
@@ -107,10 +129,11 @@ def _kernel_fits(src: torch.Tensor, dst: torch.Tensor) -> bool:
         src.device == dst.device or _peer_access(src.device.index, dst.device.index))
 
 
-def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, count: int = 1,
+            src_stride: int = 0, dst_stride: int = 0) -> None:
     """One ``cuLaunchKernel`` on torch's current stream, arguments as 8-byte values (the codec
     kernels' launch: no per-call stream or argument objects)."""
-    n = src_ids.numel()
+    n = src_ids.numel() * count
     if n == 0:
         return
     index = src.device.index
@@ -122,7 +145,8 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids
         function, grid, threads = _module(index).blocks, (max(1, min(-(-vecs // THREADS), 64)), min(n, 65535)), THREADS
     _in_context(index, optional_cupy().cuda.driver.launchKernel, function, *grid, 1, threads, 1, 1,
                 0, current_stream(src.device),
-                _parameters((src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), n, vecs)), 0)
+                _parameters((src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), n, vecs, count,
+                             src_stride, dst_stride)), 0)
 
 
 def _block_bytes(t: torch.Tensor) -> int:

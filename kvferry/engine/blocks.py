@@ -74,6 +74,28 @@ class Blocks:
             raise InvalidBlocks("block ids repeat")
         return True
 
+    def _check_spread(self, num_blocks: int) -> bool:
+        """Check a spread whose ids lie within one stride of each other (vLLM's blocks across a
+        cache's layers: no two spreads can meet) on its ids alone, without listing every block;
+        False, unchecked, for anything else.
+
+        Raises:
+            InvalidBlocks: a block outside ``0..num_blocks-1``, or a repeated id.
+        """
+        if self.spread is None or not self.ids or len(self) > MAX_BLOCKS:
+            return False
+        count, stride = self.spread
+        low, high = min(self.ids), max(self.ids)
+        reach = (count - 1) * stride
+        if min(low, low + reach) < 0 or max(high, high + reach) >= num_blocks:
+            raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {min(low, low + reach)}.."
+                                f"{max(high, high + reach)}")
+        if high - low >= abs(stride):
+            return False
+        if len(set(self.ids)) != len(self.ids):
+            raise InvalidBlocks("block ids repeat")
+        return True
+
     def resolve(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The ids as an int64 tensor on ``device``.
 
@@ -87,16 +109,10 @@ class Blocks:
             raise InvalidBlocks(f"{n} blocks is over the limit of {MAX_BLOCKS}")
         if self._check_small(num_blocks):
             return torch.tensor(self.ids, dtype=torch.int64, device=device)
+        if self._check_spread(num_blocks):
+            return _outer(self.ids, *self.spread, device)
         if self.spread is not None:
-            count, stride = self.spread
-            low, high = min(self.ids), max(self.ids)
-            reach = (count - 1) * stride
-            if min(low, low + reach) < 0 or max(high, high + reach) >= num_blocks:
-                raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, got {min(low, low + reach)}.."
-                                    f"{max(high, high + reach)}")
-            if high - low < abs(stride) and len(set(self.ids)) == len(self.ids):
-                return _outer(self.ids, count, stride, device)  # within one stride: spreads cannot meet
-            ids = _outer(self.ids, count, stride)
+            ids = _outer(self.ids, *self.spread)
         elif self.ids is not None:
             ids = torch.tensor(self.ids, dtype=torch.int64)
         else:
@@ -132,32 +148,46 @@ class Ids:
     (a spread list built on the GPU: ~0.3 ms), so ids are built on the host, and a path that never
     indexes on the GPU (a few blocks copied one by one, blocks written before their announce)
     never copies them; one that does copies them with the other side's ids in one go (``with_``).
+    A spread (vLLM's blocks across a cache's layers) stays its short id list until every block's
+    id is asked for: a kernel that spreads the ids itself needs only those (``spread``).
     """
 
-    def __init__(self, host: torch.Tensor | None, listed: tuple[int, ...] = ()):
-        self._host, self._listed = host, listed
+    def __init__(self, host: torch.Tensor | None, listed: tuple[int, ...] = (),
+                 spread: tuple[int, int] | None = None):
+        self._host, self._listed, self._spread = host, listed, spread
         self._devices: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def of(cls, blocks: Blocks, num_blocks: int) -> Ids:
-        """``blocks`` checked against a region of ``num_blocks``; a short list stays a tuple until
-        a tensor of it is asked for (a one-block write never asks).
+        """``blocks`` checked against a region of ``num_blocks``; a short list or a spread stays
+        its ids until a tensor of every block is asked for (a one-block write never asks).
 
         Raises:
             InvalidBlocks: as ``Blocks.resolve``.
         """
         if blocks._check_small(num_blocks):
             return cls(None, blocks.ids)
+        if blocks._check_spread(num_blocks):
+            return cls(None, blocks.ids, blocks.spread)
         return cls(blocks.resolve(num_blocks))
 
     @property
     def host(self) -> torch.Tensor:
         if self._host is None:
-            self._host = torch.tensor(self._listed, dtype=torch.int64)
+            self._host = (_outer(self._listed, *self._spread) if self._spread is not None
+                          else torch.tensor(self._listed, dtype=torch.int64))
         return self._host
 
+    @property
+    def spread(self) -> tuple[tuple[int, ...], int, int] | None:
+        """(ids, count, stride) where these are a checked spread: block ``i * count + j`` is
+        ``ids[i] + j * stride``."""
+        return None if self._spread is None else (self._listed, *self._spread)
+
     def __len__(self) -> int:
-        return len(self._listed) if self._host is None else self._host.numel()
+        if self._host is not None:
+            return self._host.numel()
+        return len(self._listed) * (self._spread[0] if self._spread is not None else 1)
 
     def on(self, device: torch.device) -> torch.Tensor:
         if device.type == "cpu":

