@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
+import struct
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -62,10 +65,43 @@ class SpreadBody(BaseModel):
     stride: Stride
 
 
-BlockList = list[BlockId] | RangesBody | SpreadBody
+def _unpack_ids(text: str) -> tuple[int, ...]:
+    """Base64 of little-endian u32 ids, as a tuple."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("packed ids are not base64") from None
+    if not raw or len(raw) % 4 or len(raw) > 4 * MAX_BLOCKS:
+        raise ValueError(f"packed ids are 1 to {MAX_BLOCKS} little-endian u32 (a multiple of 4 bytes), not {len(raw)} bytes")
+    return struct.unpack(f"<{len(raw) // 4}I", raw)
+
+
+class PackedBody(BaseModel):
+    """Block ids as one base64 string of little-endian u32 (``kvferry.client.packed``): an engine's
+    thousands of ids a request without a JSON number each to write and validate. With ``count``
+    and ``stride``, each id is spread as in the ``{ids, count, stride}`` form."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    packed: Annotated[str, Field(min_length=1, max_length=(4 * MAX_BLOCKS + 2) // 3 * 4), AfterValidator(_unpack_ids)]
+    count: StrictInt = Field(default=1, gt=0, le=MAX_BLOCKS)
+    stride: Stride | None = None
+
+    @model_validator(mode="after")
+    def _spread(self) -> PackedBody:
+        if self.count > 1 and self.stride is None:
+            raise ValueError("a spread (count > 1) needs a stride")
+        return self
+
+
+# Tried in order, the packed form first: an engine's form, and trying it costs a failed dict check.
+BlockList = Annotated[PackedBody | SpreadBody | RangesBody | list[BlockId], Field(union_mode="left_to_right")]
 
 
 def to_blocks(value: BlockList) -> Blocks:
+    if isinstance(value, PackedBody):
+        ids: tuple[int, ...] = value.packed  # decoded by its validator
+        return Blocks(ids=ids, spread=(value.count, value.stride) if value.stride is not None else None)
     if isinstance(value, SpreadBody):
         return Blocks(ids=tuple(value.ids), spread=(value.count, value.stride))
     if isinstance(value, RangesBody):
@@ -98,8 +134,9 @@ class TransferBody(BaseModel):
     src_region: str | None = Field(default=None, pattern=NAME)
     dst_region: str | None = Field(default=None, pattern=NAME)
     regions: list[PairBody] | None = Field(default=None, min_length=1, max_length=4096)
-    src_blocks: BlockList = Field(description="block ids, {ranges: [{start, count, stride}]}, or {ids, count, "
-                                              "stride}: each id spread over count ids stride apart")
+    src_blocks: BlockList = Field(description="block ids, {ranges: [{start, count, stride}]}, {ids, count, "
+                                              "stride}: each id spread over count ids stride apart, or {packed, "
+                                              "count?, stride?}: the ids as base64 of little-endian u32")
     dst_blocks: BlockList
     codec: str = Field(default="auto", pattern=CODEC,
                        description="auto (lossless, chosen per transfer) or a registered codec; lossy codecs "

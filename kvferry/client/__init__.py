@@ -2,6 +2,6 @@
 
 from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
 
-from .sdk import AsyncClient, Client, blocks_json
+from .sdk import AsyncClient, Client, blocks_json, packed
 
-__all__ = ["Client", "AsyncClient", "blocks_json", "TransferFailed", "EngineError", "BY_NAME"]
+__all__ = ["Client", "AsyncClient", "blocks_json", "packed", "TransferFailed", "EngineError", "BY_NAME"]

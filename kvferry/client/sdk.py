@@ -4,9 +4,11 @@ engine's own exception classes, and ``wait`` on a failed transfer raises ``Trans
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
+import struct
 import time
 import uuid
 from collections.abc import Sequence
@@ -24,9 +26,24 @@ RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): w
 Blocks = Sequence[int] | range | dict[str, Any]
 
 
+def packed(ids: Sequence[int], count: int = 1, stride: int | None = None) -> dict[str, Any]:
+    """Block ids as the API's packed form (base64 of little-endian u32; with ``count`` and
+    ``stride``, each id spread over ``count`` ids ``stride`` apart): for many ids, which as JSON
+    numbers cost the engine and the sidecar ~0.1 ms per 500 to write and validate."""
+    try:
+        raw = struct.pack(f"<{len(ids)}I", *ids)
+    except struct.error as exc:
+        raise ValueError(f"block ids are 0 to 2**32 - 1: {exc}") from None
+    body: dict[str, Any] = {"packed": base64.b64encode(raw).decode()}
+    if count != 1 or stride is not None:
+        body.update(count=count, stride=stride)
+    return body
+
+
 def blocks_json(blocks: Blocks) -> list[int] | dict[str, Any]:
     """A block list as the API takes it: ids, or ``range(start, stop, step)`` as one range, or
-    ``{"ranges": [{"start", "count", "stride"}]}`` or ``{"ids", "count", "stride"}`` as is."""
+    ``{"ranges": [{"start", "count", "stride"}]}``, ``{"ids", "count", "stride"}`` or ``packed``
+    as is."""
     if isinstance(blocks, dict):
         return blocks
     if isinstance(blocks, range):

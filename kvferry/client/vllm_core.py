@@ -40,7 +40,7 @@ import httpx
 
 from kvferry.engine.errors import EngineError, NotFound
 
-from .sdk import Answer, Client
+from .sdk import Answer, Client, packed
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -157,13 +157,13 @@ class CacheLayout:
             return self.page_shape[self.block_dims[0]:]
         return (self.num_layers, *self.page_shape)
 
-    def blocks(self, block_ids: Sequence[int], num_blocks: int | None = None) -> list[int] | dict[str, Any]:
+    def blocks(self, block_ids: Sequence[int], num_blocks: int | None = None) -> dict[str, Any]:
         """vLLM block ids as this layout's region blocks (of a cache of ``num_blocks`` vLLM
-        blocks: ours by default, or a prefill's)."""
+        blocks: ours by default, or a prefill's), packed (``kvferry.client.packed``)."""
         if not self.in_place:
-            return [int(b) for b in block_ids]
+            return packed(block_ids)
         stride = self.num_blocks if num_blocks is None else num_blocks
-        return {"ids": [int(b) for b in block_ids], "count": self.planes, "stride": stride}
+        return packed(block_ids, self.planes, stride)
 
     def in_place_view(self, layers: Sequence[Any]) -> Any | None:
         """The region over vLLM's own memory (``[num_blocks * planes, *block_shape]``), or None

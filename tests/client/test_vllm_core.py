@@ -5,13 +5,15 @@ the prefill's sidecar dies or the KV is corrupted on the wire."""
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 from dataclasses import replace
 
 import pytest
 import torch
 
-from kvferry.client import Client
+from kvferry.client import Client, packed
 from kvferry.client.vllm_core import (
     CacheLayout,
     ConnectorConfig,
@@ -128,18 +130,19 @@ def test_in_place_layout_maps_vllm_blocks_to_its_own_memory(shape):
     assert placed.planes == planes and view.shape == (BLOCKS * planes, *placed.block_shape)
     ids = [5, 0, 17]
     spread = placed.blocks(ids)
-    assert spread == {"ids": ids, "count": planes, "stride": BLOCKS}
+    assert spread == packed(ids, planes, BLOCKS) and (spread["count"], spread["stride"]) == (planes, BLOCKS)
+    assert struct.unpack("<3I", base64.b64decode(spread["packed"])) == tuple(ids)
     resolved = Blocks(ids=tuple(ids), spread=(planes, BLOCKS)).resolve(len(view))
     block_dim = layout.block_dims[0]
     expected = pages(layers, ids, block_dim)  # [layers, blocks, *page]
     got = view[resolved].view(len(ids), LAYERS, *layout.page_shape)  # block by block, layer by layer
     assert torch.equal(got.transpose(0, 1).view(torch.int16), expected.view(torch.int16))
-    assert placed.blocks(ids, num_blocks=40) == {"ids": ids, "count": planes, "stride": 40}
+    assert placed.blocks(ids, num_blocks=40) == packed(ids, planes, 40)
     assert placed.check_peer({"block_shape": list(placed.block_shape), "dtype": "bfloat16",
                               "num_blocks": 40 * planes}, "p:1") == 40
     with pytest.raises(IncompatibleCache, match="in place"):  # a mirror's blocks do not fit
         placed.check_peer({"block_shape": list(layout.block_shape), "dtype": "bfloat16", "num_blocks": 40}, "p:1")
-    assert layout.blocks(ids) == ids and layout.planes == 1
+    assert layout.blocks(ids) == packed(ids) and layout.planes == 1
 
 
 def test_in_place_needs_the_layers_end_to_end():

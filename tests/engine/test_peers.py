@@ -12,6 +12,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvferry.client import packed
 from kvferry.engine import errors
 from tests.conftest import bits_equal
 from tests.engine.conftest import spawn, stop
@@ -124,6 +125,30 @@ def test_spread_block_ids_move_a_block_across_planes(pair, kv, codec):
     assert not _blocks(b.client, f"dst{tag}", [0, 2, 4, 6, 8, 10], kv).view(torch.uint8).any()
     with pytest.raises(errors.InvalidBlocks, match="in 0..11"):  # 1 + 3·6 = 19 is past the region
         a.client.submit(f"src{tag}", {"ids": [1], "count": 4, "stride": 6}, b.data, f"dst{tag}", range(4))
+
+
+def test_packed_block_ids_move_as_their_json_twins(pair, kv):
+    """``{packed, count?, stride?}``: the ids as base64 of little-endian u32, plain or spread,
+    land where the same ids as JSON numbers land; malformed packings are refused at submit."""
+    a, b = pair
+    tag = uuid.uuid4().hex[:6]
+    a.client.region_from_tensor(f"src{tag}", kv[:12])
+    b.client.create_region(f"dst{tag}", 12, list(kv.shape[1:]), "bfloat16")
+    result = a.client.send(f"src{tag}", packed([0, 2], 3, 4), b.data, f"dst{tag}", packed([3, 1], 3, 4), codec="raw",
+                           wait=60)
+    assert result["state"] == "done" and result["blocks_done"] == 6
+    assert bits_equal(_blocks(b.client, f"dst{tag}", [3, 7, 11, 1, 5, 9], kv), kv[[0, 4, 8, 2, 6, 10]])
+    result = a.client.send(f"src{tag}", packed([11, 1]), b.data, f"dst{tag}", packed([0, 2]), codec="raw", wait=60)
+    assert result["state"] == "done" and bits_equal(_blocks(b.client, f"dst{tag}", [0, 2], kv), kv[[11, 1]])
+    for bad, why in (({"packed": "***"}, "not base64"), ({"packed": "AQID"}, "multiple of 4"),
+                     ({"packed": packed([1])["packed"], "count": 2}, "needs a stride"),
+                     ({"packed": packed([1])["packed"], "extra": 1}, "extra")):
+        with pytest.raises(errors.BadRequest, match=why):
+            a.client.submit(f"src{tag}", bad, b.data, f"dst{tag}", [0])
+    with pytest.raises(errors.InvalidBlocks, match="in 0..11"):
+        a.client.submit(f"src{tag}", packed([12]), b.data, f"dst{tag}", [0])
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        packed([-1])
 
 
 def test_mismatched_block_counts_and_unknown_codecs_are_refused_at_submit(pair, kv):
