@@ -18,7 +18,9 @@ TIMEOUT = 3.0
 
 
 def _spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # Prepended, not replaced: where packages come from PYTHONPATH (the GPU hosts' carried
+    # wheels), the peer process must find them too.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.Popen([sys.executable, "-m", "tests.transport.peer", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
