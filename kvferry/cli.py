@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--data-port", help="data listener port (default 7701; 0 = any)")
     serve.add_argument("--advertise-host", help="address peers use for the data port")
     serve.add_argument("--token", help="bearer token for the control API (also KVFERRY_TOKEN)")
+    serve.add_argument("--data-encryption", choices=("off", "on"),
+                       help="encrypt KV on the wire as well as authenticate it (every sidecar must agree; default off)")
     serve.add_argument("--peer-secret", help="secret shared by all sidecars, for the data connection's handshake "
                                              "(also KVFERRY_PEER_SECRET)")
     serve.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")

@@ -26,6 +26,9 @@ class Settings:
     advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
     token: str = ""  # bearer token for the control API; never sent anywhere
     peer_secret: str = ""  # shared by the sidecars of a deployment: the data connection's HMAC handshake
+    data_encryption: str = "off"  # on: KV is encrypted on the wire too (AES-256-GCM; every message is authenticated either way)
+    max_blocks_per_transfer: int = 1 << 20  # blocks per region pair a transfer may name (sent or announced)
+    max_incoming_transfers: int = 64  # transfers peers may have in progress into this sidecar at once
     device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
     cpu_threads: int = 0  # torch's intra-op threads for CPU codec work; 0 = torch's default (all cores)
     chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
@@ -72,13 +75,15 @@ class Settings:
             raise ValueError(f"transport_backend: {self.transport_backend!r} is not auto, ucxx or tcp")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ValueError(f"ucx_progress_mode: {self.ucx_progress_mode!r} is not one of {', '.join(UCX_PROGRESS_MODES)}")
+        if self.data_encryption not in ("off", "on"):
+            raise ValueError(f"data_encryption: {self.data_encryption!r} is not off or on")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: {self.log_level!r} is not debug, info, warning or error")
         for name in ("port", "data_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
         for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes", "max_region_bytes",
-                     "max_connections"):
+                     "max_connections", "max_blocks_per_transfer", "max_incoming_transfers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be positive")
         if self.spin_ms < 0 and self.spin_ms != -1:

@@ -11,7 +11,7 @@
 from .config import DEFAULT_UCX_OPTIONS, UCX_PROGRESS_MODES, TransportConfig
 from .connection import Connection, Mailbox, Receive
 from .endpoint import Listener, Pool, connect, listen
-from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
+from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, IncompatiblePeer, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
 from .link import resolve_backend, shutdown_backends
 from .waiting import until_ready
@@ -20,5 +20,6 @@ __all__ = [
     "TransportConfig", "DEFAULT_UCX_OPTIONS", "UCX_PROGRESS_MODES", "listen", "connect", "Listener", "Connection", "Pool",
     "Mailbox", "Receive", "resolve_backend", "shutdown_backends", "TransportError", "ConnectError", "TransportTimeout",
     "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected", "AuthenticationFailed", "CorruptPayload",
+    "IncompatiblePeer",
     "until_ready",
 ]

@@ -45,6 +45,10 @@ class TransportConfig:
     idle_timeout: float = 300.0
     # The shared peer secret both ends of a connection must prove they hold (HMAC handshake).
     secret: bytes = field(default=b"", repr=False)
+    # What the layer above speaks (agreed in the handshake: a mismatch fails at connect), and
+    # whether payloads are encrypted as well as authenticated (both ends must agree).
+    protocol: str = ""
+    encrypt: bool = False
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
     # How ucxx progresses its worker (one choice per process, at its first listen/connect).
     # "blocking": on the event loop, woken by the worker's event fd; ucxx's default "thread"

@@ -45,13 +45,14 @@ class Listener:
 
     async def _serve(self, link: Link) -> None:
         try:
-            await handshake.acceptor(link, self._config.secret, self._config.connect_timeout)
+            session = await handshake.acceptor(link, self._config.secret, self._config.connect_timeout,
+                                               offer_of(self._config))
         except TransportError as exc:
             self._refusals.warn(f"refused a connection from {link.peer}: {type(exc).__name__}: {exc}")
             return
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._close_idle())
-        connection = Connection(link, self._config, self.mailbox, self.on_message)
+        connection = Connection(link, self._config, self.mailbox, session, self.on_message)
         self._connections.add(connection)
         log.debug("accepted connection %d from %s", connection.id, connection.peer)
         try:
@@ -110,11 +111,16 @@ async def connect(host: str, port: int, config: TransportConfig, *, backend: str
     Raises:
         ConnectError: refused, unreachable, or not connected within ``connect_timeout``.
         AuthenticationFailed: the two ends do not share the peer secret.
+        IncompatiblePeer: the two ends speak different versions or security modes.
     """
     name = backend or resolve_backend(config)
     link = await backend_module(name).connect(host, port, config)
-    await handshake.connector(link, config.secret, config.connect_timeout)
-    return Connection(link, config, mailbox or Mailbox(), on_message)
+    session = await handshake.connector(link, config.secret, config.connect_timeout, offer_of(config))
+    return Connection(link, config, mailbox or Mailbox(), session, on_message)
+
+
+def offer_of(config: TransportConfig) -> handshake.Offer:
+    return handshake.Offer(config.protocol, config.encrypt)
 
 
 class Pool:

@@ -46,14 +46,15 @@ class Link(ABC):
         """
 
     # Backends that move device payloads through host memory (TCP) say so: the connection then
-    # stages them itself and checksums the host copy.
+    # stages them itself and authenticates the host copy.
     stages_device_payloads = False
 
     @abstractmethod
-    async def recv_payload(self, region: Any, check: tuple[int, bool] | None = None) -> bool:
+    async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None) -> bool:
         """Receive exactly ``len(region)`` payload bytes into ``region`` (host or device); with
-        ``check`` (the header's CRC, and whether it is the segmented one: ``checksum.verify``),
-        False if they do not match it (a region a backend stages is left untouched then)."""
+        ``check`` (the connection's verifier of these bytes, given the host bytes or the device
+        tensor they landed in), False if they fail it (a region a backend stages is left
+        untouched then)."""
 
     @abstractmethod
     async def close(self) -> None:
