@@ -87,7 +87,7 @@ class Engine:
         else:
             self.device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else "cpu")
         self.regions = RegionTable(self.device, settings.max_region_bytes, settings.shm_prefix)
-        self.transfers = TransferTable(settings.max_concurrent_transfers)
+        self.transfers = TransferTable(settings.max_concurrent_transfers, max_incoming=settings.max_incoming_transfers)
         self.metrics = Metrics()
         self.codebooks: dict[str, tuple[str, Any, str]] = {}  # name -> (codec, codebook, its JSON)
         # An emulated link's speed is known; otherwise assume one until measured.
@@ -127,6 +127,11 @@ class Engine:
         self.outgoing = Outgoing(self)
         self.admission = Admission(self)
         self.ready = False
+        self._peer_log = transport.RateLimitedLog(log)
+
+    def log_peer_failure(self, message: str) -> None:
+        """A warning caused by a peer, rate-limited (a peer must not be able to flood the log)."""
+        self._peer_log.warn(message)
 
     # ---- lifetime ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -426,7 +431,7 @@ class Engine:
         try:
             message = peer.unpack(payload)
         except ProtocolViolation as exc:
-            log.warning("dropped a malformed peer message from %s: %s", connection.peer, exc)
+            self.log_peer_failure(f"dropped a malformed peer message from {connection.peer}: {exc}")
             self.metrics.errors.labels("ProtocolViolation").inc()
             return
         body = message.body
@@ -484,7 +489,7 @@ class Engine:
 
     def _abort_protocol(self, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
         self.metrics.errors.labels("ProtocolViolation").inc()
-        log.warning("peer %s broke the protocol: %s", connection.peer, reason)
+        self.log_peer_failure(f"peer {connection.peer} broke the protocol: {reason}")
         if t is not None and not t.state.terminal:
             self.abort(t, State.FAILED, "ProtocolViolation", reason)
 
@@ -547,17 +552,35 @@ class Engine:
         return t.public()
 
     def abort(self, t: Transfer, state: State, kind: str, reason: str) -> None:
-        """End ``t`` from outside its task: the task's cancellation handler finishes it as told."""
+        """End ``t`` from outside its task (cancelled, timed out, its peer lost), telling the peer."""
         if t.abort is None:
             t.abort = (state.value, kind, reason)
-        if t.task is not None and not t.task.done():
-            t.task.cancel()
-        elif t.task is None and t.id in self.links:  # an inline transfer: no task to end it
-            self.finish(t, state, kind, reason)
-            self.tell(t, peer.Cancel(reason))
+        self.end(t, state, kind, reason, peer.Cancel(reason))
+
+    def end(self, t: Transfer, state: State, kind: str | None = None, reason: str | None = None,
+            tell: peer.Cancel | peer.Error | peer.Done | None = None) -> bool:
+        """The one place a transfer ends, whatever it was doing (its task not yet started,
+        between chunks, after the last one, writing under a lease, inline): the record becomes
+        terminal, what it held is released (``Transfer.cleanups``), the peer is told (``tell``),
+        its link is dropped and its task, if another, cancelled. False if it had ended already."""
+        if not t.move(state, reason, kind):
+            return False
+        try:
+            self.account(t)
+            cleanups, t.cleanups = t.cleanups, []
+            for cleanup in reversed(cleanups):
+                try:
+                    cleanup()
+                except Exception:  # one failed release must not keep the others held
+                    log.exception("releasing transfer %s failed", t.id)
+            if tell is not None:
+                self.tell(t, tell)
+        finally:
             self.unlink(t)
-        else:
-            self.finish(t, state, kind, reason)
+            task = t.task
+            if task is not None and not task.done() and task is not asyncio.current_task():
+                task.cancel()
+        return True
 
     def aborted(self, t: Transfer) -> tuple[State, str, str]:
         state, kind, reason = t.abort or ("cancelled", "Cancelled", "cancelled")
@@ -570,8 +593,7 @@ class Engine:
             link.connection.post_message(peer.pack(peer.Message(t.id, body)))
 
     def finish(self, t: Transfer, state: State, kind: str | None = None, error: str | None = None) -> None:
-        if t.move(state, error, kind):
-            self.account(t)
+        self.end(t, state, kind, error)
 
     def account(self, t: Transfer) -> None:
         """Bookkeeping once ``t`` is terminal: history, metrics, regions no longer busy."""

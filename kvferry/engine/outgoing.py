@@ -44,13 +44,11 @@ class Outgoing:
             await self._send(t, spec, pairs, candidates, book, address)
         except asyncio.CancelledError:
             state, kind, reason = self.engine.aborted(t)
-            self.engine.finish(t, state, kind, reason)
-            self.engine.tell(t, peer.Cancel(reason))
+            self.engine.end(t, state, kind, reason, peer.Cancel(reason))
         except Exception as exc:
             kind, reason = describe(exc)
             log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
-            self.engine.finish(t, State.FAILED, kind, reason)
-            self.engine.tell(t, peer.Cancel(f"{kind}: {reason}"))
+            self.engine.end(t, State.FAILED, kind, reason, peer.Cancel(f"{kind}: {reason}"))
         finally:
             self.engine.unlink(t)
 

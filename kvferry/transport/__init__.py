@@ -13,7 +13,7 @@ from .connection import Connection, Mailbox, Receive
 from .endpoint import Listener, Pool, connect, listen
 from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, IncompatiblePeer, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
-from .link import resolve_backend, shutdown_backends
+from .link import RateLimitedLog, resolve_backend, shutdown_backends
 from .waiting import until_ready
 
 __all__ = [
@@ -21,5 +21,5 @@ __all__ = [
     "Mailbox", "Receive", "resolve_backend", "shutdown_backends", "TransportError", "ConnectError", "TransportTimeout",
     "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected", "AuthenticationFailed", "CorruptPayload",
     "IncompatiblePeer",
-    "until_ready",
+    "until_ready", "RateLimitedLog",
 ]

@@ -106,3 +106,26 @@ def backend_module(name: str):
     from . import tcp
 
     return tcp
+
+
+class RateLimitedLog:
+    """At most one warning a ``period`` for a repeated peer error, with how many were not
+    logged: a peer cannot flood the log (a line per malformed message would be thousands a
+    second)."""
+
+    def __init__(self, logger: logging.Logger, period: float = 1.0):
+        self._log = logger
+        self._period = period
+        self._last = -period
+        self._dropped = 0
+
+    def warn(self, message: str) -> None:
+        import time
+
+        now = time.monotonic()
+        if now - self._last < self._period:
+            self._dropped += 1
+            return
+        suffix = f" ({self._dropped} more like it not logged)" if self._dropped else ""
+        self._log.warning("%s%s", message, suffix)
+        self._last, self._dropped = now, 0
