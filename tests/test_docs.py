@@ -82,3 +82,19 @@ def test_a_broken_block_fails() -> None:
     """The runner reports a failing block (so a passing run means the blocks ran)."""
     assert _run("raise SystemExit(3)").returncode == 3
     assert _run("assert 1 == 2").returncode != 0
+
+
+LINK = re.compile(r"\]\((?P<target>[^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_relative_links_resolve() -> None:
+    """Every relative link of the README and docs names a file or folder of the repository."""
+    broken = []
+    for path in DOCS:
+        for match in LINK.finditer(path.read_text()):
+            target = match["target"]
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (path.parent / target).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, broken
