@@ -25,7 +25,8 @@ from .policy import CodecSpeed, Policy
 INLINE_BYTES = 256 << 10
 # On a GPU the loop only launches kernels and waits for them, ~0.3-0.5 ms for a whole 256 MiB
 # chunk on an H200, while a hop to a worker thread that slept costs 0.15-0.35 ms each way there
-# (docs/decisions/009-gpu-work-awaited-on-the-event-loop.md): GPU chunks up to this size are coded on the loop.
+# (docs/decisions/009-gpu-work-awaited-on-the-event-loop.md): GPU chunks up to this size are
+# coded on the loop.
 INLINE_GPU_BYTES = 256 << 20
 
 
