@@ -74,8 +74,8 @@ def plan(blocks_total: int, count: int, seed: int) -> tuple[list[int], list[int]
 
 def _repeats(args, size: int, link_gbps: float = 0.0) -> int:
     """Timed repeats at ``size``: one block unpaced takes at least ``--small-repeats`` (kvferry and
-    NIXL alike), since the median of five sub-millisecond transfers is the warm-up's (call 13 of
-    the nineteenth session: 1.52 ms over 5, 0.88 ms over 6,000)."""
+    NIXL alike), since the median of five sub-millisecond transfers is the warm-up's (on an H100:
+    1.52 ms over 5, 0.88 ms over 6,000)."""
     return max(args.repeats, args.small_repeats) if size <= BLOCK_BYTES and not link_gbps else args.repeats
 
 

@@ -54,13 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     serve.add_argument("--chunk-bytes",
                        help="raw KV bytes per pipeline chunk (default 0: 256 MiB on a GPU, 4 MiB on a CPU)")
-    serve.add_argument("--transport-backend", choices=("auto", "ucxx", "tcp"))
-    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--transport-backend", choices=("auto", "ucxx", "tcp"),
+                       help="data plane: ucxx (UCX: RDMA, CUDA IPC; needs a peer secret), tcp, or auto "
+                            "(default: ucxx where it is installed and a peer secret is set, else tcp)")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                       help="daemon log level (default info)")
     serve.set_defaults(run=_serve)
 
     demo_all = sub.add_parser("demo", help="two sidecars on loopback move real KV, compressed, bit-exact")
     demo_all.add_argument("--data", type=Path, default=DEFAULT_SAMPLE, help="KV sample (.npz of bf16 bit patterns)")
-    demo_all.add_argument("--backend", choices=("auto", "ucxx", "tcp"), default="tcp")
+    demo_all.add_argument("--backend", choices=("auto", "ucxx", "tcp"), default="tcp",
+                          help="the sidecars' data plane (default tcp)")
     demo_all.set_defaults(run=_demo)
 
     args = parser.parse_args(argv)

@@ -29,7 +29,7 @@ Blocks = Sequence[int] | range | dict[str, Any]
 def packed(ids: Sequence[int], count: int = 1, stride: int | None = None) -> dict[str, Any]:
     """Block ids as the API's packed form (base64 of little-endian u32; with ``count`` and
     ``stride``, each id spread over ``count`` ids ``stride`` apart): for many ids. A request's
-    2 x 256 ids took 74 µs to write and validate as JSON numbers, 39 packed (``bench/RESULTS.md``)."""
+    2 x 256 ids took 74 µs to write and validate as JSON numbers, 39 packed (``docs/decisions/006-spread-and-packed-block-ids.md``)."""
     try:
         raw = struct.pack(f"<{len(ids)}I", *ids)
     except struct.error as exc:

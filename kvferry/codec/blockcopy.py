@@ -53,7 +53,7 @@ extern "C" __global__ void copy_blocks(const int4* __restrict__ src, int4* __res
     copy_rows<1>(src, dst, src_ids, dst_ids, blocks, vecs, count, src_stride, dst_stride);
 }
 
-// Many small blocks (vLLM's 32 KiB pages), one CTA each (thirteenth session, 16,384 pages:
+// Many small blocks (vLLM's 32 KiB pages), one CTA each (H200, 16,384 pages:
 // 317 µs vs 375 for copy_blocks; a contiguous memcpy of the same bytes 265).
 extern "C" __global__ void copy_pages(const int4* __restrict__ src, int4* __restrict__ dst,
                                       const long long* __restrict__ src_ids,

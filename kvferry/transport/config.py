@@ -53,7 +53,7 @@ class TransportConfig:
     # How ucxx progresses its worker (one choice per process, at its first listen/connect).
     # "blocking": on the event loop, woken by the worker's event fd; ucxx's default "thread"
     # hands each completion from its progress thread through a notifier thread to the loop,
-    # which cost ~0.4 ms per message on an H200 host (bench/ucx_modes.sh; bench/RESULTS.md).
+    # which cost ~0.4 ms per message on an H200 host (docs/decisions/008-ucxx-progress-on-the-event-loop.md).
     ucx_progress_mode: str = "blocking"
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """Configuration mistakes end the daemon with one line naming the setting, exit code 2, no
-traceback (issue 15: finding 11), and nothing listens beyond loopback without its secret (7)."""
+traceback, and nothing listens beyond loopback without its secret."""
 
 from __future__ import annotations
 

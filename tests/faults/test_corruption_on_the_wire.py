@@ -1,4 +1,4 @@
-"""Bits flipped between two sidecars (issue 15: finding 3): a proxy that corrupts one byte of the
+"""Bits flipped between two sidecars: a proxy that corrupts one byte of the
 stream. The transfer fails with a typed reason, nothing corrupt is written or reported done, the
 receiver counts it, and the next transfer is bit-exact."""
 

@@ -1,4 +1,4 @@
-"""A sender that drips its chunk a byte at a time, or stops mid-chunk (issue 15: findings 1, 2):
+"""A sender that drips its chunk a byte at a time, or stops mid-chunk:
 the receiving transfer fails within ``transfer_timeout`` with a reason, its region is released,
 and the daemon keeps serving."""
 
