@@ -34,7 +34,9 @@ class Settings:
     max_body_bytes: int = 64 * MiB  # a request body (chunked or not) above this is refused unread
     max_region_bytes: int = 64 << 30  # an owned region above this is refused (413)
     shm_prefix: str = "kvferry-"  # kind=shm maps only POSIX segments whose name starts with this
-    max_connections: int = 256  # data-port connections at once, handshaking ones included
+    max_connections: int = 256  # authenticated data-port connections at once
+    max_handshaking_connections: int = 64  # data-port connections still in the handshake, apart from those
+    max_handshaking_per_source: int = 16  # ... from one address at once
     idle_timeout: float = 300.0  # an accepted data connection with nothing in flight this long is closed
     transfer_timeout: float = 30.0  # no progress for this long fails a transfer
     transport_backend: str = "auto"  # auto, ucxx, tcp
@@ -78,7 +80,7 @@ class Settings:
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
         for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes", "max_region_bytes",
-                     "max_connections"):
+                     "max_connections", "max_handshaking_connections", "max_handshaking_per_source"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be positive")
         if self.spin_ms < 0 and self.spin_ms != -1:
