@@ -32,7 +32,10 @@ class Settings:
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64
     max_body_bytes: int = 64 * MiB  # a request body (chunked or not) above this is refused unread
-    max_region_bytes: int = 64 << 30  # an owned region above this is refused (413)
+    # An owned region above this is refused (413); 0: half the memory of the device owned regions
+    # live on, read at start-up (regions.default_max_bytes). One that does not fit in the memory
+    # free at the time is refused too (507).
+    max_region_bytes: int = 0
     shm_prefix: str = "kvferry-"  # kind=shm maps only POSIX segments whose name starts with this
     max_connections: int = 256  # authenticated data-port connections at once
     max_handshaking_connections: int = 64  # data-port connections still in the handshake, apart from those
@@ -79,10 +82,12 @@ class Settings:
         for name in ("port", "data_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
-        for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes", "max_region_bytes",
+        for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes",
                      "max_connections", "max_handshaking_connections", "max_handshaking_per_source"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be positive")
+        if self.max_region_bytes < 0:
+            raise ValueError(f"max_region_bytes: {self.max_region_bytes} must be 0 (by memory) or positive")
         if self.spin_ms < 0 and self.spin_ms != -1:
             raise ValueError(f"spin_ms: {self.spin_ms} must be -1 (by device) or at least 0")
         if self.transfer_timeout <= 0 or self.idle_timeout <= 0:
