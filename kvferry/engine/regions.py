@@ -17,7 +17,7 @@ import torch
 from kvferry.codec import BlockLayout, CodebookMismatch
 
 from .blocks import Blocks
-from .errors import BadRequest, Conflict, InsufficientStorage, NotFound, PayloadTooLarge, RegionMemoryGone
+from .errors import BadRequest, Conflict, InsufficientStorage, InvalidBlocks, NotFound, PayloadTooLarge, RegionMemoryGone
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
           "float8_e4m3fn": torch.float8_e4m3fn}
@@ -136,6 +136,25 @@ class Region:
             InvalidBlocks: empty, out of range, or repeated ids. RegionMemoryGone.
         """
         return Blocks.of(blocks).resolve(self.num_blocks, self.tensor.device)
+
+    def write_run(self, start: int, data: bytes | bytearray) -> None:
+        """Overwrite blocks ``start``, ``start + 1``, ... with their raw bytes, concatenated (a
+        whole number of blocks), in one copy.
+
+        Raises:
+            InvalidBlocks: the run is empty or leaves the region. BadRequest: not whole blocks.
+            Conflict: a transfer uses the region. RegionMemoryGone.
+        """
+        count, rest = divmod(len(data), self.block_bytes)
+        if rest or not count:
+            raise BadRequest(f"blocks of {self.name!r} are {self.block_bytes} bytes each; got {len(data)} bytes")
+        if start < 0 or start + count > self.num_blocks:
+            raise InvalidBlocks(f"blocks {start} to {start + count - 1} are not all in region {self.name!r} "
+                                f"of {self.num_blocks}")
+        if self.busy:
+            raise Conflict(f"region {self.name!r} is in use by a transfer")
+        target = self.tensor[start:start + count].reshape(-1).view(torch.uint8)  # a view: the slice is contiguous
+        target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def release(self) -> None:
         if self.kind == "shm" and self._keepalive is not None:
