@@ -4,6 +4,7 @@ flags. Passed down as a frozen dataclass; nothing else reads the environment."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -116,6 +117,15 @@ def _loopback(host: str) -> bool:
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 
+def _suggest(unknown: Any, known: Any) -> str:
+    """" (did you mean ...?)" for the unknown names that are close to a known one, else ""."""
+    hints = [(name, match[0]) for name in sorted(map(str, unknown))
+             if (match := difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75))]
+    if len(hints) == 1:
+        return f" (did you mean {hints[0][1]}?)"
+    return f" (did you mean {', '.join(f'{m} for {n}' for n, m in hints)}?)" if hints else ""
+
+
 def _coerce(name: str, value: Any) -> Any:
     """One setting's value in its type.
 
@@ -157,14 +167,14 @@ def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None
             raise ValueError(f"{config_file} is not a mapping of settings")
         unknown = set(document) - set(FIELDS)
         if unknown:
-            raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}")
+            raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}{_suggest(unknown, FIELDS)}")
         values.update(document)
     known = {f"KVFERRY_{name.upper()}" for name in FIELDS} | {"KVFERRY_CONFIG"}
     # KVFERRY_CONNECTOR_* belong to the vLLM connector (the engine process), which may share the env.
     unknown_env = sorted(k for k in environ if k.startswith("KVFERRY_") and k not in known
                          and not k.startswith("KVFERRY_CONNECTOR_"))
     if unknown_env:
-        raise ValueError(f"unknown settings in the environment: {unknown_env}")
+        raise ValueError(f"unknown settings in the environment: {unknown_env}{_suggest(unknown_env, known)}")
     for name in FIELDS:
         key = f"KVFERRY_{name.upper()}"
         if key in environ:
