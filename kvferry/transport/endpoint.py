@@ -45,16 +45,16 @@ class Listener:
     async def _on_link(self, link: Link) -> None:
         source = _source(link.peer)
         refusal, evicted = (None, None) if self._closed else self._admit(source)
-        if evicted is not None:
-            await evicted.close()
         if self._closed or refusal:
             if refusal:
                 self._refusals.warn(f"refused a connection from {link.peer}: {refusal}")
             await link.close()
             return
-        self._handshaking[link] = source
+        self._handshaking[link] = source  # counted before anything awaits
         self._sources[source] += 1
         try:
+            if evicted is not None:
+                await evicted.close()
             await handshake.acceptor(link, self._config.secret, self._config.connect_timeout)
         except TransportError as exc:
             if link in self._handshaking:  # not closed to make room for another
