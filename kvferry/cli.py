@@ -67,8 +67,22 @@ def main(argv: list[str] | None = None) -> int:
                           help="the sidecars' data plane (default tcp)")
     demo_all.set_defaults(run=_demo)
 
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's, and the option it was meant to be
+        chosen = sub.choices[args.command]
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(chosen, unknown)}")
     return args.run(args)
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    import difflib
+
+    options = [o for action in parser._actions for o in action.option_strings]
+    hints = [(word, match[0]) for word in (u.split("=", 1)[0] for u in unknown if u.startswith("-"))
+             if (match := difflib.get_close_matches(word, options, n=1, cutoff=0.7))]
+    if len(hints) == 1:
+        return f" (did you mean {hints[0][1]}?)"
+    return f" (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)" if hints else ""
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -106,6 +106,8 @@ class Engine:
             max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
             op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
             secret=settings.peer_secret.encode(), max_connections=settings.max_connections,
+            max_handshaking_connections=settings.max_handshaking_connections,
+            max_handshaking_per_source=settings.max_handshaking_per_source,
             protocol=f"kvferry-peer/{peer.VERSION}", encrypt=settings.data_encryption == "on",
             idle_timeout=settings.idle_timeout,
             ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options},

@@ -101,6 +101,8 @@ class Mapper:
         key = (target.handle, target.offset, shape, dtype)
         view = self._views.get(key)
         if view is not None:
+            if target.device_uuid == peer.HOST_MEMORY:
+                self._check_size(target, view.numel() * view.element_size())
             if target.handle in self._open:
                 self._open.move_to_end(target.handle)
             return view
@@ -148,10 +150,22 @@ class Mapper:
                 raise RuntimeError(f"cannot open the receiver's shared memory {name!r}: {exc}") from exc
             resource_tracker.unregister(shm._name, "shared_memory")  # the receiver's worker owns it
             self._shm[target.handle] = shm
-        if target.offset + nbytes > shm.size:
-            raise RuntimeError(f"the receiver's shared memory {name!r} holds {shm.size} bytes, not {target.offset + nbytes}")
+        self._check_size(target, nbytes)
         array = np.frombuffer(shm.buf, dtype=np.uint8, count=nbytes, offset=target.offset)
         return torch.from_numpy(array).view(dtype).view(shape)
+
+    def _check_size(self, target: peer.Target, nbytes: int) -> None:
+        """The receiver's segment still holds the region, checked before each write into it: its
+        worker may have truncated it, and a write past its end would end this process (SIGBUS).
+        A truncation between this check and the copy still would (``regions.Region``).
+
+        Raises:
+            RuntimeError: it is shorter than that.
+        """
+        size = os.fstat(self._shm[target.handle]._fd).st_size
+        if target.offset + nbytes > size:
+            name = target.handle.rstrip(b"\0").decode(errors="replace")
+            raise RuntimeError(f"the receiver's shared memory {name!r} holds {size} bytes, not {target.offset + nbytes}")
 
     def close(self) -> None:
         self._views.clear()

@@ -39,9 +39,13 @@ class TransportConfig:
     close_timeout: float = 5.0
     # Link emulation for benchmarks: pace DATA to this many bytes/s per connection (0 = off).
     pace_bytes_per_s: float = 0.0
-    # A listener's limits: connections at once (handshaking ones included; more are closed at
-    # once), and how long an accepted connection with nothing in flight may stay silent.
+    # A listener's limits: authenticated connections at once (more are closed at once), and how
+    # long an accepted connection with nothing in flight may stay silent.
     max_connections: int = 256
+    # Connections still in the handshake (unauthenticated), apart from those: at once, and at
+    # once from one address (``endpoint.Listener`` says how a full budget is shared).
+    max_handshaking_connections: int = 64
+    max_handshaking_per_source: int = 16
     idle_timeout: float = 300.0
     # The shared peer secret both ends of a connection must prove they hold (HMAC handshake).
     secret: bytes = field(default=b"", repr=False)
@@ -64,6 +68,7 @@ class TransportConfig:
                              f"not {self.ucx_progress_mode!r}")
         if self.chunk_bytes <= 0 or self.max_inflight_bytes < self.chunk_bytes:
             raise ValueError("need 0 < chunk_bytes <= max_inflight_bytes")
-        if min(self.connect_timeout, self.op_timeout, self.close_timeout, self.idle_timeout) <= 0 \
-                or self.max_connections <= 0:
+        if min(self.connect_timeout, self.op_timeout, self.close_timeout, self.idle_timeout) <= 0:
             raise ValueError("timeouts must be positive")
+        if min(self.max_connections, self.max_handshaking_connections, self.max_handshaking_per_source) <= 0:
+            raise ValueError("connection limits must be positive")
