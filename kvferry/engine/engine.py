@@ -121,7 +121,7 @@ class Engine:
         self.pool: transport.Pool | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
         self.links: dict[str, PeerLink] = {}  # transfer id -> its peer link, while it runs
-        self.mapper = ipc.Mapper()  # receivers' memory lent to us, opened once
+        self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all)  # receivers' memory lent to us, opened once
         self.leases = Leases()  # standing leases of same-host memory, held and lent
         self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
         self._learning: dict[tuple[str, str], _Learning] = {}  # (region, codec) -> its learning in a thread

@@ -361,7 +361,8 @@ class Outgoing:
                and len(spec.src_blocks) <= FEW_BLOCKS)
         for pair, held in zip(pairs, helds):
             region, target = pair.region, held.target
-            remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
+            remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype,
+                                               region.tensor.device)
             if target.num_blocks not in resolved:  # checked on the host
                 resolved[target.num_blocks] = Ids.of(spec.dst_blocks, target.num_blocks)
             if few:
