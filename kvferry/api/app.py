@@ -107,8 +107,10 @@ async def get_region(name: str, e: EngineDep) -> dict:
 
 
 @regions.delete("/{name}", status_code=204)
-async def delete_region(name: str, e: EngineDep) -> Response:
-    await e.delete_region(name)
+async def delete_region(name: str, e: EngineDep, force: bool = False) -> Response:
+    """409 while a transfer uses it, or while it is quarantined (a sender did not confirm giving
+    back its lease: ``force=true`` deletes it anyway)."""
+    await e.delete_region(name, force)
     return Response(status_code=204)
 
 

@@ -184,20 +184,30 @@ class Engine:
         """
         return self.regions.add(await self.spinner.in_thread(self.regions.prepare, spec))
 
-    async def delete_region(self, name: str) -> None:
-        """Let a region go, once no peer may write into it under a standing lease.
+    async def delete_region(self, name: str, force: bool = False) -> None:
+        """Let a region go, once no peer may write into it under a standing lease. A sender that
+        does not confirm the revocation in time may still be writing (stopped mid-write, say):
+        the region is then quarantined, not deleted, so its memory is not reused under that
+        write; ``force`` deletes a quarantined region (its owner knows the sender is gone).
 
-        Raises: NotFound, Conflict (a transfer uses it).
+        Raises: NotFound, Conflict (a transfer uses it, or a lease was not given back).
         """
         region = self.regions.get(name)
         if region.busy:
             raise Conflict(f"region {name!r} is in use by transfers {sorted(region.busy)}")
+        if region.quarantined and not force:
+            raise Conflict(f"region {name!r} is quarantined: {region.quarantined} (delete with force=true "
+                           "once that sender is gone)")
         region.closing = True  # lent to nobody from now on
         try:
-            await self.leases.revoke(name, self.transport_config.close_timeout)
+            silent = await self.leases.revoke(name, self.transport_config.close_timeout)
+            if silent and not force:
+                region.quarantined = (f"{', '.join(silent)} did not confirm giving back its lease within "
+                                      f"{self.transport_config.close_timeout:g} s and may still write into it")
+                raise Conflict(f"region {name!r} is quarantined, not deleted: {region.quarantined}")
             self.regions.delete(name)
         finally:
-            region.closing = False
+            region.closing = region.quarantined is not None
 
     def write_block(self, name: str, index: int, data: bytes) -> None:
         """Overwrite one block with its raw bytes. Raises: NotFound, InvalidBlocks, BadRequest, Conflict."""

@@ -14,7 +14,7 @@ from kvferry import codec as codecs, transport
 
 from . import ipc, peer
 from .blocks import Ids
-from .errors import BadRequest, EngineError, PeerError, ProtocolViolation, UnknownCodec
+from .errors import BadRequest, Conflict, EngineError, PeerError, ProtocolViolation, UnknownCodec
 from .links import Pair, PeerLink, describe
 from .transfers import State, Transfer
 
@@ -155,6 +155,8 @@ class Admission:
         pairs, cache = [], {}
         for layout in a.pairs:
             region = self.engine.regions.get(layout.dst_region)
+            if region.quarantined:
+                raise Conflict(f"region {region.name!r} is quarantined: {region.quarantined}")
             if region.dtype != a.dtype or region.block_shape != layout.block_shape:
                 raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
                                  f"the transfer carries {a.dtype}{list(layout.block_shape)}")

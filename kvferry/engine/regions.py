@@ -68,6 +68,9 @@ class Region:
     axes: tuple[str, ...] | None = None
     ipc_export: tuple[bytes, int] | None = None  # cuda_ipc: the worker's (handle, offset), to lend on
     closing: bool = False  # being deleted: lent to no sender
+    # Why the region may still be written by a sender that did not confirm a revocation: it is
+    # lent to nobody, takes no transfers, and is deleted only when asked with ``force``.
+    quarantined: str | None = None
     shm_name: str = ""  # shm: the segment's name (what a same-host sender is lent)
     learned: dict[str, tuple[Any, float, bool, int]] = field(default_factory=dict)  # codec -> (codebook, when, settled, blocks)
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
@@ -122,7 +125,7 @@ class Region:
         return {"name": self.name, "kind": self.kind, "num_blocks": self.num_blocks,
                 "block_shape": list(self.block_shape), "dtype": self.dtype, "device": str(self._tensor.device),
                 "block_bytes": self.block_bytes, "busy_transfers": sorted(self.busy),
-                "axes": list(self.axes) if self.axes else None, "memory": memory,
+                "axes": list(self.axes) if self.axes else None, "memory": memory, "quarantined": self.quarantined,
                 # what codecs learned from the data: "settled" once learned with the block's axes
                 # (or without, where none are named); before that, a quick codebook in use
                 "learned": {name: {"age_s": round(time.monotonic() - when, 3), "settled": settled, "blocks": blocks}
