@@ -291,6 +291,11 @@ class Network:
     def heal(self, host: str) -> None:
         self.hosts[host].run(["ip", "link", "set", DATA_DEV, "up"])
 
+    def forget_connections(self, host: str) -> None:
+        """Abort every TCP socket of ``host``'s kernel (``ss -K``), closed ones still sending
+        their goodbye included, as a reboot would; with its link cut, their resets go nowhere."""
+        self.hosts[host].run(["ss", "-K", "-t", "state", "all"], check=False)
+
     def drop(self, host: str, probability: float) -> None:
         """Drop each packet ``host`` receives on the data network with ``probability``
         (``iptables -m statistic --mode random``)."""

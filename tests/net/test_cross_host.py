@@ -15,14 +15,15 @@ pytestmark = pytest.mark.slow
 DST_BLOCKS = 96  # the receiver's region: more blocks than a transfer writes, to check the others
 
 
-@pytest.fixture(scope="module")
-def hosts(networks, kv):
-    """Sidecars on hosts a and b, the cable shaped to 1 Gbit/s both ways; the sender holds the
-    real KV sample, the receiver a region of random bits."""
+@pytest.fixture(scope="module", params=["tcp", "ucxx"])
+def hosts(request, networks, kv):
+    """Sidecars on hosts a and b over each data-plane backend (ucxx: UCX's TCP transport on the
+    data link), the cable shaped to 1 Gbit/s both ways; the sender holds the real KV sample."""
+    if request.param == "ucxx":
+        pytest.importorskip("ucxx", reason="ucxx is not installed: the UCX-over-TCP case needs it")
     net = networks("a", "b")
     net.shape_all(1000)
-    a = net.sidecar("a", env={"KVFERRY_TRANSFER_TIMEOUT": "30"})
-    b = net.sidecar("b", env={"KVFERRY_TRANSFER_TIMEOUT": "30"})
+    a, b = (net.sidecar(name, env={"KVFERRY_TRANSFER_TIMEOUT": "30"}, backend=request.param) for name in "ab")
     a.client.region_from_tensor("src", kv)
     return net, a, b
 
