@@ -22,6 +22,7 @@ This kernel may lack netem: no delay, reorder or corruption, only rate, partitio
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import ipaddress
 import os
@@ -46,6 +47,7 @@ CONTROL_PORT, DATA_PORT = 7700, 7701  # each host is a namespace of its own: fix
 DATA_DEV = "data0"
 PREFIX = "kvf-"
 _LOCK = Path("/run/lock/kvferry-netns.lock")
+_CLONE_NEWNET = 0x40000000
 _ROOT = Path(__file__).resolve().parents[2]  # where ``kvferry`` imports from, for the daemons
 
 
@@ -128,6 +130,20 @@ def _kill_inside(netns: str) -> None:
     for pid in _run(["ip", "netns", "pids", netns], check=False).stdout.split():
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def enter(netns: str) -> None:
+    """Move this process into namespace ``netns`` (``setns``): the calling thread and the threads
+    it starts afterwards. Call it first thing in a child process, before a library starts threads.
+
+    Raises:
+        OSError: no such namespace, or not allowed.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{netns}") as handle:
+        if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into {netns}: {os.strerror(error)}")
 
 
 @dataclass
