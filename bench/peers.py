@@ -32,7 +32,8 @@ blocks over UCX's TCP transport on that cable. Rows give p50 and p99 (nearest ra
 region's, and sees the other), NIXL's initiator on GPU 0 and its target on GPU 1; else both on one.
 
 Every request zeroes its sampled destination blocks first and compares them bit for bit after.
-Each codec's first request is a warm-up (the sender then settles what it learned); ``auto`` is
+Each codec's first request is a warm-up (the sender then settles what it learned); then the codecs
+take turns, repeat by repeat, so that a machine whose load drifts slows them alike; ``auto`` is
 timed once its choice is steady (``demo.until_steady``: it tries a close codec once per peer,
 size and 10 minutes, which a sidecar that has run a while no longer pays).
 Per size: median and p90 seconds, GB/s of KV moved. Prints a table; ``--json`` writes the rows.
@@ -147,59 +148,67 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
         if kind == "shm":  # the receiver writes the segment: read the blocks back from it
             dst = torch.frombuffer(dst_handle.buf, dtype=torch.bfloat16).view(blocks_total, *BLOCK_SHAPE)
         peer = receiver.data_address()
-        for codec in args.codecs.split(","):
-            for size in sizes:
-                count = max(1, size // BLOCK_BYTES)
-                seconds, at_receiver, exact, ratio, chosen, stages = [], [], True, 0.0, "", {}
-                reason = ""
-                sent: dict[str, float] = {}  # transfer id -> created on the sender (one host, one clock)
-                def once(repeat: int) -> dict:
-                    nonlocal exact
-                    src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
-                    for d in dst_ids[:SAMPLES]:
-                        dst[d].zero_()
-                    _synchronize(args)
-                    record = sender._call("POST", "/v1/transfers", params={"wait": 300}, json={
-                        "src_region": "src", "dst_region": "dst", "src_blocks": src_ids, "dst_blocks": dst_ids,
-                        "peer": peer, "codec": codec}).json()
-                    if record.get("state") != "done":
-                        raise RuntimeError(f"kvferry {codec} {size}: {record}")
-                    if net is not None and ("same host" in (record.get("choice_reason") or "")
-                                            or not record.get("bytes_wire")):
-                        raise RuntimeError(f"kvferry {codec} {size} did not cross the cable: {record}")
-                    exact &= all(torch.equal(_bits(dst[d]), _bits(src[s]).to(dst.device)) for s, d in
-                                 zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
-                    return record
+        codecs = args.codecs.split(",")
+        order = {codec: i for i, codec in enumerate(codecs)}
+        first = len(rows)
+        for size in sizes:
+            count = max(1, size // BLOCK_BYTES)
+            runs = {codec: {"seconds": [], "at_receiver": [], "exact": True, "ratio": 0.0, "chosen": "", "stages": {},
+                            "reason": "", "sent": {}} for codec in codecs}  # sent: id -> created (one clock)
 
-                for repeat in range(_repeats(args, size, link_gbps) + 1):  # the first is a warm-up
-                    record = once(repeat)
-                    if not repeat:  # measure what a sidecar that has run a while codes with
-                        settle(sender, "src")
-                        if codec == "auto":  # which has tried what auto tries once per peer and size
-                            until_steady(lambda: once(args.repeats + 1))
-                    if repeat:
-                        seconds.append(record["seconds"])
-                        for stage, at in record["stages"].items():
-                            stages.setdefault(stage, []).append(at)
-                        sent[record["id"]] = record["created"]
-                        ratio = record["bytes_raw"] / max(1, record["bytes_wire"]) if record["bytes_wire"] else 1.0
-                        chosen = record.get("chosen_codec") or codec
-                        reason = record.get("choice_reason") or ""
-                # The receiver's records, asked once (a query between transfers slows the next one).
-                for incoming in receiver._call("GET", "/v1/transfers",
-                                               params={"direction": "in", "limit": min(10 * len(sent) + 10, 10000)}).json():
-                    if incoming["id"] in sent and incoming["state"] == "done":
-                        at_receiver.append(incoming["created"] + incoming["seconds"] - sent[incoming["id"]])
-                how = f"{codec}" + (f" ({chosen})" if codec == "auto" else "")
-                rows.append(_row("kvferry", how, count, seconds, exact, ratio, link_gbps, netns_gbit))
-                rows[-1]["stages_median_ms"] = {k: statistics.median(v) * 1e3 for k, v in stages.items()}
-                if reason:  # auto's, for the last repeat
-                    rows[-1]["choice_reason"] = reason
+            def once(codec: str, repeat: int) -> dict:
+                src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
+                for d in dst_ids[:SAMPLES]:
+                    dst[d].zero_()
+                _synchronize(args)
+                record = sender._call("POST", "/v1/transfers", params={"wait": 300}, json={
+                    "src_region": "src", "dst_region": "dst", "src_blocks": src_ids, "dst_blocks": dst_ids,
+                    "peer": peer, "codec": codec}).json()
+                if record.get("state") != "done":
+                    raise RuntimeError(f"kvferry {codec} {size}: {record}")
+                if net is not None and ("same host" in (record.get("choice_reason") or "")
+                                        or not record.get("bytes_wire")):
+                    raise RuntimeError(f"kvferry {codec} {size} did not cross the cable: {record}")
+                runs[codec]["exact"] &= all(torch.equal(_bits(dst[d]), _bits(src[s]).to(dst.device)) for s, d in
+                                            zip(src_ids[:SAMPLES], dst_ids[:SAMPLES]))
+                return record
+
+            for codec in codecs:  # warm-ups: measure what a sidecar that has run a while codes with
+                once(codec, 0)
+                settle(sender, "src")
+                if codec == "auto":  # which has tried what auto tries once per peer and size
+                    until_steady(lambda: once("auto", args.repeats + 1))
+            # Codecs take turns, repeat by repeat: a machine whose load drifts slows them alike.
+            for repeat in range(1, _repeats(args, size, link_gbps) + 1):
+                for codec in codecs:
+                    record, run = once(codec, repeat), runs[codec]
+                    run["seconds"].append(record["seconds"])
+                    for stage, at in record["stages"].items():
+                        run["stages"].setdefault(stage, []).append(at)
+                    run["sent"][record["id"]] = record["created"]
+                    run["ratio"] = record["bytes_raw"] / max(1, record["bytes_wire"]) if record["bytes_wire"] else 1.0
+                    run["chosen"] = record.get("chosen_codec") or codec
+                    run["reason"] = record.get("choice_reason") or ""
+            # The receiver's records, asked once (a query between transfers slows the next one).
+            sent = {k: v for run in runs.values() for k, v in run["sent"].items()}
+            for incoming in receiver._call("GET", "/v1/transfers",
+                                           params={"direction": "in", "limit": min(10 * len(sent) + 10, 10000)}).json():
+                for run in runs.values():
+                    if incoming["id"] in run["sent"] and incoming["state"] == "done":
+                        run["at_receiver"].append(incoming["created"] + incoming["seconds"] - run["sent"][incoming["id"]])
+            for codec, run in runs.items():
+                how = f"{codec}" + (f" ({run['chosen']})" if codec == "auto" else "")
+                rows.append(_row("kvferry", how, count, run["seconds"], run["exact"], run["ratio"], link_gbps, netns_gbit))
+                rows[-1]["stages_median_ms"] = {k: statistics.median(v) * 1e3 for k, v in run["stages"].items()}
+                if run["reason"]:  # auto's, for the last repeat
+                    rows[-1]["choice_reason"] = run["reason"]
                 print(_line(rows[-1]), flush=True)
-                if len(at_receiver) == len(seconds):
-                    rows.append(_row("kvferry", how + ", at the receiver", count, at_receiver, exact, ratio, link_gbps,
-                                     netns_gbit))
+                if len(run["at_receiver"]) == len(run["seconds"]):
+                    rows.append(_row("kvferry", how + ", at the receiver", count, run["at_receiver"], run["exact"],
+                                     run["ratio"], link_gbps, netns_gbit))
                     print(_line(rows[-1]), flush=True)
+        # codec by codec, then size by size, as before the repeats took turns
+        rows[first:] = sorted(rows[first:], key=lambda r: order[r["how"].split()[0].rstrip(",")])
         sender.close()
         receiver.close()
     finally:

@@ -24,9 +24,7 @@ def _namespaces_work() -> None:
         pytest.skip(f"real-network tests: {_WHY_NOT}")
 
 
-@pytest.fixture(scope="module")
-def networks() -> Iterator[Callable[..., netns.Network]]:
-    """Make networks (``networks("a", "b")``); each is closed when the module ends, failed or not."""
+def _factory() -> Iterator[Callable[..., netns.Network]]:
     made: list[netns.Network] = []
 
     def make(*names: str) -> netns.Network:
@@ -36,9 +34,24 @@ def networks() -> Iterator[Callable[..., netns.Network]]:
             pytest.skip(f"real-network tests: {exc}")
         return made[-1]
 
-    yield make
-    for network in made:
-        network.close()
+    try:
+        yield make
+    finally:
+        for network in made:
+            network.close()
+
+
+@pytest.fixture
+def networks() -> Iterator[Callable[..., netns.Network]]:
+    """Make networks (``networks("a", "b")``); each is closed (daemons stopped, namespaces and
+    links deleted) when the test ends, passed or failed."""
+    yield from _factory()
+
+
+@pytest.fixture(scope="module")
+def module_networks() -> Iterator[Callable[..., netns.Network]]:
+    """``networks`` for a module's shared hosts: closed when the module ends."""
+    yield from _factory()
 
 
 @pytest.fixture(scope="session")

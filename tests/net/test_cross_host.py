@@ -16,12 +16,12 @@ DST_BLOCKS = 96  # the receiver's region: more blocks than a transfer writes, to
 
 
 @pytest.fixture(scope="module", params=["tcp", "ucxx"])
-def hosts(request, networks, kv):
+def hosts(request, module_networks, kv):
     """Sidecars on hosts a and b over each data-plane backend (ucxx: UCX's TCP transport on the
     data link), the cable shaped to 1 Gbit/s both ways; the sender holds the real KV sample."""
     if request.param == "ucxx":
         pytest.importorskip("ucxx", reason="ucxx is not installed: the UCX-over-TCP case needs it")
-    net = networks("a", "b")
+    net = module_networks("a", "b")
     net.shape_all(1000)
     a, b = (net.sidecar(name, env={"KVFERRY_TRANSFER_TIMEOUT": "30"}, backend=request.param) for name in "ab")
     a.client.region_from_tensor("src", kv)
