@@ -103,15 +103,19 @@ def sweep() -> list[str]:
     """Delete the namespaces of runs whose process has exited (a crash, a SIGKILL), killing what
     still runs in them first; returns their names. The root-namespace ends of their veths go
     with them."""
-    removed = []
+    removed, tags = [], set()
     listing = _run(["ip", "netns", "list"], check=False).stdout
-    for name in re.findall(rf"^({re.escape(PREFIX)}(\d+)-\S+)", listing, flags=re.M):
-        netns, pid = name
+    for netns, pid, tag in re.findall(rf"^({re.escape(PREFIX)}(\d+)-([0-9a-f]+)-\S+)", listing, flags=re.M):
         if _alive(int(pid)):
             continue
         _kill_inside(netns)
         _run(["ip", "netns", "del", netns], check=False)
         removed.append(netns)
+        tags.add(tag)
+    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+    for tag in tags:  # the root ends of their control veths, which the kernel removes only later
+        for dev in re.findall(rf"^\d+: (kvf{tag}\d+)[@:]", links, flags=re.M):
+            _run(["ip", "link", "del", dev], check=False)
     return removed
 
 
