@@ -78,3 +78,35 @@ def test_bad_host_names_are_refused():
         netns.Network(("a",))
     with pytest.raises(ValueError, match="lower-case"):
         netns.Network(("a", "B-1"))
+
+
+def _addresses_seen(netns_name: str, queue) -> None:
+    """A spawned child: into the host, then report the addresses its interfaces have there."""
+    import re
+    import socket
+
+    netns.enter(netns_name)
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    with socket.socket() as s:  # and a socket there binds the host's data address
+        s.bind((re.search(rf"{netns.DATA_DEV}\s+inet ([0-9.]+)/", out).group(1), 0))
+        queue.put((out, s.getsockname()[0]))
+
+
+def test_a_child_process_enters_a_host(networks):
+    """What NIXL's processes do in ``bench/peers.py --netns``: ``enter`` moves a spawned process
+    into the host's namespace, where it sees that host's cable and address and nothing of ours."""
+    import multiprocessing
+
+    net = networks("a", "b")
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_addresses_seen, args=(net.hosts["b"].netns, queue))
+    child.start()
+    try:
+        seen, bound = queue.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+    assert bound == net.hosts["b"].data_ip and net.hosts["a"].data_ip not in seen
+    assert net.hosts["a"].root_dev not in seen and "ctl0" in seen
+    with pytest.raises(OSError):
+        netns.enter("kvf-no-such-namespace")
