@@ -1,4 +1,4 @@
-"""GPU codec benchmark, one device call: bit-exactness, then timings against copy and nvCOMP.
+"""GPU codec benchmark: bit-exactness, then timings against copy and nvCOMP.
 
     python bench/codec_gpu.py [--elements 256M] [--repeats 20] [--json results.json]
 

@@ -3,7 +3,7 @@ over emulated links, next to the SplitZip Appendix-B model.
 
     python bench/e2e.py [--tokens 1K,2K,4K,8K,16K,32K,64K] [--links 12.5,25,50,100,200,max]
                         [--codecs raw,splitzip,auto] [--repeats 3] [--progress]
-    python bench/e2e.py --plot-only bench/results/e2e.json
+    python bench/e2e.py --plot-only bench/out/e2e.json
 
 Layout: one block = 16 tokens of every layer's K and V, ``[32 layers, 2, 16, 8 heads, 128]``
 bf16 (2 MiB), filled with the real KV sample by position (``demo.llama_blocks``: each position one
@@ -410,6 +410,7 @@ def plot(report: dict, rows: list[dict], path: Path) -> None:
     fig.suptitle(f"kvferry end to end, Llama-3-8B KV, {meta_['sender_device']} -> {meta_['receiver_device']}, "
                  f"{meta_['backend']} transport (unpaced ceiling {_num(stack_ceiling_gbps(report), 2)} GB/s)", fontsize=9)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 
@@ -428,8 +429,8 @@ def main() -> None:
     parser.add_argument("--transfer-timeout", type=float, default=30.0, help="the sidecars' no-progress limit")
     parser.add_argument("--logs", type=Path, help="directory for the sidecars' logs (default: a temporary one)")
     parser.add_argument("--progress", action="store_true", help="a progress bar (tqdm)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "e2e.png")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "e2e.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "e2e.png")
     parser.add_argument("--plot-only", type=Path, help="redraw table and plot from a saved JSON")
     args = parser.parse_args()
     # A run cut short by ``timeout`` still stops its sidecars (the finally blocks run).

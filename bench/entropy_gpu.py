@@ -1,4 +1,4 @@
-"""Entropy codec benchmark, one device call: ratios per dtype (real KV, K and V calibrated
+"""Entropy codec benchmark: ratios per dtype (real KV, K and V calibrated
 separately on chunk 0 and measured on chunk 1; and the mixed K/V tile the GPU benchmark uses),
 GPU bytes == CPU bytes, then whole-call GPU timings beside SplitZip and the copy roofline.
 

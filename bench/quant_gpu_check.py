@@ -1,4 +1,4 @@
-"""k8v4 / k4v2 on a GPU, one device call: bit-exactness against the CPU reference, then timings.
+"""k8v4 / k4v2 on a GPU: bit-exactness against the CPU reference, then timings.
 
     python bench/quant_gpu_check.py [--gib 1.0] [--check-mib 16] [--repeats 20] [--json results.json]
     python bench/quant_gpu_check.py --blocks [--gib 1.0] [--repeats 20] [--json results.json]

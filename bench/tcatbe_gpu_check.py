@@ -1,4 +1,4 @@
-"""tca-tbe on a GPU, one device call: bit-exactness against the CPU reference, then timings
+"""tca-tbe on a GPU: bit-exactness against the CPU reference, then timings
 beside a plain copy (the roofline) and SplitZip.
 
     python bench/tcatbe_gpu_check.py [--gib 1] [--repeats 20] [--json out.json]

@@ -47,22 +47,42 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--data-port", help="data listener port (default 7701; 0 = any)")
     serve.add_argument("--advertise-host", help="address peers use for the data port")
     serve.add_argument("--token", help="bearer token for the control API (also KVFERRY_TOKEN)")
+    serve.add_argument("--data-encryption", choices=("off", "on"),
+                       help="encrypt KV on the wire as well as authenticate it (every sidecar must agree; default off)")
     serve.add_argument("--peer-secret", help="secret shared by all sidecars, for the data connection's handshake "
                                              "(also KVFERRY_PEER_SECRET)")
     serve.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     serve.add_argument("--chunk-bytes",
                        help="raw KV bytes per pipeline chunk (default 0: 256 MiB on a GPU, 4 MiB on a CPU)")
-    serve.add_argument("--transport-backend", choices=("auto", "ucxx", "tcp"))
-    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--transport-backend", choices=("auto", "ucxx", "tcp"),
+                       help="data plane: ucxx (UCX: RDMA, CUDA IPC; needs a peer secret), tcp, or auto "
+                            "(default: ucxx where it is installed and a peer secret is set, else tcp)")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                       help="daemon log level (default info)")
     serve.set_defaults(run=_serve)
 
     demo_all = sub.add_parser("demo", help="two sidecars on loopback move real KV, compressed, bit-exact")
     demo_all.add_argument("--data", type=Path, default=DEFAULT_SAMPLE, help="KV sample (.npz of bf16 bit patterns)")
-    demo_all.add_argument("--backend", choices=("auto", "ucxx", "tcp"), default="tcp")
+    demo_all.add_argument("--backend", choices=("auto", "ucxx", "tcp"), default="tcp",
+                          help="the sidecars' data plane (default tcp)")
     demo_all.set_defaults(run=_demo)
 
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's, and the option it was meant to be
+        chosen = sub.choices[args.command]
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(chosen, unknown)}")
     return args.run(args)
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    import difflib
+
+    options = [o for action in parser._actions for o in action.option_strings]
+    hints = [(word, match[0]) for word in (u.split("=", 1)[0] for u in unknown if u.startswith("-"))
+             if (match := difflib.get_close_matches(word, options, n=1, cutoff=0.7))]
+    if len(hints) == 1:
+        return f" (did you mean {hints[0][1]}?)"
+    return f" (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)" if hints else ""
 
 
 def _serve(args: argparse.Namespace) -> int:

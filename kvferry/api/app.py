@@ -74,7 +74,8 @@ async def readyz(e: EngineDep) -> Response:
 async def health_v1(e: EngineDep) -> dict:
     """What a peer needs to send here (``data_address``), and what this sidecar runs."""
     return {"status": "ready" if e.ready else "starting", "version": __version__, "backend": e.backend,
-            "device": str(e.device), "data_address": e.data_address, "codecs": codec.names()}
+            "device": str(e.device), "data_address": e.data_address, "codecs": codec.names(),
+            "max_body_bytes": e.settings.max_body_bytes}
 
 
 @health.get("/metrics", response_class=PlainTextResponse,
@@ -106,8 +107,10 @@ async def get_region(name: str, e: EngineDep) -> dict:
 
 
 @regions.delete("/{name}", status_code=204)
-async def delete_region(name: str, e: EngineDep) -> Response:
-    await e.delete_region(name)
+async def delete_region(name: str, e: EngineDep, force: bool = False) -> Response:
+    """409 while a transfer uses it, or while it is quarantined (a sender did not confirm giving
+    back its lease: ``force=true`` deletes it anyway)."""
+    await e.delete_region(name, force)
     return Response(status_code=204)
 
 
@@ -115,6 +118,21 @@ async def delete_region(name: str, e: EngineDep) -> Response:
 async def put_block(name: str, index: int, request: Request, e: EngineDep) -> Response:
     """Overwrite one block with its raw bytes (application/octet-stream)."""
     e.write_block(name, index, await request.body())
+    return Response(status_code=204)
+
+
+@regions.put("/{name}/blocks", status_code=204)
+async def put_blocks(name: str, request: Request, e: EngineDep,
+                     start: Annotated[int, Query(ge=0, description="the first block to overwrite")],
+                     count: Annotated[int, Query(ge=1, description="how many blocks the body holds")]) -> Response:
+    """Overwrite blocks ``start`` to ``start + count - 1`` with their raw bytes, concatenated
+    (application/octet-stream; at most ``max_body_bytes``): an upload in as few requests as
+    the body limit allows, rather than one per block."""
+    body = await request.body()
+    region = e.regions.get(name)
+    if len(body) != count * region.block_bytes:
+        raise BadRequest(f"{count} blocks of {name!r} are {count * region.block_bytes} bytes, got {len(body)}")
+    region.write_run(start, body)
     return Response(status_code=204)
 
 
@@ -204,6 +222,7 @@ async def calibrate(name: str, body: CalibrateBody, e: EngineDep) -> dict:
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        quiet_access_log()
         e = Engine(settings)
         app.state.engine = e
         await e.start()
@@ -235,6 +254,32 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse({"error": "BadRequest", "detail": _plain(exc.errors())}, status_code=422)
 
     return app
+
+
+BLOCK_PATH = re.compile(r"^/v1/regions/[^/]+/blocks(/[^/]*)?$")
+
+
+class AccessLog(logging.Filter):
+    """uvicorn's access log without query strings (a client may put a secret in a URL, and the
+    log must not keep it), and the block routes' lines at DEBUG: an upload is many of them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and len(record.args) == 5:  # client, method, path, version, status
+            client, method, path, version, status = record.args
+            path = str(path).split("?", 1)[0]  # the path itself is percent-encoded: its own "?" is "%3F"
+            record.args = (client, method, path, version, status)
+            if BLOCK_PATH.match(path) and record.levelno > logging.DEBUG:
+                if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+                    return False
+                record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return True
+
+
+def quiet_access_log() -> None:
+    """Install ``AccessLog`` on uvicorn's access logger (once)."""
+    logger = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, AccessLog) for f in logger.filters):
+        logger.addFilter(AccessLog())
 
 
 PUBLIC_PATHS = ("/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")

@@ -206,6 +206,7 @@ class ErrorBody(BaseModel):
 
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (400, "malformed or inconsistent input"), (401, "missing or wrong bearer token"),
-    (404, "no such region, transfer or codebook"), (409, "conflict, or the transfer failed (TransferFailed)"),
+    (404, "no such region, transfer or codebook"), (409, "conflict (a region's memory truncated: RegionMemoryGone), or the transfer failed (TransferFailed)"),
     (413, "body or region above its limit"), (422, "request does not match its schema"),
-    (429, "too many transfers in progress (retry)"), (502, "the peer sidecar refused or failed"))}
+    (429, "too many transfers in progress (retry)"), (502, "the peer sidecar refused or failed"),
+    (507, "no memory free for an owned region now (InsufficientStorage)"))}

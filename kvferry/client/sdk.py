@@ -23,13 +23,14 @@ from .transport import Exchange, KeepAlive, Reply
 
 TERMINAL = ("done", "failed", "cancelled")
 RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
+UPLOAD_BYTES = 32 << 20  # an owned region's upload: at most this much a request (and the body limit)
 Blocks = Sequence[int] | range | dict[str, Any]
 
 
 def packed(ids: Sequence[int], count: int = 1, stride: int | None = None) -> dict[str, Any]:
     """Block ids as the API's packed form (base64 of little-endian u32; with ``count`` and
     ``stride``, each id spread over ``count`` ids ``stride`` apart): for many ids. A request's
-    2 x 256 ids took 74 µs to write and validate as JSON numbers, 39 packed (``bench/RESULTS.md``)."""
+    2 x 256 ids took 74 µs to write and validate as JSON numbers, 39 packed (``docs/decisions/006-spread-and-packed-block-ids.md``)."""
     try:
         raw = struct.pack(f"<{len(ids)}I", *ids)
     except struct.error as exc:
@@ -145,8 +146,16 @@ class Client:
         if kind == "owned":
             info = self.create_region(name, shape[0], shape[1:], dtype, **named)
             raw = tensor.contiguous().view(-1).view(torch.uint8).cpu().view(shape[0], -1)
-            for i in range(shape[0]):
-                self.put_block(name, i, raw[i].numpy().tobytes())
+            # As many blocks a request as the sidecar's body limit takes (an older one, which
+            # does not say, takes one).
+            limit = self.health().get("max_body_bytes", 0)
+            per = max(1, min(limit, UPLOAD_BYTES) // max(1, raw.shape[1]))
+            for start in range(0, shape[0], per):
+                if per == 1:
+                    self.put_block(name, start, raw[start].numpy().tobytes())
+                else:
+                    run = raw[start:start + per]
+                    self.put_blocks(name, start, run.shape[0], run.numpy().tobytes())
             return info, None
         if kind == "shm":
             from multiprocessing import shared_memory
@@ -177,6 +186,12 @@ class Client:
 
     def put_block(self, name: str, index: int, data: bytes) -> None:
         self._call("PUT", f"/v1/regions/{name}/blocks/{index}", content=data,
+                   headers={"Content-Type": "application/octet-stream"})
+
+    def put_blocks(self, name: str, start: int, count: int, data: bytes) -> None:
+        """Overwrite blocks ``start`` to ``start + count - 1`` with ``data``, their raw bytes
+        concatenated (at most the sidecar's ``max_body_bytes``), in one request."""
+        self._call("PUT", f"/v1/regions/{name}/blocks", params={"start": start, "count": count}, content=data,
                    headers={"Content-Type": "application/octet-stream"})
 
     def get_block(self, name: str, index: int) -> bytes:

@@ -53,7 +53,7 @@ extern "C" __global__ void copy_blocks(const int4* __restrict__ src, int4* __res
     copy_rows<1>(src, dst, src_ids, dst_ids, blocks, vecs, count, src_stride, dst_stride);
 }
 
-// Many small blocks (vLLM's 32 KiB pages), one CTA each (thirteenth session, 16,384 pages:
+// Many small blocks (vLLM's 32 KiB pages), one CTA each (H200, 16,384 pages:
 // 317 µs vs 375 for copy_blocks; a contiguous memcpy of the same bytes 265).
 extern "C" __global__ void copy_pages(const int4* __restrict__ src, int4* __restrict__ dst,
                                       const long long* __restrict__ src_ids,
@@ -79,6 +79,7 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst
     bits = layout_for(src.dtype).int_dtype  # index_copy_ lacks float8 kernels; the bits are what matter
     blocks = src.view(bits).index_select(0, src_ids.to(src.device)).to(dst.device, non_blocking=True)
     dst.view(bits).index_copy_(0, dst_ids.to(dst.device), blocks)
+    _joined(src, dst)
 
 
 def copy_spread(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, count: int,
@@ -112,6 +113,14 @@ def copy_listed(src: torch.Tensor, src_ids: tuple[int, ...], dst: torch.Tensor, 
     source, destination = src.view(bits), dst.view(bits)
     for s, d in zip(src_ids, dst_ids):
         destination[d].copy_(source[s], non_blocking=True)
+    _joined(src, dst)
+
+
+def _joined(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Work queued on ``dst``'s GPU (the torch path into another GPU's memory) is waited for by
+    ``src``'s current stream, the one the caller synchronizes."""
+    if src.is_cuda and dst.is_cuda and src.device != dst.device:
+        torch.cuda.current_stream(src.device).wait_stream(torch.cuda.current_stream(dst.device))
 
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
@@ -130,21 +139,22 @@ def _kernel_fits(src: torch.Tensor, dst: torch.Tensor) -> bool:
 
 
 def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, count: int = 1,
-            src_stride: int = 0, dst_stride: int = 0) -> None:
-    """One ``cuLaunchKernel`` on torch's current stream, arguments as 8-byte values (the codec
-    kernels' launch: no per-call stream or argument objects)."""
+            src_stride: int = 0, dst_stride: int = 0, on: torch.device | None = None) -> None:
+    """One ``cuLaunchKernel`` on torch's current stream of ``on`` (default ``src``'s GPU),
+    arguments as 8-byte values (the codec kernels' launch: no per-call stream or argument objects)."""
     n = src_ids.numel() * count
     if n == 0:
         return
-    index = src.device.index
+    device = on or src.device
+    index = device.index
     vecs = _block_bytes(src) // VEC
-    ids = src_ids.to(src.device), dst_ids.to(src.device)
+    ids = src_ids.to(device), dst_ids.to(device)
     if vecs <= PAGE_VECS and n >= PAGE_MIN_BLOCKS:
         function, grid, threads = _module(index).pages, (1, min(n, 65535)), PAGE_THREADS
     else:
         function, grid, threads = _module(index).blocks, (max(1, min(-(-vecs // THREADS), 64)), min(n, 65535)), THREADS
     _in_context(index, optional_cupy().cuda.driver.launchKernel, function, *grid, 1, threads, 1, 1,
-                0, current_stream(src.device),
+                0, current_stream(device),
                 _parameters((src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), n, vecs, count,
                              src_stride, dst_stride)), 0)
 

@@ -29,7 +29,7 @@ typedef long long i64;
 #ifndef MINB
 #define MINB 1
 #endif
-// Cache hints for the streamed data, chosen at compile time (measured in bench/RESULTS.md):
+// Cache hints for the streamed data, chosen at compile time (`bench/codec_gpu.py --sweep`):
 // LOAD_HINT 0 plain, 1 evict-first (ld.global.cs), 2 read-only path (ld.global.nc), 3 plain with
 // an L2 prefetch of 256 bytes;
 // STORE_HINT 0 plain, 1 evict-first (st.global.cs).

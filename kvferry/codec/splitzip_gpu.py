@@ -38,7 +38,7 @@ from .format import DEFAULT_CHUNK, HEADER_SIZE, FrameCodec, Header, Stream, make
 from .staging import Pending, current_stream, optional_cupy, read_to_host, start_read
 
 THREADS = 128
-# Compile-time choices of splitzip_cuda.cu, measured in bench/RESULTS.md (`codec_gpu.py --sweep`):
+# Compile-time choices of splitzip_cuda.cu, measured on an H200 (`bench/codec_gpu.py --sweep`):
 # lanes of a warp that share one chunk, the register cap (min blocks per SM), cache hints, and
 # whether bfloat16 lanes take two adjacent groups per encode step; whether the dense passes run
 # as many blocks as fit at once, each looping over chunks (CHUNKS_PER_WARP 0), or enough blocks

@@ -87,7 +87,7 @@ class Engine:
         else:
             self.device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else "cpu")
         self.regions = RegionTable(self.device, settings.max_region_bytes, settings.shm_prefix)
-        self.transfers = TransferTable(settings.max_concurrent_transfers)
+        self.transfers = TransferTable(settings.max_concurrent_transfers, max_incoming=settings.max_incoming_transfers)
         self.metrics = Metrics()
         self.codebooks: dict[str, tuple[str, Any, str]] = {}  # name -> (codec, codebook, its JSON)
         # An emulated link's speed is known; otherwise assume one until measured.
@@ -106,6 +106,9 @@ class Engine:
             max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
             op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
             secret=settings.peer_secret.encode(), max_connections=settings.max_connections,
+            max_handshaking_connections=settings.max_handshaking_connections,
+            max_handshaking_per_source=settings.max_handshaking_per_source,
+            protocol=f"kvferry-peer/{peer.VERSION}", encrypt=settings.data_encryption == "on",
             idle_timeout=settings.idle_timeout,
             ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options},
             ucx_progress_mode=settings.ucx_progress_mode)
@@ -118,7 +121,7 @@ class Engine:
         self.pool: transport.Pool | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
         self.links: dict[str, PeerLink] = {}  # transfer id -> its peer link, while it runs
-        self.mapper = ipc.Mapper()  # receivers' memory lent to us, opened once
+        self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all)  # receivers' memory lent to us, opened once
         self.leases = Leases()  # standing leases of same-host memory, held and lent
         self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
         self._learning: dict[tuple[str, str], _Learning] = {}  # (region, codec) -> its learning in a thread
@@ -126,6 +129,11 @@ class Engine:
         self.outgoing = Outgoing(self)
         self.admission = Admission(self)
         self.ready = False
+        self._peer_log = transport.RateLimitedLog(log)
+
+    def log_peer_failure(self, message: str) -> None:
+        """A warning caused by a peer, rate-limited (a peer must not be able to flood the log)."""
+        self._peer_log.warn(message)
 
     # ---- lifetime ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -176,20 +184,30 @@ class Engine:
         """
         return self.regions.add(await self.spinner.in_thread(self.regions.prepare, spec))
 
-    async def delete_region(self, name: str) -> None:
-        """Let a region go, once no peer may write into it under a standing lease.
+    async def delete_region(self, name: str, force: bool = False) -> None:
+        """Let a region go, once no peer may write into it under a standing lease. A sender that
+        does not confirm the revocation in time may still be writing (stopped mid-write, say):
+        the region is then quarantined, not deleted, so its memory is not reused under that
+        write; ``force`` deletes a quarantined region (its owner knows the sender is gone).
 
-        Raises: NotFound, Conflict (a transfer uses it).
+        Raises: NotFound, Conflict (a transfer uses it, or a lease was not given back).
         """
         region = self.regions.get(name)
         if region.busy:
             raise Conflict(f"region {name!r} is in use by transfers {sorted(region.busy)}")
+        if region.quarantined and not force:
+            raise Conflict(f"region {name!r} is quarantined: {region.quarantined} (delete with force=true "
+                           "once that sender is gone)")
         region.closing = True  # lent to nobody from now on
         try:
-            await self.leases.revoke(name, self.transport_config.close_timeout)
+            silent = await self.leases.revoke(name, self.transport_config.close_timeout)
+            if silent and not force:
+                region.quarantined = (f"{', '.join(silent)} did not confirm giving back its lease within "
+                                      f"{self.transport_config.close_timeout:g} s and may still write into it")
+                raise Conflict(f"region {name!r} is quarantined, not deleted: {region.quarantined}")
             self.regions.delete(name)
         finally:
-            region.closing = False
+            region.closing = region.quarantined is not None
 
     def write_block(self, name: str, index: int, data: bytes) -> None:
         """Overwrite one block with its raw bytes. Raises: NotFound, InvalidBlocks, BadRequest, Conflict."""
@@ -425,7 +443,7 @@ class Engine:
         try:
             message = peer.unpack(payload)
         except ProtocolViolation as exc:
-            log.warning("dropped a malformed peer message from %s: %s", connection.peer, exc)
+            self.log_peer_failure(f"dropped a malformed peer message from {connection.peer}: {exc}")
             self.metrics.errors.labels("ProtocolViolation").inc()
             return
         body = message.body
@@ -483,7 +501,7 @@ class Engine:
 
     def _abort_protocol(self, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
         self.metrics.errors.labels("ProtocolViolation").inc()
-        log.warning("peer %s broke the protocol: %s", connection.peer, reason)
+        self.log_peer_failure(f"peer {connection.peer} broke the protocol: {reason}")
         if t is not None and not t.state.terminal:
             self.abort(t, State.FAILED, "ProtocolViolation", reason)
 
@@ -546,17 +564,35 @@ class Engine:
         return t.public()
 
     def abort(self, t: Transfer, state: State, kind: str, reason: str) -> None:
-        """End ``t`` from outside its task: the task's cancellation handler finishes it as told."""
+        """End ``t`` from outside its task (cancelled, timed out, its peer lost), telling the peer."""
         if t.abort is None:
             t.abort = (state.value, kind, reason)
-        if t.task is not None and not t.task.done():
-            t.task.cancel()
-        elif t.task is None and t.id in self.links:  # an inline transfer: no task to end it
-            self.finish(t, state, kind, reason)
-            self.tell(t, peer.Cancel(reason))
+        self.end(t, state, kind, reason, peer.Cancel(reason))
+
+    def end(self, t: Transfer, state: State, kind: str | None = None, reason: str | None = None,
+            tell: peer.Cancel | peer.Error | peer.Done | None = None) -> bool:
+        """The one place a transfer ends, whatever it was doing (its task not yet started,
+        between chunks, after the last one, writing under a lease, inline): the record becomes
+        terminal, what it held is released (``Transfer.cleanups``), the peer is told (``tell``),
+        its link is dropped and its task, if another, cancelled. False if it had ended already."""
+        if not t.move(state, reason, kind):
+            return False
+        try:
+            self.account(t)
+            cleanups, t.cleanups = t.cleanups, []
+            for cleanup in reversed(cleanups):
+                try:
+                    cleanup()
+                except Exception:  # one failed release must not keep the others held
+                    log.exception("releasing transfer %s failed", t.id)
+            if tell is not None:
+                self.tell(t, tell)
+        finally:
             self.unlink(t)
-        else:
-            self.finish(t, state, kind, reason)
+            task = t.task
+            if task is not None and not task.done() and task is not asyncio.current_task():
+                task.cancel()
+        return True
 
     def aborted(self, t: Transfer) -> tuple[State, str, str]:
         state, kind, reason = t.abort or ("cancelled", "Cancelled", "cancelled")
@@ -569,8 +605,7 @@ class Engine:
             link.connection.post_message(peer.pack(peer.Message(t.id, body)))
 
     def finish(self, t: Transfer, state: State, kind: str | None = None, error: str | None = None) -> None:
-        if t.move(state, error, kind):
-            self.account(t)
+        self.end(t, state, kind, error)
 
     def account(self, t: Transfer) -> None:
         """Bookkeeping once ``t`` is terminal: history, metrics, regions no longer busy."""

@@ -8,7 +8,9 @@
     ├── Unauthorized             missing or wrong bearer token
     ├── NotFound                 no such region, transfer or codebook
     ├── Conflict                 name already taken, region busy, transfer already finished
+    │   └── RegionMemoryGone     a shm region's segment was truncated under it: its blocks are gone
     ├── PayloadTooLarge          request body above the configured limit
+    ├── InsufficientStorage      no memory for an owned region now
     ├── Overloaded               too many concurrent transfers
     ├── PeerError                the peer sidecar refused or failed the transfer, or vanished
     │   └── ProtocolViolation    the peer sent a message that breaks the peer protocol
@@ -46,8 +48,18 @@ class Conflict(EngineError):
     pass
 
 
+class RegionMemoryGone(Conflict):
+    """The region is registered but its memory no longer holds its blocks (a worker truncated
+    the shared-memory segment): a conflict between the registration and the memory, which no
+    retry mends; delete the region and register it again."""
+
+
 class PayloadTooLarge(EngineError):
     pass
+
+
+class InsufficientStorage(EngineError):
+    """The memory an owned region needs is not free on its device now (it may be later)."""
 
 
 class Overloaded(EngineError):
@@ -73,5 +85,5 @@ class TransferFailed(EngineError):
 
 BY_NAME: dict[str, type[EngineError]] = {
     cls.__name__: cls for cls in (EngineError, BadRequest, InvalidBlocks, UnknownCodec, Unauthorized, NotFound,
-                                  Conflict, PayloadTooLarge, Overloaded, PeerError, ProtocolViolation,
-                                  TransferFailed)}
+                                  Conflict, RegionMemoryGone, PayloadTooLarge, InsufficientStorage, Overloaded,
+                                  PeerError, ProtocolViolation, TransferFailed)}

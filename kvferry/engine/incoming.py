@@ -14,7 +14,7 @@ from kvferry import codec as codecs, transport
 
 from . import ipc, peer
 from .blocks import Ids
-from .errors import BadRequest, EngineError, PeerError, ProtocolViolation, UnknownCodec
+from .errors import BadRequest, Conflict, EngineError, PeerError, ProtocolViolation, UnknownCodec
 from .links import Pair, PeerLink, describe
 from .transfers import State, Transfer
 
@@ -31,20 +31,26 @@ class Admission:
         self.engine = engine
 
     def accept(self, connection: transport.Connection, transfer_id: str, announce: peer.Announce) -> None:
-        """Validate an announced transfer and post its first receives, or refuse it."""
-        plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
-                                bool(announce.flags & peer.FLAG_TAPERED))
-        tags = [peer.chunk_tag(transfer_id, i) for i in range(len(plan))]
+        """Validate an announced transfer and post its first receives, or refuse it. Its sizes
+        and counts are checked before anything is planned or allocated, and the plan and tags
+        are arithmetic: an announce costs no more than its bytes."""
         try:
+            self._check_sizes(announce)
+            plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
+                                    bool(announce.flags & peer.FLAG_TAPERED))
             if announce.flags & peer.FLAG_WRITTEN:
                 self._check_lease(connection, announce)
             t, pairs, codec = self._check(connection, transfer_id, announce)
         except EngineError as exc:
             kind, reason = describe(exc)
             self.engine.metrics.errors.labels(kind).inc()
-            self.engine.listener.mailbox.refuse(tags, f"{kind}: {reason}")
+            # Chunks the sender may send before it reads the refusal are refused too; it stops at the REJECT.
+            first = min(announce.inline_chunks, peer.MAX_INLINE_CHUNKS)
+            self.engine.listener.mailbox.refuse(peer.ChunkTags(transfer_id, first + self.window)[first:],
+                                                f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
+        tags = peer.ChunkTags(transfer_id, len(plan))
         if announce.flags & peer.FLAG_WRITTEN:  # the blocks are in place already: done at once
             incoming = Incoming(self.engine, t, pairs, plan, tags, codec)
             self.engine.link(t, PeerLink(connection, incoming=incoming))
@@ -70,6 +76,25 @@ class Admission:
         if targets or announce.host != bytes(16) or announce.inline_chunks < len(plan):
             connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
         t.task = asyncio.create_task(incoming.run())
+
+    @property
+    def window(self) -> int:
+        """How many chunks past the last one taken a sender may have announced or sent."""
+        return peer.EAGER_CHUNKS + self.engine.settings.max_inflight_chunks + 1
+
+    def _check_sizes(self, a: peer.Announce) -> None:
+        """Counts checked by arithmetic before any work: blocks, chunks, inline chunks.
+
+        Raises: BadRequest, ProtocolViolation.
+        """
+        blocks, limit = len(a.dst_blocks), self.engine.settings.max_blocks_per_transfer
+        if blocks > limit:
+            raise BadRequest(f"a transfer of {blocks} blocks is over this sidecar's {limit} (max_blocks_per_transfer)")
+        chunks = peer.chunk_count(blocks, tuple(p.blocks_per_chunk for p in a.pairs))
+        if chunks > peer.MAX_CHUNKS:
+            raise BadRequest(f"a transfer of {chunks} chunks is over {peer.MAX_CHUNKS}")
+        if a.inline_chunks > min(peer.MAX_INLINE_CHUNKS, chunks + 2):  # + 2: a tapered plan's extra chunks
+            raise ProtocolViolation(f"{a.inline_chunks} inline chunks announced for {chunks} chunks")
 
     def _check_lease(self, connection: transport.Connection, a: peer.Announce) -> None:
         """A transfer written before its announce must be raw, whole, into regions lent to this
@@ -130,6 +155,8 @@ class Admission:
         pairs, cache = [], {}
         for layout in a.pairs:
             region = self.engine.regions.get(layout.dst_region)
+            if region.quarantined:
+                raise Conflict(f"region {region.name!r} is quarantined: {region.quarantined}")
             if region.dtype != a.dtype or region.block_shape != layout.block_shape:
                 raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
                                  f"the transfer carries {a.dtype}{list(layout.block_shape)}")
@@ -156,9 +183,10 @@ class Admission:
 class Incoming:
     """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
 
-    def __init__(self, engine: Engine, t: Transfer, pairs: list[Pair], plan: list[tuple[int, int, int]],
-                 tags: list[int], codec: codecs.Codec, inline_chunks: int = 0, lent: bool = False):
+    def __init__(self, engine: Engine, t: Transfer, pairs: list[Pair], plan: peer.Plan,
+                 tags: peer.ChunkTags, codec: codecs.Codec, inline_chunks: int = 0, lent: bool = False):
         self.engine, self.t, self.pairs, self.plan, self.tags = engine, t, pairs, plan, tags
+        t.cleanups.append(self.release)
         self.codec = codec
         loop = asyncio.get_running_loop()
         self.written: asyncio.Future | None = loop.create_future() if lent else None
@@ -244,22 +272,25 @@ class Incoming:
 
     def _done(self) -> None:
         """Every block is written: done here, and the sender is told at once."""
-        t, engine = self.t, self.engine
+        t = self.t
         t.mark("last_byte")
-        if t.move(State.DONE):
-            try:
-                link = engine.links.get(t.id)
-                if link is not None:
-                    link.connection.post_message(
-                        peer.pack(peer.Message(t.id, peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))))
-            finally:
-                engine.account(t)
+        self.engine.end(t, State.DONE, tell=peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))
 
     def _failed(self, exc: Exception) -> None:
         kind, reason = describe(exc)
-        log.warning("incoming transfer %s failed: %s: %s", self.t.id, kind, reason)
-        self.engine.finish(self.t, State.FAILED, kind, reason)
-        self.engine.tell(self.t, peer.Error(kind, reason))
+        self.engine.log_peer_failure(f"incoming transfer {self.t.id} failed: {kind}: {reason}")
+        self.engine.end(self.t, State.FAILED, kind, reason, peer.Error(kind, reason))
+
+    def release(self) -> None:
+        """What this transfer holds, let go however it ended: posted receives (their buffers back
+        to the pool once nothing can land in them) and the tags of chunks still on their way."""
+        for receive in self.receives.values():
+            receive.cancel()
+        self.receives.clear()
+        if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
+            end = min(len(self.plan), self.completed + len(self.inline) + self.engine.admission.window)
+            self.engine.listener.mailbox.refuse(self.tags[self.completed:end],
+                                                f"transfer {self.t.id} ended {self.t.state.value}")
 
     async def _next_frame(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
         if i in self.inline:
@@ -322,16 +353,10 @@ class Incoming:
             self._done()
         except asyncio.CancelledError:
             state, kind, reason = engine.aborted(t)
-            engine.finish(t, state, kind, reason)
-            if kind != "PeerError":
-                engine.tell(t, peer.Cancel(reason))
+            engine.end(t, state, kind, reason, None if kind == "PeerError" else peer.Cancel(reason))
         except Exception as exc:
             self._failed(exc)
         finally:
-            for receive in self.receives.values():
-                receive.cancel()
-            if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
-                engine.listener.mailbox.refuse(self.tags[self.completed:], f"transfer {t.id} ended {t.state.value}")
             engine.unlink(t)
 
 

@@ -19,6 +19,9 @@ import os
 import socket
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -74,84 +77,160 @@ def export(tensor: torch.Tensor) -> tuple[bytes, int, bytes]:
     if not tensor.is_cuda:
         raise RuntimeError("only CUDA memory can be lent over CUDA IPC")
     pointer = tensor.data_ptr()
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
     with cupy.cuda.Device(tensor.device.index):  # the driver looks the pointer up in the current context
-        status = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                                      ctypes.c_uint64(pointer))
-        if status != 0:
-            raise RuntimeError(f"cuMemGetAddressRange failed with CUDA error {status}")
-        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base.value))
-    return handle, pointer - base.value, device_uuid(tensor.device.index)
+        base, _ = address_range(pointer)
+        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base))
+    return handle, pointer - base, device_uuid(tensor.device.index)
 
 
 class Mapper:
-    """The sender's opened handles (opening costs milliseconds; a transfer reuses them)."""
+    """The sender's opened targets (opening a handle costs milliseconds; a transfer reuses them),
+    each checked before any write: it lies inside the memory the receiver lent (an offset or block
+    count that reaches past it is refused, not written), and it is none of the sender's own.
 
-    def __init__(self) -> None:
-        self._open: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # handle -> (base pointer, device)
-        self._views: dict[tuple, torch.Tensor] = {}  # (handle, offset, shape, dtype) -> tensor
-        self._shm: dict[bytes, object] = {}  # shared memory opened by name, while its views live
+    A GPU target is opened where the writing kernel runs, in the context of the source's GPU
+    (``tensor``'s ``device``): on another GPU of the host its memory is reached over NVLink or PCIe
+    peer-to-peer (``cudaIpcMemLazyEnablePeerAccess``), and the view is a tensor of the source's
+    device. Where the GPUs cannot reach each other it is opened on its own GPU, and the copy crosses
+    through the driver (``blockcopy``'s torch path)."""
 
-    def tensor(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The receiver's region as a tensor here.
+    def __init__(self, shm_prefix: str = "kvferry-", own: Callable[[], Iterable[Any]] = tuple) -> None:
+        """``shm_prefix``: a shared-memory target must be named so; ``own``: the sender's regions
+        (what no target may alias)."""
+        self._shm_prefix = shm_prefix
+        self._own = own
+        self._open: OrderedDict[tuple[bytes, int], _Opened] = OrderedDict()  # (handle, writing GPU) ->
+        self._views: dict[tuple, torch.Tensor] = {}  # (handle, offset, shape, dtype, writing GPU) -> tensor
+        self._shm: dict[bytes, Any] = {}  # shared memory opened by name, while its views live
+        self._mine: list[Any] = []  # the sender's regions the views were checked against
+
+    def tensor(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device | None = None) -> torch.Tensor:
+        """The receiver's region as a tensor here, for a write from ``device`` (the source's).
 
         Raises:
-            RuntimeError: its GPU is not visible here, or the handle does not open.
+            RuntimeError: its GPU is not visible here, the handle does not open, or the region
+                (``target.offset`` plus ``shape``'s bytes) is not inside the memory it names, or is
+                the sender's own.
         """
-        key = (target.handle, target.offset, shape, dtype)
+        mine = self._own()
+        if len(mine) != len(self._mine) or any(a is not b for a, b in zip(mine, self._mine)):
+            self._views.clear()  # the sender's regions changed: every target is checked again
+            self._mine = list(mine)
+        here = device.index if device is not None and device.type == "cuda" else None
+        key = (target.handle, target.offset, shape, dtype, here)
         view = self._views.get(key)
-        if view is not None:
-            if target.handle in self._open:
-                self._open.move_to_end(target.handle)
-            return view
         if target.device_uuid == peer.HOST_MEMORY:
-            view = self._views[key] = self._host(target, shape, dtype)
+            return self._host(target, shape, dtype, key, view)
+        if view is not None:
+            self._open.move_to_end((target.handle, here))
             return view
-        import cupy
-
-        device = _local_index(target.device_uuid)
-        entry = self._open.get(target.handle)
-        if entry is None:
-            with cupy.cuda.Device(device):
-                base = cupy.cuda.runtime.ipcOpenMemHandle(target.handle)
-            entry = self._open[target.handle] = (base, device)
-            while len(self._open) > _OPEN_LIMIT:
-                handle, (old, old_device) = self._open.popitem(last=False)
-                self._views = {k: v for k, v in self._views.items() if k[0] != handle}
-                with cupy.cuda.Device(old_device):
-                    cupy.cuda.runtime.ipcCloseMemHandle(old)
-        else:
-            self._open.move_to_end(target.handle)
-        base, device = entry
-        nbytes = 1
-        for dim in shape:
-            nbytes *= dim
-        nbytes *= torch.empty((), dtype=dtype).element_size()
-        memory = cupy.cuda.UnownedMemory(base + target.offset, nbytes, owner=None, device_id=device)
-        array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
-        view = self._views[key] = torch.as_tensor(array, device=f"cuda:{device}").view(dtype).view(shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        there = _local_index(target.device_uuid)
+        self._check_not_own(target, nbytes)
+        opened = self._opened(target.handle, there, there if here is None else here)
+        if target.offset + nbytes > opened.size:
+            raise RuntimeError(f"the lent region ({nbytes} bytes at offset {target.offset}) reaches past the "
+                               f"{opened.size}-byte allocation its handle names")
+        pointer = opened.base + target.offset
+        for region in self._mine:
+            t = region.tensor
+            if t.is_cuda and t.numel() and pointer < t.data_ptr() + t.numel() * t.element_size() \
+                    and t.data_ptr() < pointer + nbytes:
+                raise RuntimeError(f"the lent region is the sender's own region {region.name!r}")
+        view = self._views[key] = _as_tensor(pointer, nbytes, opened.device).view(dtype).view(shape)
         return view
 
-    def _host(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A receiver's shared-memory region, opened by its name."""
+    def _opened(self, handle: bytes, there: int, here: int) -> _Opened:
+        """``handle`` (memory on GPU ``there``) opened for kernels on GPU ``here``: in ``here``'s
+        context where it reaches ``there`` peer-to-peer, else in ``there``'s."""
+        import cupy
+
+        key = (handle, here)
+        opened = self._open.get(key)
+        if opened is not None:
+            self._open.move_to_end(key)
+            return opened
+        device = here if here == there or _can_reach(here, there) else there
+        runtime = cupy.cuda.runtime
+        with cupy.cuda.Device(device):
+            try:
+                base = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+            except runtime.CUDARuntimeError as exc:
+                raise RuntimeError(f"the receiver's CUDA IPC handle does not open on GPU {device}: {exc}") from None
+            try:
+                start, size = address_range(base)
+            except RuntimeError:
+                runtime.ipcCloseMemHandle(base)
+                raise
+        opened = self._open[key] = _Opened(start, size, device)
+        while len(self._open) > _OPEN_LIMIT:
+            (old, old_here), stale = self._open.popitem(last=False)
+            self._views = {k: v for k, v in self._views.items() if (k[0], k[4]) != (old, old_here)}
+            with cupy.cuda.Device(stale.device):
+                runtime.ipcCloseMemHandle(stale.base)
+        return opened
+
+    def _check_not_own(self, target: peer.Target, nbytes: int) -> None:
+        """A handle the sender itself lends or was lent (its regions' memory), at overlapping
+        bytes, is refused before it is opened."""
+        for region in self._mine:
+            export = getattr(region, "ipc_export", None)
+            if export is not None and export[0] == target.handle:
+                mine = region.tensor.numel() * region.tensor.element_size()
+                if target.offset < export[1] + mine and export[1] < target.offset + nbytes:
+                    raise RuntimeError(f"the lent region is the sender's own region {region.name!r}")
+
+    def _host(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype, key: tuple,
+              view: torch.Tensor | None) -> torch.Tensor:
+        """A receiver's shared-memory region, opened by its name: one named with ``shm_prefix``,
+        not one of the sender's own segments, and (checked before every write, since another
+        process may shrink it, and a write past its end would kill this one) large enough."""
         from multiprocessing import resource_tracker, shared_memory
 
         import numpy as np
 
         name = target.handle.rstrip(b"\0").decode(errors="replace")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         shm = self._shm.get(target.handle)
         if shm is None:
+            if not name.startswith(self._shm_prefix) or "/" in name or "\0" in name:
+                raise RuntimeError(f"the receiver's shared memory {name!r} is not named with {self._shm_prefix!r} "
+                                   "(shm_prefix)")
             try:
                 shm = shared_memory.SharedMemory(name=name, create=False)
             except (OSError, ValueError) as exc:
                 raise RuntimeError(f"cannot open the receiver's shared memory {name!r}: {exc}") from exc
             resource_tracker.unregister(shm._name, "shared_memory")  # the receiver's worker owns it
             self._shm[target.handle] = shm
-        if target.offset + nbytes > shm.size:
-            raise RuntimeError(f"the receiver's shared memory {name!r} holds {shm.size} bytes, not {target.offset + nbytes}")
-        array = np.frombuffer(shm.buf, dtype=np.uint8, count=nbytes, offset=target.offset)
-        return torch.from_numpy(array).view(dtype).view(shape)
+        try:
+            size = os.fstat(shm._fd).st_size
+        except OSError as exc:
+            raise RuntimeError(f"cannot read the size of the receiver's shared memory {name!r}: {exc}") from exc
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if target.offset + nbytes > min(size, shm.size):
+            raise RuntimeError(f"the receiver's shared memory {name!r} holds {min(size, shm.size)} bytes, "
+                               f"the lent region needs {target.offset + nbytes}")
+        if view is None:
+            self._check_not_own_segment(name, shm)
+            array = np.frombuffer(shm.buf, dtype=np.uint8, count=nbytes, offset=target.offset)
+            view = self._views[key] = torch.from_numpy(array).view(dtype).view(shape)
+        return view
+
+    def _check_not_own_segment(self, name: str, shm: Any) -> None:
+        lent = os.fstat(shm._fd)
+        for region in self._mine:
+            if getattr(region, "kind", "") != "shm":
+                continue
+            mine = getattr(region, "_keepalive", None)
+            same_file = False
+            if mine is not None and getattr(mine, "_fd", -1) >= 0:
+                try:
+                    own = os.fstat(mine._fd)
+                    same_file = (own.st_dev, own.st_ino) == (lent.st_dev, lent.st_ino)
+                except OSError:
+                    pass
+            if same_file or region.shm_name.lstrip("/") == name.lstrip("/"):
+                raise RuntimeError(f"the receiver's shared memory {name!r} is the sender's own region {region.name!r}")
 
     def close(self) -> None:
         self._views.clear()
@@ -165,10 +244,63 @@ class Mapper:
             return
         import cupy
 
-        for base, device in self._open.values():
-            with cupy.cuda.Device(device):
-                cupy.cuda.runtime.ipcCloseMemHandle(base)
+        for opened in self._open.values():
+            with cupy.cuda.Device(opened.device):
+                cupy.cuda.runtime.ipcCloseMemHandle(opened.base)
         self._open.clear()
+
+
+@dataclass(frozen=True)
+class _Opened:
+    base: int  # the allocation's first byte, in the context of ``device``
+    size: int  # its bytes (``cuMemGetAddressRange``): what a target may reach
+    device: int  # the GPU whose context holds the mapping
+
+
+def address_range(pointer: int) -> tuple[int, int]:
+    """(base, size) of the allocation holding ``pointer``, looked up in the current context.
+
+    Raises:
+        RuntimeError: the driver does not know the pointer there.
+    """
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer))
+    if status != 0:
+        raise RuntimeError(f"cuMemGetAddressRange failed with CUDA error {status}")
+    return base.value, size.value
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.cache
+def _can_reach(here: int, there: int) -> bool:
+    """Kernels on GPU ``here`` can address GPU ``there``'s memory (NVLink or PCIe peer-to-peer)."""
+    import cupy
+
+    return bool(cupy.cuda.runtime.deviceCanAccessPeer(here, there))
+
+
+def _as_tensor(pointer: int, nbytes: int, device: int) -> torch.Tensor:
+    """Bytes at ``pointer`` (valid in GPU ``device``'s context) as a uint8 tensor of that device.
+    Through DLPack, which names the device: torch's CUDA array interface would take the device the
+    memory lives on (the receiver's GPU), and copy it to this one, writing a copy.
+
+    Raises:
+        RuntimeError: the view is not the memory asked for.
+    """
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(pointer, nbytes, owner=None, device_id=device)
+    array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    with cupy.cuda.Device(device):
+        view = torch.from_dlpack(array)
+    if view.data_ptr() != pointer or view.device != torch.device("cuda", device):
+        raise RuntimeError(f"the lent memory mapped as {view.device}:{view.data_ptr():#x}, not "
+                           f"cuda:{device}:{pointer:#x}")
+    return view
 
 
 @functools.cache

@@ -115,12 +115,15 @@ class Leases:
     def lent_to(self, name: str, connection: transport.Connection) -> bool:
         return connection in self._lent.get(name, ())
 
-    async def revoke(self, name: str, timeout: float) -> None:
-        """Take back every lease of region ``name``: when this returns, no sender writes into it.
-        A sender silent for ``timeout`` seconds loses its connection."""
+    async def revoke(self, name: str, timeout: float) -> list[str]:
+        """Take back every lease of region ``name``. Returns the peers that did not confirm within
+        ``timeout`` seconds (their connections are closed, but a sender stopped mid-write may
+        still finish that write: the caller must not reuse the memory); empty: no sender writes
+        into it any more."""
         connections = [c for c in self._lent.pop(name, ()) if not c.closed]
         if not connections:
-            return
+            return []
+        silent = []
         loop = asyncio.get_running_loop()
         waits = {}
         for connection in connections:
@@ -132,10 +135,12 @@ class Leases:
                 if future in late:
                     log.warning("peer %s did not give back its lease of region %r within %g s: closing the connection",
                                 connection.peer, name, timeout)
+                    silent.append(connection.peer)
                     await connection.close()
         finally:
             for connection in connections:
                 self._revoking.pop((connection, name), None)
+        return silent
 
     def on_revoked(self, connection: transport.Connection, name: str) -> bool:
         """A sender's REVOKED; False if no revocation of that region on that connection waits."""

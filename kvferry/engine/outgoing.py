@@ -44,13 +44,11 @@ class Outgoing:
             await self._send(t, spec, pairs, candidates, book, address)
         except asyncio.CancelledError:
             state, kind, reason = self.engine.aborted(t)
-            self.engine.finish(t, state, kind, reason)
-            self.engine.tell(t, peer.Cancel(reason))
+            self.engine.end(t, state, kind, reason, peer.Cancel(reason))
         except Exception as exc:
             kind, reason = describe(exc)
             log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
-            self.engine.finish(t, State.FAILED, kind, reason)
-            self.engine.tell(t, peer.Cancel(f"{kind}: {reason}"))
+            self.engine.end(t, State.FAILED, kind, reason, peer.Cancel(f"{kind}: {reason}"))
         finally:
             self.engine.unlink(t)
 
@@ -363,7 +361,8 @@ class Outgoing:
                and len(spec.src_blocks) <= FEW_BLOCKS)
         for pair, held in zip(pairs, helds):
             region, target = pair.region, held.target
-            remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype)
+            remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype,
+                                               region.tensor.device)
             if target.num_blocks not in resolved:  # checked on the host
                 resolved[target.num_blocks] = Ids.of(spec.dst_blocks, target.num_blocks)
             if few:

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 # spends this long on the link and its coding (encode and decode) this long: the two messages
 # the taper adds cost ~0.25 ms each on the GPU hosts measured, and it saves seven eighths of the
 # first chunk's encode and of the last one's decode. SplitZip's 256 MiB chunk codes in ~0.5 ms
-# (the taper measured level: bench/RESULTS.md, sixteenth session), entropy's in ~1.2 ms.
+# (the taper measured level: docs/decisions/004-tapered-chunk-plans.md), entropy's in ~1.2 ms.
 TAPER_WIRE_SECONDS = 3e-3
 TAPER_CODING_SECONDS = 0.8e-3
 # A codec predicted at most this much slower than the model's best is worth a measured transfer
 # (per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
-# ~10% on a 50 GB/s link (bench/RESULTS.md, eighteenth session), and a try costs at most this.
+# ~10% on a 50 GB/s link (docs/decisions/007-auto-measures-median-of-five.md), and a try costs at most this.
 EXPLORE_MARGIN = 1.25
 # A measured speed is the median of this many recent transfers: one slow transfer (a host's
 # stall, a 70 ms outlier among 34 ms ones on the GPU hosts measured) does not turn ``auto`` away

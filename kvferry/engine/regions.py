@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,10 +17,12 @@ import torch
 from kvferry.codec import BlockLayout, CodebookMismatch
 
 from .blocks import Blocks
-from .errors import BadRequest, Conflict, NotFound, PayloadTooLarge
+from .errors import BadRequest, Conflict, InsufficientStorage, InvalidBlocks, NotFound, PayloadTooLarge, RegionMemoryGone
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
           "float8_e4m3fn": torch.float8_e4m3fn}
+# Left free after an owned region is allocated: the process's own buffers and the codec's scratch.
+HEADROOM_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -43,65 +47,142 @@ class RegionSpec:
 
 @dataclass
 class Region:
+    """A registered region. Its memory is ``tensor``; for ``kind=shm`` each use of it first
+    checks (``os.fstat`` of the segment's descriptor, kept open) that the segment still holds
+    the layout: a worker that truncates its segment would otherwise end this process with
+    SIGBUS at the first touch of a block past the new end. A shrunken segment fails the request
+    or transfer that asked (``RegionMemoryGone``) and the sidecar goes on serving.
+
+    The race that remains: a segment truncated between the check and the access (a codec call
+    in a thread, a copy) still raises SIGBUS. Only the worker that owns the segment can cause
+    it, by shrinking memory it registered while a transfer uses it.
+    """
+
     name: str
     kind: str
     num_blocks: int
     block_shape: tuple[int, ...]
     dtype: str
-    tensor: torch.Tensor
+    _tensor: torch.Tensor
     busy: set[str] = field(default_factory=set)  # ids of transfers reading or writing it
     axes: tuple[str, ...] | None = None
     ipc_export: tuple[bytes, int] | None = None  # cuda_ipc: the worker's (handle, offset), to lend on
     closing: bool = False  # being deleted: lent to no sender
+    # Why the region may still be written by a sender that did not confirm a revocation: it is
+    # lent to nobody, takes no transfers, and is deleted only when asked with ``force``.
+    quarantined: str | None = None
     shm_name: str = ""  # shm: the segment's name (what a same-host sender is lent)
     learned: dict[str, tuple[Any, float, bool, int]] = field(default_factory=dict)  # codec -> (codebook, when, settled, blocks)
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
+    _segment_fd: int = -1  # shm: the segment's descriptor, whose size is checked before each use
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The region's memory (block i is ``tensor[i]``).
+
+        Raises:
+            RegionMemoryGone: a shm segment no longer holds the layout.
+        """
+        if self._segment_fd >= 0:
+            self.check_memory()
+        return self._tensor
+
+    def check_memory(self) -> None:
+        """Raises: RegionMemoryGone (a shm segment shorter than the layout needs)."""
+        if self._segment_fd < 0:
+            return
+        needed = self._tensor.numel() * self._tensor.element_size()
+        try:
+            size = os.fstat(self._segment_fd).st_size
+        except OSError as exc:
+            raise RegionMemoryGone(f"region {self.name!r}: cannot check its shared memory: {exc}") from None
+        if size < needed:
+            raise RegionMemoryGone(f"region {self.name!r}: its shared memory {self.shm_name!r} was truncated to "
+                                   f"{size} bytes, the layout needs {needed}; delete the region and register it again")
 
     @property
     def layout(self) -> BlockLayout | None:
-        """What the block's axes mean, for codecs that model KV by position (None: not named)."""
+        """What the block's axes mean, for codecs that model KV by position (None: not named).
+        Every codec binding passes here before a block is touched, a receiver's admission of a
+        transfer included, so the memory is checked here too.
+
+        Raises:
+            RegionMemoryGone: as ``tensor``.
+        """
+        self.check_memory()
         return BlockLayout.of(self.block_shape, self.axes)
 
     @property
     def block_bytes(self) -> int:
-        return math.prod(self.block_shape) * self.tensor.element_size()
+        return math.prod(self.block_shape) * self._tensor.element_size()
 
     def describe(self) -> dict[str, Any]:
+        try:
+            self.check_memory()
+            memory = "ok"
+        except RegionMemoryGone as exc:
+            memory = str(exc)
         return {"name": self.name, "kind": self.kind, "num_blocks": self.num_blocks,
-                "block_shape": list(self.block_shape), "dtype": self.dtype, "device": str(self.tensor.device),
+                "block_shape": list(self.block_shape), "dtype": self.dtype, "device": str(self._tensor.device),
                 "block_bytes": self.block_bytes, "busy_transfers": sorted(self.busy),
-                "axes": list(self.axes) if self.axes else None,
+                "axes": list(self.axes) if self.axes else None, "memory": memory, "quarantined": self.quarantined,
                 # what codecs learned from the data: "settled" once learned with the block's axes
                 # (or without, where none are named); before that, a quick codebook in use
                 "learned": {name: {"age_s": round(time.monotonic() - when, 3), "settled": settled, "blocks": blocks}
                             for name, (_, when, settled, blocks) in self.learned.items()}}
 
     def resolve(self, blocks: Blocks | list[int]) -> torch.Tensor:
-        """Block ids as an index tensor on the region's device (checked once, here).
+        """Block ids as an index tensor on the region's device (checked once, here), and the
+        memory checked (``tensor``).
 
         Raises:
-            InvalidBlocks: empty, out of range, or repeated ids.
+            InvalidBlocks: empty, out of range, or repeated ids. RegionMemoryGone.
         """
         return Blocks.of(blocks).resolve(self.num_blocks, self.tensor.device)
 
+    def write_run(self, start: int, data: bytes | bytearray) -> None:
+        """Overwrite blocks ``start``, ``start + 1``, ... with their raw bytes, concatenated (a
+        whole number of blocks), in one copy.
+
+        Raises:
+            InvalidBlocks: the run is empty or leaves the region. BadRequest: not whole blocks.
+            Conflict: a transfer uses the region. RegionMemoryGone.
+        """
+        count, rest = divmod(len(data), self.block_bytes)
+        if rest or not count:
+            raise BadRequest(f"blocks of {self.name!r} are {self.block_bytes} bytes each; got {len(data)} bytes")
+        if start < 0 or start + count > self.num_blocks:
+            raise InvalidBlocks(f"blocks {start} to {start + count - 1} are not all in region {self.name!r} "
+                                f"of {self.num_blocks}")
+        if self.busy:
+            raise Conflict(f"region {self.name!r} is in use by a transfer")
+        target = self.tensor[start:start + count].reshape(-1).view(torch.uint8)  # a view: the slice is contiguous
+        target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
     def release(self) -> None:
         if self.kind == "shm" and self._keepalive is not None:
-            self.tensor = torch.empty(0)
+            self._tensor = torch.empty(0)
+            self._segment_fd = -1
             self._keepalive.close()
         elif self.kind == "cuda_ipc" and self._keepalive is not None:
             import cupy
 
-            self.tensor = torch.empty(0)
+            self._tensor = torch.empty(0)
             cupy.cuda.runtime.ipcCloseMemHandle(self._keepalive)
         self._keepalive = None
 
 
 class RegionTable:
+    """The registered regions. ``max_bytes`` caps one owned region (413 above it); 0 takes
+    ``default_max_bytes(device)``. Whether an owned region fits is also checked against the
+    memory free at the time (507 if not), so that a region never takes the memory the host needs."""
+
     def __init__(self, device: torch.device, max_bytes: int = 1 << 62, shm_prefix: str = "kvferry-"):
         self.device = device
         self._regions: dict[str, Region] = {}
-        self._max_bytes = max_bytes
+        self._max_bytes = max_bytes or default_max_bytes(device)
         self._shm_prefix = shm_prefix
+        self._allocating = threading.Lock()  # one owned allocation at a time: each sees what the last took
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -156,15 +237,16 @@ class RegionTable:
         if spec.kind == "owned" and nbytes > self._max_bytes:
             raise PayloadTooLarge(f"region {name!r} of {nbytes} bytes is over the {self._max_bytes}-byte budget "
                                   "(max_region_bytes)")
-        keepalive = None
+        keepalive, fd = None, -1
         if spec.kind == "owned":
-            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+            tensor = self._allocate(name, shape, dtype, nbytes)
         elif spec.kind == "shm":
             if not spec.shm_name:
                 raise BadRequest("kind=shm needs shm_name")
             if not spec.shm_name.startswith(self._shm_prefix) or "/" in spec.shm_name:
                 raise BadRequest(f"shm_name must start with {self._shm_prefix!r} (shm_prefix) and hold no '/'")
             tensor, keepalive = _map_shm(spec.shm_name, shape, dtype)
+            fd = keepalive._fd
         elif spec.kind == "cuda_ipc":
             if not spec.ipc_handle:
                 raise BadRequest("kind=cuda_ipc needs ipc_handle")
@@ -174,7 +256,28 @@ class RegionTable:
         export = ((base64.b64decode(spec.ipc_handle), spec.offset) if spec.kind == "cuda_ipc" else None)
         return Region(name, spec.kind, spec.num_blocks, tuple(spec.block_shape), spec.dtype, tensor,
                       axes=tuple(spec.axes) if spec.axes else None, ipc_export=export,
-                      shm_name=spec.shm_name if spec.kind == "shm" else "", _keepalive=keepalive)
+                      shm_name=spec.shm_name if spec.kind == "shm" else "", _keepalive=keepalive,
+                      _segment_fd=fd)
+
+    def _allocate(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """Zeroed memory for an owned region, if it fits in what is free now.
+
+        Zeroing touches every page: an allocation the kernel grants by overcommit but cannot
+        back would end the process in the OOM killer's hands, so free memory is checked first.
+
+        Raises:
+            InsufficientStorage: not enough free memory, or the allocator refused.
+        """
+        with self._allocating:
+            free = free_bytes(self.device)
+            if free is not None and nbytes > free - HEADROOM_BYTES:
+                raise InsufficientStorage(f"region {name!r} needs {nbytes} bytes of {self.device} memory; {free} are "
+                                          f"free, and {HEADROOM_BYTES} stay free for the sidecar itself")
+            try:
+                return torch.zeros(shape, dtype=dtype, device=self.device)
+            except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                raise InsufficientStorage(f"cannot allocate region {name!r} of {nbytes} bytes on {self.device}: "
+                                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
     def delete(self, name: str) -> None:
         region = self.get(name)
@@ -187,6 +290,80 @@ class RegionTable:
         for region in self._regions.values():
             region.release()
         self._regions.clear()
+
+
+def default_max_bytes(device: torch.device) -> int:
+    """The cap on one owned region when ``max_region_bytes`` is 0: half the memory of the
+    device owned regions live on (the GPU's, or the host's within its cgroup limit), read at
+    start-up. A fixed cap would exceed small hosts' memory or starve large ones; half leaves
+    room for the codec's buffers, another region and the worker that shares the host."""
+    total = total_bytes(device)
+    return max(1, total // 2) if total else 64 << 30
+
+
+def total_bytes(device: torch.device) -> int | None:
+    """The memory of ``device``: a GPU's, or the host's within its cgroup limit (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    total = _meminfo().get("MemTotal")
+    limit = _cgroup_limit()
+    return min(x for x in (total, limit) if x is not None) if total or limit else None
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory an allocation on ``device`` may take now: a GPU's free memory (torch's cached
+    blocks included); the host's available memory, within its cgroup limit (None: unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    available = _meminfo().get("MemAvailable")
+    limit = _cgroup_limit()
+    if limit is not None:
+        used = _read_int("/sys/fs/cgroup/memory.current") or _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes")
+        if used is not None:
+            reclaimable = _cgroup_stat().get("inactive_file", 0)
+            in_group = max(0, limit - used + reclaimable)
+            available = in_group if available is None else min(available, in_group)
+    return available
+
+
+def _meminfo() -> dict[str, int]:
+    values = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return values
+
+
+def _cgroup_limit() -> int | None:
+    """This process's cgroup memory limit (v2, or v1), None if there is none."""
+    limit = _read_int("/sys/fs/cgroup/memory.max") or _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+    return limit if limit is not None and limit < 1 << 60 else None  # v1 says "no limit" with a huge number
+
+
+def _cgroup_stat() -> dict[str, int]:
+    for path in ("/sys/fs/cgroup/memory.stat", "/sys/fs/cgroup/memory/memory.stat"):
+        try:
+            with open(path) as f:
+                return {k: int(v) for k, v in (line.split() for line in f if len(line.split()) == 2) if v.isdigit()}
+        except OSError:
+            continue
+    return {}
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _map_shm(shm_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:

@@ -4,6 +4,7 @@ flags. Passed down as a frozen dataclass; nothing else reads the environment."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -26,15 +27,23 @@ class Settings:
     advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
     token: str = ""  # bearer token for the control API; never sent anywhere
     peer_secret: str = ""  # shared by the sidecars of a deployment: the data connection's HMAC handshake
+    data_encryption: str = "off"  # on: KV is encrypted on the wire too (AES-256-GCM; every message is authenticated either way)
+    max_blocks_per_transfer: int = 1 << 20  # blocks per region pair a transfer may name (sent or announced)
+    max_incoming_transfers: int = 64  # transfers peers may have in progress into this sidecar at once
     device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
     cpu_threads: int = 0  # torch's intra-op threads for CPU codec work; 0 = torch's default (all cores)
     chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64
     max_body_bytes: int = 64 * MiB  # a request body (chunked or not) above this is refused unread
-    max_region_bytes: int = 64 << 30  # an owned region above this is refused (413)
+    # An owned region above this is refused (413); 0: half the memory of the device owned regions
+    # live on, read at start-up (regions.default_max_bytes). One that does not fit in the memory
+    # free at the time is refused too (507).
+    max_region_bytes: int = 0
     shm_prefix: str = "kvferry-"  # kind=shm maps only POSIX segments whose name starts with this
-    max_connections: int = 256  # data-port connections at once, handshaking ones included
+    max_connections: int = 256  # authenticated data-port connections at once
+    max_handshaking_connections: int = 64  # data-port connections still in the handshake, apart from those
+    max_handshaking_per_source: int = 16  # ... from one address at once
     idle_timeout: float = 300.0  # an accepted data connection with nothing in flight this long is closed
     transfer_timeout: float = 30.0  # no progress for this long fails a transfer
     transport_backend: str = "auto"  # auto, ucxx, tcp
@@ -72,15 +81,20 @@ class Settings:
             raise ValueError(f"transport_backend: {self.transport_backend!r} is not auto, ucxx or tcp")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ValueError(f"ucx_progress_mode: {self.ucx_progress_mode!r} is not one of {', '.join(UCX_PROGRESS_MODES)}")
+        if self.data_encryption not in ("off", "on"):
+            raise ValueError(f"data_encryption: {self.data_encryption!r} is not off or on")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: {self.log_level!r} is not debug, info, warning or error")
         for name in ("port", "data_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
-        for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes", "max_region_bytes",
-                     "max_connections"):
+        for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes", "max_connections",
+                     "max_handshaking_connections", "max_handshaking_per_source", "max_blocks_per_transfer",
+                     "max_incoming_transfers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be positive")
+        if self.max_region_bytes < 0:
+            raise ValueError(f"max_region_bytes: {self.max_region_bytes} must be 0 (by memory) or positive")
         if self.spin_ms < 0 and self.spin_ms != -1:
             raise ValueError(f"spin_ms: {self.spin_ms} must be -1 (by device) or at least 0")
         if self.transfer_timeout <= 0 or self.idle_timeout <= 0:
@@ -107,6 +121,15 @@ def _loopback(host: str) -> bool:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _suggest(unknown: Any, known: Any) -> str:
+    """" (did you mean ...?)" for the unknown names that are close to a known one, else ""."""
+    hints = [(name, match[0]) for name in sorted(map(str, unknown))
+             if (match := difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75))]
+    if len(hints) == 1:
+        return f" (did you mean {hints[0][1]}?)"
+    return f" (did you mean {', '.join(f'{m} for {n}' for n, m in hints)}?)" if hints else ""
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -150,14 +173,14 @@ def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None
             raise ValueError(f"{config_file} is not a mapping of settings")
         unknown = set(document) - set(FIELDS)
         if unknown:
-            raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}")
+            raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}{_suggest(unknown, FIELDS)}")
         values.update(document)
     known = {f"KVFERRY_{name.upper()}" for name in FIELDS} | {"KVFERRY_CONFIG"}
     # KVFERRY_CONNECTOR_* belong to the vLLM connector (the engine process), which may share the env.
     unknown_env = sorted(k for k in environ if k.startswith("KVFERRY_") and k not in known
                          and not k.startswith("KVFERRY_CONNECTOR_"))
     if unknown_env:
-        raise ValueError(f"unknown settings in the environment: {unknown_env}")
+        raise ValueError(f"unknown settings in the environment: {unknown_env}{_suggest(unknown_env, known)}")
     for name in FIELDS:
         key = f"KVFERRY_{name.upper()}"
         if key in environ:

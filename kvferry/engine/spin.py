@@ -2,10 +2,10 @@
 
 On the virtual GPU hosts measured here a thread that sleeps a few milliseconds wakes on a cold CPU,
 and the next request's work runs several times slower: resolving a block list on the GPU took
-105 µs back to back and 342 µs after each 10 ms asleep, all of it CPU time (``bench/RESULTS.md``,
-thirteenth session). So after any activity the loop busy-polls for a while, as UCX's and NIXL's
-progress threads do, paying up to one core while traffic flows. It stops while worker threads run:
-a spinning loop would hold the GIL they need.
+105 µs back to back and 342 µs after each 10 ms asleep, all of it CPU time
+(``docs/decisions/005-busy-polling-after-activity.md``). So after any activity the loop
+busy-polls for a while, as UCX's and NIXL's progress threads do, paying up to one core while
+traffic flows. It stops while worker threads run: a spinning loop would hold the GIL they need.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
+from collections.abc import Callable
 from typing import Any
 
 from .errors import Conflict, EngineError, NotFound, Overloaded
@@ -57,6 +58,9 @@ class Transfer:
     abort: tuple[str, str, str] | None = field(default=None, repr=False)  # (state, kind, reason) to end with
     _finished: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     task: asyncio.Task | None = field(default=None, repr=False)  # None: an inline transfer, ended by callbacks
+    # What ending it must release (posted receives, chunk tags, ...), whatever state it ends in:
+    # run once by ``Engine.end``, the one place a transfer ends.
+    cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
     deadline: asyncio.TimerHandle | None = field(default=None, repr=False)  # an inline transfer's timeout
 
     def move(self, state: State, error: str | None = None, kind: str | None = None) -> bool:
@@ -114,10 +118,13 @@ class Transfer:
 
 class TransferTable:
     """Transfers by id. Finished ones are kept for queries, the oldest forgotten beyond ``history``;
-    every operation is O(1) so a long-running daemon does not slow down as its history fills."""
+    every operation is O(1) so a long-running daemon does not slow down as its history fills.
+    Transfers in progress are bounded per direction: peers' transfers into this sidecar
+    (``max_incoming``) never crowd out its own (``max_active``), nor the other way round."""
 
-    def __init__(self, max_active: int, history: int = 4096):
-        self._max_active = max_active
+    def __init__(self, max_active: int, history: int = 4096, max_incoming: int | None = None):
+        self._max = {"out": max_active, "in": max_active if max_incoming is None else max_incoming}
+        self._counts = {"out": 0, "in": 0}
         self._history = history
         self._transfers: dict[str, Transfer] = {}
         self._active: dict[str, Transfer] = {}
@@ -127,14 +134,18 @@ class TransferTable:
         """Raises: Conflict (id taken), Overloaded (too many in progress)."""
         if transfer.id in self._transfers:
             raise Conflict(f"transfer {transfer.id} already exists")
-        if len(self._active) >= self._max_active:
-            raise Overloaded(f"{self._max_active} transfers are already in progress")
+        direction = transfer.direction
+        if self._counts[direction] >= self._max[direction]:
+            what = "incoming transfers" if direction == "in" else "transfers"
+            raise Overloaded(f"{self._max[direction]} {what} are already in progress")
         self._transfers[transfer.id] = self._active[transfer.id] = transfer
+        self._counts[direction] += 1
         return transfer
 
     def retire(self, transfer: Transfer) -> None:
         """Move a terminal transfer to the history, forgetting the oldest beyond its bound."""
         if self._active.pop(transfer.id, None) is not None:
+            self._counts[transfer.direction] -= 1
             self._finished[transfer.id] = None
             while len(self._finished) > self._history:
                 old, _ = self._finished.popitem(last=False)

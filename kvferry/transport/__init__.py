@@ -11,14 +11,15 @@
 from .config import DEFAULT_UCX_OPTIONS, UCX_PROGRESS_MODES, TransportConfig
 from .connection import Connection, Mailbox, Receive
 from .endpoint import Listener, Pool, connect, listen
-from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
+from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, IncompatiblePeer, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
-from .link import resolve_backend, shutdown_backends
+from .link import RateLimitedLog, resolve_backend, shutdown_backends
 from .waiting import until_ready
 
 __all__ = [
     "TransportConfig", "DEFAULT_UCX_OPTIONS", "UCX_PROGRESS_MODES", "listen", "connect", "Listener", "Connection", "Pool",
     "Mailbox", "Receive", "resolve_backend", "shutdown_backends", "TransportError", "ConnectError", "TransportTimeout",
     "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected", "AuthenticationFailed", "CorruptPayload",
-    "until_ready",
+    "IncompatiblePeer",
+    "until_ready", "RateLimitedLog",
 ]

@@ -31,7 +31,8 @@ def parse_size(text: str) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window)
+    config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window,
+                             encrypt=args.encrypt)
     buffers = [_buffer(args), _buffer(args)]  # before UCX starts: it finds CUDA as the daemon does
     listener = await listen("127.0.0.1", 0, config)
     print(json.dumps({"port": listener.port}), flush=True)
@@ -44,7 +45,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 async def _send(args: argparse.Namespace, port: int) -> float:
-    config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window)
+    config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window,
+                             encrypt=args.encrypt)
     payload = _buffer(args)
     connection = await connect("127.0.0.1", port, config)
     start = time.perf_counter()
@@ -101,7 +103,7 @@ def _raw_send(port: int, size: int, count: int) -> float:
 def _spawn(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     command = [sys.executable, "-m", "kvferry.transport.bench", "--role", role, "--backend", args.backend,
                "--size", str(args.size), "--count", str(args.count), "--chunk", str(args.chunk),
-               "--window", str(args.window), "--device", args.device]
+               "--window", str(args.window), "--device", args.device] + (["--encrypt"] if args.encrypt else [])
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     for line in process.stdout:  # UCX may print its own warnings on stdout first
         if line.startswith("{"):
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=parse_size, default=parse_size("128MiB"))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:N for GPU buffers")
     parser.add_argument("--baseline", action="store_true", help="also measure raw blocking sockets")
+    parser.add_argument("--encrypt", action="store_true", help="encrypt payloads (AES-256-GCM) as well as authenticate them")
     parser.add_argument("--role", choices=("server", "raw-server"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "server":

@@ -39,17 +39,25 @@ class TransportConfig:
     close_timeout: float = 5.0
     # Link emulation for benchmarks: pace DATA to this many bytes/s per connection (0 = off).
     pace_bytes_per_s: float = 0.0
-    # A listener's limits: connections at once (handshaking ones included; more are closed at
-    # once), and how long an accepted connection with nothing in flight may stay silent.
+    # A listener's limits: authenticated connections at once (more are closed at once), and how
+    # long an accepted connection with nothing in flight may stay silent.
     max_connections: int = 256
+    # Connections still in the handshake (unauthenticated), apart from those: at once, and at
+    # once from one address (``endpoint.Listener`` says how a full budget is shared).
+    max_handshaking_connections: int = 64
+    max_handshaking_per_source: int = 16
     idle_timeout: float = 300.0
     # The shared peer secret both ends of a connection must prove they hold (HMAC handshake).
     secret: bytes = field(default=b"", repr=False)
+    # What the layer above speaks (agreed in the handshake: a mismatch fails at connect), and
+    # whether payloads are encrypted as well as authenticated (both ends must agree).
+    protocol: str = ""
+    encrypt: bool = False
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
     # How ucxx progresses its worker (one choice per process, at its first listen/connect).
     # "blocking": on the event loop, woken by the worker's event fd; ucxx's default "thread"
     # hands each completion from its progress thread through a notifier thread to the loop,
-    # which cost ~0.4 ms per message on an H200 host (bench/ucx_modes.sh; bench/RESULTS.md).
+    # which cost ~0.4 ms per message on an H200 host (docs/decisions/008-ucxx-progress-on-the-event-loop.md).
     ucx_progress_mode: str = "blocking"
 
     def __post_init__(self) -> None:
@@ -60,6 +68,7 @@ class TransportConfig:
                              f"not {self.ucx_progress_mode!r}")
         if self.chunk_bytes <= 0 or self.max_inflight_bytes < self.chunk_bytes:
             raise ValueError("need 0 < chunk_bytes <= max_inflight_bytes")
-        if min(self.connect_timeout, self.op_timeout, self.close_timeout, self.idle_timeout) <= 0 \
-                or self.max_connections <= 0:
+        if min(self.connect_timeout, self.op_timeout, self.close_timeout, self.idle_timeout) <= 0:
             raise ValueError("timeouts must be positive")
+        if min(self.max_connections, self.max_handshaking_connections, self.max_handshaking_per_source) <= 0:
+            raise ValueError("connection limits must be positive")

@@ -12,30 +12,38 @@ operation on the connection with the same typed error.
 Small messages of the layer above (MSG) travel in order with the rest and are handed, whole, to
 the connection's ``on_message`` callback from the reader: the engine's peer protocol rides on the
 same authenticated connection as the data it describes.
+
+Every message is sealed with the session's keys and its sequence number (``seal.py``): a header
+that fails its tag closes the connection before anything in it is acted on; a payload that
+fails its tag fails its transfer (nothing of it is handed on).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
-import functools
 import itertools
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import checksum, wire
+from . import wire
 from .buffers import Buffer
 from .config import TransportConfig
-from .errors import (CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
-                     TransportTimeout)
+from .errors import (AuthenticationFailed, CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed,
+                     TransportError, TransportTimeout)
+from .handshake import Session
 from .link import Link, log
+from .seal import TAG_BYTES, Digest, Direction
 from .waiting import until_ready
 from .wire import Message, MessageType
 
 _ACK_FRACTION = 4  # acknowledge at least every max_inflight_bytes / 4 received
 _DISCARD_CHUNK = 1 << 20
+_MESSAGE_PIECE = 64 << 10  # a MSG payload is read (and its buffer grown) this much at a time
+_NO_TAG = bytes(TAG_BYTES)
 
 
 class Receive:
@@ -52,7 +60,7 @@ class Receive:
         # A device buffer's consumer may check the payload's CRCs itself, on its own stream with
         # its own work (``start_check``): the check then costs no wait of its own on the path.
         self.defer_check = defer_check and bool(getattr(buffer, "is_cuda", False))
-        self._checks: list[tuple[int, int, tuple[int, bool]]] = []
+        self._checks: list[tuple[int, int, Direction, int, bytes, bool]] = []
         self.total: int | None = None
         self.received = 0
         self._unacked = 0
@@ -87,18 +95,20 @@ class Receive:
         received on the current CUDA stream; the returned function raises ``CorruptPayload`` if
         any failed (it waits for the stream). Until it returns, the bytes are unverified."""
         pending = []
-        for offset, length, (expected, segmented) in self._checks:
+        for offset, length, direction, seq, tag, digest in self._checks:
             region = self.buffer.region(offset, offset + length)
-            if segmented:
-                pending.append((offset, length, expected, checksum.start_device_segmented_crc(region)))
-            else:  # a host sender's payload into this GPU: its CRC needs the bytes on the host
-                pending.append((offset, length, expected, functools.partial(checksum.crc, region.cpu().numpy())))
+            if digest:
+                pending.append((offset, length, direction, seq, tag, direction.digest(region)))
+            else:  # a host sender's payload into this GPU: its tag needs the bytes on the host
+                pending.append((offset, length, direction, seq, tag, region.cpu().numpy()))
 
         def check() -> None:
-            for offset, length, expected, value in pending:
-                if value() != expected:
+            for offset, length, direction, seq, tag, value in pending:
+                ok = (direction.check_digest(seq, value(), tag) if isinstance(value, Digest)
+                      else direction.check_payload(seq, value, tag))
+                if not ok:
                     raise CorruptPayload(f"transfer {self.tag:#x}: bytes [{offset}, {offset + length}) failed "
-                                         "their CRC32C")
+                                         "their authentication tag")
 
         return check
 
@@ -129,7 +139,7 @@ class Mailbox:
         self._expected: dict[int, Receive] = {}
         self._early: dict[int, tuple[Connection, int]] = {}
         self._max_early = max_early
-        self._refused: dict[int, str] = {}  # insertion order = age
+        self._refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # oldest first
         self._max_refused = max_refused
 
     def refuse(self, tags: list[int], reason: str) -> None:
@@ -142,7 +152,7 @@ class Mailbox:
             else:
                 self._refused[tag] = reason
         while len(self._refused) > self._max_refused:
-            del self._refused[next(iter(self._refused))]
+            self._refused.popitem(last=False)
 
     def expect(self, tag: int, buffer: Any, defer_check: bool = False) -> Receive:
         """Post a receive of transfer ``tag`` into ``buffer`` (host or CUDA, contiguous); with
@@ -276,8 +286,11 @@ class Connection:
 
     _ids = itertools.count(1)
 
-    def __init__(self, link: Link, config: TransportConfig, mailbox: Mailbox, on_message: OnMessage | None = None):
+    def __init__(self, link: Link, config: TransportConfig, mailbox: Mailbox, session: Session,
+                 on_message: OnMessage | None = None):
         self.link = link
+        self._out = session.send
+        self._in = session.receive
         self.peer = link.peer
         self.id = next(self._ids)
         self._config = config
@@ -383,10 +396,10 @@ class Connection:
         spans = [(offset, min(chunk, data.nbytes - offset)) for offset in range(0, data.nbytes, chunk)]
         state = self._sends[tag] = _Send()
         try:
-            # GPU to GPU: the payload's CRCs are launched first and awaited without blocking the
-            # loop, behind the rendezvous where there is one.
-            crcs = ([checksum.start_device_segmented_crc(data.region(offset, offset + n)) for offset, n in spans]
-                    if data.is_device and not self.link.stages_device_payloads else None)
+            # GPU to GPU: the payload's digests are launched first and awaited without blocking
+            # the loop, behind the rendezvous where there is one.
+            crcs = ([self._out.digest(data.region(offset, offset + n)) for offset, n in spans]
+                    if data.is_device and not self._stages_device_payloads else None)
             rts = Message(MessageType.RTS, tag, total=data.nbytes, flags=wire.FLAG_EAGER if eager else 0)
             if not eager:
                 await self._write(rts)
@@ -400,10 +413,11 @@ class Connection:
                     await self._pacer.admit(n)
                 state.sent += n
                 header = Message(MessageType.DATA, tag, offset, n, data.nbytes)
+                payload = data.region(offset, offset + n)
                 if crcs:
-                    header = dataclasses.replace(header, flags=wire.FLAG_PAYLOAD_CRC | wire.FLAG_SEGMENTED,
-                                                 crc=crcs[index]())
-                message = (header, data.region(offset, offset + n))
+                    header = dataclasses.replace(header, flags=wire.FLAG_DIGEST)
+                    payload = _Digested(payload, crcs[index]())
+                message = (header, payload)
                 started = time.monotonic()
                 await self._write_many([(rts, None), message] if rts is not None else [message])
                 if self._pacer is not None:
@@ -468,22 +482,33 @@ class Connection:
         if write is not None:
             await asyncio.shield(write)
 
+    @property
+    def _stages_device_payloads(self) -> bool:
+        """Device payloads go through host memory: the backend stages them, or they are encrypted."""
+        return self.link.stages_device_payloads or self._out.encrypt
+
     def _parts(self, messages: list[tuple[Message, Any]]) -> list[Any]:
-        """Headers and payloads in order, payloads checksummed unless ``send`` did it on the GPU
-        (device payloads reach here unchecksummed only on backends that stage them: they are
-        staged here, and their host copy checksummed)."""
+        """Sealed headers and payloads in order, each message taking the next sequence number
+        (so this runs under the write lock, in the order the parts are written). Device payloads
+        reach here without a digest only where they are staged: they are staged here."""
         self.last_activity = time.monotonic()
         parts = []
-        for message, payload in messages:
-            if payload is not None and len(payload) and message.type in (MessageType.DATA, MessageType.MSG) \
-                    and not message.flags & wire.FLAG_PAYLOAD_CRC:
+        for seq, (message, payload) in enumerate(messages, self._out.seq):
+            tag = _NO_TAG
+            if isinstance(payload, _Digested):
+                tag, payload = self._out.digest_tag(seq, payload.digest), payload.region
+            elif payload is not None and len(payload):
                 if getattr(payload, "is_cuda", False):
                     payload = memoryview(payload.cpu().numpy())
-                message = dataclasses.replace(message, flags=message.flags | wire.FLAG_PAYLOAD_CRC,
-                                              crc=checksum.crc(payload))
-            parts.append(message.pack())
+                if self._out.encrypt:
+                    payload, tag = self._out.seal(seq, payload)
+                else:
+                    tag = self._out.payload_tag(seq, payload)
+            header = message.pack()
+            parts.append(header + tag + self._out.header_tag(seq, header, tag))
             if payload is not None and len(payload):
                 parts.append(payload)
+        self._out.seq += len(messages)  # only once all are sealed: a failure here writes nothing
         return parts
 
     def _write_locked(self, messages: list[tuple[Message, Any]]) -> asyncio.Future | None:
@@ -575,9 +600,15 @@ class Connection:
     async def _read_loop(self) -> None:
         try:
             while True:
-                message = wire.unpack(await self.link.recv_header(wire.HEADER_SIZE))
+                sealed = await self.link.recv_header(wire.SEALED_HEADER_SIZE)
+                header, tag = sealed[:wire.HEADER_SIZE], sealed[wire.HEADER_SIZE:wire.HEADER_SIZE + TAG_BYTES]
+                message = wire.unpack(header)
+                seq = self._in.next()
+                if not self._in.check_header(seq, header, tag, sealed[wire.HEADER_SIZE + TAG_BYTES:]):
+                    raise AuthenticationFailed(f"a message from {self.peer} failed its authentication tag "
+                                               "(forged, replayed, reordered or damaged): connection closed")
                 self.last_activity = time.monotonic()
-                await self._dispatch(message)
+                await self._dispatch(message, seq, tag)
         except TransportError as exc:
             await self._fail(exc)
         except asyncio.CancelledError:
@@ -586,7 +617,7 @@ class Connection:
             log.exception("connection %s reader failed", self.peer)
             await self._fail(ProtocolError(f"reader failed: {exc!r}"))
 
-    async def _dispatch(self, m: Message) -> None:
+    async def _dispatch(self, m: Message, seq: int, tag: bytes) -> None:
         if m.type == MessageType.RTS:
             self._mailbox._announce(self, m.tag, m.total, bool(m.flags & wire.FLAG_EAGER))
         elif m.type == MessageType.CTS:
@@ -594,13 +625,12 @@ class Connection:
             if state is not None and not state.accepted.done():
                 state.accepted.set_result(m.total)
         elif m.type == MessageType.REJECT:
-            reason = bytearray(m.length)
-            await self.link.recv_payload(memoryview(reason))
+            reason = await self._recv_small(m, seq, tag)
             state = self._sends.get(m.tag)
             if state is not None:
                 state.fail(TransferRejected(reason.decode(errors="replace")))
         elif m.type == MessageType.DATA:
-            await self._on_data(m)
+            await self._on_data(m, seq, tag)
         elif m.type == MessageType.ACK:
             state = self._sends.get(m.tag)
             if state is not None:
@@ -610,9 +640,7 @@ class Connection:
                 if m.flags & wire.FLAG_DONE and not state.done.done():
                     state.done.set_result(None)
         elif m.type == MessageType.MSG:
-            payload = bytearray(m.length)
-            if not await self.link.recv_payload(memoryview(payload), self._crc(m)):
-                raise CorruptPayload(f"a message from {self.peer} failed its checksum")
+            payload = await self._recv_small(m, seq, tag)
             if self._on_message is None:
                 raise ProtocolError("MSG on a connection that takes none")
             try:
@@ -624,7 +652,31 @@ class Connection:
         else:
             raise ProtocolError(f"unexpected {m.type.name} after the handshake")
 
-    async def _on_data(self, m: Message) -> None:
+    async def _recv_small(self, m: Message, seq: int, tag: bytes) -> bytearray:
+        """A MSG's or REJECT's payload, its buffer grown as its bytes arrive (a header alone
+        costs no more than its own bytes), authenticated (or decrypted) before it is handed on.
+
+        Raises:
+            AuthenticationFailed: it fails its tag (the connection cannot be trusted further).
+        """
+        if m.length <= _MESSAGE_PIECE:
+            payload = bytearray(m.length)
+            await self.link.recv_payload(memoryview(payload))
+        else:
+            payload = bytearray()
+            while len(payload) < m.length:
+                piece = bytearray(min(_MESSAGE_PIECE, m.length - len(payload)))
+                await self.link.recv_payload(memoryview(piece))
+                payload += piece
+        if self._in.encrypt and m.length:
+            ok = self._in.open_into(seq, bytes(payload), tag, payload)
+        else:
+            ok = self._in.check_payload(seq, payload, tag) if m.length else tag == _NO_TAG
+        if not ok:
+            raise AuthenticationFailed(f"a {m.type.name} from {self.peer} failed its authentication tag")
+        return payload
+
+    async def _on_data(self, m: Message, seq: int, tag: bytes) -> None:
         receive = self._receives.get(m.tag)
         if receive is None or receive.done:
             # Cancelled or timed out here while the sender was mid-transfer: drop its bytes,
@@ -636,16 +688,23 @@ class Connection:
             return
         if m.total != receive.total or m.offset + m.length > receive.total:
             raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
-        check = self._crc(m)
-        if check is not None and receive.defer_check and not self.link.stages_device_payloads:
-            receive._checks.append((m.offset, m.length, check))
-            check = None
-        if not await self.link.recv_payload(receive.buffer.region(m.offset, m.offset + m.length), check):
+        region = receive.buffer.region(m.offset, m.offset + m.length)
+        digest = bool(m.flags & wire.FLAG_DIGEST)
+        if self._in.encrypt:
+            if digest:
+                raise ProtocolError("a device digest on an encrypted connection")
+            ok = await self._recv_encrypted(region, seq, tag)
+        elif receive.defer_check and not self.link.stages_device_payloads:
+            receive._checks.append((m.offset, m.length, self._in, seq, tag, digest))
+            ok = await self.link.recv_payload(region)
+        else:
+            ok = await self.link.recv_payload(region, self._verifier(seq, tag, digest))
+        if not ok:
             # The framing is intact (the header's own CRC passed): fail this transfer, keep the link.
             self._receives.pop(m.tag, None)
             receive.fail(CorruptPayload(f"transfer {m.tag:#x}: bytes [{m.offset}, {m.offset + m.length}) failed "
-                                        "their CRC32C"))
-            self._reject(m.tag, "payload checksum mismatch")
+                                        "their authentication tag"))
+            self._reject(m.tag, "payload authentication failed")
             return
         receive._landed(m.length)
         if receive.received >= receive.total:
@@ -654,9 +713,31 @@ class Connection:
             self._post([(Message(MessageType.ACK, m.tag, length=receive._unacked), None)])
             receive._unacked = 0
 
-    @staticmethod
-    def _crc(m: Message) -> tuple[int, bool] | None:
-        return (m.crc, bool(m.flags & wire.FLAG_SEGMENTED)) if m.flags & wire.FLAG_PAYLOAD_CRC else None
+    def _verifier(self, seq: int, tag: bytes, digest: bool) -> Callable[[Any], bool]:
+        """The check of one DATA payload's bytes, which a backend applies where they landed
+        (host bytes, or a CUDA tensor it received into)."""
+        direction = self._in
+
+        def verify(data: Any) -> bool:
+            if digest:
+                return direction.check_digest(seq, direction.digest(data)(), tag)
+            return direction.check_payload(seq, data.cpu().numpy() if hasattr(data, "is_cuda") else data, tag)
+
+        return verify
+
+    async def _recv_encrypted(self, region: Any, seq: int, tag: bytes) -> bool:
+        """Ciphertext through host memory, decrypted into ``region`` only if it is authentic."""
+        ciphertext = bytearray(len(region) if not hasattr(region, "numel") else region.numel())
+        await self.link.recv_payload(memoryview(ciphertext))
+        if hasattr(region, "is_cuda"):
+            plain = bytearray(len(ciphertext))
+            if not self._in.open_into(seq, bytes(ciphertext), tag, plain):
+                return False
+            import torch
+
+            region.copy_(torch.frombuffer(plain, dtype=torch.uint8) if plain else region.new_empty(0))
+            return True
+        return self._in.open_into(seq, bytes(ciphertext), tag, region)
 
     async def _discard(self, n: int) -> None:
         scratch = bytearray(min(n, _DISCARD_CHUNK))
@@ -708,6 +789,14 @@ class Connection:
         if not self.closed:
             with contextlib.suppress(TransportError, asyncio.TimeoutError):
                 async with self._write_lock:
-                    await asyncio.wait_for(self.link.send(Message(MessageType.GOODBYE).pack()),
+                    await asyncio.wait_for(self.link.send(self._parts([(Message(MessageType.GOODBYE), None)])[0]),
                                            self._config.close_timeout)
         await self._fail(TransportClosed(f"connection to {self.peer} closed"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Digested:
+    """A device payload with its digest computed (``Session.send.digest``)."""
+
+    region: Any
+    digest: bytes

@@ -6,16 +6,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 
 from . import handshake
 from .config import TransportConfig
 from .connection import Connection, Mailbox, OnMessage
 from .errors import TransportClosed, TransportError
-from .link import Link, backend_module, log, resolve_backend
+from .link import Link, RateLimitedLog, backend_module, log, resolve_backend
 
 
 class Listener:
-    """Accepts connections; receives posted in ``mailbox`` match transfers from any of them."""
+    """Accepts connections; receives posted in ``mailbox`` match transfers from any of them.
+
+    Connections still in the handshake have their own budget, apart from authenticated ones
+    (``max_connections``): unauthenticated sockets cannot lock the peers out. At most
+    ``max_handshaking_per_source`` handshake at once from one address; when all
+    ``max_handshaking_connections`` are taken, a newcomer from an address holding fewer of them
+    than the address holding the most closes that address's oldest one (fair shares: a flood
+    from a few addresses cannot keep out another peer's handshake, which takes a round trip),
+    else it is refused. Each handshake still ends at ``connect_timeout``.
+    """
 
     def __init__(self, backend: str, config: TransportConfig, mailbox: Mailbox, on_message: OnMessage | None = None):
         self.backend = backend
@@ -25,33 +35,76 @@ class Listener:
         self._config = config
         self._handle = None
         self._connections: set[Connection] = set()
-        self._links = 0  # accepted links, handshaking or connected
+        self._authenticated = 0  # links past the handshake, connected
+        self._handshaking: dict[Link, str | None] = {}  # link -> its source address, oldest first
+        self._sources: Counter[str | None] = Counter()  # source address -> its links in the handshake
         self._closed = False
-        self._refusals = _RateLimitedLog()
+        self._refusals = RateLimitedLog(log)
         self._watchdog: asyncio.Task | None = None
 
     async def _on_link(self, link: Link) -> None:
-        if self._closed or self._links >= self._config.max_connections:
-            if not self._closed:
-                self._refusals.warn(f"refused a connection from {link.peer}: {self._links} connections "
-                                    f"already (max_connections)")
+        source = _source(link.peer)
+        refusal, evicted = (None, None) if self._closed else self._admit(source)
+        if self._closed or refusal:
+            if refusal:
+                self._refusals.warn(f"refused a connection from {link.peer}: {refusal}")
             await link.close()
             return
-        self._links += 1
+        self._handshaking[link] = source  # counted before anything awaits
+        self._sources[source] += 1
         try:
-            await self._serve(link)
-        finally:
-            self._links -= 1
-
-    async def _serve(self, link: Link) -> None:
-        try:
-            await handshake.acceptor(link, self._config.secret, self._config.connect_timeout)
+            if evicted is not None:
+                await evicted.close()
+            session = await handshake.acceptor(link, self._config.secret, self._config.connect_timeout,
+                                               offer_of(self._config))
         except TransportError as exc:
-            self._refusals.warn(f"refused a connection from {link.peer}: {type(exc).__name__}: {exc}")
+            if link in self._handshaking:  # not closed to make room for another
+                self._refusals.warn(f"refused a connection from {link.peer}: {type(exc).__name__}: {exc}")
             return
+        finally:
+            self._forget(link)
+        if self._closed or self._authenticated >= self._config.max_connections:
+            if not self._closed:
+                self._refusals.warn(f"refused a connection from {link.peer}: {self._authenticated} connections "
+                                    "already (max_connections)")
+            await link.close()
+            return
+        self._authenticated += 1
+        try:
+            await self._serve(link, session)
+        finally:
+            self._authenticated -= 1
+
+    def _admit(self, source: str | None) -> tuple[str | None, Link | None]:
+        """(why a handshake from ``source`` is refused, or None; the handshaking link to close
+        for it, where fair)."""
+        config = self._config
+        if self._authenticated >= config.max_connections:
+            return f"{self._authenticated} connections already (max_connections)", None
+        if source is not None and self._sources[source] >= config.max_handshaking_per_source:
+            return f"{self._sources[source]} handshakes from {source} already (max_handshaking_per_source)", None
+        if len(self._handshaking) < config.max_handshaking_connections:
+            return None, None
+        heaviest = max(self._sources.values())
+        if self._sources[source] >= heaviest:
+            return f"{len(self._handshaking)} handshakes already (max_handshaking_connections)", None
+        victim = next(link for link, s in self._handshaking.items() if self._sources[s] == heaviest)
+        self._refusals.warn(f"closed a handshaking connection from {victim.peer} to make room "
+                            "(max_handshaking_connections)")
+        self._forget(victim)
+        return None, victim
+
+    def _forget(self, link: Link) -> None:
+        if link in self._handshaking:
+            source = self._handshaking.pop(link)
+            self._sources[source] -= 1
+            if not self._sources[source]:
+                del self._sources[source]
+
+    async def _serve(self, link: Link, session: handshake.Session) -> None:
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._close_idle())
-        connection = Connection(link, self._config, self.mailbox, self.on_message)
+        connection = Connection(link, self._config, self.mailbox, session, self.on_message)
         self._connections.add(connection)
         log.debug("accepted connection %d from %s", connection.id, connection.peer)
         try:
@@ -110,11 +163,16 @@ async def connect(host: str, port: int, config: TransportConfig, *, backend: str
     Raises:
         ConnectError: refused, unreachable, or not connected within ``connect_timeout``.
         AuthenticationFailed: the two ends do not share the peer secret.
+        IncompatiblePeer: the two ends speak different versions or security modes.
     """
     name = backend or resolve_backend(config)
     link = await backend_module(name).connect(host, port, config)
-    await handshake.connector(link, config.secret, config.connect_timeout)
-    return Connection(link, config, mailbox or Mailbox(), on_message)
+    session = await handshake.connector(link, config.secret, config.connect_timeout, offer_of(config))
+    return Connection(link, config, mailbox or Mailbox(), session, on_message)
+
+
+def offer_of(config: TransportConfig) -> handshake.Offer:
+    return handshake.Offer(config.protocol, config.encrypt)
 
 
 class Pool:
@@ -174,19 +232,8 @@ class Pool:
             await asyncio.gather(*(c.close() for c in connections), return_exceptions=True)
 
 
-class _RateLimitedLog:
-    """At most one warning a second for a repeated peer error, with how many were not logged."""
-
-    def __init__(self, period: float = 1.0):
-        self._period = period
-        self._last = 0.0
-        self._dropped = 0
-
-    def warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self._period:
-            self._dropped += 1
-            return
-        suffix = f" ({self._dropped} more like it not logged)" if self._dropped else ""
-        log.warning("%s%s", message, suffix)
-        self._last, self._dropped = now, 0
+def _source(peer: str) -> str | None:
+    """The address part of a link's ``host:port`` peer; None where the backend does not say
+    (ucxx), which leaves such links to the overall handshake budget."""
+    host, sep, port = peer.rpartition(":")
+    return host if sep and host and port.isdigit() else None

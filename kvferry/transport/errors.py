@@ -8,8 +8,11 @@ the backend's edge and chained with ``from``.
     ├── TransportClosed    the connection or listener was closed locally
     ├── ProtocolError      the peer sent bytes that are not a valid kvferry transport message
     ├── TransferRejected   the receiver refused a transfer (no such tag, buffer too small, ...)
-    ├── AuthenticationFailed  the peer does not hold the shared peer secret (handshake refused)
-    └── CorruptPayload     a payload failed its CRC32C (nothing was handed on, or a deferred check failed)
+    ├── AuthenticationFailed  the peer does not hold the shared peer secret (handshake refused),
+    │                         or a message after the handshake failed its authentication tag
+    ├── IncompatiblePeer   the two ends speak different versions or security modes (at connect)
+    └── CorruptPayload     a payload failed its authentication tag (nothing was handed on, or a
+                           deferred check failed); the connection is closed
 """
 
 
@@ -49,5 +52,9 @@ class AuthenticationFailed(TransportError):
     """The handshake failed: one side does not hold the shared peer secret."""
 
 
+class IncompatiblePeer(TransportError):
+    """The peer speaks another transport or peer-protocol version, or another security mode."""
+
+
 class CorruptPayload(TransportError):
-    """A payload's bytes do not match the CRC32C its header carries; they were not handed on."""
+    """A payload's bytes do not match their authentication tag; they were not handed on."""

@@ -46,14 +46,15 @@ class Link(ABC):
         """
 
     # Backends that move device payloads through host memory (TCP) say so: the connection then
-    # stages them itself and checksums the host copy.
+    # stages them itself and authenticates the host copy.
     stages_device_payloads = False
 
     @abstractmethod
-    async def recv_payload(self, region: Any, check: tuple[int, bool] | None = None) -> bool:
+    async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None) -> bool:
         """Receive exactly ``len(region)`` payload bytes into ``region`` (host or device); with
-        ``check`` (the header's CRC, and whether it is the segmented one: ``checksum.verify``),
-        False if they do not match it (a region a backend stages is left untouched then)."""
+        ``check`` (the connection's verifier of these bytes, given the host bytes or the device
+        tensor they landed in), False if they fail it (a region a backend stages is left
+        untouched then)."""
 
     @abstractmethod
     async def close(self) -> None:
@@ -105,3 +106,26 @@ def backend_module(name: str):
     from . import tcp
 
     return tcp
+
+
+class RateLimitedLog:
+    """At most one warning a ``period`` for a repeated peer error, with how many were not
+    logged: a peer cannot flood the log (a line per malformed message would be thousands a
+    second)."""
+
+    def __init__(self, logger: logging.Logger, period: float = 1.0):
+        self._log = logger
+        self._period = period
+        self._last = -period
+        self._dropped = 0
+
+    def warn(self, message: str) -> None:
+        import time
+
+        now = time.monotonic()
+        if now - self._last < self._period:
+            self._dropped += 1
+            return
+        suffix = f" ({self._dropped} more like it not logged)" if self._dropped else ""
+        self._log.warning("%s%s", message, suffix)
+        self._last, self._dropped = now, 0

@@ -1,28 +1,42 @@
-"""The transport's wire messages (version 2): the one place that knows their byte layout.
+"""The transport's wire messages (version 3): the one place that knows their byte layout.
 
 Every message is a fixed 48-byte little-endian header, followed, for HELLO, AUTH, REJECT, DATA
 and MSG only, by ``length`` payload bytes:
 
     offset size field
          0    4 magic b"KVFT"
-         4    1 version (2)
+         4    1 version (3; 2 had unkeyed payload CRCs and no session keys)
          5    1 type (MessageType)
-         6    2 flags (bit 0: DONE on ACK; bit 1: EAGER on RTS; bit 2: PAYLOAD_CRC on DATA and MSG;
-                      bit 3: SEGMENTED, with bit 2: the CRC is checksum.py's segmented CRC32C)
+         6    2 flags (bit 0: DONE on ACK; bit 1: EAGER on RTS; bit 3: DIGEST on DATA: the
+                      payload tag authenticates the payload's device digest, ``seal.py``)
          8    8 tag: the transfer this message belongs to
         16    8 offset: DATA: byte offset of the payload in the transfer
         24    8 length: HELLO/AUTH/REJECT/DATA/MSG: payload bytes that follow; ACK: bytes acknowledged
         32    8 total: RTS/CTS/DATA: the transfer's size in bytes
-        40    4 payload CRC32C, or with bit 3 its segmented CRC32C (device payloads; with bit 2, else 0)
-        44    4 CRC32C of bytes 0..43
+        40    4 reserved (0)
+        44    4 CRC32C of bytes 0..43 (accidental damage is named as such, before any key is used)
 
-A connection starts with the handshake (both ends prove they hold the peer secret; nothing else
-is read before it completes):
+After the handshake every header is followed by a 32-byte trailer, and the payload (if any)
+comes after the trailer:
 
-    connector → HELLO  payload: nonce_c (32 random bytes)
-    acceptor  → HELLO  payload: nonce_s (32) + HMAC-SHA256(secret, "kvferry/2 acceptor" + nonce_c + nonce_s)
-    connector → AUTH   payload: HMAC-SHA256(secret, "kvferry/2 connector" + nonce_s + nonce_c)
-    acceptor  → AUTH   empty: accepted (or REJECT with tag 0 and a reason, then the link closes)
+    48   16 payload tag (GMAC of the payload, of its device digest, or AES-GCM's tag of its
+            ciphertext; zero without a payload)
+    64   16 header tag (GMAC of the header and the payload tag)
+
+both keyed by the direction's session key and the message's sequence number (``seal.py``).
+
+A connection starts with the handshake (both ends prove they hold the peer secret and agree on
+what they speak; nothing else is read before it completes):
+
+    connector → HELLO  nonce_c (32) + offer
+    acceptor  → HELLO  nonce_s (32) + offer + HMAC-SHA256(secret, "kvferry/3 acceptor" + transcript)
+    connector → AUTH   HMAC-SHA256(secret, "kvferry/3 connector" + transcript)
+    acceptor  → AUTH   empty: accepted (or REJECT with tag 0 and a reason, then the link closes;
+                       tag 1: the two ends are incompatible, the reason names both)
+
+An offer is u8 security mode (0: authenticated, 1: authenticated and encrypted), u8 n and n
+bytes naming the protocol the layer above speaks (e.g. ``kvferry-peer/6``); the transcript is
+both HELLO payloads. The session keys come from both nonces, the secret and the transcript.
 
 MSG carries a small opaque message of the layer above (the engine's peer protocol), in order with
 the connection's other messages.
@@ -43,24 +57,25 @@ from enum import IntEnum
 
 import google_crc32c
 
-from . import checksum
 from .errors import ProtocolError
 
 MAGIC = b"KVFT"
-VERSION = 2
+VERSION = 3
 FLAG_DONE = 0x1  # on ACK: the last byte is written
 FLAG_EAGER = 0x2  # on RTS: DATA follows at once, without waiting for CTS (the receive must be posted)
-FLAG_PAYLOAD_CRC = 0x4  # on DATA/MSG: the payload's CRC32C is in the header (checked before the bytes
-                        # are used: a mismatch fails that transfer, not the connection)
-FLAG_SEGMENTED = 0x8  # with PAYLOAD_CRC: the segmented CRC32C, computed on the GPU (device payloads)
+FLAG_DIGEST = 0x8  # on DATA: the payload tag covers the payload's device digest (``seal.device_digest``)
 _LAYOUT = struct.Struct("<4sBBHQQQQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _LAYOUT.size + _CRC.size
 assert HEADER_SIZE == 48
 MAX_REASON_BYTES = 4096
+TRAILER_BYTES = 32  # after the handshake: payload tag, header tag
+SEALED_HEADER_SIZE = HEADER_SIZE + TRAILER_BYTES
 MAX_MESSAGE_BYTES = 16 << 20  # a MSG payload (an announce may list up to 2**20 block ids)
 NONCE_BYTES = 32
 MAC_BYTES = 32
+MAX_OFFER_BYTES = 2 + 255
+REJECT_INCOMPATIBLE = 1  # a handshake REJECT's tag: the ends speak different versions or modes
 
 class MessageType(IntEnum):
     HELLO = 1
@@ -82,15 +97,20 @@ class Message:
     length: int = 0
     total: int = 0
     flags: int = 0
-    crc: int = 0
 
-    def pack(self) -> bytes:
-        body = _LAYOUT.pack(MAGIC, VERSION, int(self.type), self.flags, self.tag, self.offset,
-                            self.length, self.total, self.crc)
+    def pack(self, version: int = VERSION) -> bytes:
+        """The header's bytes (``version``: only to answer an older peer in its own layout)."""
+        body = _LAYOUT.pack(MAGIC, version, int(self.type), self.flags, self.tag, self.offset,
+                            self.length, self.total, 0)
         return body + _CRC.pack(google_crc32c.value(body))
 
 
-payload_crc = checksum.crc  # a host payload's CRC32C
+class VersionMismatch(ProtocolError):
+    """A well-formed header of another transport version."""
+
+    def __init__(self, version: int):
+        super().__init__(f"the peer speaks transport version {version}, this build speaks {VERSION}")
+        self.version = version
 
 
 def unpack(data: bytes | bytearray | memoryview) -> Message:
@@ -102,28 +122,35 @@ def unpack(data: bytes | bytearray | memoryview) -> Message:
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"header is {len(data)} bytes, expected {HEADER_SIZE}")
     body = bytes(data[:_LAYOUT.size])
-    magic, version, kind, flags, tag, offset, length, total, crc = _LAYOUT.unpack(body)
+    magic, version, kind, flags, tag, offset, length, total, reserved = _LAYOUT.unpack(body)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}")
-    if version != VERSION:
-        raise ProtocolError(f"unsupported transport version {version}")
     if _CRC.unpack(bytes(data[_LAYOUT.size:]))[0] != google_crc32c.value(body):
         raise ProtocolError("header checksum mismatch")
+    if version != VERSION:
+        raise VersionMismatch(version)
     try:
         message_type = MessageType(kind)
     except ValueError:
         raise ProtocolError(f"unknown message type {kind}") from None
-    if (flags & ~(FLAG_DONE | FLAG_EAGER | FLAG_PAYLOAD_CRC | FLAG_SEGMENTED)
-            or (crc and not flags & FLAG_PAYLOAD_CRC) or (flags & FLAG_SEGMENTED and not flags & FLAG_PAYLOAD_CRC)):
+    if flags & ~(FLAG_DONE | FLAG_EAGER | FLAG_DIGEST) or reserved:
         raise ProtocolError("reserved bits set")
-    if flags & FLAG_PAYLOAD_CRC and message_type not in (MessageType.DATA, MessageType.MSG):
-        raise ProtocolError(f"payload CRC on {message_type.name}")
+    if flags & FLAG_DIGEST and message_type != MessageType.DATA:
+        raise ProtocolError(f"a device digest on {message_type.name}")
     if message_type == MessageType.DATA and offset + length > total:
         raise ProtocolError(f"DATA [{offset}, {offset + length}) beyond transfer size {total}")
     if message_type == MessageType.REJECT and length > MAX_REASON_BYTES:
         raise ProtocolError("REJECT reason too long")
     if message_type == MessageType.MSG and length > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"MSG of {length} bytes is over {MAX_MESSAGE_BYTES}")
-    if message_type in (MessageType.HELLO, MessageType.AUTH) and length > NONCE_BYTES + MAC_BYTES:
+    if message_type in (MessageType.HELLO, MessageType.AUTH) and length > NONCE_BYTES + MAX_OFFER_BYTES + MAC_BYTES:
         raise ProtocolError(f"{message_type.name} payload of {length} bytes is too long")
-    return Message(message_type, tag, offset, length, total, flags, crc)
+    return Message(message_type, tag, offset, length, total, flags)
+
+
+def has_payload(message: Message) -> bool:
+    """Whether ``length`` payload bytes follow this message's header."""
+    return message.type in _WITH_PAYLOAD and message.length > 0
+
+
+_WITH_PAYLOAD = (MessageType.HELLO, MessageType.AUTH, MessageType.REJECT, MessageType.DATA, MessageType.MSG)

@@ -1,5 +1,5 @@
 """The entropy codec, CPU reference: bit-exact round trips, golden frames, calibration, blocks,
-and the ratios issue 17 targets on the real KV (calibrated on chunk 0, measured on chunk 1)."""
+and its target ratios on the real KV (calibrated on chunk 0, measured on chunk 1)."""
 
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ def test_golden_frames(dtype):
     assert entropy.read_header(frame).shape == GOLDEN_SHAPE
 
 
-# Issue 17's targets on the real KV; FP16 and E5M2 must beat SplitZip (1.065 / 1.138).
+# Target ratios on the real KV; FP16 and E5M2 must beat SplitZip (1.065 / 1.138).
 TARGETS = {torch.bfloat16: 1.50, torch.float16: 1.065, torch.float8_e5m2: 1.138, torch.float8_e4m3fn: 1.22}
 
 

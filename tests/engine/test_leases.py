@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvferry.engine import Blocks, Engine, RegionSpec, Settings, State, TransferSpec, peer
-from kvferry.engine.errors import TransferFailed
+from kvferry.engine.errors import Conflict, NotFound, TransferFailed
 from kvferry.engine.leases import Held, Leases
 
 BLOCK = (8192,)  # bf16: 16 KiB a block
@@ -171,6 +171,29 @@ def test_deleting_a_leased_region_revokes_the_lease_before_the_memory_goes():
     _run(body)
 
 
+def test_a_revocation_nobody_confirms_quarantines_the_region_instead_of_deleting_it():
+    """A sender stopped mid-write under a lease cannot confirm the REVOKE; closing its connection
+    does not stop a write it already began. The region is kept (lent to nobody, taking no
+    transfers) so its memory is not reused under that write, until its owner forces the delete."""
+    async def body(a, b, segments):
+        ids = list(range(300))
+        assert (await a.wait(a.submit(_spec(b, ids, ids)).id, 10))["state"] == "done"
+        assert _held(a, b) is not None
+        a.leases.on_revoke = lambda connection, name: None  # stopped: it never answers
+        with pytest.raises(Conflict, match="quarantined"):
+            await b.delete_region("dst")
+        assert b.regions.get("dst").quarantined
+        with pytest.raises(Conflict, match="quarantined"):  # asked again: still not deleted
+            await b.delete_region("dst")
+        with pytest.raises(TransferFailed):  # nothing is written into it meanwhile
+            await a.wait(a.submit(_spec(b, [0], [0])).id, 10)
+        await b.delete_region("dst", force=True)
+        with pytest.raises(NotFound):
+            b.regions.get("dst")
+
+    _run(body)
+
+
 def test_a_write_announced_without_a_lease_is_refused():
     """A sender that claims a lease the receiver never lent (or took back) fails its transfer; the
     receiver refuses it before taking it on. An owned region on the CPU is not shareable: the
@@ -238,11 +261,12 @@ def test_a_sender_that_does_not_give_a_lease_back_loses_its_connection():
         leases, silent, prompt = Leases(), _Connection(), _Connection()
         for c in (silent, prompt):
             leases.lend("dst", c)
+        silent.peer = "silent:1"
         revoking = asyncio.ensure_future(leases.revoke("dst", 0.2))
         await asyncio.sleep(0.01)
         assert [m.body for m in silent.posted] == [peer.Revoke("dst")]
         assert leases.on_revoked(prompt, "dst") and not leases.on_revoked(prompt, "dst")
-        await revoking
+        assert await revoking == ["silent:1"]  # the caller learns who may still write
         assert silent.closed and not prompt.closed
         assert not leases.lent_to("dst", prompt)
 

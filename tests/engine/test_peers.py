@@ -195,7 +195,7 @@ def test_the_async_client_submits_waits_and_raises(pair, kv):
 
 
 def test_a_whole_request_is_one_transfer(pair):
-    """The issue's shape: the same 256 block ids across 32 layer regions, one transfer, with the
+    """A vLLM request's shape: the same 256 block ids across 32 layer regions, one transfer, with the
     destination ids a shifted range (small blocks keep it quick)."""
     a, b = pair
     tag = uuid.uuid4().hex[:6]

@@ -1,5 +1,5 @@
 """Configuration mistakes end the daemon with one line naming the setting, exit code 2, no
-traceback (issue 15: finding 11), and nothing listens beyond loopback without its secret (7)."""
+traceback, and nothing listens beyond loopback without its secret."""
 
 from __future__ import annotations
 
@@ -76,3 +76,25 @@ def test_without_a_peer_secret_the_data_port_stays_on_loopback_whatever_the_back
         _, stderr = process.communicate(timeout=30)
     if importlib.util.find_spec("ucxx") is not None:  # auto would have taken it: the log says why not
         assert "tcp, not ucxx" in stderr, stderr
+
+
+def test_a_typod_serve_option_shows_serves_usage_and_the_option_meant():
+    result = _serve("--data-prot", "7701")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "usage: kvferry serve" in result.stderr and "--data-port DATA_PORT" in result.stderr
+    assert "unrecognized arguments: --data-prot 7701 (did you mean --data-port?)" in result.stderr
+
+
+@pytest.mark.parametrize("source", ["env", "file"])
+def test_an_unknown_setting_names_the_setting_meant(source, tmp_path):
+    if source == "env":
+        result = _serve(env={"KVFERRY_MAX_CONECTIONS": "3"})
+        expected = "['KVFERRY_MAX_CONECTIONS'] (did you mean KVFERRY_MAX_CONNECTIONS?)"
+    else:
+        config = tmp_path / "kvferry.yaml"
+        config.write_text("max_conections: 3\ntransfer_timout: 5\nzzz: 1\n")
+        result = _serve("--config", str(config))
+        expected = ("['max_conections', 'transfer_timout', 'zzz'] (did you mean max_connections for max_conections, "
+                    "transfer_timeout for transfer_timout?)")
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

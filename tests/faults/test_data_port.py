@@ -1,4 +1,4 @@
-"""The data port under a connection flood and with idle connections (issue 15: finding 5): excess
+"""The data port under a connection flood and with idle connections: excess
 connections are closed at once, silent ones at the handshake deadline, idle ones after
 ``idle_timeout``; real transfers keep working throughout."""
 

@@ -1,4 +1,4 @@
-"""Hostile and careless clients of the control API (issue 15: findings 4, 8, 9, 10): nothing is
+"""Hostile and careless clients of the control API: nothing is
 read before the token is checked, no body is read past the limit, bad input is a 4xx with the
 error model, never a 500; the SDK rides out 429s."""
 

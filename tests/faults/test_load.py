@@ -1,4 +1,4 @@
-"""Load with the SDK's defaults (issue 15: finding 10): 200 concurrent transfers all finish
+"""Load with the SDK's defaults: 200 concurrent transfers all finish
 (over the 64 a sidecar runs at once, the SDK retries its 429s), and the daemon's memory stays flat
 over 10,000 transfers once its bounded history is full."""
 

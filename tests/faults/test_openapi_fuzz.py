@@ -1,4 +1,4 @@
-"""OpenAPI fuzzing (issue 15: findings 8, 9): schemathesis drives a real daemon over HTTP from its
+"""OpenAPI fuzzing: schemathesis drives a real daemon over HTTP from its
 own ``/openapi.json`` — examples, boundary values and random inputs, a bounded number per
 operation, with and without the token. No answer may be a 5xx, undocumented, of an undocumented
 content type or outside its documented schema, and no operation may ignore a missing token."""

@@ -1,4 +1,4 @@
-"""The sending sidecar SIGKILLed at several points of a transfer (issue 15): the receiver fails
+"""The sending sidecar SIGKILLed at several points of a transfer: the receiver fails
 its side at once (the connection is gone) — not after ``transfer_timeout`` — frees the region,
 reports nothing done that was not written, and serves the next sender bit-exact."""
 

@@ -1,4 +1,4 @@
-"""A sender that drips its chunk a byte at a time, or stops mid-chunk (issue 15: findings 1, 2):
+"""A sender that drips its chunk a byte at a time, or stops mid-chunk:
 the receiving transfer fails within ``transfer_timeout`` with a reason, its region is released,
 and the daemon keeps serving."""
 
@@ -13,24 +13,21 @@ import pytest
 
 from kvferry.engine import errors, peer
 from kvferry.engine.blocks import Blocks
-from kvferry.transport import handshake, tcp, wire
+from kvferry.transport import tcp, wire
 from kvferry.transport.config import TransportConfig
 from kvferry.transport.wire import Message, MessageType
 from tests.engine.conftest import spawn, stop
+from tests.rawpeer import RawPeer
 
 pytestmark = pytest.mark.slow
 SECRET = "drip-test"
 
 
-async def _announce(address: str, transfer_id: str, elements: int, inline_chunks: int = 0) -> tcp.TcpLink:
+async def _announce(address: str, transfer_id: str, elements: int, inline_chunks: int = 0) -> RawPeer:
     """An authenticated link to ``address`` that has announced a one-block raw transfer."""
-    host, port = address.rsplit(":", 1)
-    config = TransportConfig(backend="tcp", secret=SECRET.encode())
-    link = await tcp.connect(host, int(port), config)
-    await handshake.connector(link, config.secret, 5)
-    announce = peer.pack(peer.Message(transfer_id, peer.Announce(
+    link = await RawPeer.connect(address, SECRET.encode())
+    await link.send_peer(peer.Message(transfer_id, peer.Announce(
         "raw", "bfloat16", Blocks(ids=(0,)), (peer.PairLayout("dst", (elements,), 1),), inline_chunks=inline_chunks)))
-    await link.send(Message(MessageType.MSG, length=len(announce)).pack(), memoryview(announce))
     return link
 
 
@@ -54,10 +51,10 @@ async def _drip(address: str, transfer_id: str, block_bytes: int, stop_after: in
     link = await _announce(address, transfer_id, block_bytes // 2)
     total = block_bytes + 160
     tag = peer.chunk_tag(transfer_id, 0)
-    await link.send(Message(MessageType.RTS, tag, total=total, flags=wire.FLAG_EAGER).pack())
+    await link.send(Message(MessageType.RTS, tag, total=total, flags=wire.FLAG_EAGER))
     sent = 0
     while sent < total and (stop_after is None or sent < stop_after):
-        await link.send(Message(MessageType.DATA, tag, sent, 1, total).pack(), memoryview(b"\0"))
+        await link.send(Message(MessageType.DATA, tag, sent, 1, total), b"\0")
         sent += 1
         await asyncio.sleep(0.5)
 
@@ -120,10 +117,10 @@ def test_a_receiver_that_never_confirms_an_inline_transfer_fails_it_within_the_t
 
             async def take(link):  # authenticates, then reads everything and answers nothing
                 silent.append(link)
-                await handshake.acceptor(link, config.secret, 5)
+                raw = await RawPeer.accept(link, config.secret)
                 with contextlib.suppress(Exception):
                     while True:
-                        await link.recv_header(wire.HEADER_SIZE)
+                        await raw.recv()
 
             listener = await tcp.listen("127.0.0.1", 0, take, config)
             try:

@@ -8,7 +8,7 @@ from kvferry.transport import ProtocolError, wire
 from kvferry.transport.wire import Message, MessageType
 
 GOLDEN = bytes.fromhex(
-    "4b56465402050100" "0700000000000000" "0010000000000000" "0004000000000000"
+    "4b56465403050100" "0700000000000000" "0010000000000000" "0004000000000000"
     "0020000000000000" "00000000")
 
 
@@ -38,8 +38,8 @@ def test_data_beyond_total_and_wrong_size():
 def test_golden_msg_and_handshake_headers():
     # MSG: type 9, length 5; AUTH: type 8, empty; HELLO: type 1, a 32-byte nonce follows.
     assert Message(MessageType.MSG, length=5).pack()[:32].hex() == (
-        "4b56465402090000" "0000000000000000" "0000000000000000" "0500000000000000")
-    assert Message(MessageType.AUTH).pack()[:8].hex() == "4b56465402080000"
+        "4b56465403090000" "0000000000000000" "0000000000000000" "0500000000000000")
+    assert Message(MessageType.AUTH).pack()[:8].hex() == "4b56465403080000"
     assert Message(MessageType.HELLO, length=32).pack()[24:32] == (32).to_bytes(8, "little")
 
 
@@ -47,24 +47,28 @@ def test_oversized_msg_and_handshake_payloads_are_rejected():
     with pytest.raises(ProtocolError, match="MSG"):
         wire.unpack(Message(MessageType.MSG, length=wire.MAX_MESSAGE_BYTES + 1).pack())
     with pytest.raises(ProtocolError, match="HELLO"):
-        wire.unpack(Message(MessageType.HELLO, length=65).pack())
+        wire.unpack(Message(MessageType.HELLO, length=wire.NONCE_BYTES + wire.MAX_OFFER_BYTES + wire.MAC_BYTES + 1).pack())
 
 
-def test_handshake_macs_are_hmac_sha256_golden():
+def test_handshake_macs_are_hmac_sha256_over_the_transcript_golden():
+    import hashlib
+    import hmac
+
     from kvferry.transport import handshake
 
-    got = handshake.mac(b"secret", b"kvferry/2 acceptor", bytes(32), bytes(range(32)))
-    assert got.hex() == __import__("hmac").new(b"secret", b"kvferry/2 acceptor" + bytes(32) + bytes(range(32)),
-                                               "sha256").hexdigest()
+    got = handshake.mac(b"secret", b"kvferry/3 acceptor", bytes(range(32)))
+    want = hmac.new(b"secret", b"kvferry/3 acceptor" + hashlib.sha256(bytes(range(32))).digest(), "sha256")
+    assert got.hex() == want.hexdigest()
 
 
-def test_golden_payload_crc_and_its_rules():
-    message = Message(MessageType.DATA, tag=7, offset=0, length=3, total=3, flags=wire.FLAG_PAYLOAD_CRC,
-                      crc=wire.payload_crc(b"abc"))
+def test_digest_flag_rules_and_an_older_version_is_named():
+    message = Message(MessageType.DATA, tag=7, offset=0, length=3, total=3, flags=wire.FLAG_DIGEST)
     packed = message.pack()
-    assert packed[6:8] == (4).to_bytes(2, "little") and packed[40:44] == (0x364B3FB7).to_bytes(4, "little")
+    assert packed[6:8] == (8).to_bytes(2, "little") and packed[40:44] == bytes(4)
     assert wire.unpack(packed) == message
-    with pytest.raises(ProtocolError, match="reserved"):  # a CRC without its flag
-        wire.unpack(Message(MessageType.DATA, tag=7, length=3, total=3, crc=5).pack())
-    with pytest.raises(ProtocolError, match="payload CRC"):
-        wire.unpack(Message(MessageType.ACK, tag=7, flags=wire.FLAG_PAYLOAD_CRC, crc=5).pack())
+    with pytest.raises(ProtocolError, match="digest"):
+        wire.unpack(Message(MessageType.ACK, tag=7, flags=wire.FLAG_DIGEST).pack())
+    with pytest.raises(ProtocolError, match="reserved"):  # the old payload-CRC flag
+        wire.unpack(Message(MessageType.DATA, tag=7, length=3, total=3, flags=0x4).pack())
+    with pytest.raises(wire.VersionMismatch, match="version 2, this build speaks 3"):
+        wire.unpack(Message(MessageType.HELLO, length=32).pack(version=2))

@@ -1,6 +1,6 @@
 """How messages are written: many at once (more buffers than one sendmsg takes), and a write
-whose payload checksum cannot be computed leaves the connection usable (the write lock is not
-held forever)."""
+whose payload cannot be sealed leaves the connection usable (the write lock is not held forever,
+and the sequence numbers of both ends stay in step)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from kvferry import transport
-from kvferry.transport import checksum
+from kvferry.transport import seal
 from tests.transport.conftest import config, run
 
 
@@ -42,19 +42,19 @@ def test_more_messages_in_one_write_than_sendmsg_takes(backend):
     run(main(), timeout=60)
 
 
-def test_a_checksum_that_fails_does_not_hold_the_write_lock(monkeypatch):
+def test_a_seal_that_fails_does_not_hold_the_write_lock(monkeypatch):
     async def main():
         received: list[bytes] = []
         _, listener, connection = await _pair("tcp", received)
-        real, calls = checksum.crc, []
+        real, calls = seal.Direction.payload_tag, []
 
-        def failing_once(data):
+        def failing_once(self, seq, data):
             calls.append(1)
             if len(calls) == 1:
                 raise RuntimeError("checksum unit on fire")
-            return real(data)
+            return real(self, seq, data)
 
-        monkeypatch.setattr(checksum, "crc", failing_once)
+        monkeypatch.setattr(seal.Direction, "payload_tag", failing_once)
         with pytest.raises(RuntimeError, match="on fire"):
             await connection.send_message(b"first")
         async with asyncio.timeout(5):  # the lock was released: the next write goes out

@@ -1,7 +1,0 @@
-. bench/device_setup.sh
-sed -i 's/64 << 20/256 << 20/' bench/.prof/ev2_probe.py
-ncu --clock-control none -k regex:'entropy_(en|de)code' -c 2 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section InstructionStats python3 bench/.prof/ev2_probe.py > $OUT/ncu_sum.log 2>&1
-grep -E "entropy_|Duration|Issued Warp|No Eligible|Eligible Warps|Warp Cycles Per Issued|Executed Instructions  |Achieved Occ|Stall|Est. Local" $OUT/ncu_sum.log | cut -c1-150 | head -40
-ncu --clock-control none -k regex:'entropy_encode' -c 1 --section SourceCounters --section WarpStateStats --page source --print-source sass python3 bench/.prof/ev2_probe.py > $OUT/ncu_enc_src.log 2>&1
-ncu --clock-control none -k regex:'entropy_decode' -c 1 --section SourceCounters --page source --print-source sass python3 bench/.prof/ev2_probe.py > $OUT/ncu_dec_src.log 2>&1
-cd $OUT && tar czf ncu.tgz *.log

@@ -1,9 +1,0 @@
-. bench/device_setup.sh
-export UCX_TLS=tcp,cuda_copy,cuda_ipc
-timeout 300 python3 bench/peers.py --device cuda --backend ucxx --sizes 1G --repeats 5 --links 25 --codecs entropy,splitzip,auto --link-min-bytes 1G --no-nixl --json $OUT/peers.json 2>&1 | grep -v "NIXL INFO" | tail -12
-python3 -c "
-import json; d = json.load(open('$OUT/peers.json'))
-for r in d['rows']:
-    if r.get('choice_reason'): print(r['how'], r.get('link'), '|', r['choice_reason'])
-"
-cd $OUT && tar czf r.tgz *.json; ls

@@ -1,0 +1,129 @@
+"""A sender checks every target it is lent before it writes: a shared-memory target must be named
+with the settings' ``shm_prefix``, must not be one of the sender's own segments, and must hold the
+offset plus every block the lease claims, checked again before each write (a segment shrunk from
+outside fails that transfer with a clear error instead of killing the sender with SIGBUS). A lie
+fails one transfer, writes nothing, and the next honest transfer works. Two real engines over TCP
+on loopback, in one process, with host shared memory."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from multiprocessing import shared_memory
+
+import pytest
+import torch
+
+from kvferry.engine import RegionSpec, State, peer
+from kvferry.engine.errors import TransferFailed
+from kvferry.engine.leases import Held
+from tests.engine.test_leases import BLOCK, BLOCKS, _connection, _held, _landed, _run, _sent, _spec
+
+BLOCK_BYTES = BLOCK[0] * 2
+
+
+def _target(name: str, offset: int = 0, num_blocks: int = BLOCKS) -> peer.Target:
+    return peer.Target(name.encode().ljust(peer.HANDLE_BYTES, b"\0"), offset, peer.HOST_MEMORY, num_blocks)
+
+
+async def _lease(a, b, segments) -> list[Held]:
+    """The first (honest) transfer: the receiver lends its segment; the lease it leaves."""
+    ids = list(range(300))
+    record = await a.wait(a.submit(_spec(b, ids, ids)).id, 10)
+    assert record["state"] == "done" and "same host" in record["choice_reason"], record
+    held = _held(a, b)
+    assert held is not None and held[0].target.handle.rstrip(b"\0").decode() == segments[0].name
+    return held
+
+
+async def _refused(a, b, segments, target: peer.Target, src: list[int], dst: list[int], match: str) -> None:
+    """A transfer under a lease of ``target`` fails with ``match`` and writes nothing; under the
+    honest lease again, the next one lands bit-exact."""
+    honest = _held(a, b)
+    before = _landed(segments[0], list(range(BLOCKS))).clone()
+    a.leases.hold(_connection(a, b), [Held("dst", target, BLOCK, "bfloat16")])
+    t = a.submit(_spec(b, src, dst))
+    with pytest.raises(TransferFailed, match=match):
+        await a.wait(t.id, 10)
+    assert a.status(t.id)["state"] == State.FAILED.value
+    assert "cannot write into the receiver's memory" in a.status(t.id)["error"]
+    assert torch.equal(_landed(segments[0], list(range(BLOCKS))), before)  # nothing written
+    a.leases.hold(_connection(a, b), honest)
+    again = [BLOCKS - 1 - i for i in src]
+    record = await a.wait(a.submit(_spec(b, src, again)).id, 10)
+    assert record["state"] == "done" and "same host" in record["choice_reason"], record
+    assert torch.equal(_landed(segments[0], again), _sent(a, src))
+
+
+@pytest.mark.parametrize("blocks", [[3], list(range(40, 340))], ids=["one-block", "many-blocks"])
+def test_an_offset_past_the_segment_is_refused(blocks):
+    async def body(a, b, segments):
+        await _lease(a, b, segments)
+        lie = _target(segments[0].name, offset=BLOCK_BYTES * 50)  # BLOCKS blocks from there overrun it
+        await _refused(a, b, segments, lie, blocks, [BLOCKS - 1 - i for i in blocks], "holds .* bytes")
+
+    _run(body)
+
+
+def test_a_block_count_past_the_segment_is_refused():
+    async def body(a, b, segments):
+        await _lease(a, b, segments)
+        lie = _target(segments[0].name, num_blocks=BLOCKS * 2)  # block BLOCKS + 5 would be past its end
+        await _refused(a, b, segments, lie, [1, 2], [BLOCKS + 5, 0], "holds .* bytes")
+
+    _run(body)
+
+
+def test_a_segment_not_named_with_the_prefix_is_refused():
+    outside = shared_memory.SharedMemory(name=f"other-{uuid.uuid4().hex[:12]}", create=True, size=BLOCKS * BLOCK_BYTES)
+    try:
+        async def body(a, b, segments):
+            await _lease(a, b, segments)
+            await _refused(a, b, segments, _target(outside.name), [4], [5], "not named with 'kvferry-'")
+            assert not outside.buf.tobytes().strip(b"\0")  # untouched
+
+        _run(body)
+    finally:
+        outside.close()
+        outside.unlink()
+
+
+def test_the_senders_own_segment_is_refused():
+    own = shared_memory.SharedMemory(name=f"kvferry-own{uuid.uuid4().hex[:12]}", create=True,
+                                     size=BLOCKS * BLOCK_BYTES)
+    try:
+        async def body(a, b, segments):
+            await a.register_region(RegionSpec("mine", BLOCKS, BLOCK, "bfloat16", kind="shm", shm_name=own.name))
+            await _lease(a, b, segments)
+            await _refused(a, b, segments, _target(own.name), [4, 9], [5, 6], "sender's own region 'mine'")
+            assert not own.buf.tobytes().strip(b"\0")
+
+        _run(body)
+    finally:
+        own.close()
+        own.unlink()
+
+
+def test_a_segment_shrunk_from_outside_fails_the_transfer_not_the_sender():
+    """The sender holds a mapping of the receiver's segment; another process truncates it. The next
+    write is refused before it touches the mapping (which would raise SIGBUS); once the segment is
+    its size again, transfers land."""
+    async def body(a, b, segments):
+        await _lease(a, b, segments)
+        size = segments[0].size
+        fd = os.open(f"/dev/shm/{segments[0].name}", os.O_RDWR)
+        try:
+            os.ftruncate(fd, BLOCK_BYTES * 10)
+            for ids in ([2], list(range(300))):  # the path written at once, and the task's
+                t = a.submit(_spec(b, ids, ids))
+                with pytest.raises(TransferFailed, match="holds 163840 bytes"):
+                    await a.wait(t.id, 10)
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        ids = list(range(BLOCKS))
+        record = await a.wait(a.submit(_spec(b, ids, ids[::-1])).id, 10)
+        assert record["state"] == "done" and "same host" in record["choice_reason"], record
+        assert torch.equal(_landed(segments[0], ids[::-1]), _sent(a, ids))
+
+    _run(body)

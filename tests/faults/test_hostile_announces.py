@@ -1,0 +1,139 @@
+"""Announces that cost more than their bytes, and transfers that never end: a peer (buggy or
+hostile, holding the secret) announces absurd sizes, or announces and in the same write cancels,
+sends a chunk nobody announced, or eager data of the wrong size. The receiver answers at once,
+every such transfer ends, its region can be deleted, and the sidecar's own transfers still run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import httpx
+import pytest
+
+from kvferry.engine import peer
+from kvferry.engine.blocks import Blocks, Range
+from kvferry.transport import wire
+from kvferry.transport.wire import Message, MessageType
+from tests.engine.conftest import spawn, stop
+from tests.rawpeer import RawPeer
+
+pytestmark = pytest.mark.slow
+SECRET = "hostile-announces"
+
+
+def _announce(transfer_id: str, blocks: Blocks, per_chunk: int = 1, inline: int = 0, region: str = "dst") -> peer.Message:
+    return peer.Message(transfer_id, peer.Announce("raw", "bfloat16", blocks, (peer.PairLayout(region, (512,), per_chunk),),
+                                                   inline_chunks=inline))
+
+
+def _msg(raw: RawPeer, body: peer.Message) -> bytes:
+    data = peer.pack(body)
+    return raw.seal(Message(MessageType.MSG, length=len(data)), data)
+
+
+def _record(client, transfer_id: str, timeout: float = 10.0) -> dict:
+    """The receiver's record once it exists and is no longer running (or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    record = {}
+    while time.monotonic() < deadline:
+        try:
+            record = client.transfer(transfer_id)
+        except Exception:
+            time.sleep(0.05)
+            continue
+        if record["state"] != "running":
+            return record
+        time.sleep(0.05)
+    return record
+
+
+@pytest.fixture
+def receiver():
+    daemon = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "30", "KVFERRY_PEER_SECRET": SECRET})
+    daemon.client.create_region("dst", 8, [512], "bfloat16")
+    yield daemon
+    stop(daemon)
+
+
+@pytest.mark.parametrize("blocks", [Blocks(ranges=(Range(0, 1 << 20, 1),)),
+                                    Blocks(ranges=(Range(0, (1 << 32) - 1, 1),)),
+                                    Blocks(ranges=tuple(Range(0, 1 << 20, 1) for _ in range(64)))],
+                         ids=["2^20 ids", "2^32-1 ids", "64 x 2^20 ids"])
+@pytest.mark.parametrize("region", ["dst", "nowhere"])
+def test_a_huge_announce_is_answered_at_once_and_the_daemon_stays_responsive(receiver, blocks, region):
+    async def main():
+        raw = await RawPeer.connect(receiver.data, SECRET.encode())
+        try:
+            started = time.monotonic()
+            transfer_id = uuid.uuid4().hex
+            await raw.link.send(_msg(raw, _announce(transfer_id, blocks, region=region)))
+            health = await asyncio.to_thread(httpx.get, f"{receiver.url}/healthz", timeout=5)
+            assert health.status_code == 200
+            if sum(r.count for r in blocks.ranges) <= peer.MAX_IDS:  # parsed, refused with a reason
+                message, payload = await asyncio.wait_for(raw.recv(), 5)
+                reply = peer.unpack(payload)
+                assert isinstance(reply.body, peer.Reject) and reply.transfer_id == transfer_id
+            return time.monotonic() - started
+        finally:
+            await raw.close()
+
+    took = asyncio.run(main())
+    assert took < 5
+    receiver.client.delete_region("dst")  # nothing was left holding it
+
+
+@pytest.mark.parametrize("follow", ["cancel", "bad chunk", "eager data of the wrong size", "nothing, then the link goes"])
+def test_a_transfer_aborted_in_the_announces_own_write_ends(receiver, follow):
+    transfer_id = uuid.uuid4().hex
+
+    async def main():
+        raw = await RawPeer.connect(receiver.data, SECRET.encode())
+        announce = _msg(raw, _announce(transfer_id, Blocks(ids=(0, 1)), per_chunk=1))
+        if follow == "cancel":
+            extra = _msg(raw, peer.Message(transfer_id, peer.Cancel("changed my mind")))
+        elif follow == "bad chunk":
+            extra = _msg(raw, peer.Message(transfer_id, peer.Chunk(7, b"junk")))
+        elif follow == "eager data of the wrong size":
+            tag = peer.chunk_tag(transfer_id, 0)
+            extra = (raw.seal(Message(MessageType.RTS, tag, total=1 << 30, flags=wire.FLAG_EAGER))
+                     + raw.seal(Message(MessageType.DATA, tag, 0, 4, 1 << 30), b"abcd"))
+        else:
+            extra = b""
+        await raw.link.send(announce + extra)
+        await asyncio.sleep(0.5)
+        await raw.close()
+
+    asyncio.run(main())
+    record = _record(receiver.client, transfer_id)
+    assert record and record["state"] in ("failed", "cancelled"), record
+    receiver.client.delete_region("dst")  # not held by a transfer that never ends
+
+
+def test_silent_announces_neither_stay_running_nor_lock_out_the_sidecars_own_transfers():
+    a = spawn("tcp", {"KVFERRY_PEER_SECRET": SECRET})
+    b = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "4", "KVFERRY_PEER_SECRET": SECRET,
+                      "KVFERRY_MAX_INCOMING_TRANSFERS": "8"})
+    try:
+        b.client.create_region("dst", 8, [512], "bfloat16")
+        b.client.create_region("src", 8, [512], "bfloat16")
+        a.client.create_region("dst", 8, [512], "bfloat16")
+        ids = [uuid.uuid4().hex for _ in range(16)]
+
+        async def main():
+            raw = await RawPeer.connect(b.data, SECRET.encode())
+            await raw.link.send(b"".join(_msg(raw, _announce(i, Blocks(ids=(0,)), per_chunk=1)) for i in ids))
+            await asyncio.sleep(0.5)
+            return raw
+
+        raw = asyncio.run(main())
+        # The peer's announces fill only the incoming budget: this sidecar's own transfer runs.
+        transfer = b.client.submit("src", [0, 1], a.data, "dst", [0, 1], codec="raw")
+        assert b.client.wait(transfer, timeout=30)["state"] == "done"
+        records = [_record(b.client, i, timeout=15) for i in ids]
+        states = [r.get("state") for r in records if r]
+        assert states and all(s in ("failed", "cancelled") for s in states), states
+        asyncio.run(raw.close())
+    finally:
+        stop(a, b)
