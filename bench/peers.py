@@ -4,7 +4,7 @@ random destination blocks.
 
     python bench/peers.py [--device cuda|cpu] [--gpus 1|2] [--backend ucxx|tcp] [--sizes 2M,64M,256M,1G,4G]
                           [--codecs raw,splitzip,auto] [--repeats 5] [--small-repeats 100] [--links 12.5,25,50]
-                          [--no-nixl] [--json FILE]
+                          [--no-nixl] [--netns 1,2] [--json FILE]
 
 - kvferry: two real sidecars (``kvferry serve``); this process owns both caches and lends them
   (CUDA IPC on a GPU, POSIX shared memory on the CPU); one transfer per request, timed from
@@ -21,11 +21,20 @@ random destination blocks.
 no same-host shortcut), at sizes from ``--link-min-bytes``; NIXL cannot be paced, so its rows on
 those links are modelled as max(its unpaced time, raw bytes / link) and say so.
 
+``--netns RATES`` (Gbit/s; root): no loopback and no model. For each rate, two hosts made of
+network namespaces (``kvferry.testing.netns``) joined by a veth cable shaped to the rate both ways
+(``tc ... tbf``); kvferry's sidecars run one on each host (the destination's host has a hostname of
+its own, so no same-host shortcut: every row checks its transfers crossed the wire), and NIXL's
+initiator and target (when ``nixl_cu13`` imports) enter the same two namespaces and move the same
+blocks over UCX's TCP transport on that cable. Rows give p50 and p99 (nearest rank) latency.
+
 ``--gpus 2``: the source on GPU 0 and the destination on GPU 1 (each sidecar's device is its
 region's, and sees the other), NIXL's initiator on GPU 0 and its target on GPU 1; else both on one.
 
 Every request zeroes its destination blocks first and compares every one bit for bit after.
-Each codec's first request is a warm-up (the sender then settles what it learned); ``auto`` is
+Each codec's first request is a warm-up (the sender then settles what it learned); with
+``--netns`` the codecs then take turns, repeat by repeat, so that a machine whose load drifts slows
+them alike; ``auto`` is
 timed once its choice is steady (``demo.until_steady``: it tries a close codec once per peer,
 size and 10 minutes, which a sidecar that has run a while no longer pays).
 Per size: median and p90 seconds, GB/s of KV moved. Prints a table; ``--json`` writes the rows.
@@ -34,7 +43,10 @@ Per size: median and p90 seconds, GB/s of KV moved. Prints a table; ``--json`` w
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import math
 import multiprocessing as mp
 import platform
 import statistics
@@ -87,21 +99,39 @@ def _synchronize(args) -> None:
 
 
 # ---- kvferry -----------------------------------------------------------------------------------
-def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.0) -> list[dict]:
+def _network_tls(tls: str) -> str:
+    """UCX transports that only a network carries: the same-host ones (shared memory, CMA, CUDA
+    IPC) would bypass the cable between the namespaces."""
+    kept = [t for t in tls.split(",") if t in ("tcp", "cuda_copy")]
+    return ",".join(kept if "tcp" in kept else ["tcp", *kept])
+
+
+def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.0, net=None,
+                netns_gbit: float = 0.0) -> list[dict]:
+    """kvferry's rows: two sidecars on loopback (paced to ``link_gbps`` GB/s if set), or on hosts
+    a and b of ``net`` (a veth cable shaped to ``netns_gbit`` Gbit/s)."""
     import torch
 
     from kvferry.client import Client
     from kvferry.demo import LLAMA_AXES, free_port, settle, start_sidecar, stop_sidecars, until_steady, wait_ready
 
-    ports = [(free_port(), free_port()) for _ in range(2)]
-    env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_LINK_GBPS": str(link_gbps)}
-    processes = [start_sidecar(p, d, args.backend, env=env, device=device)
-                 for (p, d), device in zip(ports, (args.src_device, args.dst_device))]
     rows, keep = [], []
+    if net is not None:
+        env = {"KVFERRY_TRANSFER_TIMEOUT": "300", "UCX_TLS": _network_tls(args.ucx_tls)}
+        sidecars = [net.sidecar(name, env=env, backend=args.backend, device=device, ready_timeout=180)
+                    for name, device in zip("ab", (args.src_device, args.dst_device))]
+        processes = [s.process for s in sidecars]
+        sender, receiver = (Client(s.url, token=net.token, timeout=600) for s in sidecars)
+    else:
+        ports = [(free_port(), free_port()) for _ in range(2)]
+        env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_LINK_GBPS": str(link_gbps)}
+        processes = [start_sidecar(p, d, args.backend, env=env, device=device)
+                     for (p, d), device in zip(ports, (args.src_device, args.dst_device))]
     try:
-        sender, receiver = (Client(f"http://127.0.0.1:{p}", timeout=300) for p, _ in ports)
-        for client, process in zip((sender, receiver), processes):
-            wait_ready(client, process, timeout=180)
+        if net is None:
+            sender, receiver = (Client(f"http://127.0.0.1:{p}", timeout=300) for p, _ in ports)
+            for client, process in zip((sender, receiver), processes):
+                wait_ready(client, process, timeout=180)
         kind = "cuda_ipc" if args.device == "cuda" else "shm"
         src = tiled_cache(blocks_total, args.src_device)
         dst = torch.zeros_like(src, device=args.dst_device)
@@ -112,54 +142,67 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
         if kind == "shm":  # the receiver writes the segment: read the blocks back from it
             dst = torch.frombuffer(dst_handle.buf, dtype=torch.bfloat16).view(blocks_total, *BLOCK_SHAPE)
         peer = receiver.data_address()
-        for codec in args.codecs.split(","):
-            for size in sizes:
-                count = max(1, size // BLOCK_BYTES)
-                seconds, at_receiver, exact, ratio, chosen, stages = [], [], True, 0.0, "", {}
-                reason = ""
-                sent: dict[str, float] = {}  # transfer id -> created on the sender (one host, one clock)
-                def once(repeat: int) -> dict:
-                    nonlocal exact
-                    src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
-                    dst.view(blocks_total, -1).index_fill_(0, torch.tensor(dst_ids, device=dst.device), 0)
-                    _synchronize(args)
-                    record = sender._call("POST", "/v1/transfers", params={"wait": 300}, json={
-                        "src_region": "src", "dst_region": "dst", "src_blocks": src_ids, "dst_blocks": dst_ids,
-                        "peer": peer, "codec": codec}).json()
-                    if record.get("state") != "done":
-                        raise RuntimeError(f"kvferry {codec} {size}: {record}")
-                    exact &= torch.equal(_gather(dst, blocks_total, "block", dst_ids),
-                                         _gather(src, blocks_total, "block", src_ids).to(dst.device))
-                    return record
+        order = {codec: i for i, codec in enumerate(args.codecs.split(","))}
+        first = len(rows)
+        # Over a real cable the codecs take turns, repeat by repeat, so a machine whose load drifts
+        # slows them alike (what ``auto`` against raw needs); else one codec's sizes after another.
+        groups = [list(order)] if net is not None else [[codec] for codec in order]
+        for codecs, size in ((group, size) for group in groups for size in sizes):
+            count = max(1, size // BLOCK_BYTES)
+            runs = {codec: {"seconds": [], "at_receiver": [], "exact": True, "ratio": 0.0, "chosen": "", "stages": {},
+                            "reason": "", "sent": {}} for codec in codecs}  # sent: id -> created (one clock)
 
-                for repeat in range(_repeats(args, size, link_gbps) + 1):  # the first is a warm-up
-                    record = once(repeat)
-                    if not repeat:  # measure what a sidecar that has run a while codes with
-                        settle(sender, "src")
-                        if codec == "auto":  # which has tried what auto tries once per peer and size
-                            until_steady(lambda: once(args.repeats + 1))
-                    if repeat:
-                        seconds.append(record["seconds"])
-                        for stage, at in record["stages"].items():
-                            stages.setdefault(stage, []).append(at)
-                        sent[record["id"]] = record["created"]
-                        ratio = record["bytes_raw"] / max(1, record["bytes_wire"]) if record["bytes_wire"] else 1.0
-                        chosen = record.get("chosen_codec") or codec
-                        reason = record.get("choice_reason") or ""
-                # The receiver's records, asked once (a query between transfers slows the next one).
-                for incoming in receiver._call("GET", "/v1/transfers",
-                                               params={"direction": "in", "limit": min(10 * len(sent) + 10, 10000)}).json():
-                    if incoming["id"] in sent and incoming["state"] == "done":
-                        at_receiver.append(incoming["created"] + incoming["seconds"] - sent[incoming["id"]])
-                how = f"{codec}" + (f" ({chosen})" if codec == "auto" else "")
-                rows.append(_row("kvferry", how, count, seconds, exact, ratio, link_gbps))
-                rows[-1]["stages_median_ms"] = {k: statistics.median(v) * 1e3 for k, v in stages.items()}
-                if reason:  # auto's, for the last repeat
-                    rows[-1]["choice_reason"] = reason
+            def once(codec: str, repeat: int) -> dict:
+                src_ids, dst_ids = plan(blocks_total, count, seed=repeat * 7919 + count)
+                dst.view(blocks_total, -1).index_fill_(0, torch.tensor(dst_ids, device=dst.device), 0)
+                _synchronize(args)
+                record = sender._call("POST", "/v1/transfers", params={"wait": 300}, json={
+                    "src_region": "src", "dst_region": "dst", "src_blocks": src_ids, "dst_blocks": dst_ids,
+                    "peer": peer, "codec": codec}).json()
+                if record.get("state") != "done":
+                    raise RuntimeError(f"kvferry {codec} {size}: {record}")
+                if net is not None and ("same host" in (record.get("choice_reason") or "")
+                                        or not record.get("bytes_wire")):
+                    raise RuntimeError(f"kvferry {codec} {size} did not cross the cable: {record}")
+                runs[codec]["exact"] &= torch.equal(_gather(dst, blocks_total, "block", dst_ids),
+                                                    _gather(src, blocks_total, "block", src_ids).to(dst.device))
+                return record
+
+            for codec in codecs:  # warm-ups: measure what a sidecar that has run a while codes with
+                once(codec, 0)
+                settle(sender, "src")
+                if codec == "auto":  # which has tried what auto tries once per peer and size
+                    until_steady(lambda: once("auto", args.repeats + 1))
+            for repeat in range(1, _repeats(args, size, link_gbps) + 1):
+                for codec in codecs:
+                    record, run = once(codec, repeat), runs[codec]
+                    run["seconds"].append(record["seconds"])
+                    for stage, at in record["stages"].items():
+                        run["stages"].setdefault(stage, []).append(at)
+                    run["sent"][record["id"]] = record["created"]
+                    run["ratio"] = record["bytes_raw"] / max(1, record["bytes_wire"]) if record["bytes_wire"] else 1.0
+                    run["chosen"] = record.get("chosen_codec") or codec
+                    run["reason"] = record.get("choice_reason") or ""
+            # The receiver's records, asked once (a query between transfers slows the next one).
+            sent = {k: v for run in runs.values() for k, v in run["sent"].items()}
+            for incoming in receiver._call("GET", "/v1/transfers",
+                                           params={"direction": "in", "limit": min(10 * len(sent) + 10, 10000)}).json():
+                for run in runs.values():
+                    if incoming["id"] in run["sent"] and incoming["state"] == "done":
+                        run["at_receiver"].append(incoming["created"] + incoming["seconds"] - run["sent"][incoming["id"]])
+            for codec, run in runs.items():
+                how = f"{codec}" + (f" ({run['chosen']})" if codec == "auto" else "")
+                rows.append(_row("kvferry", how, count, run["seconds"], run["exact"], run["ratio"], link_gbps, netns_gbit))
+                rows[-1]["stages_median_ms"] = {k: statistics.median(v) * 1e3 for k, v in run["stages"].items()}
+                if run["reason"]:  # auto's, for the last repeat
+                    rows[-1]["choice_reason"] = run["reason"]
                 print(_line(rows[-1]), flush=True)
-                if len(at_receiver) == len(seconds):
-                    rows.append(_row("kvferry", how + ", at the receiver", count, at_receiver, exact, ratio, link_gbps))
+                if len(run["at_receiver"]) == len(run["seconds"]):
+                    rows.append(_row("kvferry", how + ", at the receiver", count, run["at_receiver"], run["exact"],
+                                     run["ratio"], link_gbps, netns_gbit))
                     print(_line(rows[-1]), flush=True)
+        # codec by codec, then size by size, as before the repeats took turns
+        rows[first:] = sorted(rows[first:], key=lambda r: order[r["how"].split()[0].rstrip(",")])
         sender.close()
         receiver.close()
     finally:
@@ -259,7 +302,7 @@ def nixl_target(conn, args, blocks_total: int) -> None:
         conn.send((arrived, exact))
 
 
-def nixl_initiator(conn, args, blocks_total: int, sizes: list[int]) -> None:
+def nixl_initiator(conn, args, blocks_total: int, sizes: list[int], netns_gbit: float = 0.0) -> None:
     import torch
 
     if args.src_device.startswith("cuda:"):
@@ -302,20 +345,25 @@ def nixl_initiator(conn, args, blocks_total: int, sizes: list[int]) -> None:
                 if repeat:
                     seconds.append((arrived or done) - start)
                     posted_s.append(done - start)
-            row = _row("nixl", f"WRITE, {'1 desc/block' if layout == 'block' else '64 x 32 KiB/block (vLLM)'}",
-                       count, seconds, exact, 1.0)
+            row = _row("nixl", f"WRITE, {'1 desc/block' if layout == 'block' else '64 x 32 KiB/block (vLLM)'}"
+                       + (", UCX tcp" if netns_gbit else ""), count, seconds, exact, 1.0, netns_gbit=netns_gbit)
             row["initiator_done_median_s"] = statistics.median(posted_s)
             rows.append(row)
             print(_line(row), flush=True)
     conn.send(("rows", rows))
 
 
-def run_nixl(args, sizes: list[int], blocks_total: int) -> list[dict]:
+def run_nixl(args, sizes: list[int], blocks_total: int, net=None, netns_gbit: float = 0.0) -> list[dict]:
+    """NIXL's rows: initiator and target on this host, or in hosts a and b of ``net`` (UCX's TCP
+    transport on the shaped cable)."""
     context = mp.get_context("spawn")
     to_target, target_end = context.Pipe()
     to_initiator, initiator_end = context.Pipe()
-    target = context.Process(target=_target_main, args=(target_end, args, blocks_total))
-    initiator = context.Process(target=nixl_initiator, args=(initiator_end, args, blocks_total, sizes))
+    where = ((net.hosts["a"].netns, _network_tls(args.ucx_tls)), (net.hosts["b"].netns, _network_tls(args.ucx_tls))) \
+        if net is not None else (None, None)
+    target = context.Process(target=_target_main, args=(target_end, args, blocks_total, where[1]))
+    initiator = context.Process(target=_initiator_main, args=(initiator_end, args, blocks_total, sizes, where[0],
+                                                               netns_gbit))
     target.start()
     initiator.start()
     try:
@@ -342,18 +390,37 @@ def run_nixl(args, sizes: list[int], blocks_total: int) -> list[dict]:
                 process.kill()
 
 
-def _target_main(conn, args, blocks_total: int) -> None:
+def _into(where: tuple[str, str] | None) -> None:
+    """A NIXL process's first step in ``--netns`` mode: into its host's namespace, UCX on the cable."""
+    if where is not None:
+        import os
+
+        from kvferry.testing import netns
+
+        netns.enter(where[0])
+        os.environ.update({"UCX_TLS": where[1], "UCX_NET_DEVICES": netns.DATA_DEV})
+
+
+def _target_main(conn, args, blocks_total: int, where: tuple[str, str] | None = None) -> None:
+    _into(where)
     nixl_target(conn, args, blocks_total)
+
+
+def _initiator_main(conn, args, blocks_total: int, sizes: list[int], where: tuple[str, str] | None = None,
+                    netns_gbit: float = 0.0) -> None:
+    _into(where)
+    nixl_initiator(conn, args, blocks_total, sizes, netns_gbit)
 
 
 # ---- report ------------------------------------------------------------------------------------
 def _row(system: str, how: str, blocks: int, seconds: list[float], exact: bool, ratio: float,
-         link_gbps: float = 0.0) -> dict:
+         link_gbps: float = 0.0, netns_gbit: float = 0.0) -> dict:
     median = statistics.median(seconds)
     ordered = sorted(seconds)
     return {"system": system, "how": how, "blocks": blocks, "bytes": blocks * BLOCK_BYTES, "median_s": median,
-            "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "gbps": blocks * BLOCK_BYTES / median / 1e9,
-            "ratio": ratio, "bit_exact": exact, "n": len(seconds), "link_gbps": link_gbps}
+            "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "p99_s": ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)], "gbps": blocks * BLOCK_BYTES / median / 1e9,
+            "ratio": ratio, "bit_exact": exact, "n": len(seconds), "link_gbps": link_gbps, "netns_gbit": netns_gbit}
 
 
 def nixl_on_links(rows: list[dict], links: list[float]) -> list[dict]:
@@ -373,8 +440,58 @@ def _line(row: dict) -> str:
     size = row["bytes"]
     label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB"
     link = f"{row['link_gbps']:g} GB/s" if row.get("link_gbps") else "unpaced"
+    if row.get("netns_gbit"):  # a real cable: its rate in bits, and the tail as p99
+        link = f"{row['netns_gbit']:g} Gbit/s veth"
+        return (f"| {row['system']} | {row['how']} | {link} | {label} | {row['median_s'] * 1e3:.1f} | "
+                f"{row['p99_s'] * 1e3:.1f} | {row['gbps']:.3f} | {row['ratio']:.3f} | {'yes' if row['bit_exact'] else 'NO'} |")
     return (f"| {row['system']} | {row['how']} | {link} | {label} | {row['median_s'] * 1e3:.3f} | {row['p90_s'] * 1e3:.3f} | "
             f"{row['gbps']:.2f} | {row['ratio']:.3f} | {'yes' if row['bit_exact'] else 'NO'} |")
+
+
+def run_local(args, sizes: list[int], blocks_total: int) -> list[dict]:
+    """Both systems on one host: unpaced, then kvferry paced on ``--links`` with NIXL modelled there."""
+    links = [float(x) for x in args.links.split(",")] if args.links else []
+    rows = [] if args.no_kvferry else run_kvferry(args, sizes, blocks_total)
+    if not args.no_kvferry:
+        for link in links:  # emulated links: the sidecars pace what they send
+            rows += run_kvferry(args, [s for s in sizes if s >= args.link_min_bytes], blocks_total, link)
+    if not args.no_nixl:
+        nixl = run_nixl(args, sizes, blocks_total)
+        modelled = [r for r in nixl_on_links(nixl, links) if r["bytes"] >= args.link_min_bytes]
+        for row in modelled:
+            print(_line(row), flush=True)
+        rows += nixl + modelled
+    return rows
+
+
+def run_netns(args, sizes: list[int], blocks_total: int, rates: list[float]) -> list[dict]:
+    """Both systems over a real cable at each rate (Gbit/s), then how ``auto`` fared against raw."""
+    from kvferry.testing import netns
+
+    if why := netns.unavailable():
+        raise SystemExit(f"--netns: {why}")
+    nixl = not args.no_nixl and importlib.util.find_spec("nixl_cu13") is not None
+    if not args.no_nixl and not nixl:
+        print("(NIXL rows left out: nixl_cu13 does not import here)\n", flush=True)
+    rows = []
+    for gbit in rates:
+        with contextlib.closing(netns.Network(("a", "b"))) as net:
+            net.shape_all(gbit * 1000)
+            if not args.no_kvferry:
+                rows += run_kvferry(args, sizes, blocks_total, net=net, netns_gbit=gbit)
+            if nixl:
+                rows += run_nixl(args, sizes, blocks_total, net=net, netns_gbit=gbit)
+    print("\n| link | size | auto chose | auto p50 / raw p50 |\n|---|---:|---|---:|")
+    for gbit in rates:
+        for size in sizes:
+            same = [r for r in rows if r["system"] == "kvferry" and r["netns_gbit"] == gbit and r["bytes"] == max(
+                1, size // BLOCK_BYTES) * BLOCK_BYTES and not r["how"].endswith("at the receiver")]
+            raw = next((r for r in same if r["how"] == "raw"), None)
+            auto = next((r for r in same if r["how"].startswith("auto")), None)
+            if raw and auto:
+                print(f"| {gbit:g} Gbit/s | {_line(raw).split(' | ')[3]} | {auto['how'][6:-1]} | "
+                      f"{auto['median_s'] / raw['median_s']:.3f} |")
+    return rows
 
 
 def main() -> int:
@@ -390,6 +507,8 @@ def main() -> int:
     parser.add_argument("--links", default="", help="emulated links in GB/s for kvferry (e.g. 12.5,25,50)")
     parser.add_argument("--link-min-bytes", type=_size, default="1G", help="sizes run on emulated links")
     parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--netns", default="",
+                        help="real shaped links in Gbit/s (e.g. 1,2): two namespaces joined by a veth; root only")
     parser.add_argument("--no-axes", action="store_true",
                         help="register the regions without naming their axes (codecs then model channels only)")
     parser.add_argument("--no-kvferry", action="store_true")
@@ -404,22 +523,19 @@ def main() -> int:
         import torch
 
         device_name = torch.cuda.get_device_name()
-    print(f"kvferry vs NIXL, {time.strftime('%Y-%m-%d')}, {device_name}, two processes on one host, "
+    rates = [float(x) for x in args.netns.split(",")] if args.netns else []
+    where = "two hosts (network namespaces) joined by a shaped veth" if rates else "two processes on one host"
+    print(f"kvferry vs NIXL, {time.strftime('%Y-%m-%d')}, {device_name}, {where}, "
           f"{'two GPUs' if two else 'one ' + ('GPU' if args.device == 'cuda' else 'CPU')}; "
           f"blocks {list(BLOCK_SHAPE)} bf16 (2 MiB), real KV by position (`demo.llama_blocks`)\n`{' '.join(sys.argv)}`\n")
-    print("| system | how | link | size | median ms | p90 ms | GB/s | ratio | bit-exact |\n"
-          "|---|---|---|---:|---:|---:|---:|---:|---|")
-    links = [float(x) for x in args.links.split(",")] if args.links else []
-    rows = [] if args.no_kvferry else run_kvferry(args, sizes, blocks_total)
-    if not args.no_kvferry:
-        for link in links:  # emulated links: the sidecars pace what they send
-            rows += run_kvferry(args, [s for s in sizes if s >= args.link_min_bytes], blocks_total, link)
-    if not args.no_nixl:
-        nixl = run_nixl(args, sizes, blocks_total)
-        modelled = [r for r in nixl_on_links(nixl, links) if r["bytes"] >= args.link_min_bytes]
-        for row in modelled:
-            print(_line(row), flush=True)
-        rows += nixl + modelled
+    if rates:
+        print("| system | how | link | size | p50 ms | p99 ms | GB/s of KV | ratio | bit-exact |\n"
+              "|---|---|---|---:|---:|---:|---:|---:|---|")
+        rows = run_netns(args, sizes, blocks_total, rates)
+    else:
+        print("| system | how | link | size | median ms | p90 ms | GB/s | ratio | bit-exact |\n"
+              "|---|---|---|---:|---:|---:|---:|---:|---|")
+        rows = run_local(args, sizes, blocks_total)
     if args.json:
         args.json.write_text(json.dumps({"device": device_name, "host": platform.node(), "command": " ".join(sys.argv),
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
