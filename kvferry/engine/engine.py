@@ -282,6 +282,8 @@ class Engine:
         host, port = _address(spec.peer)
         if not spec.pairs:
             raise BadRequest("a transfer needs at least one region pair")
+        if len(spec.pairs) > peer.MAX_PAIRS:
+            raise BadRequest(f"{len(spec.pairs)} region pairs is over {peer.MAX_PAIRS} per transfer")
         if len(spec.src_blocks) != len(spec.dst_blocks):
             raise BadRequest(f"{len(spec.src_blocks)} source blocks but {len(spec.dst_blocks)} destination blocks")
         pairs, cache = [], {}
