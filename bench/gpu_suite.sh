@@ -9,7 +9,7 @@
 # LINKS (peers, default 12.5,25,50), TIMEOUT (seconds per command, default 600).
 set -uo pipefail
 
-PARTS="tests codec codecs entropy tcatbe quant checksum latency peers harness e2e"
+PARTS="tests codec codecs entropy tcatbe quant seal latency peers harness e2e"
 usage() {
     cat <<EOF
 usage: bash bench/gpu_suite.sh OUT_DIR [part ...]
