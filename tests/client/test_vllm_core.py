@@ -18,10 +18,12 @@ from kvferry.client.vllm_core import (
     CacheLayout,
     ConnectorConfig,
     Consumer,
+    Heartbeats,
     IncompatibleCache,
     KvCache,
     LoadSpec,
     Producer,
+    compat_record,
     lease_name,
     match_blocks,
     remote_params,
@@ -72,12 +74,17 @@ def released(producer: Producer, request_id: str, timeout: float = 10.0) -> bool
     return False
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
+def leased(producer: Producer, request_id: str, timeout: float = 10.0) -> None:
+    """The lease thread took the request's lease (the sidecar holds it)."""
+    deadline = time.monotonic() + timeout
+    while producer.leases[request_id].generation is None and producer.leases[request_id].held:
+        assert time.monotonic() < deadline, "the lease was not taken"
+        time.sleep(0.01)
+    assert producer.leases[request_id].held
 
-    def __call__(self) -> float:
-        return self.now
+
+def regions_of(daemon) -> set[str]:
+    return {r["name"] for r in daemon.client.list_regions()}
 
 
 @pytest.fixture
@@ -196,40 +203,119 @@ def test_request_kv_crosses_in_one_transfer(pd, codec):
     assert producer.leases == {}
 
 
-def test_poll_asks_nobody_while_a_pull_is_on_its_way(pd):
-    """vLLM calls get_finished every step: a pull's end is awaited by a long-poll on a worker
-    thread, so poll() makes no HTTP request until the transfer has ended."""
-    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
-    producer = Producer(config(prefill), p_cache)
-    consumer = Consumer(config(decode, codec="splitzip"), d_cache)
-    producer.save("req-w", [2, 3])
-    pull = consumer.start(LoadSpec("dec-w", (7, 8), remote_params("req-w", [2, 3], config(prefill))))
-    assert pull.error is None and pull.ended is not None
-    asked = []
-    real = pull.client.transfer
-    pull.client.transfer = lambda *a, **k: asked.append(a) or real(*a, **k)
-    assert pump(consumer) == ({"dec-w"}, set())
-    assert asked == []  # the waiter thread's own client told it
-    block_dim = p_cache.layout.block_dims[0]
-    assert torch.equal(pages(d_layers, [7, 8], block_dim).view(torch.int16),
-                       pages(p_layers, [2, 3], block_dim).view(torch.int16))
-    consumer.close()
-
-
 def test_lease_lapses_and_a_late_pull_fails(pd):
+    """A lease neither pulled nor renewed ends after lease_seconds: the sidecar deletes the region
+    and the prefill frees the blocks; a late pull then finds no region (never reused blocks)."""
     prefill, decode, p_cache, d_cache, _, d_layers = pd
-    clock = Clock()
-    producer = Producer(config(prefill, lease_seconds=5), p_cache, clock=clock)
-    producer.save("req-2", [1, 2])
-    assert producer.finished_sending({"req-2"}) == set()
-    clock.now += 6
-    assert producer.finished_sending(set()) == {"req-2"}  # never stranded
-    consumer = Consumer(config(decode), d_cache)
-    pull = consumer.start(LoadSpec("dec-2", (4, 5), remote_params("req-2", [1, 2], config(prefill))))
-    assert "NotFound" in pull.error  # the blocks may be reused already: nothing is read
-    assert consumer.poll() == (set(), {"dec-2"})
-    assert consumer.failed_blocks["dec-2"] == (4, 5)
-    assert not torch.stack(d_layers).any()
+    producer = Producer(config(prefill, lease_seconds=1), p_cache)
+    try:
+        producer.save("req-2", [1, 2])
+        leased(producer, "req-2")
+        assert producer.finished_sending({"req-2"}) == set()
+        lease = producer.leases["req-2"].region
+        assert released(producer, "req-2", timeout=30)  # never stranded
+        assert lease not in regions_of(prefill), regions_of(prefill)
+        consumer = Consumer(config(decode, load_timeout=2), d_cache)
+        pull = consumer.start(LoadSpec("dec-2", (4, 5), remote_params("req-2", [1, 2], config(prefill))))
+        assert pump(consumer) == (set(), {"dec-2"})
+        assert "NotFound" in pull.error  # the blocks may be reused already: nothing is read
+        assert consumer.failed_blocks["dec-2"] == (4, 5)
+        assert consumer.interval.data["failures"] == {"lease_gone": 1}
+        assert not torch.stack(d_layers).any()
+        consumer.close()
+    finally:
+        producer.close()
+
+
+def test_a_decode_queue_longer_than_the_lease_keeps_the_kv_by_heartbeats(pd):
+    """The decode renews the lease while the request waits in its queue: a wait of several lease
+    periods still loads the KV, and the lease is the decode's to end."""
+    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
+    producer = Producer(config(prefill, lease_seconds=1.5), p_cache)
+    beats = Heartbeats(config(decode, lease_seconds=1.5, heartbeat_seconds=0.3))
+    try:
+        producer.save("req-h", [2, 3, 4])
+        leased(producer, "req-h")
+        params = remote_params("req-h", [2, 3, 4], config(prefill))
+        beats.track("dec-h", params)  # on_new_request: the request waits in the decode's queue
+        time.sleep(5)  # more than three leases long
+        assert beats.sent >= 3
+        assert producer.finished_sending({"req-h"}) == set()  # still leased
+        beats.untrack("dec-h")  # scheduled: the pull starts
+        consumer = Consumer(config(decode), d_cache)
+        consumer.start(LoadSpec("dec-h", (9, 10, 11), params))
+        assert pump(consumer) == ({"dec-h"}, set())
+        block_dim = p_cache.layout.block_dims[0]
+        assert torch.equal(pages(d_layers, [9, 10, 11], block_dim).view(torch.int16),
+                           pages(p_layers, [2, 3, 4], block_dim).view(torch.int16))
+        assert released(producer, "req-h")
+        consumer.close()
+    finally:
+        beats.close()
+        producer.close()
+
+
+def test_blocks_never_pulled_are_freed_after_the_ttl_even_if_renewed(pd):
+    prefill, decode, p_cache, _, _, _ = pd
+    producer = Producer(config(prefill, lease_seconds=60, lease_ttl=2), p_cache)
+    beats = Heartbeats(config(decode, lease_seconds=60, heartbeat_seconds=0.2))
+    try:
+        producer.save("req-t", [5])
+        leased(producer, "req-t")
+        lease = producer.leases["req-t"].region
+        beats.track("dec-t", remote_params("req-t", [5], config(prefill)))
+        assert released(producer, "req-t", timeout=30)
+        assert lease not in regions_of(prefill)
+    finally:
+        beats.close()
+        producer.close()
+
+
+def test_an_abort_frees_the_blocks_at_once(pd):
+    """vLLM aborts a saved request: the lease ends now, not after lease_seconds or the TTL."""
+    prefill, decode, p_cache, _, _, _ = pd
+    producer = Producer(config(prefill, lease_seconds=300), p_cache)
+    try:
+        producer.save("req-a", [7, 8])
+        leased(producer, "req-a")
+        lease = producer.leases["req-a"].region
+        assert lease in regions_of(prefill)
+        producer.abandon(["req-a"])
+        assert released(producer, "req-a", timeout=10)  # well before 300 s
+        assert lease not in regions_of(prefill)
+    finally:
+        producer.close()
+
+
+def test_a_held_lease_costs_a_call_per_change_not_a_poll_per_step(pd):
+    """The prefill learns a lease's end by a long-poll: while one is held for a few seconds and
+    vLLM steps as fast as it can, the sidecar answers a handful of calls, not hundreds."""
+    prefill, decode, p_cache, d_cache, _, _ = pd
+
+    def requests() -> float:
+        text = prefill.client.metrics()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvferry_http_requests_total{"))
+
+    producer = Producer(config(prefill, watch_seconds=1), p_cache)
+    try:
+        producer.save("req-p", [1])
+        leased(producer, "req-p")
+        before, steps = requests(), 0
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            assert producer.finished_sending(set()) == set()
+            steps += 1
+            time.sleep(0.001)
+        calls = requests() - before - 1  # less this metrics call
+        assert steps > 100 and calls <= 8, (steps, calls)
+        consumer = Consumer(config(decode), d_cache)
+        consumer.start(LoadSpec("dec-p", (3,), remote_params("req-p", [1], config(prefill))))
+        assert pump(consumer)[0] == {"dec-p"}
+        assert released(producer, "req-p")
+        consumer.close()
+    finally:
+        producer.close()
 
 
 def test_a_pull_of_nothing_ends_the_lease(pd):
@@ -250,8 +336,8 @@ def test_different_block_size_is_refused_at_the_first_transfer(sidecars):
         Producer(config(prefill), p_cache).save("req-4", [1])
         consumer = Consumer(config(decode), d_cache)
         pull = consumer.start(LoadSpec("dec-4", (2,), remote_params("req-4", [1], config(prefill))))
+        assert pump(consumer) == (set(), {"dec-4"})
         assert "IncompatibleCache" in pull.error and "block size" in pull.error
-        assert consumer.poll() == (set(), {"dec-4"})
     finally:
         p_cache.close()
         d_cache.close()
@@ -268,8 +354,9 @@ def test_prefill_sidecar_killed_fails_the_load_fast():
         consumer = Consumer(config(decode), d_cache)
         start = time.monotonic()
         pull = consumer.start(LoadSpec("dec-5", tuple(range(12, 24)), params))
+        assert pump(consumer) == (set(), {"dec-5"})
         assert pull.error and "ConnectError" in pull.error
-        assert consumer.poll() == (set(), {"dec-5"})
+        assert consumer.interval.data["failures"] == {"unreachable": 1}
         assert time.monotonic() - start < 5
     finally:
         d_cache.close()
@@ -302,12 +389,12 @@ def test_kv_corrupted_on_the_wire_fails_the_load():
 def test_a_lease_that_cannot_be_taken_frees_the_blocks_at_once():
     prefill = spawn("tcp")
     p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-d", vllm_layers(1), BLOCKS)
-    producer = Producer(config(prefill), p_cache)
+    producer = Producer(config(prefill, call_timeout=2), p_cache)
     prefill.kill()
     try:
-        lease = producer.save("req-7", [1, 2])
-        assert not lease.held
-        assert producer.finished_sending({"req-7"}) == {"req-7"}
+        producer.save("req-7", [1, 2])
+        assert released(producer, "req-7")
+        producer.close()
     finally:
         p_cache.client.close()
         p_cache._shm.close()
