@@ -400,3 +400,200 @@ def test_a_lease_that_cannot_be_taken_frees_the_blocks_at_once():
         p_cache._shm.close()
         p_cache._shm.unlink()
         stop(prefill)
+
+
+@pytest.fixture
+def stalled():
+    """A control API that accepts connections and never answers (a host that drops packets
+    after the handshake): a real listening socket whose connections are held open, unread."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held, stop_ = [], threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop_.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop_.set()
+    thread.join()
+    for sock in held:
+        sock.close()
+    server.close()
+
+
+def test_a_stalled_prefill_sidecar_never_blocks_the_decode_step(pd, stalled):
+    """Every call to the prefill's sidecar hangs: vLLM's step (start, then poll every step) goes
+    on at once, and the load fails after load_timeout as a failed load."""
+    _, decode, _, d_cache, _, d_layers = pd
+    consumer = Consumer(config(decode, load_timeout=3, call_timeout=2), d_cache)
+    params = {"url": stalled, "lease": lease_name("vllm-kv", "req-s"), "block_ids": [1, 2], "num_tokens": 64}
+    longest = 0.0
+    began = time.monotonic()
+    pull = consumer.start(LoadSpec("dec-s", (3, 4), params))
+    longest = time.monotonic() - began
+    outcome = (set(), set())
+    while outcome == (set(), set()):
+        assert time.monotonic() - began < 30, "the stalled pull never failed"
+        step = time.monotonic()
+        outcome = consumer.poll()
+        longest = max(longest, time.monotonic() - step)
+        time.sleep(0.002)
+    assert outcome == (set(), {"dec-s"})
+    assert "ReadTimeout" in pull.error or "not done after 3 s" in pull.error  # whichever deadline came first
+    assert longest < 0.5, longest  # a step never waited on the stalled sidecar (its calls wait seconds)
+    assert consumer.interval.data["failures"] == {"timeout": 1}
+    assert not torch.stack(d_layers).any()
+    consumer.close()
+
+
+def test_a_stalled_local_sidecar_never_blocks_the_prefill_step(stalled):
+    """The prefill's own sidecar hangs: saving, aborting and asking for finished requests go on at
+    once; the lease that could not be taken frees its blocks once its call timed out."""
+    cache = KvCache.__new__(KvCache)  # the cache's registration would hang too: a mirror in memory
+    cache.layout = CacheLayout.of(vllm_layers(1), BLOCKS)
+    cache.layers, cache.device, cache.name = vllm_layers(1), torch.device("cpu"), "p-stalled"
+    cache.mirror = torch.zeros((BLOCKS, *cache.layout.block_shape), dtype=torch.bfloat16)
+    cache.client = Client(stalled, token=TOKEN, timeout=2)
+    cache._create = lambda name: cache.client.create_region(name, BLOCKS, list(cache.layout.block_shape), "bfloat16")
+    producer = Producer(ConnectorConfig(url=stalled, token=TOKEN, call_timeout=2), cache)
+    try:
+        longest, began = 0.0, time.monotonic()
+        producer.save("req-s1", [1, 2])
+        producer.save("req-s2", [3])
+        producer.abandon(["req-s2"])
+        longest = time.monotonic() - began
+        done: set[str] = set()
+        while done != {"req-s1", "req-s2"}:
+            assert time.monotonic() - began < 60, "the leases were never given up"
+            step = time.monotonic()
+            done |= producer.finished_sending({"req-s1"})
+            longest = max(longest, time.monotonic() - step)
+            time.sleep(0.005)
+        assert longest < 0.5, longest
+        assert torch.equal(cache.mirror[[1, 2], 0], torch.stack(cache.layers)[0].movedim(1, 0)[[1, 2]])
+    finally:
+        producer.close()
+        cache.client.close()
+
+
+def test_a_prefill_that_differs_is_refused_by_name_before_any_transfer(pd):
+    prefill, decode, p_cache, d_cache, _, d_layers = pd
+    theirs = compat_record(model="org/model-a", dtype="bfloat16", kv_cache_dtype="auto", block_size=32, tp=2)
+    ours = compat_record(model="org/model-b", dtype="bfloat16", kv_cache_dtype="auto", block_size=16, tp=1)
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode), d_cache, compat=ours)
+    try:
+        before = len(prefill.client.transfers(direction="out"))
+        producer.save("req-c", [1])
+        pull = consumer.start(LoadSpec("dec-c", (2,), remote_params("req-c", [1], config(prefill), compat=theirs)))
+        assert pump(consumer) == (set(), {"dec-c"})
+        assert "IncompatiblePeer" in pull.error
+        for differs in ("model: prefill 'org/model-a', decode 'org/model-b'", "block_size: prefill 32, decode 16",
+                        "tp: prefill 2, decode 1"):
+            assert differs in pull.error
+        assert "dtype" not in pull.error.replace("kv_cache_dtype", "")  # only what differs is named
+        pull = consumer.start(LoadSpec("dec-c2", (2,), remote_params("req-c", [1], config(prefill))))
+        assert pump(consumer) == (set(), {"dec-c2"})
+        assert "no compatibility record" in pull.error
+        assert len(prefill.client.transfers(direction="out")) == before  # nothing was sent
+        assert consumer.interval.data["failures"] == {"incompatible": 2}
+        assert not torch.stack(d_layers).any()
+        assert released(producer, "req-c")  # the refused pull still ends the lease
+        # the same record passes, and the kvferry and protocol versions are part of it
+        same = dict(ours)
+        consumer.start(LoadSpec("dec-c3", (2,), {**remote_params("req-c3", [1], config(prefill)), "compat": same}))
+        assert set(ours) >= {"kvferry", "peer_protocol", "wire_protocol", "model", "dtype", "block_size",
+                             "kv_layout", "tp", "pp", "dp"}
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def exposition(stats_data: dict, engines: dict[int, list[object]] | None = None) -> dict:
+    """Feed statistics through PromMetrics into a registry of its own; the parsed exposition as
+    {(name, labels): value}."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvferry.client.vllm_core import PromMetrics
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    engines = engines or {0: ["m", "0"]}
+    metrics = PromMetrics(types, ["model_name", "engine"], engines)
+    for idx in engines:
+        metrics.observe(stats_data, idx)
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_statistics_in_the_prometheus_exposition():
+    from kvferry.client.vllm_core import TransferStats
+
+    a, b = TransferStats(), TransferStats()
+    a.record({"transfer_seconds": 0.004, "wait_seconds": 0.006, "bytes_raw": 4000, "bytes_wire": 2500,
+              "codec": "splitzip"})
+    b.record({"transfer_seconds": 0.02, "wait_seconds": 0.03, "bytes_raw": 1000, "bytes_wire": 1000, "codec": "raw"})
+    b.record({"transfer_seconds": 0.3, "wait_seconds": 0.4, "bytes_raw": 6000, "bytes_wire": 3000, "codec": "splitzip"})
+    b.fail("timeout")
+    b.fail("timeout")
+    b.fail("incompatible")
+    total = TransferStats(dict(a.data)).aggregate(b)  # as vLLM sums the workers'
+    assert total.reduce() == {"requests": 3, "failures": 3, "avg_transfer_ms": 108.0, "p90_transfer_ms": 300.0,
+                              "avg_wait_ms": 145.333, "bytes_raw": 11000, "bytes_wire": 6500, "ratio": 1.692}
+    samples = exposition(total.data)
+    eng = (("engine", "0"), ("model_name", "m"))
+    assert samples[("vllm:kvferry_bytes_raw_total", tuple(sorted((*eng, ("codec", "splitzip")))))] == 10000
+    assert samples[("vllm:kvferry_bytes_wire_total", tuple(sorted((*eng, ("codec", "splitzip")))))] == 5500
+    assert samples[("vllm:kvferry_bytes_wire_total", tuple(sorted((*eng, ("codec", "raw")))))] == 1000
+    assert samples[("vllm:kvferry_requests_total", tuple(sorted((*eng, ("codec", "splitzip")))))] == 2
+    assert samples[("vllm:kvferry_failures_total", tuple(sorted((*eng, ("kind", "timeout")))))] == 2
+    assert samples[("vllm:kvferry_failures_total", tuple(sorted((*eng, ("kind", "incompatible")))))] == 1
+    assert samples[("vllm:kvferry_transfer_seconds_count", eng)] == 3
+    assert samples[("vllm:kvferry_transfer_seconds_sum", eng)] == pytest.approx(0.324)
+    assert samples[("vllm:kvferry_transfer_seconds_bucket", tuple(sorted((*eng, ("le", "0.005")))))] == 1
+    assert samples[("vllm:kvferry_transfer_seconds_bucket", tuple(sorted((*eng, ("le", "0.25")))))] == 2
+    assert samples[("vllm:kvferry_wait_seconds_sum", eng)] == pytest.approx(0.436)
+    assert samples[("vllm:kvferry_ratio_sum", tuple(sorted((*eng, ("codec", "splitzip")))))] == pytest.approx(1.6 + 2)
+    assert not TransferStats().take() and TransferStats().is_empty()
+    taken = total.take()
+    assert taken is not None and taken.reduce()["requests"] == 3 and total.is_empty()
+    # two engines: each its own children
+    two = exposition(b.data, {0: ["m", "0"], 1: ["m", "1"]})
+    assert two[("vllm:kvferry_failures_total", (("engine", "1"), ("kind", "timeout"), ("model_name", "m")))] == 2
+
+
+def test_a_real_pull_shows_in_the_statistics(pd):
+    prefill, decode, p_cache, d_cache, _, _ = pd
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, codec="splitzip"), d_cache)
+    try:
+        producer.save("req-m", [1, 2, 3])
+        consumer.start(LoadSpec("dec-m", (4, 5, 6), remote_params("req-m", [1, 2, 3], config(prefill))))
+        assert pump(consumer) == ({"dec-m"}, set())
+        record = prefill.client.transfers(direction="out")[0]
+        stats = consumer.interval.take()
+        assert stats is not None and consumer.interval.is_empty()
+        samples = exposition(stats.data)
+        labels = (("codec", "splitzip"), ("engine", "0"), ("model_name", "m"))
+        assert samples[("vllm:kvferry_bytes_raw_total", labels)] == record["bytes_raw"] > 0
+        assert samples[("vllm:kvferry_bytes_wire_total", labels)] == record["bytes_wire"] > 0
+        assert samples[("vllm:kvferry_transfer_seconds_sum", (("engine", "0"), ("model_name", "m")))] == \
+            pytest.approx(record["seconds"])
+    finally:
+        consumer.close()
+        producer.close()
