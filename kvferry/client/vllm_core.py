@@ -396,10 +396,11 @@ class TransferStats:
     raw and on the wire and codec; failures by kind. Plain lists and counts (vLLM sends them from
     the workers to its logger process); ``kvferry.vllm.KvferryStats`` is this as vLLM's class."""
 
-    def __init__(self, data: dict[str, Any] | None = None):
-        self.data: dict[str, Any] = data if data is not None else {}
-        if not self.data:
-            self.reset()
+    def __init__(self, data: Mapping[str, Any] | None = None):
+        self.reset()
+        for key, value in (data or {}).items():  # copied: aggregating must not change the caller's lists
+            if key in self.data:
+                self.data[key] = dict(value) if key == "failures" else list(value)
 
     def reset(self) -> None:
         self.data = {"transfer_seconds": [], "wait_seconds": [], "bytes_raw": [], "bytes_wire": [], "codec": [],
