@@ -95,18 +95,16 @@ class KvferryPromMetrics(PromMetrics, KVConnectorPromMetrics):
 
 
 def _compat(vllm_config) -> dict[str, Any]:
-    """What a prefill and a decode must agree on, from vLLM's configuration."""
+    """What a prefill and a decode must agree on, from vLLM's configuration (the same in vLLM's
+    scheduler and worker processes; the block layout is checked against the prefill's region)."""
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_cache_layout
-
-        layout = str(get_kv_cache_layout())
-    except Exception:  # noqa: BLE001 (an older vLLM: the block shape check covers the layout)
-        layout = ""
-    return compat_record(model=getattr(model, "model", ""), dtype=str(getattr(model, "dtype", "")),
-                         kv_cache_dtype=str(getattr(cache, "cache_dtype", "")), block_size=cache.block_size,
-                         kv_layout=layout, tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size,
-                         dp=parallel.data_parallel_size)
+    hf = getattr(model, "hf_config", None)
+    architectures = ",".join(getattr(hf, "architectures", None) or ())
+    name = str(getattr(model, "model", "")).rstrip("/").rsplit("/", 1)[-1]  # the same model from another path
+    return compat_record(model=f"{name} ({architectures})" if architectures else name,
+                         dtype=str(getattr(model, "dtype", "")), kv_cache_dtype=str(getattr(cache, "cache_dtype", "")),
+                         block_size=cache.block_size, tp=parallel.tensor_parallel_size,
+                         pp=parallel.pipeline_parallel_size, dp=parallel.data_parallel_size)
 
 
 class KvferryConnector(KVConnectorBase_V1):

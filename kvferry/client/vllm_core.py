@@ -339,22 +339,23 @@ class IncompatiblePeer(IncompatibleCache):
     protocol version, model, dtype, block size, layout, parallel shape)."""
 
 
-COMPARED = ("kvferry", "peer_protocol", "wire_protocol", "model", "dtype", "kv_cache_dtype", "block_size",
-            "kv_layout", "tp", "pp")
+COMPARED = ("kvferry", "peer_protocol", "wire_protocol", "model", "dtype", "kv_cache_dtype", "block_size", "tp", "pp")
 
 
 def compat_record(model: str = "", dtype: str = "", kv_cache_dtype: str = "", block_size: int = 0,
-                  kv_layout: str = "", tp: int = 1, pp: int = 1, dp: int = 1) -> dict[str, Any]:
+                  tp: int = 1, pp: int = 1, dp: int = 1) -> dict[str, Any]:
     """What both sides of a transfer must agree on, sent by the prefill in ``kv_transfer_params``
-    and checked by the decode before its first transfer from that prefill. ``dp`` is carried for the
-    message only: each data-parallel rank is an engine of its own, with leases of its own."""
+    and checked by the decode before each pull (a dict comparison, no call). The block layout
+    (shape, dtype, in place or a mirror) is checked against the prefill's region at first contact
+    (``CacheLayout.check_peer``). ``dp`` is carried for the message only: each data-parallel rank
+    is an engine of its own, with leases of its own."""
     from kvferry import __version__
     from kvferry.engine import peer
     from kvferry.transport import wire
 
     return {"kvferry": __version__, "peer_protocol": peer.VERSION, "wire_protocol": wire.VERSION,
             "model": str(model), "dtype": str(dtype), "kv_cache_dtype": str(kv_cache_dtype),
-            "block_size": int(block_size), "kv_layout": str(kv_layout), "tp": int(tp), "pp": int(pp), "dp": int(dp)}
+            "block_size": int(block_size), "tp": int(tp), "pp": int(pp), "dp": int(dp)}
 
 
 def check_compat(ours: Mapping[str, Any], theirs: Mapping[str, Any] | None, where: str) -> None:
