@@ -498,6 +498,7 @@ class Lease:
     deadline: float  # the TTL, on this worker's clock: freed then whatever the sidecar says
     held: bool = True  # False once released (the decode took the blocks, the lease lapsed or was aborted)
     generation: int | None = None  # the sidecar's lease generation once taken (None: being taken)
+    taken: float = 0.0
 
 
 class Producer:
@@ -508,7 +509,8 @@ class Producer:
     (``GET /v1/leases?after=G&wait=``), which answers once a lease was taken or ended, so a held
     lease costs one call per change, not a poll per step. The sidecar ends a lease that was neither
     pulled nor renewed (``lease_seconds``, renewed by the decode's heartbeats) and at the latest
-    ``lease_ttl`` after it was taken."""
+    ``lease_ttl`` after it was taken. A sidecar that stopped answering (it runs beside this worker:
+    gone, and its regions with it) for ``lease_seconds`` frees the leases older than that."""
 
     def __init__(self, config: ConnectorConfig, cache: KvCache, rank: int = 0, clock=time.monotonic):
         import threading
@@ -520,6 +522,7 @@ class Producer:
         self._client = Client(config.url, token=config.token, timeout=config.call_timeout)
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-lease")
         self._wake, self._closed = threading.Event(), threading.Event()
+        self._silent_since: float | None = None  # the local sidecar has not answered the watcher since
         self._watcher = threading.Thread(target=self._watch, name="kvferry-lease-watch", daemon=True)
         self._watcher.start()
 
@@ -528,7 +531,8 @@ class Producer:
         lease thread). A lease that cannot be taken (sidecar down) is released: the blocks go back
         to vLLM and the decode's pull fails."""
         name = f"{lease_name(self.config.region, request_id)}-r{self.rank}"
-        lease = Lease(request_id, name, self.clock() + self.config.lease_ttl + self.config.call_timeout)
+        now = self.clock()
+        lease = Lease(request_id, name, now + self.config.lease_ttl + self.config.call_timeout, taken=now)
         with self._lock:
             self.leases[request_id] = lease
         try:
@@ -554,9 +558,11 @@ class Producer:
         now = self.clock()
         with self._lock:
             self._finished.update(finished_request_ids)
+            gone = self._silent_since is not None and now - self._silent_since >= self.config.lease_seconds
             for lease in self.leases.values():
-                if lease.held and now >= lease.deadline:
-                    log.warning("kvferry: lease %s outlived its TTL unconfirmed; freeing its blocks", lease.region)
+                if lease.held and (now >= lease.deadline or (gone and now - lease.taken >= self.config.lease_seconds)):
+                    log.warning("kvferry: lease %s unconfirmed (%s); freeing its blocks", lease.region,
+                                "the local sidecar does not answer" if gone else "past its TTL")
                     lease.held = False
             done = {rid for rid, lease in self.leases.items() if not lease.held and rid in self._finished}
             for rid in done:
@@ -627,10 +633,11 @@ class Producer:
             except (EngineError, httpx.HTTPError) as exc:
                 failing += 1
                 if failing == 1:
+                    self._silent_since = self.clock()
                     log.warning("kvferry: cannot watch the sidecar's leases: %s", exc)
                 self._closed.wait(min(5.0, 0.1 * 2 ** failing))
                 continue
-            failing = 0
+            failing, self._silent_since = 0, None
             generation, present = int(book["generation"]), book["leases"]
             for lease in waiting:
                 if lease.generation is not None and lease.generation <= generation and lease.region not in present:

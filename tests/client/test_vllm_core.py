@@ -363,6 +363,25 @@ def test_prefill_sidecar_killed_fails_the_load_fast():
         stop(prefill, decode)
 
 
+def test_leases_end_when_the_local_sidecar_dies():
+    """The prefill's own sidecar dies with leases held (its regions die with it): the blocks go
+    back to vLLM after lease_seconds, not after the TTL."""
+    prefill = spawn("tcp")
+    p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-x", vllm_layers(1), BLOCKS)
+    producer = Producer(config(prefill, lease_seconds=2, call_timeout=2), p_cache)
+    try:
+        producer.save("req-x", [1, 2])
+        leased(producer, "req-x")
+        prefill.kill()
+        assert released(producer, "req-x", timeout=60)
+    finally:
+        producer.close()
+        p_cache.client.close()
+        p_cache._shm.close()
+        p_cache._shm.unlink()
+        stop(prefill)
+
+
 def test_kv_corrupted_on_the_wire_fails_the_load():
     prefill = spawn("tcp", {"KVFERRY_FAULT_CORRUPT_CHUNK": "0", "KVFERRY_TRANSFER_TIMEOUT": "5"})
     decode = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "5"})
