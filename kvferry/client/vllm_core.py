@@ -339,7 +339,7 @@ class IncompatiblePeer(IncompatibleCache):
     protocol version, model, dtype, block size, layout, parallel shape)."""
 
 
-COMPARED = ("kvferry", "peer_protocol", "wire_protocol", "model", "dtype", "kv_cache_dtype", "block_size", "tp", "pp")
+COMPARED = ("kvferry", "peer_protocol", "model", "dtype", "kv_cache_dtype", "block_size", "tp", "pp")
 
 
 def compat_record(model: str = "", dtype: str = "", kv_cache_dtype: str = "", block_size: int = 0,
@@ -348,12 +348,12 @@ def compat_record(model: str = "", dtype: str = "", kv_cache_dtype: str = "", bl
     and checked by the decode before each pull (a dict comparison, no call). The block layout
     (shape, dtype, in place or a mirror) is checked against the prefill's region at first contact
     (``CacheLayout.check_peer``). ``dp`` is carried for the message only: each data-parallel rank
-    is an engine of its own, with leases of its own."""
+    is an engine of its own, with leases of its own. The sidecars' own handshake checks their wire
+    protocol."""
     from kvferry import __version__
-    from kvferry.engine import peer
-    from kvferry.transport import wire
+    from kvferry.engine import peer  # not kvferry.transport: vLLM's environment lacks its dependencies
 
-    return {"kvferry": __version__, "peer_protocol": peer.VERSION, "wire_protocol": wire.VERSION,
+    return {"kvferry": __version__, "peer_protocol": peer.VERSION,
             "model": str(model), "dtype": str(dtype), "kv_cache_dtype": str(kv_cache_dtype),
             "block_size": int(block_size), "tp": int(tp), "pp": int(pp), "dp": int(dp)}
 

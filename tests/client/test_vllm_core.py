@@ -532,8 +532,7 @@ def test_a_prefill_that_differs_is_refused_by_name_before_any_transfer(pd):
         # the same record passes, and the kvferry and protocol versions are part of it
         same = dict(ours)
         consumer.start(LoadSpec("dec-c3", (2,), {**remote_params("req-c3", [1], config(prefill)), "compat": same}))
-        assert set(ours) >= {"kvferry", "peer_protocol", "wire_protocol", "model", "dtype", "block_size", "tp",
-                             "pp", "dp"}
+        assert set(ours) >= {"kvferry", "peer_protocol", "model", "dtype", "block_size", "tp", "pp", "dp"}
     finally:
         consumer.close()
         producer.close()
