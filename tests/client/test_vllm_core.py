@@ -615,3 +615,30 @@ def test_a_real_pull_shows_in_the_statistics(pd):
     finally:
         consumer.close()
         producer.close()
+
+
+def test_the_sidecars_lease_book(sidecars):
+    """The API under the connector's leases: take, renew (a heartbeat names leases gone as
+    missing), the TTL caps renewals, the long-poll answers when a lease ends, bad input is refused."""
+    import threading
+
+    from kvferry.engine.errors import EngineError, NotFound
+
+    prefill, _ = sidecars
+    c = prefill.client
+    c.create_region("book-a", 2, [4], "bfloat16")
+    taken = c.lease("book-a", 30, ttl=60)
+    assert taken["expires_in"] == pytest.approx(30, abs=1) and taken["ends_in"] == pytest.approx(60, abs=1)
+    assert c.renew_leases(["book-a", "book-none"], 300) == {"renewed": ["book-a"], "missing": ["book-none"]}
+    assert c.leases()["leases"]["book-a"]["expires_in"] <= 60  # never renewed past the TTL
+    with pytest.raises(NotFound):
+        c.lease("book-none", 5)
+    with pytest.raises(EngineError, match="422"):
+        c.lease("book-a", 0)
+    generation = c.leases()["generation"]
+    threading.Timer(0.5, c.delete_region, ("book-a",)).start()
+    began = time.monotonic()
+    book = c.leases(after=generation, wait=20)
+    assert "book-a" not in book["leases"] and book["generation"] > generation
+    assert time.monotonic() - began < 15  # answered by the deletion, not by the deadline
+    assert c.leases(after=book["generation"], wait=0.2)["generation"] == book["generation"]  # nothing changed
