@@ -27,10 +27,14 @@ from kvferry.client.vllm_core import (
     PARAMS_KEY,
     ConnectorConfig,
     Consumer,
+    Heartbeats,
     IncompatibleCache,
     KvCache,
     LoadSpec,
     Producer,
+    PromMetrics,
+    TransferStats,
+    compat_record,
     remote_params,
 )
 
@@ -38,6 +42,11 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("kvferry.vllm")
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+except ImportError:  # pragma: no cover (an older vLLM: no connector statistics)
+    KVConnectorPromMetrics = KVConnectorStats = object
 
 try:  # vLLM >= 0.32 reports failed loads per request; older ones per block only
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -52,7 +61,7 @@ class KvferryMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers each step."""
 
     saves: list[tuple[str, list[int]]] = field(default_factory=list)  # prefill: prompts computed this step
-    abandon: list[str] = field(default_factory=list)  # prefill: saved requests vLLM freed itself
+    abandon: list[str] = field(default_factory=list)  # prefill: saved requests vLLM aborted (end their leases now)
     loads: list[LoadSpec] = field(default_factory=list)  # decode: pulls to start
 
 
@@ -67,11 +76,45 @@ def _first_group(block_ids: Any) -> list[int]:
     return list(block_ids)
 
 
+class KvferryStats(TransferStats, KVConnectorStats):
+    """The connector's statistics as vLLM collects them from the workers (``TransferStats``)."""
+
+    def __init__(self, data: dict[str, Any] | None = None):
+        TransferStats.__init__(self, data)
+
+
+class KvferryPromMetrics(PromMetrics, KVConnectorPromMetrics):
+    """The statistics in vLLM's own ``/metrics`` (``vllm:kvferry_*``)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        KVConnectorPromMetrics.__init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        PromMetrics.__init__(self, metric_types, labelnames, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        PromMetrics.observe(self, transfer_stats_data, engine_idx)
+
+
+def _compat(vllm_config) -> dict[str, Any]:
+    """What a prefill and a decode must agree on, from vLLM's configuration (the same in vLLM's
+    scheduler and worker processes; the block layout is checked against the prefill's region)."""
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    hf = getattr(model, "hf_config", None)
+    architectures = ",".join(getattr(hf, "architectures", None) or ())
+    name = str(getattr(model, "model", "")).rstrip("/").rsplit("/", 1)[-1]  # the same model from another path
+    return compat_record(model=f"{name} ({architectures})" if architectures else name,
+                         dtype=str(getattr(model, "dtype", "")), kv_cache_dtype=str(getattr(cache, "cache_dtype", "")),
+                         block_size=cache.block_size, tp=parallel.tensor_parallel_size,
+                         pp=parallel.pipeline_parallel_size, dp=parallel.data_parallel_size)
+
+
 class KvferryConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.load(transfer.kv_connector_extra_config or {})
+        self.compat = _compat(vllm_config)
+        self.heartbeats = Heartbeats(self.config) if role == KVConnectorRole.SCHEDULER and transfer.is_kv_consumer \
+            else None
         self.engine_id = transfer.engine_id or "engine"
         self.producer_role = transfer.is_kv_producer
         self.consumer_role = transfer.is_kv_consumer
@@ -88,6 +131,12 @@ class KvferryConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
 
     # ---- scheduler side --------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        """A decode request with a prefill's lease: renew the lease while it waits in the queue."""
+        params = request.kv_transfer_params
+        if self.heartbeats is not None and params and params.get("do_remote_prefill") and PARAMS_KEY in params:
+            self.heartbeats.track(request.request_id, dict(params[PARAMS_KEY]))
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and PARAMS_KEY in params:
@@ -103,6 +152,8 @@ class KvferryConnector(KVConnectorBase_V1):
         if params.get("do_remote_decode") and self.producer_role:
             self._tracked.setdefault(request.request_id, (request, []))
         if params.get("do_remote_prefill") and PARAMS_KEY in params:
+            if self.heartbeats is not None:
+                self.heartbeats.untrack(request.request_id)  # the pull starts now
             local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
             # no blocks to fill (a local prefix hit covered the prompt): the pull just ends the lease
             self._meta.loads.append(LoadSpec(request.request_id, tuple(local), dict(params[PARAMS_KEY])))
@@ -129,6 +180,8 @@ class KvferryConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         request_id = request.request_id
         self._tracked.pop(request_id, None)
+        if self.heartbeats is not None:
+            self.heartbeats.untrack(request_id)
         if not params:
             return False, None
         if params.get("do_remote_prefill") and PARAMS_KEY in params:
@@ -140,10 +193,12 @@ class KvferryConnector(KVConnectorBase_V1):
             return False, None
         self._saved.discard(request_id)
         if request.status.name not in _SENT:
+            # aborted: the worker deletes the lease now; vLLM frees the blocks once it is gone
             self._meta.abandon.append(request_id)
-            return False, None
+            return True, None
         blocks = _first_group(block_ids)
-        ours = remote_params(request_id, blocks, self.config, num_tokens=request.num_computed_tokens)
+        ours = remote_params(request_id, blocks, self.config, num_tokens=request.num_computed_tokens,
+                             compat=self.compat)
         ours["block_size"] = self.block_size
         if params.get("kvferry_codec"):  # the client's choice for this request, else the decode's setting
             ours["codec"] = str(params["kvferry_codec"])
@@ -169,7 +224,7 @@ class KvferryConnector(KVConnectorBase_V1):
         if self.producer_role:
             self.producer = Producer(self.config, self.cache, rank)
         if self.consumer_role:
-            self.consumer = Consumer(self.config, self.cache, rank)
+            self.consumer = Consumer(self.config, self.cache, rank, compat=self.compat)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -214,7 +269,26 @@ class KvferryConnector(KVConnectorBase_V1):
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
 
+    def get_kv_connector_stats(self) -> KvferryStats | None:
+        """This worker's statistics since the last call (vLLM calls it after each step)."""
+        if self.consumer is None:
+            return None
+        taken = self.consumer.interval.take()
+        return None if taken is None else KvferryStats(taken.data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvferryStats:
+        return KvferryStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvferryPromMetrics:
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.close()
+        if self.producer is not None:
+            self.producer.close()
         if self.consumer is not None:
             self.consumer.close()
         if self.cache is not None:

@@ -27,6 +27,7 @@ from kvferry.engine.regions import RegionSpec
 from kvferry.engine.settings import Settings
 
 from . import errors
+from .leases import MAX_WAIT, LeaseBody, LeaseBook, RenewBody
 from .models import CODEC, ERRORS, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
 
 log = logging.getLogger("kvferry.api")
@@ -53,6 +54,7 @@ EngineDep = Annotated[Engine, Depends(engine)]
 health = APIRouter(tags=["health"])
 regions = APIRouter(prefix="/v1/regions", tags=["regions"], dependencies=[Depends(authorized)], responses=ERRORS)
 transfers = APIRouter(prefix="/v1/transfers", tags=["transfers"], dependencies=[Depends(authorized)], responses=ERRORS)
+leases = APIRouter(prefix="/v1/leases", tags=["leases"], dependencies=[Depends(authorized)], responses=ERRORS)
 codebooks = APIRouter(prefix="/v1/codebooks", tags=["codebooks"], dependencies=[Depends(authorized)], responses=ERRORS)
 
 
@@ -107,11 +109,33 @@ async def get_region(name: str, e: EngineDep) -> dict:
 
 
 @regions.delete("/{name}", status_code=204)
-async def delete_region(name: str, e: EngineDep, force: bool = False) -> Response:
+async def delete_region(name: str, e: EngineDep, request: Request, force: bool = False) -> Response:
     """409 while a transfer uses it, or while it is quarantined (a sender did not confirm giving
     back its lease: ``force=true`` deletes it anyway)."""
     await e.delete_region(name, force)
+    request.app.state.leases.forget(name)
     return Response(status_code=204)
+
+
+@leases.put("/{name}")
+async def take_lease(name: str, body: LeaseBody, e: EngineDep, request: Request) -> dict:
+    """Lease region ``name``: deleted ``seconds`` from now unless renewed, and ``ttl`` seconds
+    after it was taken at the latest (``docs/decisions/023-connector-leases.md``)."""
+    return request.app.state.leases.take(e, name, body.seconds, body.ttl)
+
+
+@leases.post("/renew")
+async def renew_leases(body: RenewBody, request: Request) -> dict:
+    """Heartbeat: extend the named leases (those gone are answered ``missing``)."""
+    return request.app.state.leases.renew(body.names, body.seconds)
+
+
+@leases.get("")
+async def list_leases(request: Request, after: int = -1,
+                      wait: Annotated[float, Query(ge=0, le=MAX_WAIT)] = 0.0) -> dict:
+    """The leases and the book's generation; with ``wait``, answered once the generation passed
+    ``after`` (a lease taken or ended) or after ``wait`` seconds: a long-poll."""
+    return await request.app.state.leases.changes(after, wait)
 
 
 @regions.put("/{name}/blocks/{index}", status_code=204)
@@ -225,10 +249,13 @@ def create_app(settings: Settings) -> FastAPI:
         quiet_access_log()
         e = Engine(settings)
         app.state.engine = e
+        app.state.leases = LeaseBook()
         await e.start()
+        app.state.leases.start(e)
         try:
             yield
         finally:
+            await app.state.leases.close()
             await e.close()
 
     # No Swagger UI or ReDoc: they load scripts from a CDN. The schema is at /openapi.json.
@@ -236,7 +263,7 @@ def create_app(settings: Settings) -> FastAPI:
                   description="Lossless compressed KV-cache transfer between GPU workers.")
     app.state.settings = settings
     app.state.http_requests = 0
-    for router in (health, regions, transfers, codebooks):
+    for router in (health, regions, leases, transfers, codebooks):
         app.include_router(router)
     app.add_middleware(Lane)
     app.add_middleware(Guard, max_bytes=settings.max_body_bytes, token=settings.token)

@@ -181,8 +181,27 @@ class Client:
     def list_regions(self) -> list[dict]:
         return self._call("GET", "/v1/regions").json()
 
-    def delete_region(self, name: str) -> None:
-        self._call("DELETE", f"/v1/regions/{name}")
+    def delete_region(self, name: str, force: bool = False) -> None:
+        self._call("DELETE", f"/v1/regions/{name}", params={"force": "true"} if force else None)
+
+    # ---- leases ------------------------------------------------------------------------------
+    def lease(self, name: str, seconds: float, ttl: float | None = None) -> dict:
+        """Lease region ``name`` (the sidecar deletes it ``seconds`` from now unless renewed, and
+        ``ttl`` seconds after it was taken at the latest), or extend the lease."""
+        body: dict[str, Any] = {"seconds": seconds}
+        if ttl is not None:
+            body["ttl"] = ttl
+        return self._call("PUT", f"/v1/leases/{name}", json=body).json()
+
+    def renew_leases(self, names: Sequence[str], seconds: float) -> dict:
+        """A heartbeat: ``{"renewed": [...], "missing": [...]}``."""
+        return self._call("POST", "/v1/leases/renew", json={"names": list(names), "seconds": seconds}).json()
+
+    def leases(self, after: int = -1, wait: float = 0.0) -> dict:
+        """``{"generation": g, "leases": {name: {...}}}``; with ``wait``, answered once the
+        generation passed ``after`` or ``wait`` seconds passed (a long-poll)."""
+        return self._call("GET", "/v1/leases", params={"after": after, "wait": wait},
+                          timeout=self._timeout + wait).json()
 
     def put_block(self, name: str, index: int, data: bytes) -> None:
         self._call("PUT", f"/v1/regions/{name}/blocks/{index}", content=data,

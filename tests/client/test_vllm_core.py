@@ -18,10 +18,12 @@ from kvferry.client.vllm_core import (
     CacheLayout,
     ConnectorConfig,
     Consumer,
+    Heartbeats,
     IncompatibleCache,
     KvCache,
     LoadSpec,
     Producer,
+    compat_record,
     lease_name,
     match_blocks,
     remote_params,
@@ -72,12 +74,17 @@ def released(producer: Producer, request_id: str, timeout: float = 10.0) -> bool
     return False
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
+def leased(producer: Producer, request_id: str, timeout: float = 10.0) -> None:
+    """The lease thread took the request's lease (the sidecar holds it)."""
+    deadline = time.monotonic() + timeout
+    while producer.leases[request_id].generation is None and producer.leases[request_id].held:
+        assert time.monotonic() < deadline, "the lease was not taken"
+        time.sleep(0.01)
+    assert producer.leases[request_id].held
 
-    def __call__(self) -> float:
-        return self.now
+
+def regions_of(daemon) -> set[str]:
+    return {r["name"] for r in daemon.client.list_regions()}
 
 
 @pytest.fixture
@@ -196,40 +203,119 @@ def test_request_kv_crosses_in_one_transfer(pd, codec):
     assert producer.leases == {}
 
 
-def test_poll_asks_nobody_while_a_pull_is_on_its_way(pd):
-    """vLLM calls get_finished every step: a pull's end is awaited by a long-poll on a worker
-    thread, so poll() makes no HTTP request until the transfer has ended."""
-    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
-    producer = Producer(config(prefill), p_cache)
-    consumer = Consumer(config(decode, codec="splitzip"), d_cache)
-    producer.save("req-w", [2, 3])
-    pull = consumer.start(LoadSpec("dec-w", (7, 8), remote_params("req-w", [2, 3], config(prefill))))
-    assert pull.error is None and pull.ended is not None
-    asked = []
-    real = pull.client.transfer
-    pull.client.transfer = lambda *a, **k: asked.append(a) or real(*a, **k)
-    assert pump(consumer) == ({"dec-w"}, set())
-    assert asked == []  # the waiter thread's own client told it
-    block_dim = p_cache.layout.block_dims[0]
-    assert torch.equal(pages(d_layers, [7, 8], block_dim).view(torch.int16),
-                       pages(p_layers, [2, 3], block_dim).view(torch.int16))
-    consumer.close()
-
-
 def test_lease_lapses_and_a_late_pull_fails(pd):
+    """A lease neither pulled nor renewed ends after lease_seconds: the sidecar deletes the region
+    and the prefill frees the blocks; a late pull then finds no region (never reused blocks)."""
     prefill, decode, p_cache, d_cache, _, d_layers = pd
-    clock = Clock()
-    producer = Producer(config(prefill, lease_seconds=5), p_cache, clock=clock)
-    producer.save("req-2", [1, 2])
-    assert producer.finished_sending({"req-2"}) == set()
-    clock.now += 6
-    assert producer.finished_sending(set()) == {"req-2"}  # never stranded
-    consumer = Consumer(config(decode), d_cache)
-    pull = consumer.start(LoadSpec("dec-2", (4, 5), remote_params("req-2", [1, 2], config(prefill))))
-    assert "NotFound" in pull.error  # the blocks may be reused already: nothing is read
-    assert consumer.poll() == (set(), {"dec-2"})
-    assert consumer.failed_blocks["dec-2"] == (4, 5)
-    assert not torch.stack(d_layers).any()
+    producer = Producer(config(prefill, lease_seconds=1), p_cache)
+    try:
+        producer.save("req-2", [1, 2])
+        leased(producer, "req-2")
+        assert producer.finished_sending({"req-2"}) == set()
+        lease = producer.leases["req-2"].region
+        assert released(producer, "req-2", timeout=30)  # never stranded
+        assert lease not in regions_of(prefill), regions_of(prefill)
+        consumer = Consumer(config(decode, load_timeout=2), d_cache)
+        pull = consumer.start(LoadSpec("dec-2", (4, 5), remote_params("req-2", [1, 2], config(prefill))))
+        assert pump(consumer) == (set(), {"dec-2"})
+        assert "NotFound" in pull.error  # the blocks may be reused already: nothing is read
+        assert consumer.failed_blocks["dec-2"] == (4, 5)
+        assert consumer.interval.data["failures"] == {"lease_gone": 1}
+        assert not torch.stack(d_layers).any()
+        consumer.close()
+    finally:
+        producer.close()
+
+
+def test_a_decode_queue_longer_than_the_lease_keeps_the_kv_by_heartbeats(pd):
+    """The decode renews the lease while the request waits in its queue: a wait of several lease
+    periods still loads the KV, and the lease is the decode's to end."""
+    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
+    producer = Producer(config(prefill, lease_seconds=1.5), p_cache)
+    beats = Heartbeats(config(decode, lease_seconds=1.5, heartbeat_seconds=0.3))
+    try:
+        producer.save("req-h", [2, 3, 4])
+        leased(producer, "req-h")
+        params = remote_params("req-h", [2, 3, 4], config(prefill))
+        beats.track("dec-h", params)  # on_new_request: the request waits in the decode's queue
+        time.sleep(5)  # more than three leases long
+        assert beats.sent >= 3
+        assert producer.finished_sending({"req-h"}) == set()  # still leased
+        beats.untrack("dec-h")  # scheduled: the pull starts
+        consumer = Consumer(config(decode), d_cache)
+        consumer.start(LoadSpec("dec-h", (9, 10, 11), params))
+        assert pump(consumer) == ({"dec-h"}, set())
+        block_dim = p_cache.layout.block_dims[0]
+        assert torch.equal(pages(d_layers, [9, 10, 11], block_dim).view(torch.int16),
+                           pages(p_layers, [2, 3, 4], block_dim).view(torch.int16))
+        assert released(producer, "req-h")
+        consumer.close()
+    finally:
+        beats.close()
+        producer.close()
+
+
+def test_blocks_never_pulled_are_freed_after_the_ttl_even_if_renewed(pd):
+    prefill, decode, p_cache, _, _, _ = pd
+    producer = Producer(config(prefill, lease_seconds=60, lease_ttl=2), p_cache)
+    beats = Heartbeats(config(decode, lease_seconds=60, heartbeat_seconds=0.2))
+    try:
+        producer.save("req-t", [5])
+        leased(producer, "req-t")
+        lease = producer.leases["req-t"].region
+        beats.track("dec-t", remote_params("req-t", [5], config(prefill)))
+        assert released(producer, "req-t", timeout=30)
+        assert lease not in regions_of(prefill)
+    finally:
+        beats.close()
+        producer.close()
+
+
+def test_an_abort_frees_the_blocks_at_once(pd):
+    """vLLM aborts a saved request: the lease ends now, not after lease_seconds or the TTL."""
+    prefill, decode, p_cache, _, _, _ = pd
+    producer = Producer(config(prefill, lease_seconds=300), p_cache)
+    try:
+        producer.save("req-a", [7, 8])
+        leased(producer, "req-a")
+        lease = producer.leases["req-a"].region
+        assert lease in regions_of(prefill)
+        producer.abandon(["req-a"])
+        assert released(producer, "req-a", timeout=10)  # well before 300 s
+        assert lease not in regions_of(prefill)
+    finally:
+        producer.close()
+
+
+def test_a_held_lease_costs_a_call_per_change_not_a_poll_per_step(pd):
+    """The prefill learns a lease's end by a long-poll: while one is held for a few seconds and
+    vLLM steps as fast as it can, the sidecar answers a handful of calls, not hundreds."""
+    prefill, decode, p_cache, d_cache, _, _ = pd
+
+    def requests() -> float:
+        text = prefill.client.metrics()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvferry_http_requests_total{"))
+
+    producer = Producer(config(prefill, watch_seconds=1), p_cache)
+    try:
+        producer.save("req-p", [1])
+        leased(producer, "req-p")
+        before, steps = requests(), 0
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            assert producer.finished_sending(set()) == set()
+            steps += 1
+            time.sleep(0.001)
+        calls = requests() - before - 1  # less this metrics call
+        assert steps > 100 and calls <= 8, (steps, calls)
+        consumer = Consumer(config(decode), d_cache)
+        consumer.start(LoadSpec("dec-p", (3,), remote_params("req-p", [1], config(prefill))))
+        assert pump(consumer)[0] == {"dec-p"}
+        assert released(producer, "req-p")
+        consumer.close()
+    finally:
+        producer.close()
 
 
 def test_a_pull_of_nothing_ends_the_lease(pd):
@@ -250,8 +336,8 @@ def test_different_block_size_is_refused_at_the_first_transfer(sidecars):
         Producer(config(prefill), p_cache).save("req-4", [1])
         consumer = Consumer(config(decode), d_cache)
         pull = consumer.start(LoadSpec("dec-4", (2,), remote_params("req-4", [1], config(prefill))))
+        assert pump(consumer) == (set(), {"dec-4"})
         assert "IncompatibleCache" in pull.error and "block size" in pull.error
-        assert consumer.poll() == (set(), {"dec-4"})
     finally:
         p_cache.close()
         d_cache.close()
@@ -268,12 +354,32 @@ def test_prefill_sidecar_killed_fails_the_load_fast():
         consumer = Consumer(config(decode), d_cache)
         start = time.monotonic()
         pull = consumer.start(LoadSpec("dec-5", tuple(range(12, 24)), params))
+        assert pump(consumer) == (set(), {"dec-5"})
         assert pull.error and "ConnectError" in pull.error
-        assert consumer.poll() == (set(), {"dec-5"})
+        assert consumer.interval.data["failures"] == {"unreachable": 1}
         assert time.monotonic() - start < 5
     finally:
         d_cache.close()
         stop(prefill, decode)
+
+
+def test_leases_end_when_the_local_sidecar_dies():
+    """The prefill's own sidecar dies with leases held (its regions die with it): the blocks go
+    back to vLLM after lease_seconds, not after the TTL."""
+    prefill = spawn("tcp")
+    p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-x", vllm_layers(1), BLOCKS)
+    producer = Producer(config(prefill, lease_seconds=2, call_timeout=2), p_cache)
+    try:
+        producer.save("req-x", [1, 2])
+        leased(producer, "req-x")
+        prefill.kill()
+        assert released(producer, "req-x", timeout=60)
+    finally:
+        producer.close()
+        p_cache.client.close()
+        p_cache._shm.close()
+        p_cache._shm.unlink()
+        stop(prefill)
 
 
 def test_kv_corrupted_on_the_wire_fails_the_load():
@@ -302,14 +408,237 @@ def test_kv_corrupted_on_the_wire_fails_the_load():
 def test_a_lease_that_cannot_be_taken_frees_the_blocks_at_once():
     prefill = spawn("tcp")
     p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-d", vllm_layers(1), BLOCKS)
-    producer = Producer(config(prefill), p_cache)
+    producer = Producer(config(prefill, call_timeout=2), p_cache)
     prefill.kill()
     try:
-        lease = producer.save("req-7", [1, 2])
-        assert not lease.held
-        assert producer.finished_sending({"req-7"}) == {"req-7"}
+        producer.save("req-7", [1, 2])
+        assert released(producer, "req-7")
+        producer.close()
     finally:
         p_cache.client.close()
         p_cache._shm.close()
         p_cache._shm.unlink()
         stop(prefill)
+
+
+@pytest.fixture
+def stalled():
+    """A control API that accepts connections and never answers (a host that drops packets
+    after the handshake): a real listening socket whose connections are held open, unread."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held, stop_ = [], threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop_.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop_.set()
+    thread.join()
+    for sock in held:
+        sock.close()
+    server.close()
+
+
+def test_a_stalled_prefill_sidecar_never_blocks_the_decode_step(pd, stalled):
+    """Every call to the prefill's sidecar hangs: vLLM's step (start, then poll every step) goes
+    on at once, and the load fails after load_timeout as a failed load."""
+    _, decode, _, d_cache, _, d_layers = pd
+    consumer = Consumer(config(decode, load_timeout=3, call_timeout=2), d_cache)
+    params = {"url": stalled, "lease": lease_name("vllm-kv", "req-s"), "block_ids": [1, 2], "num_tokens": 64}
+    longest = 0.0
+    began = time.monotonic()
+    pull = consumer.start(LoadSpec("dec-s", (3, 4), params))
+    longest = time.monotonic() - began
+    outcome = (set(), set())
+    while outcome == (set(), set()):
+        assert time.monotonic() - began < 30, "the stalled pull never failed"
+        step = time.monotonic()
+        outcome = consumer.poll()
+        longest = max(longest, time.monotonic() - step)
+        time.sleep(0.002)
+    assert outcome == (set(), {"dec-s"})
+    assert "ReadTimeout" in pull.error or "not done after 3 s" in pull.error  # whichever deadline came first
+    assert longest < 0.5, longest  # a step never waited on the stalled sidecar (its calls wait seconds)
+    assert consumer.interval.data["failures"] == {"timeout": 1}
+    assert not torch.stack(d_layers).any()
+    consumer.close()
+
+
+def test_a_stalled_local_sidecar_never_blocks_the_prefill_step(stalled):
+    """The prefill's own sidecar hangs: saving, aborting and asking for finished requests go on at
+    once; the lease that could not be taken frees its blocks once its call timed out."""
+    cache = KvCache.__new__(KvCache)  # the cache's registration would hang too: a mirror in memory
+    cache.layout = CacheLayout.of(vllm_layers(1), BLOCKS)
+    cache.layers, cache.device, cache.name = vllm_layers(1), torch.device("cpu"), "p-stalled"
+    cache.mirror = torch.zeros((BLOCKS, *cache.layout.block_shape), dtype=torch.bfloat16)
+    cache.client = Client(stalled, token=TOKEN, timeout=2)
+    cache._create = lambda name: cache.client.create_region(name, BLOCKS, list(cache.layout.block_shape), "bfloat16")
+    producer = Producer(ConnectorConfig(url=stalled, token=TOKEN, call_timeout=2), cache)
+    try:
+        longest, began = 0.0, time.monotonic()
+        producer.save("req-s1", [1, 2])
+        producer.save("req-s2", [3])
+        producer.abandon(["req-s2"])
+        longest = time.monotonic() - began
+        done: set[str] = set()
+        while done != {"req-s1", "req-s2"}:
+            assert time.monotonic() - began < 60, "the leases were never given up"
+            step = time.monotonic()
+            done |= producer.finished_sending({"req-s1"})
+            longest = max(longest, time.monotonic() - step)
+            time.sleep(0.005)
+        assert longest < 0.5, longest
+        assert torch.equal(cache.mirror[[1, 2], 0], torch.stack(cache.layers)[0].movedim(1, 0)[[1, 2]])
+    finally:
+        producer.close()
+        cache.client.close()
+
+
+def test_a_prefill_that_differs_is_refused_by_name_before_any_transfer(pd):
+    prefill, decode, p_cache, d_cache, _, d_layers = pd
+    theirs = compat_record(model="org/model-a", dtype="bfloat16", kv_cache_dtype="auto", block_size=32, tp=2)
+    ours = compat_record(model="org/model-b", dtype="bfloat16", kv_cache_dtype="auto", block_size=16, tp=1)
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode), d_cache, compat=ours)
+    try:
+        before = len(prefill.client.transfers(direction="out"))
+        producer.save("req-c", [1])
+        pull = consumer.start(LoadSpec("dec-c", (2,), remote_params("req-c", [1], config(prefill), compat=theirs)))
+        assert pump(consumer) == (set(), {"dec-c"})
+        assert "IncompatiblePeer" in pull.error
+        for differs in ("model: prefill 'org/model-a', decode 'org/model-b'", "block_size: prefill 32, decode 16",
+                        "tp: prefill 2, decode 1"):
+            assert differs in pull.error
+        assert "dtype" not in pull.error.replace("kv_cache_dtype", "")  # only what differs is named
+        pull = consumer.start(LoadSpec("dec-c2", (2,), remote_params("req-c", [1], config(prefill))))
+        assert pump(consumer) == (set(), {"dec-c2"})
+        assert "no compatibility record" in pull.error
+        assert len(prefill.client.transfers(direction="out")) == before  # nothing was sent
+        assert consumer.interval.data["failures"] == {"incompatible": 2}
+        assert not torch.stack(d_layers).any()
+        assert released(producer, "req-c")  # the refused pull still ends the lease
+        # the same record passes, and the kvferry and protocol versions are part of it
+        same = dict(ours)
+        consumer.start(LoadSpec("dec-c3", (2,), {**remote_params("req-c3", [1], config(prefill)), "compat": same}))
+        assert set(ours) >= {"kvferry", "peer_protocol", "model", "dtype", "block_size", "tp", "pp", "dp"}
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def exposition(stats_data: dict, engines: dict[int, list[object]] | None = None) -> dict:
+    """Feed statistics through PromMetrics into a registry of its own; the parsed exposition as
+    {(name, labels): value}."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvferry.client.vllm_core import PromMetrics
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    engines = engines or {0: ["m", "0"]}
+    metrics = PromMetrics(types, ["model_name", "engine"], engines)
+    for idx in engines:
+        metrics.observe(stats_data, idx)
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_statistics_in_the_prometheus_exposition():
+    from kvferry.client.vllm_core import TransferStats
+
+    a, b = TransferStats(), TransferStats()
+    a.record({"transfer_seconds": 0.004, "wait_seconds": 0.006, "bytes_raw": 4000, "bytes_wire": 2500,
+              "codec": "splitzip"})
+    b.record({"transfer_seconds": 0.02, "wait_seconds": 0.03, "bytes_raw": 1000, "bytes_wire": 1000, "codec": "raw"})
+    b.record({"transfer_seconds": 0.3, "wait_seconds": 0.4, "bytes_raw": 6000, "bytes_wire": 3000, "codec": "splitzip"})
+    b.fail("timeout")
+    b.fail("timeout")
+    b.fail("incompatible")
+    total = TransferStats(dict(a.data)).aggregate(b)  # as vLLM sums the workers'
+    assert total.reduce() == {"requests": 3, "failures": 3, "avg_transfer_ms": 108.0, "p90_transfer_ms": 300.0,
+                              "avg_wait_ms": 145.333, "bytes_raw": 11000, "bytes_wire": 6500, "ratio": 1.692}
+    samples = exposition(total.data)
+    eng = (("engine", "0"), ("model_name", "m"))
+    assert samples[("vllm:kvferry_bytes_raw_total", tuple(sorted((*eng, ("codec", "splitzip")))))] == 10000
+    assert samples[("vllm:kvferry_bytes_wire_total", tuple(sorted((*eng, ("codec", "splitzip")))))] == 5500
+    assert samples[("vllm:kvferry_bytes_wire_total", tuple(sorted((*eng, ("codec", "raw")))))] == 1000
+    assert samples[("vllm:kvferry_requests_total", tuple(sorted((*eng, ("codec", "splitzip")))))] == 2
+    assert samples[("vllm:kvferry_failures_total", tuple(sorted((*eng, ("kind", "timeout")))))] == 2
+    assert samples[("vllm:kvferry_failures_total", tuple(sorted((*eng, ("kind", "incompatible")))))] == 1
+    assert samples[("vllm:kvferry_transfer_seconds_count", eng)] == 3
+    assert samples[("vllm:kvferry_transfer_seconds_sum", eng)] == pytest.approx(0.324)
+    assert samples[("vllm:kvferry_transfer_seconds_bucket", tuple(sorted((*eng, ("le", "0.005")))))] == 1
+    assert samples[("vllm:kvferry_transfer_seconds_bucket", tuple(sorted((*eng, ("le", "0.25")))))] == 2
+    assert samples[("vllm:kvferry_wait_seconds_sum", eng)] == pytest.approx(0.436)
+    assert samples[("vllm:kvferry_ratio_sum", tuple(sorted((*eng, ("codec", "splitzip")))))] == pytest.approx(1.6 + 2)
+    assert not TransferStats().take() and TransferStats().is_empty()
+    taken = total.take()
+    assert taken is not None and taken.reduce()["requests"] == 3 and total.is_empty()
+    # two engines: each its own children
+    two = exposition(b.data, {0: ["m", "0"], 1: ["m", "1"]})
+    assert two[("vllm:kvferry_failures_total", (("engine", "1"), ("kind", "timeout"), ("model_name", "m")))] == 2
+
+
+def test_a_real_pull_shows_in_the_statistics(pd):
+    prefill, decode, p_cache, d_cache, _, _ = pd
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, codec="splitzip"), d_cache)
+    try:
+        producer.save("req-m", [1, 2, 3])
+        consumer.start(LoadSpec("dec-m", (4, 5, 6), remote_params("req-m", [1, 2, 3], config(prefill))))
+        assert pump(consumer) == ({"dec-m"}, set())
+        record = prefill.client.transfers(direction="out")[0]
+        stats = consumer.interval.take()
+        assert stats is not None and consumer.interval.is_empty()
+        samples = exposition(stats.data)
+        labels = (("codec", "splitzip"), ("engine", "0"), ("model_name", "m"))
+        assert samples[("vllm:kvferry_bytes_raw_total", labels)] == record["bytes_raw"] > 0
+        assert samples[("vllm:kvferry_bytes_wire_total", labels)] == record["bytes_wire"] > 0
+        assert samples[("vllm:kvferry_transfer_seconds_sum", (("engine", "0"), ("model_name", "m")))] == \
+            pytest.approx(record["seconds"])
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_the_sidecars_lease_book(sidecars):
+    """The API under the connector's leases: take, renew (a heartbeat names leases gone as
+    missing), the TTL caps renewals, the long-poll answers when a lease ends, bad input is refused."""
+    import threading
+
+    from kvferry.engine.errors import EngineError, NotFound
+
+    prefill, _ = sidecars
+    c = prefill.client
+    c.create_region("book-a", 2, [4], "bfloat16")
+    taken = c.lease("book-a", 30, ttl=60)
+    assert taken["expires_in"] == pytest.approx(30, abs=1) and taken["ends_in"] == pytest.approx(60, abs=1)
+    assert c.renew_leases(["book-a", "book-none"], 300) == {"renewed": ["book-a"], "missing": ["book-none"]}
+    assert c.leases()["leases"]["book-a"]["expires_in"] <= 60  # never renewed past the TTL
+    with pytest.raises(NotFound):
+        c.lease("book-none", 5)
+    with pytest.raises(EngineError, match="422"):
+        c.lease("book-a", 0)
+    generation = c.leases()["generation"]
+    threading.Timer(0.5, c.delete_region, ("book-a",)).start()
+    began = time.monotonic()
+    book = c.leases(after=generation, wait=20)
+    assert "book-a" not in book["leases"] and book["generation"] > generation
+    assert time.monotonic() - began < 15  # answered by the deletion, not by the deadline
+    assert c.leases(after=book["generation"], wait=0.2)["generation"] == book["generation"]  # nothing changed
