@@ -659,7 +659,7 @@ class Connection:
         Raises:
             AuthenticationFailed: it fails its tag (the connection cannot be trusted further).
         """
-        if m.length <= _MESSAGE_PIECE:
+        if m.length <= _MESSAGE_PIECE or not self.link.streams:  # UCX: one message, one buffer
             payload = bytearray(m.length)
             await self.link.recv_payload(memoryview(payload))
         else:

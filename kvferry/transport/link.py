@@ -48,6 +48,9 @@ class Link(ABC):
     # Backends that move device payloads through host memory (TCP) say so: the connection then
     # stages them itself and authenticates the host copy.
     stages_device_payloads = False
+    # A byte stream (TCP) can be read a piece at a time; a message backend (UCX) delivers each
+    # payload whole, into one buffer of its size.
+    streams = True
 
     @abstractmethod
     async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None) -> bool:

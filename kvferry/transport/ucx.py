@@ -71,6 +71,7 @@ def _ensure(config: TransportConfig) -> None:
 
 
 class UcxLink(Link):
+    streams = False
     def __init__(self, endpoint: Any, peer: str):
         self._ep = endpoint
         self.peer = peer

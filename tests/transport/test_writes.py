@@ -65,3 +65,19 @@ def test_a_seal_that_fails_does_not_hold_the_write_lock(monkeypatch):
         await listener.close()
 
     run(main(), timeout=30)
+
+
+def test_a_message_larger_than_a_read_piece_arrives_whole(backend):
+    """A MSG's buffer grows as a stream's bytes arrive; a message backend (UCX) delivers it whole
+    into one buffer (read in pieces there, the first piece would truncate it)."""
+    async def main():
+        received: list[bytes] = []
+        _, listener, connection = await _pair(backend, received)
+        payloads = [bytes(range(256)) * 800, b"after"]  # 200 KiB, then a small one behind it
+        await connection.send_message(*payloads)
+        await _arrived(received, 2)
+        assert received == payloads
+        await connection.close()
+        await listener.close()
+
+    run(main(), timeout=60)
