@@ -18,7 +18,7 @@ from .frames import (decode, decode_blocks, encode, encode_blocks, encode_blocks
                      encode_stored, frame_capacity, read_header)
 from .raw import RawCodec
 from .layout import AXIS_NAMES, BlockLayout
-from .registry import Codec, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
+from .registry import Capabilities, Codec, CodecBase, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
 from .splitzip_codec import SplitZipCodec
 from .entropy import EntropyCodec
 from .tcatbe import TcaTbeCodec
@@ -38,7 +38,7 @@ register(K4V2)
 register(LowRankCodec())
 
 __all__ = [
-    "Codec", "PositionFree", "BlockLayout", "AXIS_NAMES", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
+    "Codec", "Capabilities", "CodecBase", "PositionFree", "BlockLayout", "AXIS_NAMES", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
     "EntropyCodec", "TcaTbeCodec", "PredictiveCodec", "QuantCodec", "K8V4", "K4V2", "LowRankCodec",
     "Codebook", "calibrate", "encode", "decode", "encode_blocks", "decode_blocks", "encode_into",
     "encode_blocks_into", "encode_stored", "frame_capacity", "read_header", "Header", "FrameCodec",

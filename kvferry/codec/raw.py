@@ -16,7 +16,7 @@ from .dtypes import layout_by_name, layout_for, supported
 from .errors import CodebookMismatch, CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
 from .frames import decode, encode_stored, read_header
-from .registry import PositionFree
+from .registry import Capabilities, PositionFree
 from .staging import Pending
 
 
@@ -65,9 +65,8 @@ class RawCodec(PositionFree):
 
     name = "raw"
     frame_id = int(FrameCodec.STORED)
-    lossless = True
-    standalone = True
-    identity = True  # blocks go as they are: a same-host write may replace its frames
+    # Blocks go as they are, so a same-host write may replace its frames.
+    capabilities = Capabilities(lossless=True, standalone=True, identity=True, starts_blocks=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return supported(dtype)

@@ -11,7 +11,7 @@ from .codebook import Codebook, calibrate
 from .dtypes import supported
 from .format import FrameCodec
 from .layout import BlockLayout
-from .registry import PositionFree
+from .registry import Capabilities, PositionFree
 from .frames import decode, decode_blocks, encode, encode_blocks, frame_capacity, start_decode_blocks, start_encode_blocks
 from .staging import Pending
 
@@ -21,8 +21,7 @@ class SplitZipCodec(PositionFree):
 
     name = "splitzip"
     frame_id = int(FrameCodec.SPLITZIP)
-    lossless = True
-    standalone = True
+    capabilities = Capabilities(lossless=True, standalone=True, learns=True, starts_blocks=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return supported(dtype)

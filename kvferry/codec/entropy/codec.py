@@ -20,7 +20,7 @@ from ..format import FrameCodec, stored_size
 from ..layout import BlockLayout
 from ..frames import decode as decode_frame, checked_block_ids
 from ..frames import encode_stored
-from ..registry import PositionFree, codec_id as frame_codec_id
+from ..registry import Capabilities, PositionFree, codec_id as frame_codec_id
 from ..staging import Pending
 from . import reference
 from .codebook import DEFAULT_TABLES, MAX_CONTEXTS, EntropyCodebook, calibrate, calibrate_blocks
@@ -357,8 +357,7 @@ class EntropyCodec(PositionFree):
 
     name = "entropy"
     frame_id = FRAME_ID
-    lossless = True
-    standalone = True
+    capabilities = Capabilities(lossless=True, standalone=True, learns=True, starts_blocks=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         try:

@@ -19,7 +19,7 @@ from ..dtypes import FloatLayout, layout_for
 from ..frames import checked_block_ids
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..layout import BlockLayout
-from ..registry import FRAME_MAGIC
+from ..registry import FRAME_MAGIC, Capabilities, CodecBase
 from . import reference
 from .codebook import LowRankCodebook, calibrate
 from .format import (FRAME_ID, HEADER_SIZE, MAX_NDIM, SUPPORTED_DTYPES, LowRankHeader, parse_header)
@@ -281,15 +281,13 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     cache.view(torch.int16).index_copy_(0, ids, blocks.to(cache.device).view(torch.int16))
 
 
-class LowRankCodec:
+class LowRankCodec(CodecBase):
     """ZACK-style low-rank projection per (layer, K/V, head): lossy, so never ``auto``'s pick;
     the receiver must hold the sender's codebook (frames name it by digest)."""
 
     name = "lowrank"
     frame_id = FRAME_ID
-    lossless = False
-    standalone = False
-    decode_needs_codebook = True
+    capabilities = Capabilities(decode_needs_codebook=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.bfloat16, torch.float16)

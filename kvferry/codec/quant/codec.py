@@ -21,6 +21,7 @@ import torch
 from ..checksum import crc32c
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..layout import BlockLayout
+from ..registry import Capabilities, CodecBase
 from . import reference
 from .format import (BITS, DTYPE_IDS, HEADER_SIZE, QuantHeader, Stream, check_geometry, frame_size,
                      parse_header)
@@ -322,7 +323,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     _reconstruct(frame, header, cache, ids, unchecked)
 
 
-class QuantCodec:
+class QuantCodec(CodecBase):
     """DiffKV's asymmetric per-vector quantization: K at ``k_bits``, V at ``v_bits``, an fp16
     scale and zero point per vector. Lossy, so never ``auto``'s pick; frames are self-describing.
 
@@ -331,9 +332,7 @@ class QuantCodec:
     host CRC of a GPU frame costs a device-to-host copy of it (H200: 1 GiB in ~0.6 s instead of
     ~0.8 ms). The module-level ``encode`` still adds one by default."""
 
-    lossless = False
-    standalone = False
-    decode_needs_codebook = False
+    capabilities = Capabilities()  # lossy; frames are self-describing
 
     def __init__(self, name: str, frame_id: int) -> None:
         self.name, self.frame_id = name, frame_id

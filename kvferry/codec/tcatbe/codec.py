@@ -22,7 +22,7 @@ from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, Unsupported
 from ..format import FrameCodec, stored_size
 from ..frames import decode as decode_stored, checked_block_ids
 from ..frames import encode_stored
-from ..registry import FRAME_MAGIC, PositionFree
+from ..registry import FRAME_MAGIC, Capabilities, PositionFree
 from ..staging import current_stream, optional_cupy, read_to_host
 from . import reference
 from .format import FRAME_ID, HEADER_SIZE, TcaTbeHeader, make_header, padding_ranges, parse_header
@@ -301,8 +301,7 @@ class TcaTbeCodec(PositionFree):
 
     name = "tca-tbe"
     frame_id = FRAME_ID
-    lossless = True
-    standalone = True
+    capabilities = Capabilities(lossless=True, standalone=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in DTYPES
