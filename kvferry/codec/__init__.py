@@ -19,7 +19,7 @@ from .frames import (decode, decode_blocks, encode, encode_blocks, encode_blocks
 from .raw import RawCodec
 from .layout import AXIS_NAMES, BlockLayout
 from .registry import Capabilities, Codec, CodecBase, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
-from .splitzip_codec import SplitZipCodec
+from .splitzip import SplitZipCodec
 from .entropy import EntropyCodec
 from .tcatbe import TcaTbeCodec
 from .predictive import PredictiveCodec

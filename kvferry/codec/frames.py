@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import torch
 
-from . import bitpack, splitzip, splitzip_gpu
+from . import bitpack
+from .splitzip import gpu as splitzip_gpu, reference as splitzip
 from .checksum import crc32c
 from .codebook import Codebook, calibrate
 from .dtypes import LAYOUTS, FloatLayout, layout_for

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvferry import codec
-from kvferry.codec import splitzip_gpu
+from kvferry.codec.splitzip import gpu as splitzip_gpu
 from kvferry.codec.format import FrameCodec
 from kvferry.codec.checksum import crc32c
 from kvferry.codec.frames import _encode

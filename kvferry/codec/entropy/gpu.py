@@ -30,7 +30,7 @@ from ..checksum import crc32c
 from ..errors import CorruptFrame, OutputMismatch
 from ..format import FrameCodec, stored_size
 from ..registry import FRAME_MAGIC
-from ..splitzip_gpu import _in_context, _parameters
+from ..launch import in_context, kernel_parameters
 from ..staging import Pending, current_stream, optional_cupy, read_to_host, start_read
 from .codebook import EntropyCodebook
 from . import huffman
@@ -80,8 +80,8 @@ class _Kernel:
 
     def __call__(self, stream: int, grid: int | tuple[int, int], args: tuple[int, ...], smem: int = 0) -> None:
         gx, gy = (grid, 1) if isinstance(grid, int) else grid
-        _in_context(self.device_index, optional_cupy().cuda.driver.launchKernel, self.handle, max(1, gx), gy, 1,
-                    self.threads, 1, 1, smem, stream, _parameters(args), 0)
+        in_context(self.device_index, optional_cupy().cuda.driver.launchKernel, self.handle, max(1, gx), gy, 1,
+                    self.threads, 1, 1, smem, stream, kernel_parameters(args), 0)
 
 
 @functools.lru_cache(maxsize=None)

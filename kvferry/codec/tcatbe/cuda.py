@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptFrame, OutputMismatch
-from ..splitzip_gpu import _in_context, _parameters, _zero
+from ..launch import in_context, kernel_parameters, zero_async
 from ..staging import current_stream, optional_cupy, read_to_host
 from .format import GROUP_TILES, TILE, TcaTbeHeader, stream_lengths, stream_offsets
 
@@ -87,8 +87,8 @@ def _function(device_index: int, name: str, tuning: tuple[tuple[str, int], ...])
 def _launch(device_index: int, name: str, grid: int, stream: int, args: tuple[int, ...],
             tuning: tuple[tuple[str, int], ...]) -> None:
     handle, _ = _function(device_index, name, tuning)
-    _in_context(device_index, optional_cupy().cuda.driver.launchKernel, handle, grid, 1, 1, THREADS, 1, 1, 0, stream,
-                _parameters(args), 0)
+    in_context(device_index, optional_cupy().cuda.driver.launchKernel, handle, grid, 1, 1, THREADS, 1, 1, 0, stream,
+                kernel_parameters(args), 0)
 
 
 def block_path_fits(cache: torch.Tensor) -> bool:
@@ -168,7 +168,7 @@ def _launch_check(frame: torch.Tensor, index: int, n: int, stream: int, tuning: 
         scratch.words.zero_()
         scratch.slot, scratch.dirty = 0, False
     if bitmap_words:
-        _zero(index, base + 8 * (1 + P_WORDS), 8 * bitmap_words, stream)
+        zero_async(index, base + 8 * (1 + P_WORDS), 8 * bitmap_words, stream)
     expected = _ANY_SHAPE if shape is None else (len(shape), *shape, *[0] * (8 - len(shape)))
     tiles = -(-n // TILE)
     threads = max(-(-tiles // _knob(tuning, "CHECK_TILES")), nids)  # a thread per CHECK_TILES tiles, and per id

@@ -1,5 +1,5 @@
 """SplitZip on CUDA: launchers for the kernels in ``splitzip_cuda.cu`` (CuPy/NVRTC, compiled on
-first use and cached). Produces frames byte-identical to the torch reference in ``splitzip.py``.
+first use and cached). Produces frames byte-identical to the torch reference in ``reference.py``.
 
 Encode: a dense pass (residual and code streams, escape counts per chunk, escapes spilled per
 chunk), per-tile sums of those counts, and a tail pass that finds each chunk's escape offset
@@ -22,20 +22,19 @@ device reads through pinned memory.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .checksum import crc32c
-from .dtypes import LAYOUTS, FloatLayout
-from .errors import CorruptFrame, OutputMismatch
-from .format import DEFAULT_CHUNK, HEADER_SIZE, FrameCodec, Header, Stream, make_header, parse_header, stored_size
-from .staging import Pending, current_stream, optional_cupy, read_to_host, start_read
+from ..checksum import crc32c
+from ..dtypes import LAYOUTS, FloatLayout
+from ..errors import CorruptFrame, OutputMismatch
+from ..format import DEFAULT_CHUNK, HEADER_SIZE, FrameCodec, Header, Stream, make_header, parse_header, stored_size
+from ..launch import in_context, kernel_parameters, zero_async
+from ..staging import Pending, current_stream, optional_cupy, read_to_host, start_read
 
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured on an H200 (`bench/codec_gpu.py --sweep`):
@@ -106,7 +105,7 @@ class _Kernel:
     and the scans, which take tiles by ticket).
 
     Launches go straight to ``cuLaunchKernel`` with the arguments written into a parameter block
-    kept per thread (``_parameters``): every argument is passed as 8 little-endian bytes (a
+    kept per thread (``kernel_parameters``): every argument is passed as 8 little-endian bytes (a
     32-bit parameter reads the low half). That costs well under a microsecond where CuPy's
     per-argument conversion cost tens, on every call.
     """
@@ -121,47 +120,8 @@ class _Kernel:
     def __call__(self, stream: int, grid: int, args: tuple[int, ...], *, every_block: bool = False) -> None:
         """Launch ``grid`` blocks, capped at ``resident_blocks`` unless ``every_block``."""
         blocks = max(1, grid if every_block else min(grid, self.resident_blocks))
-        _in_context(self.device_index, optional_cupy().cuda.driver.launchKernel,
-                    self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, _parameters(args), 0)
-
-
-_thread = threading.local()
-
-
-def _parameters(args: tuple[int, ...]) -> int:
-    """Address of a ``void*[]`` whose entries point at ``args`` as 64-bit values. The block is
-    this thread's, reused by its next launch: ``cuLaunchKernel`` copies the values before it
-    returns."""
-    blocks = getattr(_thread, "parameters", None)
-    if blocks is None:
-        blocks = _thread.parameters = {}
-    held = blocks.get(len(args))
-    if held is None:
-        values = (ctypes.c_uint64 * len(args))()
-        base = ctypes.addressof(values)
-        pointers = (ctypes.c_void_p * len(args))(*(base + 8 * i for i in range(len(args))))
-        held = blocks[len(args)] = (values, pointers, ctypes.addressof(pointers))
-    held[0][:] = args
-    return held[2]
-
-
-def _in_context(device_index: int, call, *args) -> None:
-    """``call(*args)`` with ``device_index``'s primary context current on this thread."""
-    cupy = optional_cupy()
-    if cupy.cuda.runtime.getDevice() != device_index:
-        with cupy.cuda.Device(device_index):
-            call(*args)
-        return
-    if not getattr(_thread, "bound", False):  # once per thread: bind it to the runtime's context
-        if not cupy.cuda.driver.ctxGetCurrent():
-            cupy.cuda.runtime.free(0)
-        _thread.bound = True
-    call(*args)
-
-
-def _zero(device_index: int, pointer: int, nbytes: int, stream: int) -> None:
-    _in_context(device_index, optional_cupy().cuda.runtime.memsetAsync, pointer, 0, nbytes, stream)
-
+        in_context(self.device_index, optional_cupy().cuda.driver.launchKernel,
+                    self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, kernel_parameters(args), 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -481,7 +441,7 @@ def _decode_launch(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout, 
     words = scratch.data_ptr()
     in_kernel = zeroed <= _ZEROED_BY_HEADER  # else a memset: one warp would take long
     if not in_kernel:
-        _zero(device.index, words, zeroed, stream)
+        zero_async(device.index, words, zeroed, stream)
     flags, params, base = words, words + zeroed, frame.data_ptr()
     inclusive = params + 8 * _PARAM_WORDS
     expected = (255,) + (0,) * 8 if shape is None else (len(shape), *shape, *(0,) * (8 - len(shape)))
