@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvferry import codec  # noqa: E402
-from kvferry.codec.bench import kv_source, parse_size, tile  # noqa: E402
+from bench.codec_bench import kv_source, parse_size, tile  # noqa: E402
 from kvferry.codec.frames import _encode  # noqa: E402
 
 BLOCK_BYTES = 16 * 1024
