@@ -14,13 +14,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from . import prefix
 from .errors import CodebookMismatch, CodecError, CorruptFrame
 from .layout import BlockLayout
 from .staging import Pending
 
-# The frame prefix every codec writes: magic b"KVFZ", u16 version, u8 codec id (FORMAT.md).
-FRAME_MAGIC = b"KVFZ"
-_CODEC_ID_OFFSET = 6
 
 
 class UnknownCodec(CodecError, KeyError):
@@ -213,14 +211,8 @@ def codec_id(frame: torch.Tensor) -> int:
     Raises:
         CorruptFrame: not a 1-D uint8 tensor, too short, or wrong magic.
     """
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() <= _CODEC_ID_OFFSET:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
-    prefix = frame[:_CODEC_ID_OFFSET + 1].cpu().numpy().tobytes()
-    if prefix[:4] != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
-    return prefix[_CODEC_ID_OFFSET]
+    prefix.check_frame(frame)
+    return prefix.codec_id(frame[:prefix.SIZE].cpu().numpy().tobytes())
 
 
 def lossless() -> list[Codec]:

@@ -29,7 +29,7 @@ import torch
 from ..checksum import crc32c
 from ..errors import CorruptFrame, OutputMismatch
 from ..format import FrameCodec, stored_size
-from ..registry import FRAME_MAGIC
+from .. import prefix as frame_prefix
 from ..launch import in_context, kernel_parameters
 from ..staging import Pending, current_stream, optional_cupy, read_to_host, start_read
 from .codebook import EntropyCodebook
@@ -47,7 +47,6 @@ PTAB4_MIN, PTAB4_MAX = 128, 1 << 24  # periods the fast decode takes (ptab4: fou
 COMPACT_FROM = 1 << 15  # longer periods of whole token rows take ptab4 a word per context
 _LAYOUTS = ((9, 7, 2), (6, 10, 2), (8, 0, 1))  # (coded bits, raw bits, bytes): 16-bit floats, FP8
 _PREFIX = 64 << 10  # bytes decode reads first: header, tables and map of common frames
-_CODEC_AT = 6
 _MAX_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
@@ -337,13 +336,9 @@ def read_prefix(frame: torch.Tensor) -> np.ndarray:
     Raises:
         CorruptFrame: not a 1-D uint8 tensor, too short, or wrong magic.
     """
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() <= _CODEC_AT:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
+    frame_prefix.check_frame(frame)
     prefix = read_to_host(frame.contiguous(), min(frame.numel(), _PREFIX), current_stream(frame.device))
-    if prefix[:4].tobytes() != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {prefix[:4].tobytes()!r}, expected {FRAME_MAGIC!r}")
+    frame_prefix.check_magic(prefix[:4].tobytes())
     return prefix
 
 
@@ -353,7 +348,7 @@ def is_stored(prefix: np.ndarray) -> bool:
     Raises:
         CorruptFrame: another codec's frame.
     """
-    codec = int(prefix[_CODEC_AT])
+    codec = int(prefix[frame_prefix.CODEC_ID_AT])
     if codec not in (int(FrameCodec.STORED), FRAME_ID):
         raise CorruptFrame(f"codec id {codec} is not an entropy (or stored) frame")
     return codec == int(FrameCodec.STORED)

@@ -19,7 +19,8 @@ from ..dtypes import FloatLayout, layout_for
 from ..frames import checked_block_ids
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..layout import BlockLayout
-from ..registry import FRAME_MAGIC, Capabilities, CodecBase
+from .. import prefix
+from ..registry import Capabilities, CodecBase
 from . import reference
 from .codebook import LowRankCodebook, calibrate
 from .format import (FRAME_ID, HEADER_SIZE, MAX_NDIM, SUPPORTED_DTYPES, LowRankHeader, parse_header)
@@ -163,15 +164,10 @@ def read_header(frame: torch.Tensor) -> LowRankHeader:
     Raises:
         CorruptFrame: not a lowrank frame, or a header that fails validation.
     """
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() < 7:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
+    prefix.check_frame(frame)
     head = frame[:HEADER_SIZE].cpu().numpy().tobytes()
-    if head[:4] != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {head[:4]!r}, expected {FRAME_MAGIC!r}")
-    if head[6] != FRAME_ID:
-        raise CorruptFrame(f"codec id {head[6]} is not the lowrank codec's {FRAME_ID}")
+    if prefix.codec_id(head) != FRAME_ID:
+        raise CorruptFrame(f"codec id {head[prefix.CODEC_ID_AT]} is not the lowrank codec's {FRAME_ID}")
     return parse_header(head, frame.numel())
 
 
