@@ -12,7 +12,8 @@ Imports neither ``transport`` nor the layers above.
 
 from .codebook import Codebook, calibrate
 from .dtypes import LAYOUTS, FloatLayout, layout_by_name, layout_for
-from .errors import CodebookMismatch, CodecError, CorruptFrame, OutputMismatch, UnsupportedTensor
+from .errors import (BlockOutOfRange, CodebookMismatch, CodecError, CorruptFrame, InvalidArgument, OutputMismatch,
+                     UnsupportedTensor)
 from .format import DEFAULT_CHUNK, HEADER_SIZE, VERSION, FrameCodec, Header
 from .frames import (decode, decode_blocks, encode, encode_blocks, encode_blocks_into, encode_into,
                      encode_stored, frame_capacity, read_header)
@@ -42,6 +43,7 @@ __all__ = [
     "EntropyCodec", "TcaTbeCodec", "PredictiveCodec", "QuantCodec", "K8V4", "K4V2", "LowRankCodec",
     "Codebook", "calibrate", "encode", "decode", "encode_blocks", "decode_blocks", "encode_into",
     "encode_blocks_into", "encode_stored", "frame_capacity", "read_header", "Header", "FrameCodec",
-    "CodecError", "CorruptFrame", "UnsupportedTensor", "CodebookMismatch", "OutputMismatch",
+    "CodecError", "CorruptFrame", "UnsupportedTensor", "CodebookMismatch", "OutputMismatch", "BlockOutOfRange",
+    "InvalidArgument",
     "FloatLayout", "LAYOUTS", "layout_for", "layout_by_name", "DEFAULT_CHUNK", "HEADER_SIZE", "VERSION",
 ]

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from . import prefix
-from .errors import CodebookMismatch, CodecError, CorruptFrame
+from .errors import CodebookMismatch, CodecError, CorruptFrame, InvalidArgument
 from .layout import BlockLayout
 from .staging import Pending
 
@@ -165,12 +165,12 @@ def register(codec: Codec) -> Codec:
     """Add ``codec`` to the registry (import time only: the registry is a constant afterwards).
 
     Raises:
-        ValueError: its name or frame id is taken.
+        InvalidArgument: its name or frame id is taken.
     """
     if codec.name in _BY_NAME or codec.name == "auto":
-        raise ValueError(f"codec name {codec.name!r} is taken")
+        raise InvalidArgument(f"codec name {codec.name!r} is taken")
     if codec.frame_id in _BY_FRAME_ID:
-        raise ValueError(f"frame id {codec.frame_id} is taken by {_BY_FRAME_ID[codec.frame_id].name!r}")
+        raise InvalidArgument(f"frame id {codec.frame_id} is taken by {_BY_FRAME_ID[codec.frame_id].name!r}")
     _BY_NAME[codec.name] = codec
     _BY_FRAME_ID[codec.frame_id] = codec
     return codec

@@ -64,7 +64,7 @@ def test_launched_decode_refuses_what_the_waiting_one_refuses_and_writes_nothing
     with pytest.raises(codecs.CorruptFrame):
         codec.start_decode_blocks(broken, out, ids).result()
     if name != "raw":  # the engine checks ids at submit; these kernels check them again
-        with pytest.raises(IndexError):
+        with pytest.raises(codecs.BlockOutOfRange):
             codec.start_decode_blocks(frame, out, torch.tensor([0, 1, 2, 99], device="cuda")).result()
         with pytest.raises(codecs.OutputMismatch):
             codec.start_decode_blocks(frame, out, torch.tensor([0, 1, 2, 1], device="cuda")).result()
@@ -78,7 +78,7 @@ def test_launched_encode_checks_block_ids_on_the_device(name):
     codec = codecs.get(name)
     cache = _cache("cuda")
     pending = codec.start_encode_blocks(cache, torch.tensor([0, 12], device="cuda"), codec.learn(cache[:4]))
-    with pytest.raises(IndexError):
+    with pytest.raises(codecs.BlockOutOfRange):
         pending.result()
 
 

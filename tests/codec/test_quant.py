@@ -212,7 +212,7 @@ def test_blocks_gather_and_scatter(axes):
             c.decode_blocks(frame, target, torch.tensor([2]), bound)
         with pytest.raises(codec.OutputMismatch):
             c.decode_blocks(frame, target.half(), torch.tensor([2, 4]), bound)
-        with pytest.raises(IndexError):
+        with pytest.raises(codec.BlockOutOfRange):
             c.encode_blocks(cache, torch.tensor([6]), bound)
         with pytest.raises(codec.OutputMismatch):
             c.decode(frame, out=torch.empty(3, dtype=torch.bfloat16))

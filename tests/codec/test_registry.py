@@ -14,7 +14,7 @@ def test_names_and_unknown():
     assert codec.names()[:2] == ["raw", "splitzip"]
     with pytest.raises(codec.UnknownCodec, match="zstd"):
         codec.get("zstd")
-    with pytest.raises(ValueError):
+    with pytest.raises(codec.InvalidArgument):
         codec.register(codec.RawCodec())  # a name is registered once
 
 

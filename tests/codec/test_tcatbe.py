@@ -332,9 +332,9 @@ def test_blocks_round_trip_and_mismatches():
         c.decode_blocks(frame, target, torch.tensor([0, 4]))
     with pytest.raises(codec.OutputMismatch):
         c.decode_blocks(frame, target, torch.tensor([0, 4, 4]))
-    with pytest.raises(IndexError):
+    with pytest.raises(codec.BlockOutOfRange):
         c.decode_blocks(frame, target, torch.tensor([0, 4, 8]))
-    with pytest.raises(IndexError):
+    with pytest.raises(codec.BlockOutOfRange):
         c.encode_blocks(cache, torch.tensor([8]))
     bad = frame.clone()
     bad[-1] ^= 1

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..checksum import crc32c
-from ..errors import CorruptFrame, OutputMismatch
+from ..errors import BlockOutOfRange, CorruptFrame, OutputMismatch
 from ..format import FrameCodec, stored_size
 from .. import prefix as frame_prefix
 from ..launch import in_context, kernel_parameters
@@ -232,7 +232,7 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
     where a stored frame would not be larger.
 
     Raises:
-        IndexError: a block id outside the cache (checked on the device; nothing read).
+        BlockOutOfRange: a block id outside the cache (checked on the device; nothing read).
     """
     return start_encode(source, ids, shape, book, checksum=checksum, chunk=chunk, blocks=blocks).result()
 
@@ -284,7 +284,7 @@ def start_encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[in
 
     def finish(read: np.ndarray) -> torch.Tensor | None:
         if ids is not None and int(read[8:12].view(np.int32)[0]):
-            raise IndexError(f"block ids must be in 0..{blocks - 1}")
+            raise BlockOutOfRange(f"block ids must be in 0..{blocks - 1}")
         return _encoded(plan, buf, sym, int(read[:8].view(np.int64)[0]), checksum)
 
     return start_read(scratch, 16, offset=8 * (nchunks - 1)).then(finish)
@@ -413,7 +413,7 @@ def _verdict(err: torch.Tensor | np.ndarray, blocks: int = 0) -> None:
     code = int((read_to_host(err, 4, current_stream(err.device)) if isinstance(err, torch.Tensor) else err)
                .view(np.int32)[0])
     if code & 2:
-        raise IndexError(f"block ids must be in 0..{blocks - 1}")
+        raise BlockOutOfRange(f"block ids must be in 0..{blocks - 1}")
     if code & 4:
         raise OutputMismatch("block ids repeat")
     if code:
@@ -485,7 +485,7 @@ def start_decode_blocks(frame: torch.Tensor, header: EntropyHeader, prefix: np.n
                         ids: torch.Tensor) -> Pending[None]:
     """``decode_blocks`` launched on the current stream, the block ids (unchecked by the
     caller) checked on the device too: done once the stream has run, raising as
-    ``decode_blocks`` does (and IndexError / OutputMismatch for bad ids); nothing is written
+    ``decode_blocks`` does (and BlockOutOfRange / OutputMismatch for bad ids); nothing is written
     unless every check passed. The caller knows ``scatters(cache, ...)`` holds."""
     blocks = cache.shape[0]
     decoded, err = _decode(frame, header, prefix, ids, blocks)

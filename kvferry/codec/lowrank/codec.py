@@ -264,7 +264,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         CorruptFrame: the frame is malformed (nothing written).
         CodebookMismatch: the frame was written with another codebook (nothing written).
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     _check_tensor(cache)
     ids = checked_block_ids(block_ids, cache, unique=True)

@@ -260,7 +260,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
 
     Raises:
         CodebookMismatch: not bound, or a cache whose shape is not the reference's.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     bound = _require_bound(bound)
     _check_region(cache, bound)
@@ -277,7 +277,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         CorruptFrame: the frame is malformed (nothing written).
         CodebookMismatch: not bound, another sigma table, a cache not shaped like the reference.
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     bound = _require_bound(bound)
     _check_region(cache, bound)

@@ -31,7 +31,7 @@ import torch
 
 from ..checksum import crc32c
 from ..dtypes import LAYOUTS, FloatLayout
-from ..errors import CorruptFrame, OutputMismatch
+from ..errors import BlockOutOfRange, CorruptFrame, OutputMismatch
 from ..format import DEFAULT_CHUNK, HEADER_SIZE, FrameCodec, Header, Stream, make_header, parse_header, stored_size
 from ..launch import in_context, kernel_parameters, zero_async
 from ..staging import Pending, current_stream, optional_cupy, read_to_host, start_read
@@ -301,7 +301,7 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     One host synchronization, at the end, to learn the frame's length.
 
     Raises:
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     buf, length_offset = _encode_buffered(source, block_ids, block_elems, shape, layout, codebook, chunk)
     stream = current_stream(source.device)
@@ -319,7 +319,7 @@ def start_encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_ele
     once it has run, read without blocking the caller meanwhile.
 
     Raises (from ``result``):
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     buf, length_offset = _encode_buffered(source, block_ids, block_elems, shape, layout, codebook, chunk)
     return start_read(buf, 8, length_offset).then(
@@ -341,7 +341,7 @@ def _encode_buffered(source: torch.Tensor, block_ids: torch.Tensor | None, block
 
 def _framed(buf: torch.Tensor, length: int, source: torch.Tensor, block_elems: int) -> torch.Tensor:
     if length < 0:
-        raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
+        raise BlockOutOfRange(f"block ids must be in 0..{source.numel() // block_elems - 1}")
     return buf[:length]
 
 
@@ -399,7 +399,7 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     another way.
 
     Raises:
-        CorruptFrame: the escape streams fail validation. IndexError: a block id outside the
+        CorruptFrame: the escape streams fail validation. BlockOutOfRange: a block id outside the
             cache. OutputMismatch: a block id repeats. In every case nothing was written.
     """
     scratch, nblocks = _decode_launch(frame, out, layout, shape, block_ids, block_elems, max_nchunks,
@@ -465,7 +465,7 @@ def _verdict(verdict: int, nblocks: int) -> bool:
     if verdict & _FLAG_HOST:
         return False
     if verdict & _BAD_ID:
-        raise IndexError(f"block ids must be in 0..{nblocks - 1}")
+        raise BlockOutOfRange(f"block ids must be in 0..{nblocks - 1}")
     if verdict & _REPEATED_ID:
         raise OutputMismatch("block ids repeat")
     if verdict:
@@ -480,7 +480,7 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     ``block_ids``, which are checked on the device with the escape streams).
 
     Raises:
-        CorruptFrame, IndexError, OutputMismatch: as ``decode_unparsed``; nothing was written.
+        CorruptFrame, BlockOutOfRange, OutputMismatch: as ``decode_unparsed``; nothing was written.
     """
     if header.codec == FrameCodec.STORED:
         out.view(-1).copy_(frame[HEADER_SIZE:header.total].view(header.layout.dtype))

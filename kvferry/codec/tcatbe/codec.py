@@ -236,7 +236,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
 
     Raises:
         UnsupportedTensor, CodebookMismatch: as ``encode``.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     _check_tensor(cache)
     ids = checked_block_ids(block_ids, cache)
@@ -252,7 +252,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     Raises:
         CorruptFrame: the frame is malformed (nothing written).
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     if not isinstance(cache, torch.Tensor):
         raise OutputMismatch(f"cache must be a torch.Tensor, got {type(cache).__name__}")

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import CorruptFrame, OutputMismatch
+from ..errors import BlockOutOfRange, CorruptFrame, OutputMismatch
 from ..launch import in_context, kernel_parameters, zero_async
 from ..staging import current_stream, optional_cupy, read_to_host
 from .format import GROUP_TILES, TILE, TcaTbeHeader, stream_lengths, stream_offsets
@@ -192,12 +192,12 @@ def _verdict(bits: int) -> bool:
     """False if the header check declined the frame.
 
     Raises:
-        IndexError, OutputMismatch, CorruptFrame: what the check kernel found.
+        BlockOutOfRange, OutputMismatch, CorruptFrame: what the check kernel found.
     """
     if bits & _HOST:
         return False
     if bits & _BAD_ID:
-        raise IndexError("block ids outside the cache")
+        raise BlockOutOfRange("block ids outside the cache")
     if bits & _REPEATED_ID:
         raise OutputMismatch("block ids repeat")
     if bits:
@@ -241,7 +241,7 @@ def decode_into(frame: torch.Tensor, out: torch.Tensor, n: int, *, shape: tuple[
         ``crc_verified`` (the caller checked it).
 
     Raises:
-        CorruptFrame: the streams disagree. IndexError: a block id outside the cache.
+        CorruptFrame: the streams disagree. BlockOutOfRange: a block id outside the cache.
             OutputMismatch: block ids repeat. Nothing is written then.
     """
     if frame.data_ptr() % 16:  # a frame cut from a receive buffer: the kernels read aligned words
