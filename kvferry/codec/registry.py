@@ -1,9 +1,10 @@
 """Codecs as plug-ins: the ``Codec`` protocol and the registry of name → codec.
 
-Adding a codec is one module that implements ``Codec`` and one ``register`` line in
-``kvferry/codec/__init__.py``; the engine names no codec, it asks the registry. Every codec's
-frame starts with the same 8 bytes (magic, version, codec id; FORMAT.md), so any frame says which
-codec made it and ``codec_of`` can dispatch on it.
+Adding a codec is one subpackage that implements ``Codec`` and one ``register`` line in
+``kvferry/codec/__init__.py``; the engine names no codec, it asks the registry and reads each
+codec's declared ``Capabilities``. Every codec's frame starts with the same 7 bytes (magic,
+version, codec id: ``prefix.py``, FORMAT.md), so any frame says which codec made it and
+``codec_of`` can dispatch on it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from . import prefix
 from .errors import CodebookMismatch, CodecError, CorruptFrame, InvalidArgument
 from .layout import BlockLayout
 from .staging import Pending
-
 
 
 class UnknownCodec(CodecError, KeyError):
