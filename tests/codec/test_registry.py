@@ -86,6 +86,30 @@ def test_every_codec_implements_what_it_declares(name):
     assert (c in codec.lossless()) == (caps.lossless and caps.standalone)
 
 
+@pytest.mark.parametrize("name", codec.names())
+def test_every_codec_refuses_block_ids_outside_the_cache_with_its_own_error(name, real_kv):
+    """Past the end or negative (which numpy and torch would wrap around): ``BlockOutOfRange``,
+    still an ``IndexError``, and nothing written."""
+    c = codec.get(name)
+    cache = _blocks(real_kv, 1)
+    layout = codec.BlockLayout(tuple(cache.shape[1:]), AXES)
+    extra, reference = {}, None
+    if name == "predictive":
+        k8v4 = codec.get("k8v4")
+        reference = _through(k8v4, k8v4.bind(None, layout), cache)
+        extra = {"predictor": reference}
+    bound = c.bind(c.calibrate(cache, token_axis=4, axes=("block", *AXES), **extra), layout, reference)
+    frame = c.encode_blocks(cache, torch.tensor([1, 0]), bound)
+    for ids in ([2, 0], [0, -1]):
+        with pytest.raises(codec.BlockOutOfRange):
+            c.encode_blocks(cache, torch.tensor(ids), bound)
+        out = torch.zeros_like(cache)
+        with pytest.raises(codec.BlockOutOfRange):
+            c.decode_blocks(frame, out, torch.tensor(ids), bound)
+        assert not out.view(torch.int16).any()
+    assert issubclass(codec.BlockOutOfRange, IndexError) and issubclass(codec.BlockOutOfRange, codec.CodecError)
+
+
 def test_a_codec_without_a_capability_is_refused_or_waited_for():
     """The base's ``learn`` refuses; its ``start_*`` run the waiting calls and are done at once."""
     c = codec.get("k8v4")
