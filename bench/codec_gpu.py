@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvferry import codec  # noqa: E402
-from kvferry.codec.bench import kv_source, parse_size, tile  # noqa: E402
+from bench.codec_bench import kv_source, parse_size, tile  # noqa: E402
 from kvferry.codec.frames import _encode  # noqa: E402
 
 BLOCK_BYTES = 16 * 1024
@@ -120,7 +120,8 @@ def host_timeline(x: torch.Tensor, book: codec.Codebook, calls: int = 20) -> Non
     """When, within one call, the host reaches each kernel launch and each device read, and
     when the call returns (µs from the call's start, medians): the GPU idles until the first
     launch and from its last kernel until the next call's first launch."""
-    from kvferry.codec import splitzip_gpu, staging
+    from kvferry.codec import staging
+    from kvferry.codec.splitzip import gpu as splitzip_gpu
 
     marks: list[tuple[str, float]] = []
     launch, read = splitzip_gpu._Kernel.__call__, staging.read_to_host
@@ -208,7 +209,7 @@ def sweep(x: torch.Tensor, book: codec.Codebook, repeats: int, rounds: int = 2) 
     """Encode/decode GB/s of each kernel variant, its frame byte-compared with the default's.
     Every variant is compiled and checked first, then timed in turns, round after round: the
     first variant timed on a fresh lease used to come out slow."""
-    from kvferry.codec import splitzip_gpu
+    from kvferry.codec.splitzip import gpu as splitzip_gpu
 
     default = dict(splitzip_gpu.TUNING)
     reference = codec.encode(x, book)
@@ -239,7 +240,7 @@ def sweep(x: torch.Tensor, book: codec.Codebook, repeats: int, rounds: int = 2) 
 
 def _time_decode_steps(frame: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, calls: int) -> None:
     """Wall time of decode_blocks' steps, each synchronized: where the host's time goes."""
-    from kvferry.codec import splitzip_gpu
+    from kvferry.codec.splitzip import gpu as splitzip_gpu
 
     steps = {"read_header": 0.0, "decode_into": 0.0}
     for _ in range(calls):

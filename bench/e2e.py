@@ -45,7 +45,7 @@ from kvferry.demo import (LLAMA_AXES, free_port, llama_blocks, settle, start_sid
                           wait_ready)
 from kvferry.engine.engine import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES  # noqa: E402
 
-KV_SAMPLE = ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
+KV_SAMPLE = ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz"
 KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 8, 128, 16
 GB = 1e9
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvferry import codec  # noqa: E402
 from kvferry.codec import entropy  # noqa: E402
-from kvferry.codec.bench import SAMPLE, parse_size, tile  # noqa: E402
+from bench.codec_bench import SAMPLE, parse_size, tile  # noqa: E402
 from kvferry.codec.entropy.codec import encode_reference  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvferry import codec  # noqa: E402
 from kvferry.codec import entropy  # noqa: E402
-from kvferry.codec.bench import parse_size, tile  # noqa: E402
+from bench.codec_bench import parse_size, tile  # noqa: E402
 from kvferry.codec.entropy.codec import encode_reference  # noqa: E402
 
 

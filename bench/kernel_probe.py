@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvferry import codec  # noqa: E402
-from kvferry.codec import splitzip_gpu  # noqa: E402
-from kvferry.codec.bench import kv_source, parse_size, tile  # noqa: E402
+from kvferry.codec.splitzip import gpu as splitzip_gpu  # noqa: E402
+from bench.codec_bench import kv_source, parse_size, tile  # noqa: E402
 from codec_gpu import cuda_time, kernel_times  # noqa: E402  (bench/, this script's directory)
 
 TRAFFIC = r"""

@@ -73,7 +73,7 @@ def main() -> int:
         print("needs a CUDA GPU and Triton", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
-    z = np.load(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz")
+    z = np.load(ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz")
     book = lowrank.calibrate(load_chunk(z, 0).to(dtype), axes=AXES, energy=args.energy, quantize=args.quantize)
     x1 = load_chunk(z, 1).to(dtype)[:, :, :, :511 // 73 * 73]
     blocks = x1.reshape(30, 2, 3, 7, 73, 64).permute(3, 0, 1, 2, 4, 5).contiguous()  # 7 blocks

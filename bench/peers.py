@@ -71,7 +71,7 @@ def tiled_cache(blocks: int, device: str):
     same layer, K/V, head and channel of it: ``demo.llama_blocks``), the same in every process."""
     from kvferry.demo import llama_blocks
 
-    return llama_blocks(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz", blocks, device=device)
+    return llama_blocks(ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz", blocks, device=device)
 
 
 def plan(blocks_total: int, count: int, seed: int) -> tuple[list[int], list[int]]:

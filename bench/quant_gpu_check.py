@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from kvferry.codec.quant import K4V2, K8V4, QuantLayout, codec as qcodec, gpu  # noqa: E402
 from kvferry.codec.quant.format import QuantHeader, Stream  # noqa: E402
 
-SAMPLE = ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
+SAMPLE = ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz"
 CONFIGS = [(2048, 4), (4096, 4), (8192, 8), (16384, 8)]  # (elements per program, warps)
 LAYOUT = QuantLayout(1, 4)
 

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=8)
     parser.add_argument("--codecs", default="raw,splitzip")
     args = parser.parse_args()
-    kv = load_kv(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz")
+    kv = load_kv(ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz")
     blocks = int(args.gib * (1 << 30) // (kv[0].numel() * 2))
     env = {"KVFERRY_CHUNK_BYTES": str(args.chunk_mib << 20), "KVFERRY_TRANSFER_TIMEOUT": "120"}
     ports = [(free_port(), free_port()) for _ in range(2)]

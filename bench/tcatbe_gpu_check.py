@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvferry import codec  # noqa: E402
 from kvferry.codec import tcatbe  # noqa: E402
-from kvferry.codec.bench import kv_source, tile  # noqa: E402
+from bench.codec_bench import kv_source, tile  # noqa: E402
 from kvferry.codec.tcatbe import cuda, gpu  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 # The real KV sample: package data, so the demo works from a plain install too.
-DEFAULT_SAMPLE = Path(__file__).resolve().parent / "data" / "kv_smollm2_gpl3.npz"  # ships in the wheel
+DEFAULT_SAMPLE = Path(__file__).resolve().parent / "data" / "kv_smollm2_gpl3_small.npz"  # ships in the wheel
 
 
 def main(argv: list[str] | None = None) -> int:

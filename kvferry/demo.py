@@ -93,7 +93,8 @@ def until_steady(run: Callable[[], dict], limit: int = 6) -> None:
 
 
 def load_kv(path: Path):
-    """The sample's 60 K/V tensors ([3, 511, 64] bf16 each) of chunk 0 as 60 blocks."""
+    """The sample's 60 K/V tensors ([3, T, 64] bf16 each: 24 tokens in the one the package ships,
+    511 in the repository's) of chunk 0 as 60 blocks."""
     import numpy as np
     import torch
 

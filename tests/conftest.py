@@ -12,7 +12,7 @@ import pytest
 import torch
 
 DATA = Path(__file__).parent / "data"
-KV_SAMPLE = Path(__file__).parents[1] / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
+KV_SAMPLE = Path(__file__).parent / "data" / "kv_smollm2_gpl3.npz"
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
 
 

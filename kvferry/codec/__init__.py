@@ -12,14 +12,15 @@ Imports neither ``transport`` nor the layers above.
 
 from .codebook import Codebook, calibrate
 from .dtypes import LAYOUTS, FloatLayout, layout_by_name, layout_for
-from .errors import CodebookMismatch, CodecError, CorruptFrame, OutputMismatch, UnsupportedTensor
+from .errors import (BlockOutOfRange, CodebookMismatch, CodecError, CorruptFrame, InvalidArgument, OutputMismatch,
+                     UnsupportedTensor)
 from .format import DEFAULT_CHUNK, HEADER_SIZE, VERSION, FrameCodec, Header
 from .frames import (decode, decode_blocks, encode, encode_blocks, encode_blocks_into, encode_into,
                      encode_stored, frame_capacity, read_header)
 from .raw import RawCodec
 from .layout import AXIS_NAMES, BlockLayout
-from .registry import Codec, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
-from .splitzip_codec import SplitZipCodec
+from .registry import Capabilities, Codec, CodecBase, PositionFree, UnknownCodec, codec_of, get, lossless, names, register
+from .splitzip import SplitZipCodec
 from .entropy import EntropyCodec
 from .tcatbe import TcaTbeCodec
 from .predictive import PredictiveCodec
@@ -38,10 +39,11 @@ register(K4V2)
 register(LowRankCodec())
 
 __all__ = [
-    "Codec", "PositionFree", "BlockLayout", "AXIS_NAMES", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
+    "Codec", "Capabilities", "CodecBase", "PositionFree", "BlockLayout", "AXIS_NAMES", "names", "get", "register", "codec_of", "lossless", "UnknownCodec", "RawCodec", "SplitZipCodec",
     "EntropyCodec", "TcaTbeCodec", "PredictiveCodec", "QuantCodec", "K8V4", "K4V2", "LowRankCodec",
     "Codebook", "calibrate", "encode", "decode", "encode_blocks", "decode_blocks", "encode_into",
     "encode_blocks_into", "encode_stored", "frame_capacity", "read_header", "Header", "FrameCodec",
-    "CodecError", "CorruptFrame", "UnsupportedTensor", "CodebookMismatch", "OutputMismatch",
+    "CodecError", "CorruptFrame", "UnsupportedTensor", "CodebookMismatch", "OutputMismatch", "BlockOutOfRange",
+    "InvalidArgument",
     "FloatLayout", "LAYOUTS", "layout_for", "layout_by_name", "DEFAULT_CHUNK", "HEADER_SIZE", "VERSION",
 ]

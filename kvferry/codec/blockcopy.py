@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .dtypes import layout_for
-from .splitzip_gpu import _in_context, _parameters
+from .launch import in_context, kernel_parameters
 from .staging import current_stream, optional_cupy
 
 _SOURCE = r"""
@@ -153,9 +153,9 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids
         function, grid, threads = _module(index).pages, (1, min(n, 65535)), PAGE_THREADS
     else:
         function, grid, threads = _module(index).blocks, (max(1, min(-(-vecs // THREADS), 64)), min(n, 65535)), THREADS
-    _in_context(index, optional_cupy().cuda.driver.launchKernel, function, *grid, 1, threads, 1, 1,
+    in_context(index, optional_cupy().cuda.driver.launchKernel, function, *grid, 1, threads, 1, 1,
                 0, current_stream(device),
-                _parameters((src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), n, vecs, count,
+                kernel_parameters((src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), n, vecs, count,
                              src_stride, dst_stride)), 0)
 
 

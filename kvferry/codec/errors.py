@@ -4,7 +4,13 @@
     ├── CorruptFrame        (also ValueError) a frame failed validation; nothing was written
     ├── UnsupportedTensor   (also TypeError)  dtype, rank or device the codec cannot encode
     ├── CodebookMismatch    (also ValueError) codebook for another dtype, or malformed codebook
-    └── OutputMismatch      (also ValueError) ``out=`` has the wrong dtype or element count
+    ├── OutputMismatch      (also ValueError) ``out=`` has the wrong dtype or element count
+    ├── BlockOutOfRange     (also IndexError) a block id outside the cache; nothing read or written
+    └── InvalidArgument     (also ValueError) an option out of range (chunk size, axis), or a
+                                              name or frame id registered twice
+
+Each also derives from the built-in error it refines, so callers that caught that still do;
+errors from torch, numpy or struct are translated into these where the codec meets them.
 """
 
 
@@ -26,3 +32,11 @@ class CodebookMismatch(CodecError, ValueError):
 
 class OutputMismatch(CodecError, ValueError):
     """The ``out=`` tensor cannot hold the frame's contents."""
+
+
+class BlockOutOfRange(CodecError, IndexError):
+    """A block id lies outside the cache; no block was read or written."""
+
+
+class InvalidArgument(CodecError, ValueError):
+    """An option or argument the codec cannot take (chunk size, axis, a registry conflict)."""

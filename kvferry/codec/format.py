@@ -6,11 +6,11 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+from . import prefix
 from .checksum import crc32c
 from .dtypes import FloatLayout, layout_by_wire_id
 from .errors import CorruptFrame
 
-MAGIC = b"KVFZ"
 VERSION = 1
 MAX_NDIM = 8
 DEFAULT_CHUNK = 1024
@@ -20,7 +20,7 @@ FLAG_STREAM_CRC = 0x01
 
 # magic, version, codec, dtype, ndim, code_bits, flags, reserved, chunk, numel, shape[8],
 # codebook[16], escapes, stream lengths[5], stream crc  -- then the header crc over all of that.
-_BODY = struct.Struct("<4sHBBBBBBIQ8Q16sQ5QI")
+_BODY = prefix.Body("BBBBBIQ8Q16sQ5QI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 160
@@ -103,8 +103,8 @@ class Header:
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         codebook = bytes(self.codebook) + bytes(16 - len(self.codebook))
         code_bits = self.layout.code_bits if self.codec == FrameCodec.SPLITZIP else 0
-        body = _BODY.pack(
-            MAGIC, VERSION, int(self.codec), self.layout.wire_id, len(self.shape), code_bits,
+        body = _BODY.write(
+            VERSION, int(self.codec), self.layout.wire_id, len(self.shape), code_bits,
             flags, 0, self.chunk, self.numel, *shape, codebook, self.escapes, *self.lengths,
             self.stream_crc or 0,
         )
@@ -144,14 +144,10 @@ def parse_header(buf: bytes, frame_size: int) -> Header:
     if frame_size < HEADER_SIZE or len(buf) < HEADER_SIZE:
         raise CorruptFrame(f"frame of {frame_size} bytes is shorter than the {HEADER_SIZE}-byte header")
     body = bytes(buf[: _BODY.size])
-    (magic, version, codec_id, dtype_id, ndim, code_bits, flags, reserved, chunk, numel,
-     *rest) = _BODY.unpack(body)
+    # The codec id is checked after the header's CRC: a frame of another codec fails that first.
+    codec_id, (dtype_id, ndim, code_bits, flags, reserved, chunk, numel, *rest) = _BODY.read(body, version=VERSION)
     shape_all, (codebook_raw, escapes), lengths_and_crc = rest[:8], rest[8:10], rest[10:]
     lengths, stream_crc = tuple(lengths_and_crc[:5]), lengths_and_crc[5]
-    if magic != MAGIC:
-        raise CorruptFrame(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise CorruptFrame(f"unsupported format version {version} (this build reads {VERSION})")
     (header_crc,) = _CRC.unpack(bytes(buf[_BODY.size:HEADER_SIZE]))
     if crc32c(body) != header_crc:
         raise CorruptFrame("header checksum mismatch")

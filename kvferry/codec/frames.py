@@ -7,11 +7,13 @@ from dataclasses import replace
 
 import torch
 
-from . import bitpack, splitzip, splitzip_gpu
+from . import bitpack
+from .splitzip import gpu as splitzip_gpu, reference as splitzip
 from .checksum import crc32c
 from .codebook import Codebook, calibrate
 from .dtypes import LAYOUTS, FloatLayout, layout_for
-from .errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
+from .errors import (BlockOutOfRange, CodebookMismatch, CorruptFrame, InvalidArgument, OutputMismatch,
+                     UnsupportedTensor)
 from .fields import as_bits, split
 from .format import (DEFAULT_CHUNK, HEADER_SIZE, MAX_CHUNK, MAX_NDIM, FrameCodec, Header, Stream,
                      make_header, parse_header, splitzip_size, stored_size)
@@ -60,7 +62,7 @@ def encode_into(x: torch.Tensor, codebook: Codebook, out: torch.Tensor, *, chunk
 
     Raises:
         UnsupportedTensor, CodebookMismatch: as ``encode``.
-        ValueError: ``out`` is too small, not 1-D uint8, or on another device.
+        OutputMismatch: ``out`` is too small, not 1-D uint8, or on another device.
     """
     layout = _check_tensor(x)
     book = _codebook_for(x, codebook, layout, chunk)
@@ -73,7 +75,7 @@ def encode_blocks_into(cache: torch.Tensor, block_ids: Sequence[int] | torch.Ten
 
     On the GPU the block ids are checked there too, so that nothing waits: a length of -1 means
     an id lies outside the cache (no block was read, nothing written). Elsewhere that raises
-    IndexError, as ``encode_blocks`` does.
+    BlockOutOfRange, as ``encode_blocks`` does.
     """
     layout = _check_tensor(cache)
     book = _codebook_for(cache, codebook, layout, chunk)
@@ -99,11 +101,11 @@ def _encode_into(x: torch.Tensor, shape: tuple[int, ...], layout: FloatLayout, b
 
 def _check_buffer(out: torch.Tensor, device: torch.device, needed: int) -> None:
     if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
-        raise ValueError("out must be a contiguous 1-D torch.uint8 tensor")
+        raise OutputMismatch("out must be a contiguous 1-D torch.uint8 tensor")
     if out.device != device:
-        raise ValueError(f"out is on {out.device}, the tensor on {device}")
+        raise OutputMismatch(f"out is on {out.device}, the tensor on {device}")
     if out.numel() < needed:
-        raise ValueError(f"out holds {out.numel()} bytes, the frame may need {needed} (frame_capacity)")
+        raise OutputMismatch(f"out holds {out.numel()} bytes, the frame may need {needed} (frame_capacity)")
 
 
 def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codebook: Codebook | None = None,
@@ -113,7 +115,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
 
     Raises:
         UnsupportedTensor, CodebookMismatch: as ``encode``.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     layout = _check_tensor(cache)
     # The GPU kernels check the ids themselves (no wait here); calibrating reads the blocks first.
@@ -135,7 +137,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     Raises:
         CorruptFrame: the frame is malformed (nothing written).
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or block ids repeat.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     if _unparsed_on_gpu(frame, cache) and _blocks_on_gpu(cache, 8) and cache.dim() <= MAX_NDIM:
         ids = checked_block_ids(block_ids, cache, check=False)  # checked on the device
@@ -324,7 +326,7 @@ def _on_gpu(t: torch.Tensor, chunk: int) -> bool:
 
 def _codebook_for(x: torch.Tensor, codebook: Codebook | None, layout: FloatLayout, chunk: int) -> Codebook:
     if not 1 <= chunk <= MAX_CHUNK:
-        raise ValueError(f"chunk must be in 1..{MAX_CHUNK}, got {chunk}")
+        raise InvalidArgument(f"chunk must be in 1..{MAX_CHUNK}, got {chunk}")
     if codebook is None:
         return calibrate(x)
     if codebook.dtype != layout.name:
@@ -349,7 +351,7 @@ def checked_block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tens
     checked for repeats when ``unique``) with a single device-to-host read.
 
     Raises:
-        IndexError: an id outside the cache. OutputMismatch: a repeated id where ``unique``.
+        BlockOutOfRange: an id outside the cache. OutputMismatch: a repeated id where ``unique``.
     """
     if (isinstance(block_ids, torch.Tensor) and block_ids.dtype == torch.int64 and block_ids.dim() == 1
             and block_ids.device == cache.device and block_ids.is_contiguous()):
@@ -366,7 +368,7 @@ def checked_block_ids(block_ids: Sequence[int] | torch.Tensor, cache: torch.Tens
         checks.append(hits.max().to(torch.int64))
     low, high, *most = torch.stack(checks).tolist()
     if low < 0 or high >= blocks:
-        raise IndexError(f"block ids must be in 0..{blocks - 1}")
+        raise BlockOutOfRange(f"block ids must be in 0..{blocks - 1}")
     if unique and most[0] > 1:
         raise OutputMismatch("block ids repeat")
     return ids

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from .dtypes import layout_by_name, layout_for, supported
-from .errors import CodebookMismatch, CorruptFrame, OutputMismatch
+from .errors import BlockOutOfRange, CodebookMismatch, CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
 from .frames import decode, encode_stored, read_header
-from .registry import PositionFree
+from .registry import Capabilities, PositionFree
 from .staging import Pending
 
 
@@ -32,6 +32,18 @@ _NUMPY_BITS = {1: np.uint8, 2: np.int16}
 def _bits(cache: torch.Tensor, layout: Any) -> np.ndarray:
     """A host tensor's elements as numpy integers of the same width (numpy has no bfloat16 or float8)."""
     return cache.view(layout.int_dtype).numpy()
+
+
+def _host_ids(block_ids: torch.Tensor, cache: torch.Tensor) -> np.ndarray:
+    """Host block ids as numpy indices, range-checked: numpy would wrap a negative one around.
+
+    Raises:
+        BlockOutOfRange: an id outside the cache.
+    """
+    ids = block_ids.numpy()
+    if ids.size and (ids.min() < 0 or ids.max() >= cache.shape[0]):
+        raise BlockOutOfRange(f"block ids must be in 0..{cache.shape[0] - 1}")
+    return ids
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -65,9 +77,8 @@ class RawCodec(PositionFree):
 
     name = "raw"
     frame_id = int(FrameCodec.STORED)
-    lossless = True
-    standalone = True
-    identity = True  # blocks go as they are: a same-host write may replace its frames
+    # Blocks go as they are, so a same-host write may replace its frames.
+    capabilities = Capabilities(lossless=True, standalone=True, identity=True, starts_blocks=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return supported(dtype)
@@ -112,7 +123,7 @@ class RawCodec(PositionFree):
             frame = np.empty(HEADER_SIZE + _numel(shape) * layout.itemsize, dtype=np.uint8)
             frame[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
             body = frame[HEADER_SIZE:].view(_NUMPY_BITS[layout.itemsize]).reshape(shape)
-            np.take(_bits(cache, layout), block_ids.numpy(), axis=0, out=body)
+            np.take(_bits(cache, layout), _host_ids(block_ids, cache), axis=0, out=body)
             return torch.from_numpy(frame)
         frame = torch.empty(HEADER_SIZE + _numel(shape) * layout.itemsize, dtype=torch.uint8, device=cache.device)
         frame[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8), non_blocking=True)
@@ -136,7 +147,9 @@ class RawCodec(PositionFree):
                                  f"{layout.name}{list(expected)}")
         if not cache.is_cuda and not frame.is_cuda:
             body = frame[HEADER_SIZE:].numpy().view(_NUMPY_BITS[layout.itemsize]).reshape(expected)
-            _bits(cache, layout)[block_ids.numpy()] = body
+            _bits(cache, layout)[_host_ids(block_ids, cache)] = body
             return
+        if not cache.is_cuda:  # a GPU frame into host blocks (CUDA caches' ids are the engine's, resolved)
+            _host_ids(block_ids, cache)
         body = frame[HEADER_SIZE:].view(layout.int_dtype).view(expected)
         cache.view(layout.int_dtype).index_copy_(0, block_ids, body.to(cache.device, non_blocking=True))

@@ -1,24 +1,24 @@
 """Codecs as plug-ins: the ``Codec`` protocol and the registry of name → codec.
 
-Adding a codec is one module that implements ``Codec`` and one ``register`` line in
-``kvferry/codec/__init__.py``; the engine names no codec, it asks the registry. Every codec's
-frame starts with the same 8 bytes (magic, version, codec id; FORMAT.md), so any frame says which
-codec made it and ``codec_of`` can dispatch on it.
+Adding a codec is one subpackage that implements ``Codec`` and one ``register`` line in
+``kvferry/codec/__init__.py``; the engine names no codec, it asks the registry and reads each
+codec's declared ``Capabilities``. Every codec's frame starts with the same 7 bytes (magic,
+version, codec id: ``prefix.py``, FORMAT.md), so any frame says which codec made it and
+``codec_of`` can dispatch on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import CodebookMismatch, CodecError, CorruptFrame
+from . import prefix
+from .errors import CodebookMismatch, CodecError, CorruptFrame, InvalidArgument
 from .layout import BlockLayout
-
-# The frame prefix every codec writes: magic b"KVFZ", u16 version, u8 codec id (FORMAT.md).
-FRAME_MAGIC = b"KVFZ"
-_CODEC_ID_OFFSET = 6
+from .staging import Pending
 
 
 class UnknownCodec(CodecError, KeyError):
@@ -35,28 +35,44 @@ class Codebook(Protocol):
     def to_json(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a codec can do, declared once on the codec: the engine reads these and probes nothing.
+
+    ``lossless``: decode reproduces every bit. ``standalone``: it needs nothing but the data and a
+    codebook it can calibrate from it; a lossless standalone codec is an ``auto`` candidate.
+    ``identity``: its frames hold the blocks as they are (``raw``), so a same-host write may stand
+    in for its frames. ``learns``: given no codebook, it learns one from the data, and ``learn``
+    says which, so a caller coding many chunks of a region learns once. ``decode_needs_codebook``:
+    the receiver must hold the sender's codebook. ``starts_blocks``: ``start_encode_blocks`` /
+    ``start_decode_blocks`` launch GPU work without the host waiting in between, so a caller on an
+    event loop can await the GPU instead of blocking on it.
+    """
+
+    lossless: bool = False
+    standalone: bool = False
+    identity: bool = False
+    learns: bool = False
+    decode_needs_codebook: bool = False
+    starts_blocks: bool = False
+
+
 @runtime_checkable
 class Codec(Protocol):
     """A KV codec: pure functions over tensors, GPU path and CPU reference writing the same bytes.
 
-    ``frame_id`` is the codec byte of its frames. ``lossless`` codecs reproduce every bit; only
-    lossless codecs are candidates for ``auto``, and only if ``standalone`` (they need nothing
-    but the data and a codebook they can calibrate from it). A codec may also say
-    ``identity = True`` (its frames hold the blocks as they are; ``raw``). A codec whose
-    receiver must hold the sender's codebook says ``decode_needs_codebook = True``. A codec that,
-    given no codebook, learns one from each call's data may offer ``learn(sample, layout)``: the
-    codebook it would learn from ``[blocks, *block]`` (``layout``: the block's named axes, or
-    None), so a caller coding many chunks of the same region learns once. A codec
-    whose GPU path can run without the host waiting in between may offer
-    ``start_encode_blocks`` and ``start_decode_blocks`` (same arguments): they launch the work on
-    the current stream and return a ``staging.Pending`` of what ``encode_blocks`` /
-    ``decode_blocks`` return, so a caller on an event loop awaits the GPU instead of blocking.
+    ``frame_id`` is the codec byte of its frames; ``capabilities`` says what else the caller may
+    rely on (``Capabilities``). ``CodecBase`` supplies the members a codec without a capability
+    needs no code for.
     """
 
     name: str
     frame_id: int
-    lossless: bool
-    standalone: bool
+    capabilities: Capabilities
+
+    @property
+    def lossless(self) -> bool:
+        """``capabilities.lossless``."""
 
     def supports(self, dtype: torch.dtype) -> bool:
         """Whether tensors of ``dtype`` can be encoded."""
@@ -68,6 +84,10 @@ class Codec(Protocol):
                   axes: Sequence[str] | None = None) -> Any:
         """A codebook fitted to ``samples``; ``axes`` names their dimensions (``layout.py``) for
         codecs that model KV by position. Codec-specific options are further keywords."""
+
+    def learn(self, sample: torch.Tensor, layout: BlockLayout | None = None) -> Any:
+        """The codebook ``encode_blocks`` without one would learn from ``sample`` (``[blocks,
+        *block]``; ``layout``: the block's named axes, or None). Only if ``capabilities.learns``."""
 
     def codebook_from_json(self, text: str | bytes) -> Any:
         """Parse a codebook document; raises ``CodebookMismatch`` if it is not one of ours."""
@@ -93,9 +113,43 @@ class Codec(Protocol):
                       codebook: Any = None) -> None:
         """Write the frame's blocks into ``cache[block_ids]``; nothing is written if it is bad."""
 
+    def start_encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Any = None) -> Pending[torch.Tensor]:
+        """``encode_blocks`` launched on the current stream: a ``Pending`` of its frame. Runs
+        without the host waiting only if ``capabilities.starts_blocks``."""
 
-class PositionFree:
-    """Mixin for codecs that code every element alike: any block layout will do, no reference."""
+    def start_decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Any = None) -> Pending[None]:
+        """``decode_blocks`` launched on the current stream, likewise."""
+
+
+class CodecBase:
+    """The members of ``Codec`` that follow from ``capabilities``, for codecs to inherit: a codec
+    declares its ``capabilities`` and overrides what they promise (``learn`` where it ``learns``,
+    the ``start_*`` methods where it ``starts_blocks``)."""
+
+    name: str
+    capabilities: Capabilities = Capabilities()
+
+    @property
+    def lossless(self) -> bool:
+        return self.capabilities.lossless
+
+    def learn(self, sample: torch.Tensor, layout: BlockLayout | None = None) -> Any:
+        raise CodecError(f"codec {self.name!r} learns no codebook from the data")
+
+    def start_encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Any = None) -> Pending[torch.Tensor]:
+        return Pending.done(self.encode_blocks(cache, block_ids, codebook))  # type: ignore[attr-defined]
+
+    def start_decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                            codebook: Any = None) -> Pending[None]:
+        self.decode_blocks(frame, cache, block_ids, codebook)  # type: ignore[attr-defined]
+        return Pending.done(None)
+
+
+class PositionFree(CodecBase):
+    """Base for codecs that code every element alike: any block layout will do, no reference."""
 
     def bind(self, codebook: Any, layout: BlockLayout | None, reference: torch.Tensor | None = None) -> Any:
         if reference is not None:
@@ -111,12 +165,12 @@ def register(codec: Codec) -> Codec:
     """Add ``codec`` to the registry (import time only: the registry is a constant afterwards).
 
     Raises:
-        ValueError: its name or frame id is taken.
+        InvalidArgument: its name or frame id is taken.
     """
     if codec.name in _BY_NAME or codec.name == "auto":
-        raise ValueError(f"codec name {codec.name!r} is taken")
+        raise InvalidArgument(f"codec name {codec.name!r} is taken")
     if codec.frame_id in _BY_FRAME_ID:
-        raise ValueError(f"frame id {codec.frame_id} is taken by {_BY_FRAME_ID[codec.frame_id].name!r}")
+        raise InvalidArgument(f"frame id {codec.frame_id} is taken by {_BY_FRAME_ID[codec.frame_id].name!r}")
     _BY_NAME[codec.name] = codec
     _BY_FRAME_ID[codec.frame_id] = codec
     return codec
@@ -157,16 +211,10 @@ def codec_id(frame: torch.Tensor) -> int:
     Raises:
         CorruptFrame: not a 1-D uint8 tensor, too short, or wrong magic.
     """
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() <= _CODEC_ID_OFFSET:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
-    prefix = frame[:_CODEC_ID_OFFSET + 1].cpu().numpy().tobytes()
-    if prefix[:4] != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
-    return prefix[_CODEC_ID_OFFSET]
+    prefix.check_frame(frame)
+    return prefix.codec_id(frame[:prefix.SIZE].cpu().numpy().tobytes())
 
 
 def lossless() -> list[Codec]:
     """Registered lossless codecs that need nothing beyond the data: ``auto``'s candidates."""
-    return [c for c in _BY_NAME.values() if c.lossless and c.standalone]
+    return [c for c in _BY_NAME.values() if c.capabilities.lossless and c.capabilities.standalone]

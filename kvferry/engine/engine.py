@@ -349,9 +349,9 @@ class Engine:
         Raises:
             BadRequest: the codec needs a codebook or layout it was not given, or refuses them.
         """
-        if getattr(codec, "decode_needs_codebook", False) and codebook is None:
+        if codec.capabilities.decode_needs_codebook and codebook is None:
             raise BadRequest(f"codec {codec.name!r} needs a codebook: name one (PUT /v1/codebooks/{{name}})")
-        learn = getattr(codec, "learn", None) if codebook is None and sending else None
+        learn = codec.learn if codec.capabilities.learns and codebook is None and sending else None
         for p in pairs:
             if p.bound_for == codec.name:
                 continue

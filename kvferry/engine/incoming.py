@@ -103,7 +103,7 @@ class Admission:
         Raises: ProtocolViolation.
         """
         codec = self.engine.codec_named(a.codec)
-        if not getattr(codec, "identity", False) or a.inline_chunks:
+        if not codec.capabilities.identity or a.inline_chunks:
             raise ProtocolViolation(f"a transfer written under a lease is raw and carries no chunks, not {a.codec!r}")
         for layout in a.pairs:
             if not self.engine.leases.lent_to(layout.dst_region, connection):
@@ -148,9 +148,9 @@ class Admission:
             entry = self.engine.codebooks.get(a.codebook)
             if entry is not None and peer.codebook_digest(entry[2]) == a.codebook_digest:
                 book = entry[1]
-            elif getattr(codec, "decode_needs_codebook", False):
+            elif codec.capabilities.decode_needs_codebook:
                 raise UnknownCodec(f"no codebook {a.codebook!r} with the sender's digest here")
-        elif getattr(codec, "decode_needs_codebook", False):
+        elif codec.capabilities.decode_needs_codebook:
             raise UnknownCodec(f"codec {a.codec!r} needs a codebook and the sender named none")
         pairs, cache = [], {}
         for layout in a.pairs:

@@ -129,7 +129,7 @@ class Outgoing:
         connection. None otherwise."""
         if self.engine.settings.link_gbps or spec.references is not None:
             return None
-        if len(candidates) == 1 and not getattr(codecs.get(candidates[0]), "identity", False):
+        if len(candidates) == 1 and not codecs.get(candidates[0]).capabilities.identity:
             return None
         return self.engine.leases.held(connection, *_destinations(spec, pairs))
 
@@ -145,7 +145,7 @@ class Outgoing:
         destinations = _destinations(spec, pairs)
         wanted = ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not settings.link_gbps
                   and settings.fault_corrupt_chunk < 0
-                  and (spec.codec == "auto" or getattr(codec, "identity", False)) and spec.references is None
+                  and (spec.codec == "auto" or codec.capabilities.identity) and spec.references is None
                   and self.engine.leases.offer_wanted(connection, destinations[0]))
         return destinations if wanted else None
 
@@ -351,7 +351,7 @@ class Outgoing:
 
     @staticmethod
     def _same_host(t: Transfer) -> None:
-        t.chosen_codec = next(c.name for c in codecs.lossless() if getattr(c, "identity", False))
+        t.chosen_codec = next(c.name for c in codecs.lossless() if c.capabilities.identity)
         t.choice_reason = "same host: written straight into the receiver's memory (CUDA IPC or shared memory)"
         t.lossy = False
 

@@ -59,9 +59,8 @@ class CodecRunner:
 
     async def encode(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
                      raw_bytes: int) -> torch.Tensor:
-        start = getattr(codec, "start_encode_blocks", None)
-        if start is not None and cache.is_cuda:
-            return await self._launched("encode", codec, raw_bytes, start, cache, ids, book)
+        if codec.capabilities.starts_blocks and cache.is_cuda:
+            return await self._launched("encode", codec, raw_bytes, codec.start_encode_blocks, cache, ids, book)
         return await self._run("encode", codec, cache, raw_bytes, codec.encode_blocks, cache, ids, book)
 
     async def decode(self, codec: codecs.Codec, frame: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor,
@@ -70,9 +69,9 @@ class CodecRunner:
         is launched on the decode's stream first and its verdict taken after the decode's wait:
         the frame's CRCs cost no wait of their own, and a mismatch fails the chunk (whose blocks
         are then not reported written)."""
-        start = getattr(codec, "start_decode_blocks", None)
-        if start is not None and cache.is_cuda:
-            await self._launched("decode", codec, raw_bytes, start, frame, cache, ids, book, check=check)
+        if codec.capabilities.starts_blocks and cache.is_cuda:
+            await self._launched("decode", codec, raw_bytes, codec.start_decode_blocks, frame, cache, ids, book,
+                                 check=check)
             return
         await self._run("decode", codec, cache, raw_bytes, codec.decode_blocks, frame, cache, ids, book, check=check)
 
@@ -180,8 +179,7 @@ class CodecRunner:
     def _time(codec: codecs.Codec, cache: torch.Tensor, target: torch.Tensor) -> tuple[int, float, float, int]:
         """(raw bytes, encode s, decode s, frame bytes) of ``cache``'s blocks, best of three."""
         ids = torch.arange(cache.shape[0], device=cache.device)
-        learn = getattr(codec, "learn", None)
-        book = codec.bind(learn(cache, None) if learn is not None else None, None)
+        book = codec.bind(codec.learn(cache, None) if codec.capabilities.learns else None, None)
         encode_s, decode_s, frame = [], [], None
         for _ in range(4):
             start = time.perf_counter()

@@ -45,7 +45,7 @@ def test_decode_blocks_rejects_and_writes_nothing():
         codec.decode_blocks(frame, dst, [3, 3])  # repeated slot
     with pytest.raises(codec.OutputMismatch):
         codec.decode_blocks(frame, torch.zeros(12, 2, 16, 4, dtype=torch.bfloat16), [0, 1])  # block shape
-    with pytest.raises(IndexError):
+    with pytest.raises(codec.BlockOutOfRange):
         codec.decode_blocks(frame, dst, [0, 12])
     with pytest.raises(codec.CorruptFrame):
         codec.decode_blocks(frame[:-1], dst, [0, 1])
@@ -53,7 +53,7 @@ def test_decode_blocks_rejects_and_writes_nothing():
 
 
 def test_encode_blocks_bad_ids():
-    with pytest.raises(IndexError):
+    with pytest.raises(codec.BlockOutOfRange):
         codec.encode_blocks(_cache(torch.bfloat16), [-1])
 
 
@@ -66,5 +66,5 @@ def test_encode_into_buffer(dtype):
     assert torch.equal(out[: int(length)], codec.encode(cache[[4, 1, 8]], book))
     length = codec.encode_into(cache[2], book, out)
     assert torch.equal(out[: int(length)], codec.encode(cache[2], book))
-    with pytest.raises(ValueError, match="frame_capacity"):
+    with pytest.raises(codec.OutputMismatch, match="frame_capacity"):
         codec.encode_into(cache, book, out)

@@ -47,7 +47,7 @@ def test_code_lengths_edge_cases():
     skewed = np.array([1 << 40] + [1] * 512)  # 513 symbols: Huffman alone would go 512 bits deep
     lengths = huffman.code_lengths(skewed)
     assert lengths.max() == huffman.CODE_BITS and (2.0 ** -lengths).sum() == 1.0
-    with pytest.raises(ValueError):
+    with pytest.raises(codec.CodebookMismatch):
         huffman.code_lengths(np.ones(2000, dtype=np.int64))
 
 

@@ -159,7 +159,7 @@ def test_blocks_match_encode_and_touch_only_their_slots(books):
         entropy.decode_blocks(frame, dst.view(dtype)[:, :2], ids)
     with pytest.raises(codec.OutputMismatch):
         entropy.decode_blocks(frame, dst.view(dtype), torch.tensor([1, 1, 2, 3]))
-    with pytest.raises(IndexError):
+    with pytest.raises(codec.BlockOutOfRange):
         entropy.encode_blocks(cache, torch.tensor([12]), book)
     # Through the registry, as the engine calls it.
     c = codec.get("entropy")

@@ -252,7 +252,7 @@ def test_capacity_is_the_exact_worst_case(chunks):
 
 def test_registry_entry():
     c = codec.get("lowrank")
-    assert (c.frame_id, c.lossless, c.standalone, c.decode_needs_codebook) == (5, False, False, True)
+    assert (c.frame_id, c.lossless, c.capabilities.standalone, c.capabilities.decode_needs_codebook) == (5, False, False, True)
     assert c not in codec.lossless()
     assert c.supports(torch.bfloat16) and c.supports(torch.float16) and not c.supports(torch.float8_e4m3fn)
     with pytest.raises(codec.UnsupportedTensor):

@@ -12,7 +12,7 @@ from kvferry.codec import lowrank
 from kvferry.codec.layout import BlockLayout
 from tests.codec.test_lowrank import AXES, as_blocks, kv_chunk
 
-SAMPLE = Path(__file__).parents[2] / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
+SAMPLE = Path(__file__).parents[1] / "data" / "kv_smollm2_gpl3.npz"
 
 
 def kvferry(*args: str) -> subprocess.CompletedProcess:

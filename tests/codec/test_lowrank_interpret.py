@@ -74,7 +74,7 @@ def test_interpreted_kernels_write_the_reference_bytes():
         pytest.skip("no Python with Triton found")
     with lent_google_crc32c() as shim:
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{shim}")
-        done = subprocess.run([python, "-c", SCRIPT, str(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz")],
+        done = subprocess.run([python, "-c", SCRIPT, str(ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz")],
                               env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "8 cases" in done.stdout

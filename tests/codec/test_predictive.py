@@ -207,7 +207,7 @@ def test_useless_reference_falls_back_to_a_stored_frame(setup):
 
 def test_registry_entry():
     c = codec.get("predictive")
-    assert c.frame_id == 7 and c.lossless and not c.standalone and c.decode_needs_codebook
+    assert c.frame_id == 7 and c.lossless and not c.capabilities.standalone and c.capabilities.decode_needs_codebook
     assert c not in codec.lossless()  # auto never picks it
 
 

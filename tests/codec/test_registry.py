@@ -14,7 +14,7 @@ def test_names_and_unknown():
     assert codec.names()[:2] == ["raw", "splitzip"]
     with pytest.raises(codec.UnknownCodec, match="zstd"):
         codec.get("zstd")
-    with pytest.raises(ValueError):
+    with pytest.raises(codec.InvalidArgument):
         codec.register(codec.RawCodec())  # a name is registered once
 
 
@@ -53,7 +53,7 @@ def test_every_codec_round_trips(name, real_kv):
     assert not out[1].view(torch.int16).any()  # a block not named was not written
     if c.lossless:
         assert bits_equal(out[2], cache[1]) and bits_equal(out[0], cache[0])
-        if c.standalone:  # plain tensors, no layout needed
+        if c.capabilities.standalone:  # plain tensors, no layout needed
             x = cache[0]
             assert bits_equal(c.decode(c.encode(x, again), again), x)
             into = torch.empty_like(x)
@@ -70,6 +70,61 @@ def _through(c, bound, blocks: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(blocks)
     c.decode_blocks(c.encode_blocks(blocks, ids, bound), out, ids, bound)
     return out
+
+
+@pytest.mark.parametrize("name", codec.names())
+def test_every_codec_implements_what_it_declares(name):
+    """A declared capability comes with its code, and the base's fallbacks stand only where none
+    is declared: ``learn`` for ``learns``, both ``start_*`` methods for ``starts_blocks``."""
+    c = codec.get(name)
+    caps = c.capabilities
+    assert isinstance(caps, codec.Capabilities) and isinstance(c, codec.Codec) and c.lossless == caps.lossless
+    own = lambda method: getattr(type(c), method) is not getattr(codec.CodecBase, method)  # noqa: E731
+    assert own("learn") == caps.learns
+    assert own("start_encode_blocks") == own("start_decode_blocks") == caps.starts_blocks
+    assert not (caps.identity and not caps.lossless) and not (caps.standalone and caps.decode_needs_codebook)
+    assert (c in codec.lossless()) == (caps.lossless and caps.standalone)
+
+
+@pytest.mark.parametrize("name", codec.names())
+def test_every_codec_refuses_block_ids_outside_the_cache_with_its_own_error(name, real_kv):
+    """Past the end or negative (which numpy and torch would wrap around): ``BlockOutOfRange``,
+    still an ``IndexError``, and nothing written."""
+    c = codec.get(name)
+    cache = _blocks(real_kv, 1)
+    layout = codec.BlockLayout(tuple(cache.shape[1:]), AXES)
+    extra, reference = {}, None
+    if name == "predictive":
+        k8v4 = codec.get("k8v4")
+        reference = _through(k8v4, k8v4.bind(None, layout), cache)
+        extra = {"predictor": reference}
+    bound = c.bind(c.calibrate(cache, token_axis=4, axes=("block", *AXES), **extra), layout, reference)
+    frame = c.encode_blocks(cache, torch.tensor([1, 0]), bound)
+    for ids in ([2, 0], [0, -1]):
+        with pytest.raises(codec.BlockOutOfRange):
+            c.encode_blocks(cache, torch.tensor(ids), bound)
+        out = torch.zeros_like(cache)
+        with pytest.raises(codec.BlockOutOfRange):
+            c.decode_blocks(frame, out, torch.tensor(ids), bound)
+        assert not out.view(torch.int16).any()
+    assert issubclass(codec.BlockOutOfRange, IndexError) and issubclass(codec.BlockOutOfRange, codec.CodecError)
+
+
+def test_a_codec_without_a_capability_is_refused_or_waited_for():
+    """The base's ``learn`` refuses; its ``start_*`` run the waiting calls and are done at once."""
+    c = codec.get("k8v4")
+    assert not c.capabilities.learns and not c.capabilities.starts_blocks
+    cache = torch.randn(3, 2, 2, 8, 16).to(torch.bfloat16)
+    layout = codec.BlockLayout(tuple(cache.shape[1:]), ("kv", "head", "token", "channel"))
+    with pytest.raises(codec.CodecError, match="learns no codebook"):
+        c.learn(cache, layout)
+    bound = c.bind(None, layout)
+    ids = torch.tensor([2, 0])
+    pending = c.start_encode_blocks(cache, ids, bound)
+    assert pending.ready() and torch.equal(pending.result(), c.encode_blocks(cache, ids, bound))
+    out = torch.zeros_like(cache)
+    assert c.start_decode_blocks(pending.result(), out, torch.tensor([0, 1]), bound).result() is None
+    assert out[0].view(torch.int16).any() and not out[2].view(torch.int16).any()
 
 
 def test_codec_of_rejects_garbage():

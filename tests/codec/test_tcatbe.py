@@ -125,7 +125,7 @@ def test_header_and_sizes():
     assert all(o % 16 == 0 for o in h.offsets) and h.offsets[0] == HEADER_SIZE
     c = codec.get("tca-tbe")
     assert frame.numel() <= c.capacity(x.shape, x.dtype)
-    assert c.lossless and c.standalone and c.frame_id == 6 and codec.codec_of(frame) is c
+    assert c.lossless and c.capabilities.standalone and c.frame_id == 6 and codec.codec_of(frame) is c
 
 
 def test_capacity_covers_every_frame():
@@ -332,9 +332,9 @@ def test_blocks_round_trip_and_mismatches():
         c.decode_blocks(frame, target, torch.tensor([0, 4]))
     with pytest.raises(codec.OutputMismatch):
         c.decode_blocks(frame, target, torch.tensor([0, 4, 4]))
-    with pytest.raises(IndexError):
+    with pytest.raises(codec.BlockOutOfRange):
         c.decode_blocks(frame, target, torch.tensor([0, 4, 8]))
-    with pytest.raises(IndexError):
+    with pytest.raises(codec.BlockOutOfRange):
         c.encode_blocks(cache, torch.tensor([8]))
     bad = frame.clone()
     bad[-1] ^= 1

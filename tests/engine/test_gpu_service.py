@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvferry.codec import splitzip_gpu
+from kvferry.codec.splitzip import gpu as splitzip_gpu
 from tests.conftest import bits_equal
 from tests.engine.conftest import spawn, stop
 

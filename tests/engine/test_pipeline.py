@@ -28,9 +28,11 @@ def _where(device: str, blocks: int, block_elems: int) -> tuple[list[str], torch
     seen = []
 
     class Spying:
-        """SplitZip, noting the thread that codes."""
+        """SplitZip, noting the thread that codes (it declares no launching, so every chunk goes
+        through ``encode_blocks``)."""
 
         name = "splitzip"
+        capabilities = codecs.Capabilities(lossless=True, standalone=True)
 
         def encode_blocks(self, *args):
             seen.append("loop" if threading.get_ident() == loop_thread else "worker")

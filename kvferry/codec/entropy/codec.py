@@ -15,12 +15,12 @@ import torch
 
 from ..checksum import crc32c
 from ..dtypes import layout_for
-from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
+from ..errors import CodebookMismatch, CorruptFrame, InvalidArgument, OutputMismatch, UnsupportedTensor
 from ..format import FrameCodec, stored_size
 from ..layout import BlockLayout
 from ..frames import decode as decode_frame, checked_block_ids
 from ..frames import encode_stored
-from ..registry import PositionFree, codec_id as frame_codec_id
+from ..registry import Capabilities, PositionFree, codec_id as frame_codec_id
 from ..staging import Pending
 from . import reference
 from .codebook import DEFAULT_TABLES, MAX_CONTEXTS, EntropyCodebook, calibrate, calibrate_blocks
@@ -92,7 +92,7 @@ def encode(x: torch.Tensor, codebook: EntropyCodebook | None = None, *, checksum
     """
     _check_tensor(x)
     if not (LANES <= chunk <= MAX_CHUNK and chunk % LANES == 0):
-        raise ValueError(f"chunk must be a multiple of {LANES} in {LANES}..{MAX_CHUNK}")
+        raise InvalidArgument(f"chunk must be a multiple of {LANES} in {LANES}..{MAX_CHUNK}")
     book = _book_for(x, codebook)
     if x.is_cuda:
         from . import gpu
@@ -210,7 +210,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
     """Frame of ``cache[block_ids]`` (blocks along dim 0): the same bytes as ``encode`` of them."""
     _check_tensor(cache)
     if not (LANES <= chunk <= MAX_CHUNK and chunk % LANES == 0):
-        raise ValueError(f"chunk must be a multiple of {LANES} in {LANES}..{MAX_CHUNK}")
+        raise InvalidArgument(f"chunk must be a multiple of {LANES} in {LANES}..{MAX_CHUNK}")
     pending = _launch_encode(cache, block_ids, codebook, checksum, chunk)
     if pending is not None:  # the coder reads the blocks in place, their ids checked on the device
         frame = pending.result()
@@ -228,7 +228,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     Raises:
         CorruptFrame: the frame is malformed (nothing written).
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     _check_tensor(cache)
     pending = _launch_decode(frame, cache, block_ids)
@@ -275,7 +275,7 @@ def _launch_encode(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                    checksum: bool, chunk: int) -> Pending[torch.Tensor | None] | None:
     """The GPU encode of ``cache[block_ids]`` launched (None where the GPU does not code these
     blocks in place): the frame, or None where a stored frame would not be larger, once the
-    stream has run; the ids are checked on the device (IndexError)."""
+    stream has run; the ids are checked on the device (BlockOutOfRange)."""
     if not (cache.is_cuda and codebook is not None):
         return None
     from . import gpu
@@ -295,7 +295,7 @@ def _launch_decode(frame: torch.Tensor, cache: torch.Tensor,
     """The GPU decode of an entropy frame into ``cache[block_ids]`` launched after one read of
     its header (None where the GPU does not write these blocks itself, or the frame is a stored
     one): done once the stream has run, raising as ``decode_blocks`` does; the ids are checked
-    on the device (IndexError, OutputMismatch for repeats) and nothing is written unless every
+    on the device (BlockOutOfRange, OutputMismatch for repeats) and nothing is written unless every
     check passed."""
     if not (isinstance(frame, torch.Tensor) and frame.is_cuda and frame.device == cache.device and cache.dim()):
         return None
@@ -357,8 +357,7 @@ class EntropyCodec(PositionFree):
 
     name = "entropy"
     frame_id = FRAME_ID
-    lossless = True
-    standalone = True
+    capabilities = Capabilities(lossless=True, standalone=True, learns=True, starts_blocks=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         try:

@@ -16,7 +16,7 @@ import numpy as np
 from ..checksum import crc32c
 from ..dtypes import layout_by_wire_id
 from ..errors import CorruptFrame
-from ..registry import FRAME_MAGIC
+from .. import prefix
 from .codebook import MAX_CONTEXTS, MAX_TABLES
 from .huffman import CODE_BITS, CodeTables, check_lengths
 from .symbols import Geometry, SymbolLayout, symbol_layout
@@ -35,12 +35,12 @@ NUM_STREAMS = 5
 
 # magic, version, codec, dtype, ndim, code_bits, flags, tables, lanes, reserved, chunk,
 # geometry (outer, tokens, inner), numel, shape[8], stream lengths[5], reserved, stream crc
-_BODY = struct.Struct("<4sHBBBBBBHHI3QQ8Q5QII")
+_BODY = prefix.Body("BBBBBHHI3QQ8Q5QII")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 168
 HEADER_BODY = _BODY.size  # the bytes the header's CRC covers
-WORDS_LENGTH_AT = struct.calcsize("<4sHBBBBBBHHI3QQ8Q") + 8 * 3  # the word stream's length (u64) in the header
+WORDS_LENGTH_AT = prefix.SIZE + struct.calcsize("<BBBBBHHI3QQ8Q") + 8 * 3  # the word stream's length (u64) in the header
 
 
 class Stream:
@@ -243,7 +243,7 @@ class EntropyHeader:
         flags = FLAG_STREAM_CRC if self.stream_crc is not None else 0
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         g = self.geometry
-        body = _BODY.pack(FRAME_MAGIC, ENTROPY_VERSION, FRAME_ID, self.sym.layout.wire_id, len(self.shape),
+        body = _BODY.write(ENTROPY_VERSION, FRAME_ID, self.sym.layout.wire_id, len(self.shape),
                           self.code_bits, flags, self.tables, LANES, 0, self.chunk, g.outer, g.tokens, g.inner,
                           self.numel, *shape, *self.lengths, 0, self.stream_crc or 0)
         return body + _CRC.pack(crc32c(body))
@@ -280,15 +280,10 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
     if frame_size < HEADER_SIZE or len(buf) < HEADER_SIZE:
         raise CorruptFrame(f"entropy frame of {frame_size} bytes is shorter than its {HEADER_SIZE}-byte header")
     body = bytes(buf[:_BODY.size])
-    (magic, version, codec_id, dtype_id, ndim, code_bits, flags, tables, lanes, reserved, chunk,
-     outer, tokens, inner, numel, *rest) = _BODY.unpack(body)
+    _, (dtype_id, ndim, code_bits, flags, tables, lanes, reserved, chunk,
+        outer, tokens, inner, numel, *rest) = _BODY.read(body, version=ENTROPY_VERSION, codec_ids=(FRAME_ID,),
+                                                           name="entropy")
     shape_all, lengths, reserved2, stream_crc = rest[:8], tuple(rest[8:13]), rest[13], rest[14]
-    if magic != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {magic!r}, expected {FRAME_MAGIC!r}")
-    if codec_id != FRAME_ID:
-        raise CorruptFrame(f"codec id {codec_id} is not the entropy codec's {FRAME_ID}")
-    if version != ENTROPY_VERSION:
-        raise CorruptFrame(f"unsupported entropy format version {version} (this build reads {ENTROPY_VERSION})")
     (header_crc,) = _CRC.unpack(bytes(buf[_BODY.size:HEADER_SIZE]))
     if crc32c(body) != header_crc:
         raise CorruptFrame("header checksum mismatch")

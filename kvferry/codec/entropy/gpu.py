@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from ..checksum import crc32c
-from ..errors import CorruptFrame, OutputMismatch
+from ..errors import BlockOutOfRange, CorruptFrame, OutputMismatch
 from ..format import FrameCodec, stored_size
-from ..registry import FRAME_MAGIC
-from ..splitzip_gpu import _in_context, _parameters
+from .. import prefix as frame_prefix
+from ..launch import in_context, kernel_parameters
 from ..staging import Pending, current_stream, optional_cupy, read_to_host, start_read
 from .codebook import EntropyCodebook
 from . import huffman
@@ -47,7 +47,6 @@ PTAB4_MIN, PTAB4_MAX = 128, 1 << 24  # periods the fast decode takes (ptab4: fou
 COMPACT_FROM = 1 << 15  # longer periods of whole token rows take ptab4 a word per context
 _LAYOUTS = ((9, 7, 2), (6, 10, 2), (8, 0, 1))  # (coded bits, raw bits, bytes): 16-bit floats, FP8
 _PREFIX = 64 << 10  # bytes decode reads first: header, tables and map of common frames
-_CODEC_AT = 6
 _MAX_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
@@ -80,8 +79,8 @@ class _Kernel:
 
     def __call__(self, stream: int, grid: int | tuple[int, int], args: tuple[int, ...], smem: int = 0) -> None:
         gx, gy = (grid, 1) if isinstance(grid, int) else grid
-        _in_context(self.device_index, optional_cupy().cuda.driver.launchKernel, self.handle, max(1, gx), gy, 1,
-                    self.threads, 1, 1, smem, stream, _parameters(args), 0)
+        in_context(self.device_index, optional_cupy().cuda.driver.launchKernel, self.handle, max(1, gx), gy, 1,
+                    self.threads, 1, 1, smem, stream, kernel_parameters(args), 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,7 +232,7 @@ def encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[int, ...
     where a stored frame would not be larger.
 
     Raises:
-        IndexError: a block id outside the cache (checked on the device; nothing read).
+        BlockOutOfRange: a block id outside the cache (checked on the device; nothing read).
     """
     return start_encode(source, ids, shape, book, checksum=checksum, chunk=chunk, blocks=blocks).result()
 
@@ -285,7 +284,7 @@ def start_encode(source: torch.Tensor, ids: torch.Tensor | None, shape: tuple[in
 
     def finish(read: np.ndarray) -> torch.Tensor | None:
         if ids is not None and int(read[8:12].view(np.int32)[0]):
-            raise IndexError(f"block ids must be in 0..{blocks - 1}")
+            raise BlockOutOfRange(f"block ids must be in 0..{blocks - 1}")
         return _encoded(plan, buf, sym, int(read[:8].view(np.int64)[0]), checksum)
 
     return start_read(scratch, 16, offset=8 * (nchunks - 1)).then(finish)
@@ -337,13 +336,9 @@ def read_prefix(frame: torch.Tensor) -> np.ndarray:
     Raises:
         CorruptFrame: not a 1-D uint8 tensor, too short, or wrong magic.
     """
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() <= _CODEC_AT:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
+    frame_prefix.check_frame(frame)
     prefix = read_to_host(frame.contiguous(), min(frame.numel(), _PREFIX), current_stream(frame.device))
-    if prefix[:4].tobytes() != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {prefix[:4].tobytes()!r}, expected {FRAME_MAGIC!r}")
+    frame_prefix.check_magic(prefix[:4].tobytes())
     return prefix
 
 
@@ -353,7 +348,7 @@ def is_stored(prefix: np.ndarray) -> bool:
     Raises:
         CorruptFrame: another codec's frame.
     """
-    codec = int(prefix[_CODEC_AT])
+    codec = int(prefix[frame_prefix.CODEC_ID_AT])
     if codec not in (int(FrameCodec.STORED), FRAME_ID):
         raise CorruptFrame(f"codec id {codec} is not an entropy (or stored) frame")
     return codec == int(FrameCodec.STORED)
@@ -418,7 +413,7 @@ def _verdict(err: torch.Tensor | np.ndarray, blocks: int = 0) -> None:
     code = int((read_to_host(err, 4, current_stream(err.device)) if isinstance(err, torch.Tensor) else err)
                .view(np.int32)[0])
     if code & 2:
-        raise IndexError(f"block ids must be in 0..{blocks - 1}")
+        raise BlockOutOfRange(f"block ids must be in 0..{blocks - 1}")
     if code & 4:
         raise OutputMismatch("block ids repeat")
     if code:
@@ -490,7 +485,7 @@ def start_decode_blocks(frame: torch.Tensor, header: EntropyHeader, prefix: np.n
                         ids: torch.Tensor) -> Pending[None]:
     """``decode_blocks`` launched on the current stream, the block ids (unchecked by the
     caller) checked on the device too: done once the stream has run, raising as
-    ``decode_blocks`` does (and IndexError / OutputMismatch for bad ids); nothing is written
+    ``decode_blocks`` does (and BlockOutOfRange / OutputMismatch for bad ids); nothing is written
     unless every check passed. The caller knows ``scatters(cache, ...)`` holds."""
     blocks = cache.shape[0]
     decoded, err = _decode(frame, header, prefix, ids, blocks)

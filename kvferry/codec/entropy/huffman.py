@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import CodebookMismatch
 from .codebook import EntropyCodebook
 from .symbols import Geometry, SymbolLayout
 
@@ -34,7 +35,7 @@ def code_lengths(freqs: np.ndarray, limit: int = CODE_BITS) -> np.ndarray:
         lengths[symbols] = 1
         return lengths
     if symbols.size > 1 << limit:
-        raise ValueError(f"{symbols.size} symbols do not fit codes of {limit} bits")
+        raise CodebookMismatch(f"{symbols.size} symbols do not fit codes of {limit} bits")
     n = symbols.size
     order = np.lexsort((symbols, freqs[symbols]))
     leaf_w = freqs[symbols][order]

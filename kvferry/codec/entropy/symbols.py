@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..dtypes import FloatLayout, layout_by_name, layout_for
+from ..errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class Geometry:
             return cls(1, -(-MIN_PERIOD // shape[-1]), shape[-1])
         axis = token_axis + len(shape) if token_axis < 0 else token_axis
         if not 0 <= axis < len(shape):
-            raise ValueError(f"token_axis {token_axis} is not an axis of shape {shape}")
+            raise InvalidArgument(f"token_axis {token_axis} is not an axis of shape {shape}")
         return cls(int(np.prod(shape[:axis], dtype=np.int64)), shape[axis],
                    int(np.prod(shape[axis + 1:], dtype=np.int64)))
 

@@ -19,7 +19,8 @@ from ..dtypes import FloatLayout, layout_for
 from ..frames import checked_block_ids
 from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..layout import BlockLayout
-from ..registry import FRAME_MAGIC
+from .. import prefix
+from ..registry import Capabilities, CodecBase
 from . import reference
 from .codebook import LowRankCodebook, calibrate
 from .format import (FRAME_ID, HEADER_SIZE, MAX_NDIM, SUPPORTED_DTYPES, LowRankHeader, parse_header)
@@ -163,15 +164,10 @@ def read_header(frame: torch.Tensor) -> LowRankHeader:
     Raises:
         CorruptFrame: not a lowrank frame, or a header that fails validation.
     """
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() < 7:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
+    prefix.check_frame(frame)
     head = frame[:HEADER_SIZE].cpu().numpy().tobytes()
-    if head[:4] != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {head[:4]!r}, expected {FRAME_MAGIC!r}")
-    if head[6] != FRAME_ID:
-        raise CorruptFrame(f"codec id {head[6]} is not the lowrank codec's {FRAME_ID}")
+    if prefix.codec_id(head) != FRAME_ID:
+        raise CorruptFrame(f"codec id {head[prefix.CODEC_ID_AT]} is not the lowrank codec's {FRAME_ID}")
     return parse_header(head, frame.numel())
 
 
@@ -268,7 +264,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         CorruptFrame: the frame is malformed (nothing written).
         CodebookMismatch: the frame was written with another codebook (nothing written).
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     _check_tensor(cache)
     ids = checked_block_ids(block_ids, cache, unique=True)
@@ -281,15 +277,13 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     cache.view(torch.int16).index_copy_(0, ids, blocks.to(cache.device).view(torch.int16))
 
 
-class LowRankCodec:
+class LowRankCodec(CodecBase):
     """ZACK-style low-rank projection per (layer, K/V, head): lossy, so never ``auto``'s pick;
     the receiver must hold the sender's codebook (frames name it by digest)."""
 
     name = "lowrank"
     frame_id = FRAME_ID
-    lossless = False
-    standalone = False
-    decode_needs_codebook = True
+    capabilities = Capabilities(decode_needs_codebook=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.bfloat16, torch.float16)

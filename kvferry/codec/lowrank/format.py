@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from ..checksum import crc32c
 from ..dtypes import FloatLayout, layout_by_wire_id
 from ..errors import CorruptFrame
-from ..registry import FRAME_MAGIC
+from .. import prefix
 
 LOWRANK_VERSION = 1
 FRAME_ID = 5
@@ -25,7 +25,7 @@ SUPPORTED_DTYPES = ("bfloat16", "float16")
 # magic, version, codec, dtype, ndim, flags, axis positions (layer, kv, head, channel),
 # reserved, dims (layers, kv, heads, channels), codebook digest, shape[8], vectors per group,
 # stream lengths (params, coefficients), stream crc; then the header crc
-_BODY = struct.Struct("<4sHBBBB4BH4H8s8QQ2QI")
+_BODY = prefix.Body("BBB4BH4H8s8QQ2QI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 128, HEADER_SIZE
@@ -59,7 +59,7 @@ class LowRankHeader:
     def pack(self) -> bytes:
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         pos = [NO_AXIS if p is None else p for p in self.positions]
-        body = _BODY.pack(FRAME_MAGIC, LOWRANK_VERSION, FRAME_ID, self.layout.wire_id, len(self.shape),
+        body = _BODY.write(LOWRANK_VERSION, FRAME_ID, self.layout.wire_id, len(self.shape),
                           FLAG_K8V4 if self.quantized else 0, *pos, 0, *self.dims, self.digest, *shape,
                           self.vectors, *self.lengths, self.stream_crc)
         return body + _CRC.pack(crc32c(body))
@@ -78,15 +78,10 @@ def parse_header(buf: bytes, frame_size: int) -> LowRankHeader:
     if frame_size < HEADER_SIZE or len(buf) < HEADER_SIZE:
         raise CorruptFrame(f"lowrank frame of {frame_size} bytes is shorter than its {HEADER_SIZE}-byte header")
     body = bytes(buf[:_BODY.size])
-    (magic, version, codec_id, dtype_id, ndim, flags, p_layer, p_kv, p_head, p_channel, reserved2,
-     layers, kv, heads, channels, digest, *rest) = _BODY.unpack(body)
+    _, (dtype_id, ndim, flags, p_layer, p_kv, p_head, p_channel, reserved2,
+        layers, kv, heads, channels, digest, *rest) = _BODY.read(body, version=LOWRANK_VERSION,
+                                                                   codec_ids=(FRAME_ID,), name="lowrank")
     shape_all, vectors, lengths, stream_crc = rest[:8], rest[8], (rest[9], rest[10]), rest[11]
-    if magic != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {magic!r}, expected {FRAME_MAGIC!r}")
-    if codec_id != FRAME_ID:
-        raise CorruptFrame(f"codec id {codec_id} is not the lowrank codec's {FRAME_ID}")
-    if version != LOWRANK_VERSION:
-        raise CorruptFrame(f"unsupported lowrank format version {version} (this build reads {LOWRANK_VERSION})")
     (header_crc,) = _CRC.unpack(bytes(buf[_BODY.size:HEADER_SIZE]))
     if crc32c(body) != header_crc:
         raise CorruptFrame("header checksum mismatch")

@@ -16,6 +16,7 @@ import functools
 import numpy as np
 import torch
 
+from ..errors import InvalidArgument
 from .codebook import LowRankCodebook
 from .reference import code_bytes, stream_lengths
 
@@ -72,7 +73,7 @@ def encode_streams(xg: torch.Tensor, book: LowRankCodebook) -> tuple[torch.Tenso
     triton, encode_kernel, _ = _kernels()
     if xg.dtype not in (torch.bfloat16, torch.float16) or xg.dim() != 3 or xg.shape[0] != book.groups \
             or xg.shape[2] != book.channels:
-        raise ValueError(f"encode_streams takes (groups, vectors, d) bf16/fp16, got {xg.dtype}{list(xg.shape)}")
+        raise InvalidArgument(f"encode_streams takes (groups, vectors, d) bf16/fp16, got {xg.dtype}{list(xg.shape)}")
     xg = xg.contiguous()
     g, m, d = xg.shape
     c = _constants(book, xg.device)

@@ -23,7 +23,7 @@ from ..format import FrameCodec, stored_size
 from ..frames import decode as decode_stored, checked_block_ids
 from ..frames import encode_stored
 from ..layout import BlockLayout
-from ..registry import codec_id as frame_codec_id
+from ..registry import Capabilities, CodecBase, codec_id as frame_codec_id
 from . import rans
 from .codebook import PredictiveCodebook, calibrate_predictive
 from .format import (FRAME_ID, HEADER_SIZE, REFERENCE_IDS, PredictiveHeader, lanes_for, parse_header)
@@ -260,7 +260,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
 
     Raises:
         CodebookMismatch: not bound, or a cache whose shape is not the reference's.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     bound = _require_bound(bound)
     _check_region(cache, bound)
@@ -277,7 +277,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         CorruptFrame: the frame is malformed (nothing written).
         CodebookMismatch: not bound, another sigma table, a cache not shaped like the reference.
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     bound = _require_bound(bound)
     _check_region(cache, bound)
@@ -298,16 +298,14 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     cache.view(bits).index_copy_(0, ids.to(cache.device), blocks.to(cache.device).view(bits))
 
 
-class PredictiveCodec:
+class PredictiveCodec(CodecBase):
     """Speculative KV coding: each element arithmetic-coded under a mixture centred on the
     predictor's KV (the reference region). Lossless, but not standalone: it needs the reference
     and the sigma table on both sides, so ``auto`` never picks it."""
 
     name = "predictive"
     frame_id = FRAME_ID
-    lossless = True
-    standalone = False
-    decode_needs_codebook = True
+    capabilities = Capabilities(lossless=True, decode_needs_codebook=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from ..checksum import crc32c
 from ..errors import CorruptFrame
-from ..registry import FRAME_MAGIC
+from .. import prefix
 
 PREDICTIVE_VERSION = 1
 FRAME_ID = 7
@@ -31,7 +31,7 @@ FLAG_STREAM_CRC = 0x0001
 REFERENCE_DTYPES = {1: "bfloat16", 2: "float16", 3: "float8_e5m2", 4: "float8_e4m3fn", 5: "float32"}
 REFERENCE_IDS = {name: i for i, name in REFERENCE_DTYPES.items()}
 
-_BODY = struct.Struct("<4sHBBBBHIQQ8QQI")
+_BODY = prefix.Body("BBBHIQQ8QQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 112
@@ -76,7 +76,7 @@ class PredictiveHeader:
     def pack(self) -> bytes:
         flags = FLAG_STREAM_CRC if self.stream_crc is not None else 0
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
-        body = _BODY.pack(FRAME_MAGIC, PREDICTIVE_VERSION, FRAME_ID, self.dtype_id, self.reference_id,
+        body = _BODY.write(PREDICTIVE_VERSION, FRAME_ID, self.dtype_id, self.reference_id,
                           len(self.shape), flags, self.lanes, self.numel, self.digest, *shape, self.words,
                           self.stream_crc or 0)
         return body + _CRC.pack(crc32c(body))
@@ -94,15 +94,9 @@ def parse_header(buf: bytes, frame_size: int) -> PredictiveHeader:
     if frame_size < HEADER_SIZE or len(buf) < HEADER_SIZE:
         raise CorruptFrame(f"predictive frame of {frame_size} bytes is shorter than its {HEADER_SIZE}-byte header")
     body = bytes(buf[:_BODY.size])
-    (magic, version, codec_id, dtype_id, reference_id, ndim, flags, lanes, numel, digest,
-     *rest) = _BODY.unpack(body)
+    _, (dtype_id, reference_id, ndim, flags, lanes, numel, digest,
+        *rest) = _BODY.read(body, version=PREDICTIVE_VERSION, codec_ids=(FRAME_ID,), name="predictive")
     shape_all, words, stream_crc = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 1]
-    if magic != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {magic!r}, expected {FRAME_MAGIC!r}")
-    if codec_id != FRAME_ID:
-        raise CorruptFrame(f"codec id {codec_id} is not the predictive codec's {FRAME_ID}")
-    if version != PREDICTIVE_VERSION:
-        raise CorruptFrame(f"unsupported predictive format version {version} (this build reads {PREDICTIVE_VERSION})")
     (header_crc,) = _CRC.unpack(bytes(buf[_BODY.size:HEADER_SIZE]))
     if crc32c(body) != header_crc:
         raise CorruptFrame("header checksum mismatch")

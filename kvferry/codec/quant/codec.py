@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from ..checksum import crc32c
-from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
+from ..errors import BlockOutOfRange, CodebookMismatch, CorruptFrame, OutputMismatch, UnsupportedTensor
 from ..layout import BlockLayout
+from ..registry import Capabilities, CodecBase
 from . import reference
 from .format import (BITS, DTYPE_IDS, HEADER_SIZE, QuantHeader, Stream, check_geometry, frame_size,
                      parse_header)
@@ -122,12 +123,12 @@ def _check_ids(ids: torch.Tensor, cache: torch.Tensor, unique: bool = False) -> 
     """``ids`` checked (on the host) and moved to the cache's device.
 
     Raises:
-        IndexError: an id outside the cache; OutputMismatch: ids repeat (when ``unique``).
+        BlockOutOfRange: an id outside the cache; OutputMismatch: ids repeat (when ``unique``).
     """
     host = ids.cpu()
     if host.numel():
         if int(host.min()) < 0 or int(host.max()) >= cache.shape[0]:
-            raise IndexError(f"block ids must be in 0..{cache.shape[0] - 1}")
+            raise BlockOutOfRange(f"block ids must be in 0..{cache.shape[0] - 1}")
         if unique and torch.unique(host).numel() != host.numel():
             raise OutputMismatch("block ids repeat")
     return ids.to(cache.device)
@@ -185,7 +186,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, 
     those blocks writes with the axes shifted by one; CUDA caches are gathered by the kernels.
 
     Raises:
-        as ``encode``; IndexError: a block id outside the cache.
+        as ``encode``; BlockOutOfRange: a block id outside the cache.
     """
     name = _NAMES[frame_id]
     _check_tensor(cache, name)
@@ -251,7 +252,7 @@ def _reconstruct(frame: torch.Tensor, header: QuantHeader, dst: torch.Tensor | N
         gpu.decode_into(frame, target, header, ids, flag=flag)
         code = int(flag.item())
         if code & gpu.BAD_ID:
-            raise IndexError(f"block ids must be in 0..{target.shape[0] - 1}")
+            raise BlockOutOfRange(f"block ids must be in 0..{target.shape[0] - 1}")
         if code & gpu.REPEATED_ID:
             raise OutputMismatch("block ids repeat")
         if code & gpu.BAD_PADDING:
@@ -303,7 +304,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         CorruptFrame: the frame is malformed (nothing written).
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
         CodebookMismatch: the frame's axes are not ``codebook``'s (when given).
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     if not isinstance(cache, torch.Tensor) or cache.dtype not in DTYPE_IDS:
         raise OutputMismatch("the cache must be a bfloat16 or float16 tensor")
@@ -322,7 +323,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     _reconstruct(frame, header, cache, ids, unchecked)
 
 
-class QuantCodec:
+class QuantCodec(CodecBase):
     """DiffKV's asymmetric per-vector quantization: K at ``k_bits``, V at ``v_bits``, an fp16
     scale and zero point per vector. Lossy, so never ``auto``'s pick; frames are self-describing.
 
@@ -331,9 +332,7 @@ class QuantCodec:
     host CRC of a GPU frame costs a device-to-host copy of it (H200: 1 GiB in ~0.6 s instead of
     ~0.8 ms). The module-level ``encode`` still adds one by default."""
 
-    lossless = False
-    standalone = False
-    decode_needs_codebook = False
+    capabilities = Capabilities()  # lossy; frames are self-describing
 
     def __init__(self, name: str, frame_id: int) -> None:
         self.name, self.frame_id = name, frame_id

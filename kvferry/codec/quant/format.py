@@ -16,7 +16,7 @@ import torch
 
 from ..checksum import crc32c
 from ..errors import CodebookMismatch, CorruptFrame, UnsupportedTensor
-from ..registry import FRAME_MAGIC
+from .. import prefix
 
 QUANT_VERSION = 1
 MAX_NDIM = 8
@@ -30,7 +30,7 @@ BITS = {3: (8, 4), 4: (4, 2)}  # frame id -> (K bits, V bits)
 
 # magic, version, codec, dtype, ndim, kv axis, channel axis, K bits, V bits, flags, reserved,
 # shape[8], stream lengths[3], stream crc
-_BODY = struct.Struct("<4sHBBBBBBBBH8Q3QI")
+_BODY = prefix.Body("BBBBBBBH8Q3QI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 112
@@ -93,7 +93,7 @@ class QuantHeader:
     def pack(self) -> bytes:
         flags = FLAG_STREAM_CRC if self.stream_crc is not None else 0
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
-        body = _BODY.pack(FRAME_MAGIC, QUANT_VERSION, self.frame_id, DTYPE_IDS[self.dtype], len(self.shape),
+        body = _BODY.write(QUANT_VERSION, self.frame_id, DTYPE_IDS[self.dtype], len(self.shape),
                           self.kv_axis, self.channel_axis, *self.bits, flags, 0, *shape, *self.lengths,
                           self.stream_crc or 0)
         return body + _CRC.pack(crc32c(body))
@@ -135,15 +135,9 @@ def parse_header(buf: bytes, frame_size: int) -> QuantHeader:
     if frame_size < HEADER_SIZE or len(buf) < HEADER_SIZE:
         raise CorruptFrame(f"quant frame of {frame_size} bytes is shorter than its {HEADER_SIZE}-byte header")
     body = bytes(buf[:_BODY.size])
-    (magic, version, frame_id, dtype_id, ndim, kv_axis, channel_axis, k_bits, v_bits, flags, reserved,
-     *rest) = _BODY.unpack(body)
+    frame_id, (dtype_id, ndim, kv_axis, channel_axis, k_bits, v_bits, flags, reserved,
+               *rest) = _BODY.read(body, version=QUANT_VERSION, codec_ids=BITS, name="quant")
     shape_all, lengths, stream_crc = rest[:MAX_NDIM], tuple(rest[MAX_NDIM:MAX_NDIM + 3]), rest[-1]
-    if magic != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {magic!r}, expected {FRAME_MAGIC!r}")
-    if frame_id not in BITS:
-        raise CorruptFrame(f"codec id {frame_id} is not a quant codec's ({', '.join(map(str, BITS))})")
-    if version != QUANT_VERSION:
-        raise CorruptFrame(f"unsupported quant format version {version} (this build reads {QUANT_VERSION})")
     (header_crc,) = _CRC.unpack(bytes(buf[_BODY.size:HEADER_SIZE]))
     if crc32c(body) != header_crc:
         raise CorruptFrame("header checksum mismatch")

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import UnsupportedTensor
+from ..errors import BlockOutOfRange, UnsupportedTensor
 from .format import FP16_MAX, QuantHeader, Stream
 from .reference import MIN_SCALE
 
@@ -264,7 +264,7 @@ def encode_into(src: torch.Tensor, frame: torch.Tensor, header: QuantHeader, ids
 
     Raises:
         UnsupportedTensor: a non-finite or out-of-range element (streams then hold garbage).
-        IndexError: a block id outside ``src`` (likewise).
+        BlockOutOfRange: a block id outside ``src`` (likewise).
     """
     _check(src, frame)
     tile, num_warps = tile or ENCODE_TILE, num_warps or ENCODE_WARPS
@@ -272,7 +272,7 @@ def encode_into(src: torch.Tensor, frame: torch.Tensor, header: QuantHeader, ids
     if not _in_place(src, kv, ch, ids is not None):
         if ids is not None:
             if check_ids and ids.numel() and not bool(((ids >= 0) & (ids < src.shape[0])).all()):
-                raise IndexError(f"block ids must be in 0..{src.shape[0] - 1}")
+                raise BlockOutOfRange(f"block ids must be in 0..{src.shape[0] - 1}")
             src, ids = src.index_select(0, ids), None
         src, kv, ch = src.movedim((kv, ch), (0, -1)).contiguous(), 0, src.dim() - 1
     geo = _Geometry(src, kv, ch, ids, tile)
@@ -287,7 +287,7 @@ def encode_into(src: torch.Tensor, frame: torch.Tensor, header: QuantHeader, ids
             GATHER=ids is not None, WIDE=geo.wide, num_warps=num_warps, enable_fp_fusion=False)
     flag = int(bad.item())
     if flag & BAD_ID:
-        raise IndexError(f"block ids must be in 0..{src.shape[0] - 1}")
+        raise BlockOutOfRange(f"block ids must be in 0..{src.shape[0] - 1}")
     if flag:
         raise UnsupportedTensor(f"a NaN, infinite or out-of-range element (|x| > {FP16_MAX:g}): quant codecs "
                                 "take finite values within the fp16 range, scales and zeros are fp16")

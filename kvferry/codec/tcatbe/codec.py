@@ -22,7 +22,8 @@ from ..errors import CodebookMismatch, CorruptFrame, OutputMismatch, Unsupported
 from ..format import FrameCodec, stored_size
 from ..frames import decode as decode_stored, checked_block_ids
 from ..frames import encode_stored
-from ..registry import FRAME_MAGIC, PositionFree
+from .. import prefix as frame_prefix
+from ..registry import Capabilities, PositionFree
 from ..staging import current_stream, optional_cupy, read_to_host
 from . import reference
 from .format import FRAME_ID, HEADER_SIZE, TcaTbeHeader, make_header, padding_ranges, parse_header
@@ -134,21 +135,17 @@ def _prefix(frame: Any) -> bytes:
     Raises:
         CorruptFrame: not a 1-D uint8 tensor, no codec id, or the wrong magic.
     """
-    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
-        raise CorruptFrame("a frame is a 1-D torch.uint8 tensor")
-    if frame.numel() < 7:
-        raise CorruptFrame(f"frame of {frame.numel()} bytes has no codec id")
+    frame_prefix.check_frame(frame)
     if frame.is_cuda and frame.is_contiguous() and optional_cupy() is not None:  # through pinned memory
         prefix = read_to_host(frame, min(frame.numel(), HEADER_SIZE), current_stream(frame.device)).tobytes()
     else:
         prefix = frame[:HEADER_SIZE].cpu().numpy().tobytes()
-    if prefix[:4] != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {prefix[:4]!r}, expected {FRAME_MAGIC!r}")
+    frame_prefix.check_magic(prefix)
     return prefix
 
 
 def _parse(prefix: bytes, frame: torch.Tensor) -> TcaTbeHeader:
-    if prefix[6] != FRAME_ID:
+    if prefix[frame_prefix.CODEC_ID_AT] != FRAME_ID:
         raise CorruptFrame("not a tca-tbe frame")
     return parse_header(prefix, frame.numel(), _WIRE_IDS)
 
@@ -192,10 +189,10 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Ten
         if gpu.decode_unparsed(frame, out):
             return out
     prefix = _prefix(frame)
-    if prefix[6] == int(FrameCodec.STORED):
+    if prefix[frame_prefix.CODEC_ID_AT] == int(FrameCodec.STORED):
         return decode_stored(frame, out=out)
-    if prefix[6] != FRAME_ID:
-        raise CorruptFrame(f"codec id {prefix[6]} is not a tca-tbe (or stored) frame")
+    if prefix[frame_prefix.CODEC_ID_AT] != FRAME_ID:
+        raise CorruptFrame(f"codec id {prefix[frame_prefix.CODEC_ID_AT]} is not a tca-tbe (or stored) frame")
     header = _parse(prefix, frame)
     dtype = layout_for(DTYPES[0]).dtype
     if out is not None and (out.dtype != dtype or out.numel() != header.numel):
@@ -239,7 +236,7 @@ def encode_blocks(cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
 
     Raises:
         UnsupportedTensor, CodebookMismatch: as ``encode``.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     _check_tensor(cache)
     ids = checked_block_ids(block_ids, cache)
@@ -255,7 +252,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
     Raises:
         CorruptFrame: the frame is malformed (nothing written).
         OutputMismatch: the frame's dtype or block shape differs from the cache's, or ids repeat.
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     if not isinstance(cache, torch.Tensor):
         raise OutputMismatch(f"cache must be a torch.Tensor, got {type(cache).__name__}")
@@ -267,7 +264,7 @@ def decode_blocks(frame: torch.Tensor, cache: torch.Tensor, block_ids: Sequence[
         if gpu.decode_blocks_unparsed(frame, cache, ids, expected):
             return
     prefix = _prefix(frame)
-    if prefix[6] == FRAME_ID:
+    if prefix[frame_prefix.CODEC_ID_AT] == FRAME_ID:
         header = _parse(prefix, frame)
         if cache.dtype not in DTYPES or header.shape != expected:
             raise OutputMismatch(f"frame holds bfloat16{list(header.shape)}, blocks need "
@@ -301,8 +298,7 @@ class TcaTbeCodec(PositionFree):
 
     name = "tca-tbe"
     frame_id = FRAME_ID
-    lossless = True
-    standalone = True
+    capabilities = Capabilities(lossless=True, standalone=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in DTYPES

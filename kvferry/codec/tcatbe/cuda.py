@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import CorruptFrame, OutputMismatch
-from ..splitzip_gpu import _in_context, _parameters, _zero
+from ..errors import BlockOutOfRange, CorruptFrame, OutputMismatch
+from ..launch import in_context, kernel_parameters, zero_async
 from ..staging import current_stream, optional_cupy, read_to_host
 from .format import GROUP_TILES, TILE, TcaTbeHeader, stream_lengths, stream_offsets
 
@@ -87,8 +87,8 @@ def _function(device_index: int, name: str, tuning: tuple[tuple[str, int], ...])
 def _launch(device_index: int, name: str, grid: int, stream: int, args: tuple[int, ...],
             tuning: tuple[tuple[str, int], ...]) -> None:
     handle, _ = _function(device_index, name, tuning)
-    _in_context(device_index, optional_cupy().cuda.driver.launchKernel, handle, grid, 1, 1, THREADS, 1, 1, 0, stream,
-                _parameters(args), 0)
+    in_context(device_index, optional_cupy().cuda.driver.launchKernel, handle, grid, 1, 1, THREADS, 1, 1, 0, stream,
+                kernel_parameters(args), 0)
 
 
 def block_path_fits(cache: torch.Tensor) -> bool:
@@ -168,7 +168,7 @@ def _launch_check(frame: torch.Tensor, index: int, n: int, stream: int, tuning: 
         scratch.words.zero_()
         scratch.slot, scratch.dirty = 0, False
     if bitmap_words:
-        _zero(index, base + 8 * (1 + P_WORDS), 8 * bitmap_words, stream)
+        zero_async(index, base + 8 * (1 + P_WORDS), 8 * bitmap_words, stream)
     expected = _ANY_SHAPE if shape is None else (len(shape), *shape, *[0] * (8 - len(shape)))
     tiles = -(-n // TILE)
     threads = max(-(-tiles // _knob(tuning, "CHECK_TILES")), nids)  # a thread per CHECK_TILES tiles, and per id
@@ -192,12 +192,12 @@ def _verdict(bits: int) -> bool:
     """False if the header check declined the frame.
 
     Raises:
-        IndexError, OutputMismatch, CorruptFrame: what the check kernel found.
+        BlockOutOfRange, OutputMismatch, CorruptFrame: what the check kernel found.
     """
     if bits & _HOST:
         return False
     if bits & _BAD_ID:
-        raise IndexError("block ids outside the cache")
+        raise BlockOutOfRange("block ids outside the cache")
     if bits & _REPEATED_ID:
         raise OutputMismatch("block ids repeat")
     if bits:
@@ -241,7 +241,7 @@ def decode_into(frame: torch.Tensor, out: torch.Tensor, n: int, *, shape: tuple[
         ``crc_verified`` (the caller checked it).
 
     Raises:
-        CorruptFrame: the streams disagree. IndexError: a block id outside the cache.
+        CorruptFrame: the streams disagree. BlockOutOfRange: a block id outside the cache.
             OutputMismatch: block ids repeat. Nothing is written then.
     """
     if frame.data_ptr() % 16:  # a frame cut from a receive buffer: the kernels read aligned words

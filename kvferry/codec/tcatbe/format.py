@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from ..checksum import crc32c
 from ..dtypes import layout_by_wire_id
 from ..errors import CorruptFrame
-from ..registry import FRAME_MAGIC
+from .. import prefix
 
 TCATBE_VERSION = 1
 FRAME_ID = 6
@@ -38,7 +38,7 @@ NUM_STREAMS = 5
 
 # magic, version, codec, dtype, ndim, window_low, flags, reserved, numel, shape[8], in_window,
 # fallback, reserved, stream crc; then the CRC32C of those 108 bytes.
-_BODY = struct.Struct("<4sHBBBBBBQ8QQQII")
+_BODY = prefix.Body("BBBBBQ8QQQII")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 112
@@ -107,7 +107,7 @@ class TcaTbeHeader:
     def pack(self) -> bytes:
         flags = FLAG_STREAM_CRC if self.stream_crc is not None else 0
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
-        body = _BODY.pack(FRAME_MAGIC, TCATBE_VERSION, FRAME_ID, self.wire_id, len(self.shape), self.window_low,
+        body = _BODY.write(TCATBE_VERSION, FRAME_ID, self.wire_id, len(self.shape), self.window_low,
                           flags, 0, self.numel, *shape, self.in_window, self.fallback, 0, self.stream_crc or 0)
         return body + _CRC.pack(crc32c(body))
 
@@ -135,14 +135,9 @@ def parse_header(buf: bytes, frame_size: int, supported_wire_ids: frozenset[int]
     if frame_size < HEADER_SIZE or len(buf) < HEADER_SIZE:
         raise CorruptFrame(f"tca-tbe frame of {frame_size} bytes is shorter than its {HEADER_SIZE}-byte header")
     body = bytes(buf[:_BODY.size])
-    (magic, version, codec_id, dtype_id, ndim, window_low, flags, reserved, numel, *rest) = _BODY.unpack(body)
+    _, (dtype_id, ndim, window_low, flags, reserved, numel, *rest) = _BODY.read(
+        body, version=TCATBE_VERSION, codec_ids=(FRAME_ID,), name="tca-tbe")
     shape_all, in_window, fallback, reserved2, stream_crc = rest[:8], rest[8], rest[9], rest[10], rest[11]
-    if magic != FRAME_MAGIC:
-        raise CorruptFrame(f"bad magic {magic!r}, expected {FRAME_MAGIC!r}")
-    if codec_id != FRAME_ID:
-        raise CorruptFrame(f"codec id {codec_id} is not the tca-tbe codec's {FRAME_ID}")
-    if version != TCATBE_VERSION:
-        raise CorruptFrame(f"unsupported tca-tbe format version {version} (this build reads {TCATBE_VERSION})")
     (header_crc,) = _CRC.unpack(bytes(buf[_BODY.size:HEADER_SIZE]))
     if crc32c(body) != header_crc:
         raise CorruptFrame("header checksum mismatch")

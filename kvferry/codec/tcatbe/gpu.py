@@ -30,7 +30,7 @@ import functools
 import torch
 
 from ..dtypes import layout_for
-from ..errors import CorruptFrame
+from ..errors import CorruptFrame, InvalidArgument, OutputMismatch
 from ..format import stored_size
 from ..frames import encode_stored
 from . import cuda
@@ -337,7 +337,7 @@ def _asm(t: torch.Tensor) -> bool:
 
 def _check_input(t: torch.Tensor, dtype: torch.dtype) -> None:
     if t.dtype != dtype or not t.is_contiguous():
-        raise ValueError(f"kernel input must be contiguous {dtype}, got {t.dtype}")
+        raise InvalidArgument(f"kernel input must be contiguous {dtype}, got {t.dtype}")
 
 
 def encode(x: torch.Tensor, *, checksum: bool) -> torch.Tensor:
@@ -421,11 +421,11 @@ def decode_into(frame: torch.Tensor, header: TcaTbeHeader, out: torch.Tensor) ->
 
     Raises:
         CorruptFrame: as ``check``.
-        ValueError: ``out`` is not a contiguous bfloat16 tensor of the frame's size on its device.
+        OutputMismatch: ``out`` is not a contiguous bfloat16 tensor of the frame's size on its device.
     """
     _check_input(out, torch.bfloat16)
     if out.numel() != header.numel or out.device != frame.device or frame.numel() != header.total:
-        raise ValueError("out must hold the frame's elements on the frame's device")
+        raise OutputMismatch("out must hold the frame's elements on the frame's device")
     if not header.tiles:
         return out
     if _cuda(frame):
@@ -476,7 +476,7 @@ def decode_blocks_unparsed(frame: torch.Tensor, cache: torch.Tensor, ids: torch.
     ``shape``): False, with nothing written, where ``decode_unparsed`` would be.
 
     Raises:
-        CorruptFrame: the streams disagree. IndexError: an id outside the cache. OutputMismatch:
+        CorruptFrame: the streams disagree. BlockOutOfRange: an id outside the cache. OutputMismatch:
             ids repeat. Nothing is written then.
     """
     if not _blocks_fit(frame, cache):
@@ -492,7 +492,7 @@ def decode_blocks_into(frame: torch.Tensor, header: TcaTbeHeader, cache: torch.T
     decodes and scatters then.
 
     Raises:
-        CorruptFrame: as ``check``. IndexError: an id outside the cache. OutputMismatch: ids repeat.
+        CorruptFrame: as ``check``. BlockOutOfRange: an id outside the cache. OutputMismatch: ids repeat.
     """
     if not (_blocks_fit(frame, cache) and cache.device == frame.device and ids.device == frame.device):
         return False

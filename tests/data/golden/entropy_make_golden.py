@@ -16,7 +16,7 @@ sys.path.insert(0, str(HERE.parents[2]))
 
 from kvferry.codec import entropy  # noqa: E402
 
-SAMPLE = HERE.parents[2] / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
+SAMPLE = HERE.parent / "kv_smollm2_gpl3.npz"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
           "float8_e4m3fn": torch.float8_e4m3fn}
 SHAPE_TOKENS = 80  # [heads=3, tokens=80, head_dim=64]: 15360 elements, 4 chunks of 4096 (the last short)

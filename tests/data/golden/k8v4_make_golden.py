@@ -17,7 +17,7 @@ sys.path.insert(0, str(HERE.parents[2]))
 
 from kvferry.codec.quant import K4V2, K8V4, QuantLayout  # noqa: E402
 
-SAMPLE = HERE.parents[2] / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
+SAMPLE = HERE.parent / "kv_smollm2_gpl3.npz"
 
 
 def frozen_input() -> torch.Tensor:

@@ -17,7 +17,7 @@ from kvferry.codec import lowrank
 from kvferry.codec.layout import BlockLayout
 
 HERE = Path(__file__).parent
-SAMPLE = HERE.parents[2] / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
+SAMPLE = HERE.parent / "kv_smollm2_gpl3.npz"
 AXES = ("layer", "kv", "head", "token", "channel")
 CASES = {"lowrank_bfloat16": (torch.bfloat16, None, 0.95), "lowrank_float16_k8v4": (torch.float16, "k8v4", 0.9)}
 

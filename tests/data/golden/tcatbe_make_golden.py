@@ -16,7 +16,7 @@ sys.path.insert(0, str(HERE.parents[2]))
 
 from kvferry.codec import tcatbe  # noqa: E402
 
-SAMPLE = HERE.parents[2] / "kvferry" / "data" / "kv_smollm2_gpl3.npz"
+SAMPLE = HERE.parent / "kv_smollm2_gpl3.npz"
 SPECIALS = [0x7FC1, 0xFF81, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x8005, 0x7F7F, 0x0080, 0x3F80]
 # name: (shape, checksum)
 GOLDENS = {"bfloat16": ((3, 80, 64), True), "bfloat16_tail": ((5, 13, 7), False)}

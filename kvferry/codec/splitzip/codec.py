@@ -1,4 +1,4 @@
-"""``splitzip``: the registry entry over SplitZip's frames (``frames.py``, FORMAT.md)."""
+"""``splitzip``: the registry entry over SplitZip's frames (``kvferry/codec/frames.py``, FORMAT.md)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from .codebook import Codebook, calibrate
-from .dtypes import supported
-from .format import FrameCodec
-from .layout import BlockLayout
-from .registry import PositionFree
-from .frames import decode, decode_blocks, encode, encode_blocks, frame_capacity, start_decode_blocks, start_encode_blocks
-from .staging import Pending
+from ..codebook import Codebook, calibrate
+from ..dtypes import supported
+from ..format import FrameCodec
+from .. import frames  # whole frames; it imports this package's kernels, so by module
+from ..layout import BlockLayout
+from ..registry import Capabilities, PositionFree
+from ..staging import Pending
 
 
 class SplitZipCodec(PositionFree):
@@ -21,14 +21,13 @@ class SplitZipCodec(PositionFree):
 
     name = "splitzip"
     frame_id = int(FrameCodec.SPLITZIP)
-    lossless = True
-    standalone = True
+    capabilities = Capabilities(lossless=True, standalone=True, learns=True, starts_blocks=True)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return supported(dtype)
 
     def capacity(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        return frame_capacity(tuple(shape), dtype)
+        return frames.frame_capacity(tuple(shape), dtype)
 
     def calibrate(self, samples: torch.Tensor | Sequence[torch.Tensor], *, token_axis: int | None = None,
                   axes: Sequence[str] | None = None) -> Codebook:
@@ -44,22 +43,22 @@ class SplitZipCodec(PositionFree):
         return Codebook.from_json(text)
 
     def encode(self, x: torch.Tensor, codebook: Codebook | None = None) -> torch.Tensor:
-        return encode(x, codebook)
+        return frames.encode(x, codebook)
 
     def decode(self, frame: torch.Tensor, codebook: Any = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return decode(frame, out=out)
+        return frames.decode(frame, out=out)
 
     def encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, codebook: Codebook | None = None) -> torch.Tensor:
-        return encode_blocks(cache, block_ids, codebook)
+        return frames.encode_blocks(cache, block_ids, codebook)
 
     def decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                       codebook: Any = None) -> None:
-        decode_blocks(frame, cache, block_ids)
+        frames.decode_blocks(frame, cache, block_ids)
 
     def start_encode_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor,
                             codebook: Codebook | None = None) -> Pending[torch.Tensor]:
-        return start_encode_blocks(cache, block_ids, codebook)
+        return frames.start_encode_blocks(cache, block_ids, codebook)
 
     def start_decode_blocks(self, frame: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                             codebook: Any = None) -> Pending[None]:
-        return start_decode_blocks(frame, cache, block_ids)
+        return frames.start_decode_blocks(frame, cache, block_ids)

@@ -1,4 +1,4 @@
-"""Loopback throughput: ``python -m kvferry.transport.bench --backend {ucxx,tcp} --size 256MiB --count N
+"""Loopback throughput: ``python bench/transport_bench.py --backend {ucxx,tcp} --size 256MiB --count N
 [--device cuda:0]``.
 
 Runs a receiving process and a sending process on 127.0.0.1 and prints one line ending in GB/s
@@ -17,10 +17,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from .config import TransportConfig
-from .endpoint import connect, listen
-from .link import shutdown_backends
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvferry.transport.config import TransportConfig  # noqa: E402
+from kvferry.transport.endpoint import connect, listen  # noqa: E402
+from kvferry.transport.link import shutdown_backends  # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -101,7 +105,7 @@ def _raw_send(port: int, size: int, count: int) -> float:
 
 
 def _spawn(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
-    command = [sys.executable, "-m", "kvferry.transport.bench", "--role", role, "--backend", args.backend,
+    command = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--backend", args.backend,
                "--size", str(args.size), "--count", str(args.count), "--chunk", str(args.chunk),
                "--window", str(args.window), "--device", args.device] + (["--encrypt"] if args.encrypt else [])
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)

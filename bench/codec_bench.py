@@ -1,4 +1,4 @@
-"""Codec benchmark: ``python -m kvferry.codec.bench [--sizes 1M,16M] [--threads N] [--json out.json]``.
+"""Codec benchmark: ``python bench/codec_bench.py [--sizes 1M,16M] [--threads N] [--json out.json]``.
 
 Times the CPU reference (and, with ``--gpu``, the GPU path; see bench/codec_gpu.py for the full
 GPU run with nvCOMP) against a plain copy, on real KV tiled to size when the sample is present.
@@ -11,14 +11,18 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from . import calibrate, decode, encode, read_header
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-SAMPLE = Path(__file__).parents[1] / "data" / "kv_smollm2_gpl3.npz"
+from kvferry.codec import calibrate, decode, encode, read_header  # noqa: E402
+
+SAMPLE = ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz"
 DTYPES = (torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn)
 
 

@@ -1,5 +1,5 @@
 """SplitZip on CUDA: launchers for the kernels in ``splitzip_cuda.cu`` (CuPy/NVRTC, compiled on
-first use and cached). Produces frames byte-identical to the torch reference in ``splitzip.py``.
+first use and cached). Produces frames byte-identical to the torch reference in ``reference.py``.
 
 Encode: a dense pass (residual and code streams, escape counts per chunk, escapes spilled per
 chunk), per-tile sums of those counts, and a tail pass that finds each chunk's escape offset
@@ -22,20 +22,19 @@ device reads through pinned memory.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .checksum import crc32c
-from .dtypes import LAYOUTS, FloatLayout
-from .errors import CorruptFrame, OutputMismatch
-from .format import DEFAULT_CHUNK, HEADER_SIZE, FrameCodec, Header, Stream, make_header, parse_header, stored_size
-from .staging import Pending, current_stream, optional_cupy, read_to_host, start_read
+from ..checksum import crc32c
+from ..dtypes import LAYOUTS, FloatLayout
+from ..errors import BlockOutOfRange, CorruptFrame, OutputMismatch
+from ..format import DEFAULT_CHUNK, HEADER_SIZE, FrameCodec, Header, Stream, make_header, parse_header, stored_size
+from ..launch import in_context, kernel_parameters, zero_async
+from ..staging import Pending, current_stream, optional_cupy, read_to_host, start_read
 
 THREADS = 128
 # Compile-time choices of splitzip_cuda.cu, measured on an H200 (`bench/codec_gpu.py --sweep`):
@@ -106,7 +105,7 @@ class _Kernel:
     and the scans, which take tiles by ticket).
 
     Launches go straight to ``cuLaunchKernel`` with the arguments written into a parameter block
-    kept per thread (``_parameters``): every argument is passed as 8 little-endian bytes (a
+    kept per thread (``kernel_parameters``): every argument is passed as 8 little-endian bytes (a
     32-bit parameter reads the low half). That costs well under a microsecond where CuPy's
     per-argument conversion cost tens, on every call.
     """
@@ -121,47 +120,8 @@ class _Kernel:
     def __call__(self, stream: int, grid: int, args: tuple[int, ...], *, every_block: bool = False) -> None:
         """Launch ``grid`` blocks, capped at ``resident_blocks`` unless ``every_block``."""
         blocks = max(1, grid if every_block else min(grid, self.resident_blocks))
-        _in_context(self.device_index, optional_cupy().cuda.driver.launchKernel,
-                    self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, _parameters(args), 0)
-
-
-_thread = threading.local()
-
-
-def _parameters(args: tuple[int, ...]) -> int:
-    """Address of a ``void*[]`` whose entries point at ``args`` as 64-bit values. The block is
-    this thread's, reused by its next launch: ``cuLaunchKernel`` copies the values before it
-    returns."""
-    blocks = getattr(_thread, "parameters", None)
-    if blocks is None:
-        blocks = _thread.parameters = {}
-    held = blocks.get(len(args))
-    if held is None:
-        values = (ctypes.c_uint64 * len(args))()
-        base = ctypes.addressof(values)
-        pointers = (ctypes.c_void_p * len(args))(*(base + 8 * i for i in range(len(args))))
-        held = blocks[len(args)] = (values, pointers, ctypes.addressof(pointers))
-    held[0][:] = args
-    return held[2]
-
-
-def _in_context(device_index: int, call, *args) -> None:
-    """``call(*args)`` with ``device_index``'s primary context current on this thread."""
-    cupy = optional_cupy()
-    if cupy.cuda.runtime.getDevice() != device_index:
-        with cupy.cuda.Device(device_index):
-            call(*args)
-        return
-    if not getattr(_thread, "bound", False):  # once per thread: bind it to the runtime's context
-        if not cupy.cuda.driver.ctxGetCurrent():
-            cupy.cuda.runtime.free(0)
-        _thread.bound = True
-    call(*args)
-
-
-def _zero(device_index: int, pointer: int, nbytes: int, stream: int) -> None:
-    _in_context(device_index, optional_cupy().cuda.runtime.memsetAsync, pointer, 0, nbytes, stream)
-
+        in_context(self.device_index, optional_cupy().cuda.driver.launchKernel,
+                    self.function, blocks, 1, 1, self.threads, 1, 1, 0, stream, kernel_parameters(args), 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,7 +301,7 @@ def encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_elems: in
     One host synchronization, at the end, to learn the frame's length.
 
     Raises:
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     buf, length_offset = _encode_buffered(source, block_ids, block_elems, shape, layout, codebook, chunk)
     stream = current_stream(source.device)
@@ -359,7 +319,7 @@ def start_encode(source: torch.Tensor, block_ids: torch.Tensor | None, block_ele
     once it has run, read without blocking the caller meanwhile.
 
     Raises (from ``result``):
-        IndexError: a block id outside the cache.
+        BlockOutOfRange: a block id outside the cache.
     """
     buf, length_offset = _encode_buffered(source, block_ids, block_elems, shape, layout, codebook, chunk)
     return start_read(buf, 8, length_offset).then(
@@ -381,7 +341,7 @@ def _encode_buffered(source: torch.Tensor, block_ids: torch.Tensor | None, block
 
 def _framed(buf: torch.Tensor, length: int, source: torch.Tensor, block_elems: int) -> torch.Tensor:
     if length < 0:
-        raise IndexError(f"block ids must be in 0..{source.numel() // block_elems - 1}")
+        raise BlockOutOfRange(f"block ids must be in 0..{source.numel() // block_elems - 1}")
     return buf[:length]
 
 
@@ -439,7 +399,7 @@ def decode_unparsed(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout,
     another way.
 
     Raises:
-        CorruptFrame: the escape streams fail validation. IndexError: a block id outside the
+        CorruptFrame: the escape streams fail validation. BlockOutOfRange: a block id outside the
             cache. OutputMismatch: a block id repeats. In every case nothing was written.
     """
     scratch, nblocks = _decode_launch(frame, out, layout, shape, block_ids, block_elems, max_nchunks,
@@ -481,7 +441,7 @@ def _decode_launch(frame: torch.Tensor, out: torch.Tensor, layout: FloatLayout, 
     words = scratch.data_ptr()
     in_kernel = zeroed <= _ZEROED_BY_HEADER  # else a memset: one warp would take long
     if not in_kernel:
-        _zero(device.index, words, zeroed, stream)
+        zero_async(device.index, words, zeroed, stream)
     flags, params, base = words, words + zeroed, frame.data_ptr()
     inclusive = params + 8 * _PARAM_WORDS
     expected = (255,) + (0,) * 8 if shape is None else (len(shape), *shape, *(0,) * (8 - len(shape)))
@@ -505,7 +465,7 @@ def _verdict(verdict: int, nblocks: int) -> bool:
     if verdict & _FLAG_HOST:
         return False
     if verdict & _BAD_ID:
-        raise IndexError(f"block ids must be in 0..{nblocks - 1}")
+        raise BlockOutOfRange(f"block ids must be in 0..{nblocks - 1}")
     if verdict & _REPEATED_ID:
         raise OutputMismatch("block ids repeat")
     if verdict:
@@ -520,7 +480,7 @@ def decode_into(frame: torch.Tensor, header: Header, out: torch.Tensor,
     ``block_ids``, which are checked on the device with the escape streams).
 
     Raises:
-        CorruptFrame, IndexError, OutputMismatch: as ``decode_unparsed``; nothing was written.
+        CorruptFrame, BlockOutOfRange, OutputMismatch: as ``decode_unparsed``; nothing was written.
     """
     if header.codec == FrameCodec.STORED:
         out.view(-1).copy_(frame[HEADER_SIZE:header.total].view(header.layout.dtype))

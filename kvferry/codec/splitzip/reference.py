@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import bitpack
-from .dtypes import FloatLayout
-from .errors import CorruptFrame
-from .fields import from_bits, join
+from .. import bitpack
+from ..dtypes import FloatLayout
+from ..errors import CorruptFrame
+from ..fields import from_bits, join
 
 
 @dataclass(frozen=True)
