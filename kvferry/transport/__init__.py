@@ -13,7 +13,8 @@ from .connection import Connection, Mailbox, Receive
 from .endpoint import Listener, Pool, connect, listen
 from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, IncompatiblePeer, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
-from .link import RateLimitedLog, resolve_backend, shutdown_backends
+from .backends import resolve_backend, shutdown_backends
+from .link import RateLimitedLog
 from .waiting import until_ready
 
 __all__ = [

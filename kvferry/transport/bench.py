@@ -20,7 +20,7 @@ import time
 
 from .config import TransportConfig
 from .endpoint import connect, listen
-from .link import shutdown_backends
+from .backends import shutdown_backends
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -12,7 +12,8 @@ from . import handshake
 from .config import TransportConfig
 from .connection import Connection, Mailbox, OnMessage
 from .errors import TransportClosed, TransportError
-from .link import Link, RateLimitedLog, backend_module, log, resolve_backend
+from .backends import backend_module, resolve_backend
+from .link import Link, RateLimitedLog, log
 
 
 class Listener:
