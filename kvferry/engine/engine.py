@@ -91,7 +91,7 @@ class Engine:
         self.metrics = Metrics()
         self.codebooks: dict[str, tuple[str, Any, str]] = {}  # name -> (codec, codebook, its JSON)
         # An emulated link's speed is known; otherwise assume one until measured.
-        self.policy = Policy(assumed_link_gbps=settings.link_gbps or settings.assumed_link_gbps)
+        self.policy = Policy(assumed_link_gbps=settings.emulated_link_gbps or settings.assumed_link_gbps)
         self.chunk_bytes = settings.chunk_bytes or (GPU_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES)
         self.spinner = Spinner(settings.spin_seconds(self.device.type), self.metrics.spin_seconds.inc)
         self.codec = CodecRunner(self.device, self.policy,
@@ -104,7 +104,7 @@ class Engine:
         self.transport_config = transport.TransportConfig(
             backend=settings.transport_backend, chunk_bytes=message_bytes,
             max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
-            op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
+            op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.emulated_link_gbps * 1e9,
             secret=settings.peer_secret.encode(), max_connections=settings.max_connections,
             max_handshaking_connections=settings.max_handshaking_connections,
             max_handshaking_per_source=settings.max_handshaking_per_source,
