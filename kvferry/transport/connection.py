@@ -31,7 +31,7 @@ from typing import Any
 from . import wire
 from .buffers import Buffer
 from .config import TransportConfig
-from .errors import PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError, TransportTimeout
+from .errors import ProtocolError, TransferRejected, TransportClosed, TransportError, TransportTimeout
 from .flow import Digested, Pacer, SendState, Window
 from .handshake import Session
 from .link import Link, log
