@@ -40,8 +40,6 @@ from .reader import NO_TAG, Reader
 from .waiting import until_ready
 from .wire import Message, MessageType
 
-
-
 OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep
 
 
