@@ -12,7 +12,7 @@ lives in this process and is shared with the senders by CUDA IPC (shared memory 
 machine), as a serving engine shares it; the decode side's cache is an ``owned`` region of the
 receiving sidecar. One receiver on the second GPU (the first when only one is visible) and one
 sender per link speed on the first GPU, each pacing its outgoing data to that speed
-(``KVFERRY_LINK_GBPS``; ``max`` = unpaced, the stack's own ceiling).
+(``KVFERRY_EMULATED_LINK_GBPS``; ``max`` = unpaced, the stack's own ceiling).
 
 Per point: seconds (the sender's, submit to the receiver's last block written), effective GB/s
 of raw KV, speedup over raw, wire ratio, and the model max(S/Ce, S/(r*B), S/Cd) with Ce/Cd the
@@ -136,7 +136,7 @@ class Rig:
         for name, device, link in [("receiver", receiver_device, "max"),
                                    *((f"sender-{link}", sender_device, link) for link in self.links)]:
             port = free_port()
-            extra_env = dict(env, KVFERRY_LINK_GBPS="0" if link == "max" else link)
+            extra_env = dict(env, KVFERRY_EMULATED_LINK_GBPS="0" if link == "max" else link)
             process = start_sidecar(port, free_port(), args.backend, env=extra_env, device=device,
                                     log=logs / f"{name}.log")
             self.processes.append(process)

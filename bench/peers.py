@@ -124,7 +124,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
         sender, receiver = (Client(s.url, token=net.token, timeout=600) for s in sidecars)
     else:
         ports = [(free_port(), free_port()) for _ in range(2)]
-        env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_LINK_GBPS": str(link_gbps)}
+        env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_EMULATED_LINK_GBPS": str(link_gbps)}
         processes = [start_sidecar(p, d, args.backend, env=env, device=device)
                      for (p, d), device in zip(ports, (args.src_device, args.dst_device))]
     try:

@@ -22,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvferry.transport.backends import shutdown_backends  # noqa: E402
 from kvferry.transport.config import TransportConfig  # noqa: E402
 from kvferry.transport.endpoint import connect, listen  # noqa: E402
-from kvferry.transport.link import shutdown_backends  # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

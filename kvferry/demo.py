@@ -26,11 +26,12 @@ _PEER_SECRET = secrets.token_hex(16)
 
 
 def start_sidecar(port: int, data_port: int, backend: str, token: str = "", extra: list[str] | None = None,
-                  env: dict | None = None, device: str = "cpu", log: Path | None = None) -> subprocess.Popen:
+                  env: dict | None = None, device: str = "cpu", log: Path | None = None,
+                  entry: str = "kvferry.cli") -> subprocess.Popen:
     """Start ``kvferry serve`` as a child process, with this process's peer secret unless ``env``
     names one; its stderr goes to a pipe, or to ``log`` for long runs (an unread pipe would
-    eventually block the daemon)."""
-    command = [sys.executable, "-m", "kvferry.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    eventually block the daemon). ``entry``: the module run (tests name one that installs faults)."""
+    command = [sys.executable, "-m", entry, "serve", "--host", "127.0.0.1", "--port", str(port),
                "--data-host", "127.0.0.1", "--data-port", str(data_port), "--advertise-host", "127.0.0.1",
                "--transport-backend", backend, "--device", device, "--log-level", "warning", *(extra or [])]
     if token:

@@ -1,6 +1,7 @@
-"""The typed core of a sidecar: regions, codebooks, transfers and the peer protocol's dispatch.
-The rooms: ``outgoing.py`` sends, ``incoming.py`` admits and receives, ``pipeline.py`` runs codec
-work, ``policy.py`` chooses codecs, ``peer.py`` owns the peer messages' bytes.
+"""The typed core of a sidecar: regions, codebooks, transfers and their peer links. The rooms:
+``outgoing.py`` sends, ``incoming.py`` admits and receives, ``dispatch.py`` acts on peer messages,
+``codebooks.py`` keeps named codebooks and learns others, ``pipeline.py`` runs codec work,
+``policy.py`` chooses codecs, ``peer.py`` owns the peer messages' bytes.
 
 Sending: the sender announces a transfer on its (pooled, authenticated) data connection to the
 peer, then streams chunks right behind the announce: blocks grouped into chunks of about
@@ -15,8 +16,8 @@ never call each other over HTTP.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +26,13 @@ import torch
 
 from kvferry import __version__, codec as codecs, transport
 
-from . import ipc, peer
+from . import dispatch, ipc, peer
 from .blocks import Blocks, Ids
-from .errors import BadRequest, Conflict, NotFound, PeerError, ProtocolViolation, TransferFailed, UnknownCodec
+from .codebooks import Codebooks, Learner, codec_named
+from .errors import BadRequest, Conflict, NotFound, PeerError, TransferFailed, UnknownCodec
 from .incoming import Admission
-from .leases import Held, Leases
-from .links import Pair, PeerLink
+from .leases import Leases
+from .links import Pair, PeerLink, data_plane
 from .metrics import Metrics
 from .outgoing import Outgoing
 from .pipeline import BufferPool, CodecRunner
@@ -38,6 +40,7 @@ from .policy import Policy
 from .regions import Region, RegionSpec, RegionTable
 from .settings import Settings
 from .spin import Spinner
+from .dispatch import settle
 from .transfers import State, Transfer, TransferTable
 
 log = logging.getLogger("kvferry.engine")
@@ -46,13 +49,6 @@ log = logging.getLogger("kvferry.engine")
 # chunks keep the pipeline short.
 GPU_CHUNK_BYTES = 256 << 20
 CPU_CHUNK_BYTES = 4 << 20
-CPU_MESSAGE_BYTES = 16 << 20
-LEARN_BYTES = 16 << 20  # a codebook learned from the data is learned from at most this much of it,
-RELEARN_BYTES = 64 << 20  # or this much in a thread on a GPU (a position-aware codebook fits better)
-# A codebook learned from a region's data is relearned, in a thread while transfers go on with
-# it, once it is this old: KV's value distribution drifts slowly, a stale codebook costs ratio,
-# never exactness, and each relearn costs the host ~1 s of a core (H200 host, 65,536 contexts).
-RELEARN_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -89,34 +85,16 @@ class Engine:
         self.regions = RegionTable(self.device, settings.max_region_bytes, settings.shm_prefix)
         self.transfers = TransferTable(settings.max_concurrent_transfers, max_incoming=settings.max_incoming_transfers)
         self.metrics = Metrics()
-        self.codebooks: dict[str, tuple[str, Any, str]] = {}  # name -> (codec, codebook, its JSON)
+        self.codebooks = Codebooks()
+        self.learner = Learner()
         # An emulated link's speed is known; otherwise assume one until measured.
-        self.policy = Policy(assumed_link_gbps=settings.link_gbps or settings.assumed_link_gbps)
+        self.policy = Policy(assumed_link_gbps=settings.emulated_link_gbps or settings.assumed_link_gbps)
         self.chunk_bytes = settings.chunk_bytes or (GPU_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES)
         self.spinner = Spinner(settings.spin_seconds(self.device.type), self.metrics.spin_seconds.inc)
         self.codec = CodecRunner(self.device, self.policy,
                                  lambda direction, s: self.metrics.codec_seconds.labels(direction).inc(s),
                                  self.spinner.in_thread, settings.transfer_timeout)
-        # On a GPU each message costs a UCX rendezvous and Python work, so a frame travels whole;
-        # host memory moves in 16 MiB pieces.
-        message_bytes = settings.transport_chunk_bytes or (
-            self.chunk_bytes + (1 << 20) if self.device.type == "cuda" else CPU_MESSAGE_BYTES)
-        self.transport_config = transport.TransportConfig(
-            backend=settings.transport_backend, chunk_bytes=message_bytes,
-            max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
-            op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.link_gbps * 1e9,
-            secret=settings.peer_secret.encode(), max_connections=settings.max_connections,
-            max_handshaking_connections=settings.max_handshaking_connections,
-            max_handshaking_per_source=settings.max_handshaking_per_source,
-            protocol=f"kvferry-peer/{peer.VERSION}", encrypt=settings.data_encryption == "on",
-            idle_timeout=settings.idle_timeout,
-            ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options},
-            ucx_progress_mode=settings.ucx_progress_mode)
-        self.backend = transport.resolve_backend(self.transport_config)
-        if self.backend == "ucxx" and not settings.peer_secret:
-            # ucxx's listener binds every interface: without a secret only tcp keeps it on data_host.
-            log.warning("transport: tcp, not ucxx (ucxx would listen on every interface; set a peer secret to use it)")
-            self.backend = "tcp"
+        self.transport_config, self.backend = data_plane(settings, self.device.type == "cuda", self.chunk_bytes)
         self.listener: transport.Listener | None = None
         self.pool: transport.Pool | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
@@ -124,9 +102,8 @@ class Engine:
         self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all)  # receivers' memory lent to us, opened once
         self.leases = Leases()  # standing leases of same-host memory, held and lent
         self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
-        self._learning: dict[tuple[str, str], _Learning] = {}  # (region, codec) -> its learning in a thread
-        self._books_used: dict[tuple[str, str], float] = {}  # (region, codec) -> when its last used book was learned
         self.outgoing = Outgoing(self)
+        self.on_message = functools.partial(dispatch.on_message, self)  # a peer message, from a reader
         self.admission = Admission(self)
         self.ready = False
         self._peer_log = transport.RateLimitedLog(log)
@@ -140,8 +117,8 @@ class Engine:
         self.spinner.start()
         self.listener = await transport.listen(self.settings.data_host, self.settings.data_port,
                                                self.transport_config, backend=self.backend,
-                                               on_message=self._on_message)
-        self.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self._on_message)
+                                               on_message=self.on_message)
+        self.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self.on_message)
         self.metrics.info.info({"version": __version__, "transport_backend": self.backend, "device": str(self.device),
                                 "codecs": ",".join(codecs.names())})
         # Speeds per pipeline chunk, from samples of at most 64 MiB (1 MiB on a CPU) and a
@@ -229,48 +206,22 @@ class Engine:
 
     def put_codebook(self, name: str, codec_name: str, text: str | bytes) -> dict[str, Any]:
         """Store a codebook document for ``codec_name``. Raises: UnknownCodec, BadRequest."""
-        codec = self.codec_named(codec_name)
-        try:
-            book = codec.codebook_from_json(text)
-        except (codecs.CodecError, ValueError, TypeError, RecursionError, OverflowError) as exc:
-            raise BadRequest(f"not a {codec_name} codebook: {type(exc).__name__}: {exc}") from None
-        return self._keep_codebook(name, codec, book)
+        return self.codebooks.put(name, codec_name, text)
 
     def calibrate_codebook(self, name: str, codec_name: str, region_name: str, blocks: Blocks | list[int],
                            token_axis: int | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Calibrate a codebook on blocks of a region (the region's axis names and ``options`` go to
         the codec) and store it. Raises: NotFound, UnknownCodec, BadRequest."""
-        codec = self.codec_named(codec_name)
-        region = self.regions.get(region_name)
-        ids = region.resolve(blocks)
-        bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
-        sample = region.tensor.view(bits).index_select(0, ids).view(region.tensor.dtype)
-        try:
-            if region.axes:  # the stack, its first axis named: codecs that model positions see one block's
-                book = codec.calibrate(sample, token_axis=None if token_axis is None else token_axis + 1,
-                                       axes=("block", *region.axes), **(options or {}))
-            else:  # no names to go by: the blocks one by one, each a sample of the block's positions
-                book = codec.calibrate(list(sample), token_axis=token_axis, **(options or {}))
-        except (codecs.CodecError, TypeError, ValueError) as exc:  # TypeError: an option the codec lacks
-            raise BadRequest(f"cannot calibrate {codec_name}: {exc}") from None
-        return self._keep_codebook(name, codec, book)
+        return self.codebooks.calibrate(name, codec_name, self.regions.get(region_name), blocks, token_axis, options)
 
     def codebook_json(self, name: str) -> str:
         """Raises: NotFound."""
-        if name not in self.codebooks:
-            raise NotFound(f"no codebook named {name!r}")
-        return self.codebooks[name][2]
+        return self.codebooks.json(name)
 
-    def _keep_codebook(self, name: str, codec: codecs.Codec, book: Any) -> dict[str, Any]:
-        text = book.to_json()
-        self.codebooks[name] = (codec.name, book, text)
-        return {"name": name, "codec": codec.name, "digest": peer.codebook_digest(text).hex()}
-
-    def codec_named(self, name: str) -> codecs.Codec:
-        try:
-            return codecs.get(name)
-        except codecs.UnknownCodec as exc:
-            raise UnknownCodec(str(exc)) from None
+    @staticmethod
+    def codec_named(name: str) -> codecs.Codec:
+        """Raises: UnknownCodec."""
+        return codec_named(name)
 
     # ---- sending ------------------------------------------------------------------------------
     def submit(self, spec: TransferSpec) -> Transfer:
@@ -304,7 +255,7 @@ class Engine:
             for p, (src_ref, _) in zip(pairs, spec.references):
                 p.reference = self.reference_for(p.region, src_ref, spec.src_blocks)
         candidates = self._candidates(spec.codec, pairs[0].region.tensor.dtype)
-        book = self._named_codebook(spec.codebook, candidates)
+        book = self.codebooks.for_transfer(spec.codebook)
         if len(candidates) == 1:  # a codec asked for by name: refuse what it cannot code before sending
             entry = book if book is not None and book[0] == candidates[0] else None
             self.bind(codecs.get(candidates[0]), entry[1] if entry else None, pairs)
@@ -356,69 +307,15 @@ class Engine:
             if p.bound_for == codec.name:
                 continue
             try:
-                book = codebook if learn is None else self._learned(codec.name, learn, p)
+                book = codebook if learn is None else self.learner.book(codec.name, learn, p)
                 p.bound = codec.bind(book, p.region.layout, None if p.reference is None else p.reference.tensor)
                 p.bound_for = codec.name
             except codecs.CodecError as exc:
                 raise BadRequest(f"codec {codec.name!r} cannot code region {p.region.name!r}: {exc}") from None
 
-    def _learned(self, name: str, learn: Any, p: Pair) -> Any:
-        """What codec ``name`` learned from the pair's region. The region's first transfer learns
-        at once without the block layout; learning with it (a position-aware codec's 65,536
-        contexts of a Llama-shaped block took ~1 s), and relearning from a transfer with four
-        times the blocks to learn from, or after ``RELEARN_SECONDS`` from one with at least half
-        of them, run in a thread while transfers use what there is."""
-        region = p.region
-        entry = region.learned.get(name)
-        if entry is None:
-            sample = self._sample(p, LEARN_BYTES)
-            entry = region.learned[name] = (learn(sample, None), time.monotonic(), region.layout is None,
-                                            sample.shape[0])
-        key = (region.name, name)
-        p.fresh_book = self._books_used.get(key) != entry[1]
-        self._books_used[key] = entry[1]
-        learning = self._learning.get(key)
-        n = self._sample_blocks(p, self._relearn_bytes(region))
-        if learning is not None:
-            if n >= 4 * learning.blocks:
-                learning.then(self._relearn_sample(p))
-        elif (not entry[2] or n >= 4 * entry[3]
-              or (time.monotonic() - entry[1] > RELEARN_SECONDS and 2 * n >= entry[3])):
-            self._learning[key] = _Learning(self, region, name, learn, self._relearn_sample(p))
-        return entry[0]
-
-    @staticmethod
-    def _relearn_bytes(region: Region) -> int:
-        return RELEARN_BYTES if region.tensor.is_cuda else LEARN_BYTES
-
-    def _relearn_sample(self, p: Pair) -> tuple[torch.Tensor, Any]:
-        """A sample to learn from in a thread, and the event its making records on a GPU (the
-        thread's stream waits for it)."""
-        sample = self._sample(p, self._relearn_bytes(p.region))
-        made = None
-        if sample.is_cuda:
-            made = torch.cuda.Event()
-            made.record(torch.cuda.current_stream(sample.device))
-        return sample, made
-
     async def learned(self) -> None:
         """Wait for the codebooks being learned in threads (tests; shutdown)."""
-        while self._learning:
-            await asyncio.gather(*(learning.task for learning in self._learning.values()), return_exceptions=True)
-
-    @staticmethod
-    def _sample_blocks(p: Pair, limit: int) -> int:
-        return max(1, min(p.blocks_per_chunk, len(p.index), limit // max(1, p.region.block_bytes)))
-
-    def _sample(self, p: Pair, limit: int) -> torch.Tensor:
-        """The first blocks of a pair's first chunk (at most ``limit`` bytes): what a codec that
-        learns its codebook from the data learns it from, at most once per region and
-        ``RELEARN_SECONDS``. Learning it per chunk cost a GPU chunk more than its encoding (H200:
-        1 GiB of blocks gathered and histogrammed at 49 GB/s, encoded at 1,878)."""
-        region = p.region
-        bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
-        ids = p.ids[:self._sample_blocks(p, limit)]
-        return region.tensor.view(bits).index_select(0, ids).view(region.tensor.dtype)
+        await self.learner.settled()
 
     def _candidates(self, requested: str, dtype: torch.dtype) -> list[str]:
         if requested == "auto":
@@ -431,84 +328,7 @@ class Engine:
             raise UnknownCodec(f"codec {requested!r} does not handle {dtype}")
         return [requested]
 
-    def _named_codebook(self, name: str | None, candidates: list[str]) -> tuple[str, Any, str] | None:
-        """The named codebook; it is used if the chosen codec is the one it is for (a transfer
-        that ends up raw needs none)."""
-        if name is None:
-            return None  # each chunk calibrates on itself where the codec needs a codebook
-        if name not in self.codebooks:
-            raise NotFound(f"no codebook named {name!r}")
-        return self.codebooks[name]
-
-    # ---- receiving ----------------------------------------------------------------------------
-    def _on_message(self, connection: transport.Connection, payload: bytes) -> None:
-        """A peer message (called from the connection's reader, so never awaits)."""
-        self.spinner.touch()
-        try:
-            message = peer.unpack(payload)
-        except ProtocolViolation as exc:
-            self.log_peer_failure(f"dropped a malformed peer message from {connection.peer}: {exc}")
-            self.metrics.errors.labels("ProtocolViolation").inc()
-            return
-        body = message.body
-        if isinstance(body, peer.Announce):
-            self.admission.accept(connection, message.transfer_id, body)
-            return
-        if isinstance(body, peer.Revoke):
-            self.leases.on_revoke(connection, body.region)
-            return
-        if isinstance(body, peer.Revoked):
-            if not self.leases.on_revoked(connection, body.region):
-                self._abort_protocol(None, connection, f"REVOKED of region {body.region!r}, which was not revoked")
-            return
-        link = self.links.get(message.transfer_id)
-        if link is None or link.connection is not connection:
-            return  # finished already, or not this peer's to speak for: nothing to do
-        t = self.transfers.find(message.transfer_id)
-        if isinstance(body, peer.Chunk):
-            if link.incoming is None or not link.incoming.arrived(body):
-                self._abort_protocol(t, connection, f"unexpected inline chunk {body.index}")
-        elif isinstance(body, peer.Cancel):
-            if t is not None:
-                self.abort(t, State.CANCELLED, "Cancelled", f"cancelled by the peer: {body.reason}")
-        elif isinstance(body, peer.Accept):
-            if t is not None:
-                t.mark("accepted")
-            if link.offer is not None and body.targets:
-                self.leases.hold(connection, [Held(name, target, shape, link.offer[2]) for name, shape, target
-                                              in zip(link.offer[0], link.offer[1], body.targets)])
-            elif link.offer is not None:
-                self.leases.decline(connection, link.offer[0])
-            if not link.accepted.done():
-                link.accepted.set_result(body)
-        elif isinstance(body, peer.Written):
-            if link.incoming is None or not link.incoming.written_by_peer(body):
-                self._abort_protocol(t, connection, "WRITTEN for a transfer that lent no memory")
-        elif isinstance(body, peer.Done):
-            self._settle(link, body)
-        else:  # Reject or Error
-            verb = "refused" if isinstance(body, peer.Reject) else "failed"
-            self._settle(link, error=PeerError(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
-
-    @staticmethod
-    def _settle(link: PeerLink, done: peer.Done | None = None, error: Exception | None = None) -> None:
-        """Set a link's reply once: the peer's DONE, or why there will be none."""
-        if link.reply.done():
-            return
-        if error is None:
-            link.reply.set_result(done)
-        else:
-            link.reply.set_exception(error)
-            link.reply.exception()  # retrieved: a receiver's link has nobody awaiting it
-        if link.settle is not None:
-            link.settle(link.reply)
-
-    def _abort_protocol(self, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
-        self.metrics.errors.labels("ProtocolViolation").inc()
-        self.log_peer_failure(f"peer {connection.peer} broke the protocol: {reason}")
-        if t is not None and not t.state.terminal:
-            self.abort(t, State.FAILED, "ProtocolViolation", reason)
-
+    # ---- peer links ---------------------------------------------------------------------------
     def link(self, t: Transfer, link: PeerLink) -> PeerLink:
         """Tie ``t`` to its connection: messages about it are taken from there only, and losing
         the connection fails it. One close callback per connection, not per transfer (a pooled
@@ -542,7 +362,7 @@ class Engine:
             return
         if not t.state.terminal:
             self.abort(t, State.FAILED, "PeerError", f"lost the peer: {type(exc).__name__}: {exc}")
-        self._settle(link, error=PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
+        settle(link, error=PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
 
     def _redial(self, t: Transfer, link: PeerLink, exc: Exception) -> bool:
         if (t.direction != "out" or t.state.terminal or t.redial is None or not link.reused
@@ -664,44 +484,4 @@ def _address(value: str) -> tuple[str, int]:
         raise BadRequest(f"peer must be the receiving sidecar's data address host:port, not {value!r}")
     return host, int(port)
 
-
-class _Learning:
-    """A codec learning a region's codebook in a thread, then from the sample queued meanwhile
-    (a later transfer with more blocks to learn from); the region's entry is unsettled until
-    the last is learned."""
-
-    def __init__(self, engine: Engine, region: Region, name: str, learn: Any,
-                 sample: tuple[torch.Tensor, Any]):
-        self.engine, self.region, self.name, self.learn = engine, region, name, learn
-        self.next: tuple[torch.Tensor, Any] | None = None
-        self.blocks = sample[0].shape[0]
-        book, when, _, blocks = region.learned[name]
-        region.learned[name] = (book, when, False, blocks)
-        self.task = asyncio.get_running_loop().create_task(self._run(sample), name=f"kvferry-learn-{name}")
-
-    def then(self, sample: tuple[torch.Tensor, Any]) -> None:
-        """Learn from ``sample`` next, in place of what was queued."""
-        self.next = sample
-        self.blocks = max(self.blocks, sample[0].shape[0])
-
-    def _work(self, sample: torch.Tensor, made: Any) -> Any:
-        if made is not None:
-            torch.cuda.current_stream(sample.device).wait_event(made)
-        return self.learn(sample, self.region.layout)
-
-    async def _run(self, sample: tuple[torch.Tensor, Any]) -> None:
-        region, name = self.region, self.name
-        try:
-            while sample is not None:
-                try:
-                    book = await asyncio.to_thread(self._work, *sample)
-                    region.learned[name] = (book, time.monotonic(), False, sample[0].shape[0])
-                except Exception as exc:  # the codebook in use stays until the next relearn
-                    log.warning("learning a %s codebook of region %r failed: %s", name, region.name, exc)
-                sample, self.next = self.next, None
-        finally:
-            book, _, _, blocks = region.learned[name]
-            region.learned[name] = (book, time.monotonic(), True, blocks)
-            if self.engine._learning.get((region.name, name)) is self:  # not a namesake region's
-                del self.engine._learning[(region.name, name)]
 

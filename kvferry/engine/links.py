@@ -1,8 +1,10 @@
-"""What both sides of a transfer hold: its validated region pairs and its peer link."""
+"""What both sides of a transfer hold: its validated region pairs and its peer link; and how the
+engine's data plane is configured (``data_plane``)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -10,8 +12,13 @@ import torch
 
 from kvferry import transport
 
+from . import peer
 from .blocks import Ids
 from .regions import Region
+from .settings import Settings
+
+log = logging.getLogger("kvferry.engine")
+CPU_MESSAGE_BYTES = 16 << 20
 
 
 @dataclass
@@ -54,3 +61,28 @@ class PeerLink:
 def describe(exc: BaseException) -> tuple[str, str]:
     """(error kind, reason): the kind is the class name, which metrics label and peers report."""
     return type(exc).__name__, str(exc)
+
+
+def data_plane(settings: Settings, on_gpu: bool, chunk_bytes: int) -> tuple[transport.TransportConfig, str]:
+    """The transport's configuration for these settings, and the backend it uses (logged when
+    ucxx is set aside)."""
+    # On a GPU each message costs a UCX rendezvous and Python work, so a frame travels whole;
+    # host memory moves in 16 MiB pieces.
+    message_bytes = settings.transport_chunk_bytes or (chunk_bytes + (1 << 20) if on_gpu else CPU_MESSAGE_BYTES)
+    config = transport.TransportConfig(
+        backend=settings.transport_backend, chunk_bytes=message_bytes,
+        max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
+        op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.emulated_link_gbps * 1e9,
+        secret=settings.peer_secret.encode(), max_connections=settings.max_connections,
+        max_handshaking_connections=settings.max_handshaking_connections,
+        max_handshaking_per_source=settings.max_handshaking_per_source,
+        protocol=f"kvferry-peer/{peer.VERSION}", encrypt=settings.data_encryption == "on",
+        idle_timeout=settings.idle_timeout,
+        ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options},
+        ucx_progress_mode=settings.ucx_progress_mode)
+    backend = transport.resolve_backend(config)
+    if backend == "ucxx" and not settings.peer_secret:
+        # ucxx's listener binds every interface: without a secret only tcp keeps it on data_host.
+        log.warning("transport: tcp, not ucxx (ucxx would listen on every interface; set a peer secret to use it)")
+        backend = "tcp"
+    return config, backend

@@ -127,7 +127,7 @@ class Outgoing:
         """The standing leases ``spec`` can be written under: it moves blocks as they are (raw
         asked for, or ``auto``'s choice), on no emulated link, into regions all lent on this
         connection. None otherwise."""
-        if self.engine.settings.link_gbps or spec.references is not None:
+        if self.engine.settings.emulated_link_gbps or spec.references is not None:
             return None
         if len(candidates) == 1 and not codecs.get(candidates[0]).capabilities.identity:
             return None
@@ -137,14 +137,13 @@ class Outgoing:
                codec: codecs.Codec) -> tuple[list[str], list[tuple[int, ...]], str] | None:
         """What to offer the receiver to write ourselves (its destinations, which it lends in its
         ACCEPT for this and later transfers), or None: only blocks as they are (raw asked for, or
-        ``auto``), all on a GPU with CUDA IPC here or all in host memory, on no emulated link or
-        injected wire fault (the peer stands for a remote one, which only the wire reaches), and not
-        declined on this connection."""
+        ``auto``), all on a GPU with CUDA IPC here or all in host memory, on no emulated link (the
+        peer stands for a remote one, which only the wire reaches), and not declined on this
+        connection."""
         on_gpu = [p.region.tensor.is_cuda for p in pairs]
         settings = self.engine.settings
         destinations = _destinations(spec, pairs)
-        wanted = ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not settings.link_gbps
-                  and settings.fault_corrupt_chunk < 0
+        wanted = ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not settings.emulated_link_gbps
                   and (spec.codec == "auto" or codec.capabilities.identity) and spec.references is None
                   and self.engine.leases.offer_wanted(connection, destinations[0]))
         return destinations if wanted else None
@@ -388,9 +387,6 @@ class Outgoing:
         return self._account_chunk(t, payload, nbytes, index)
 
     def _account_chunk(self, t: Transfer, payload: torch.Tensor, nbytes: int, index: int) -> torch.Tensor:
-        if index == self.engine.settings.fault_corrupt_chunk:
-            payload = payload.clone()
-            payload[20] ^= 0xFF  # inside a frame's header: the receiver must reject it
         t.bytes_raw += nbytes
         t.bytes_wire += payload.numel()
         self.engine.metrics.chunks.labels("out").inc()

@@ -57,9 +57,10 @@ class Settings:
     # (where vLLM's own threads need every core).
     spin_ms: float = -1.0
     log_level: str = "info"
-    link_gbps: float = 0.0  # benchmarks only: pace outgoing data to this many GB/s, no same-host shortcut (0 = off)
     assumed_link_gbps: float = 12.5  # link speed ``auto`` assumes until it has measured a peer
-    fault_corrupt_chunk: int = -1  # testing only: flip a byte of this chunk index on the wire
+    # Link emulation for benchmarks on one host, never for serving: pace outgoing data to this many
+    # GB/s, take no same-host shortcut, and let ``auto`` assume this speed (0 = off, a real link).
+    emulated_link_gbps: float = 0.0
 
     def public(self) -> dict[str, Any]:
         """Settings as printed at start-up, secrets masked."""

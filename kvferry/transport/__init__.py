@@ -8,12 +8,14 @@
     nbytes = await receive.wait(timeout)
 """
 
+from .backends import resolve_backend, shutdown_backends
 from .config import DEFAULT_UCX_OPTIONS, UCX_PROGRESS_MODES, TransportConfig
-from .connection import Connection, Mailbox, Receive
+from .connection import Connection
 from .endpoint import Listener, Pool, connect, listen
 from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, IncompatiblePeer, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
-from .link import RateLimitedLog, resolve_backend, shutdown_backends
+from .link import RateLimitedLog
+from .mailbox import Mailbox, Receive
 from .waiting import until_ready
 
 __all__ = [

@@ -21,7 +21,6 @@ fails its tag fails its transfer (nothing of it is handed on).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -32,256 +31,19 @@ from typing import Any
 from . import wire
 from .buffers import Buffer
 from .config import TransportConfig
-from .errors import (AuthenticationFailed, CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportClosed,
-                     TransportError, TransportTimeout)
+from .errors import ProtocolError, TransferRejected, TransportClosed, TransportError, TransportTimeout
+from .flow import Digested, Pacer, SendState, Window
 from .handshake import Session
 from .link import Link, log
-from .seal import TAG_BYTES, Digest, Direction
+from .mailbox import Mailbox, Receive
+from .reader import NO_TAG, Reader
 from .waiting import until_ready
 from .wire import Message, MessageType
-
-_ACK_FRACTION = 4  # acknowledge at least every max_inflight_bytes / 4 received
-_DISCARD_CHUNK = 1 << 20
-_MESSAGE_PIECE = 64 << 10  # a MSG payload is read (and its buffer grown) this much at a time
-_NO_TAG = bytes(TAG_BYTES)
-
-
-class Receive:
-    """A posted receive: the buffer a transfer with ``tag`` will be written into.
-
-    ``wait`` returns the transfer's size once its last byte is in the buffer (checked, unless the
-    consumer deferred the check: ``start_check``) and fails if the transfer makes no progress for
-    ``timeout`` seconds.
-    """
-
-    def __init__(self, tag: int, buffer: Any, mailbox: Mailbox, defer_check: bool = False):
-        self.tag = tag
-        self.buffer = Buffer(buffer, writable=True)
-        # A device buffer's consumer may check the payload's CRCs itself, on its own stream with
-        # its own work (``start_check``): the check then costs no wait of its own on the path.
-        self.defer_check = defer_check and bool(getattr(buffer, "is_cuda", False))
-        self._checks: list[tuple[int, int, Direction, int, bytes, bool]] = []
-        self.total: int | None = None
-        self.received = 0
-        self._unacked = 0
-        self._mailbox = mailbox
-        self._future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._progress = time.monotonic()
-
-    @property
-    def done(self) -> bool:
-        return self._future.done()
-
-    async def wait(self, timeout: float) -> int:
-        """Bytes received, once all have landed.
-
-        Raises:
-            TransportTimeout: no progress for ``timeout`` seconds (the receive is cancelled).
-            TransferRejected, PeerLost, ProtocolError, TransportClosed: as the transfer failed.
-        """
-        while not self._future.done():
-            remaining = self._progress + timeout - time.monotonic()
-            if remaining <= 0:
-                self.fail(TransportTimeout(f"transfer {self.tag:#x}: no data for {timeout:g} s"))
-                break
-            # TransportTimeout is itself a TimeoutError: look at the future, not the exception.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await asyncio.shield(self._future)
-        return self._future.result()
-
-    def start_check(self) -> Callable[[], None]:
-        """For a ``defer_check`` receive, once ``wait`` returned: launch the checks of the bytes
-        received on the current CUDA stream; the returned function raises ``CorruptPayload`` if
-        any failed (it waits for the stream). Until it returns, the bytes are unverified."""
-        pending = []
-        for offset, length, direction, seq, tag, digest in self._checks:
-            region = self.buffer.region(offset, offset + length)
-            if digest:
-                pending.append((offset, length, direction, seq, tag, direction.digest(region)))
-            else:  # a host sender's payload into this GPU: its tag needs the bytes on the host
-                pending.append((offset, length, direction, seq, tag, region.cpu().numpy()))
-
-        def check() -> None:
-            for offset, length, direction, seq, tag, value in pending:
-                ok = (direction.check_digest(seq, value(), tag) if isinstance(value, Digest)
-                      else direction.check_payload(seq, value, tag))
-                if not ok:
-                    raise CorruptPayload(f"transfer {self.tag:#x}: bytes [{offset}, {offset + length}) failed "
-                                         "their authentication tag")
-
-        return check
-
-    def cancel(self) -> None:
-        self.fail(TransportClosed(f"receive {self.tag:#x} cancelled"))
-
-    def fail(self, exc: Exception) -> None:
-        if not self._future.done():
-            self._future.set_exception(exc)
-            self._future.exception()  # retrieved: a receive nobody waits on must not warn
-        self._mailbox._forget(self)
-
-    def _landed(self, n: int) -> None:
-        self.received += n
-        self._unacked += n
-        self._progress = time.monotonic()
-
-    def _finish(self) -> None:
-        if not self._future.done():
-            self._future.set_result(self.received)
-        self._mailbox._forget(self)
-
-
-class Mailbox:
-    """Posted receives by tag, and announcements (RTS) that arrived before their receive."""
-
-    def __init__(self, max_early: int = 4096, max_refused: int = 1 << 16):
-        self._expected: dict[int, Receive] = {}
-        self._early: dict[int, tuple[Connection, int]] = {}
-        self._max_early = max_early
-        self._refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # oldest first
-        self._max_refused = max_refused
-
-    def refuse(self, tags: list[int], reason: str) -> None:
-        """Reject transfers ``tags`` whether they were announced already or arrive later (the
-        layer above refused what they belong to), so no sender waits on them."""
-        for tag in tags:
-            early = self._early.pop(tag, None)
-            if early is not None:
-                early[0]._reject(tag, reason)
-            else:
-                self._refused[tag] = reason
-        while len(self._refused) > self._max_refused:
-            self._refused.popitem(last=False)
-
-    def expect(self, tag: int, buffer: Any, defer_check: bool = False) -> Receive:
-        """Post a receive of transfer ``tag`` into ``buffer`` (host or CUDA, contiguous); with
-        ``defer_check``, a CUDA buffer's payload CRCs are left to ``Receive.start_check``.
-
-        Raises:
-            ValueError: a receive for ``tag`` is already posted, or the buffer is not usable.
-        """
-        if tag in self._expected:
-            raise ValueError(f"a receive for tag {tag:#x} is already posted")
-        receive = Receive(tag, buffer, self, defer_check)
-        self._expected[tag] = receive
-        early = self._early.pop(tag, None)
-        if early is not None:
-            connection, total = early
-            connection._accept(receive, total)
-        return receive
-
-    def _announce(self, connection: Connection, tag: int, total: int, eager: bool = False) -> None:
-        refused = self._refused.pop(tag, None)
-        if refused is not None:
-            connection._reject(tag, refused)
-            return
-        receive = self._expected.get(tag)
-        if receive is not None and receive.total is None:
-            connection._accept(receive, total, eager)
-        elif eager:  # its DATA is already on the way and has nowhere to go: it is discarded
-            connection._reject(tag, f"no receive posted for eager transfer {tag:#x}")
-        elif receive is not None or tag in self._early:
-            connection._reject(tag, f"transfer {tag:#x} is already in progress")
-        elif len(self._early) >= self._max_early:
-            connection._reject(tag, "too many transfers announced without a posted receive")
-        else:
-            self._early[tag] = (connection, total)
-
-    def _forget(self, receive: Receive) -> None:
-        if self._expected.get(receive.tag) is receive:
-            del self._expected[receive.tag]
-
-    def _drop_connection(self, connection: Connection) -> None:
-        for tag in [t for t, (c, _) in self._early.items() if c is connection]:
-            del self._early[tag]
-
-
-class _Send:
-    def __init__(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.accepted: asyncio.Future[int] = loop.create_future()
-        self.done: asyncio.Future[None] = loop.create_future()
-        self.sent = 0
-        self.acked = 0
-
-    def fail(self, exc: Exception) -> None:
-        for future in (self.accepted, self.done):
-            if not future.done():
-                future.set_exception(exc)
-                future.exception()
-
-
-class _Window:
-    """Bytes sent and not yet acknowledged, bounded: senders wait for room."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.used = 0
-        self._changed = asyncio.Condition()
-        self._error: Exception | None = None
-
-    def try_acquire(self, n: int) -> bool:
-        """Take room at once if there is some (the common case: no task, no wait)."""
-        if self._error is None and self.used + n <= self.capacity and not self._changed.locked():
-            self.used += n
-            return True
-        return False
-
-    async def acquire(self, n: int, timeout: float) -> None:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self._error is not None or self.used + n <= self.capacity),
-                    timeout)
-            except asyncio.TimeoutError:
-                raise TransportTimeout(f"receiver acknowledged nothing for {timeout:g} s") from None
-            if self._error is not None:
-                raise self._error
-            self.used += n
-
-    async def release(self, n: int) -> None:
-        async with self._changed:
-            self.used = max(0, self.used - n)
-            self._changed.notify_all()
-
-    async def fail(self, exc: Exception) -> None:
-        async with self._changed:
-            self._error = exc
-            self._changed.notify_all()
-
-
-class _Pacer:
-    """Sender-side pacing to a fixed rate: stands in for a slower link in benchmarks. A message's
-    write is timed to end when a link of that rate, busy with the messages before it, would have
-    delivered its last byte, so even a one-message transfer takes at least its size over the rate.
-
-    The write itself (the loopback's own copy) is the link's serialization, not extra time: it is
-    started that much early. Its duration is estimated from the fastest earlier write, so it never
-    ends early; until one was measured a message waits for its whole serialization first, and a
-    write that runs longer than estimated leaves the link idle meanwhile (both only ever slow the
-    emulated link down)."""
-
-    def __init__(self, bytes_per_s: float):
-        self._rate = bytes_per_s
-        self._free_at = time.monotonic()
-        self._loopback = 0.0  # bytes per second of our fastest write (0: none measured yet)
-
-    async def admit(self, n: int) -> None:
-        now = time.monotonic()
-        self._free_at = max(now, self._free_at) + n / self._rate
-        lead = n / self._loopback if self._loopback else 0.0
-        await asyncio.sleep(self._free_at - lead - now)
-
-    def wrote(self, n: int, seconds: float) -> None:
-        if seconds > 0:
-            self._loopback = max(self._loopback, n / seconds)
-
 
 OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep
 
 
-class Connection:
+class Connection(Reader):
     """A multiplexed, flow-controlled connection to one peer (already authenticated)."""
 
     _ids = itertools.count(1)
@@ -296,9 +58,9 @@ class Connection:
         self._config = config
         self._mailbox = mailbox
         self._write_lock = asyncio.Lock()
-        self._window = _Window(config.max_inflight_bytes)
-        self._pacer = _Pacer(config.pace_bytes_per_s) if config.pace_bytes_per_s > 0 else None
-        self._sends: dict[int, _Send] = {}
+        self._window = Window(config.max_inflight_bytes)
+        self._pacer = Pacer(config.pace_bytes_per_s) if config.pace_bytes_per_s > 0 else None
+        self._sends: dict[int, SendState] = {}
         self._receives: dict[int, Receive] = {}
         self._control: asyncio.Queue[Message | bytes | None] = asyncio.Queue()
         self._on_message = on_message
@@ -394,7 +156,7 @@ class Connection:
         data = Buffer(payload)
         chunk = self._config.chunk_bytes
         spans = [(offset, min(chunk, data.nbytes - offset)) for offset in range(0, data.nbytes, chunk)]
-        state = self._sends[tag] = _Send()
+        state = self._sends[tag] = SendState()
         try:
             # GPU to GPU: the payload's digests are launched first and awaited without blocking
             # the loop, behind the rendezvous where there is one.
@@ -416,7 +178,7 @@ class Connection:
                 payload = data.region(offset, offset + n)
                 if crcs:
                     header = dataclasses.replace(header, flags=wire.FLAG_DIGEST)
-                    payload = _Digested(payload, crcs[index]())
+                    payload = Digested(payload, crcs[index]())
                 message = (header, payload)
                 started = time.monotonic()
                 await self._write_many([(rts, None), message] if rts is not None else [message])
@@ -431,7 +193,7 @@ class Connection:
             if state.sent > state.acked and not self.closed:
                 await self._window.release(state.sent - state.acked)
 
-    async def _room_for(self, state: _Send, n: int, timeout: float) -> None:
+    async def _room_for(self, state: SendState, n: int, timeout: float) -> None:
         """Wait for window room, but give up as soon as the receiver rejects the transfer."""
         if state.done.done():
             state.done.result()  # raises the rejection or connection failure
@@ -494,8 +256,8 @@ class Connection:
         self.last_activity = time.monotonic()
         parts = []
         for seq, (message, payload) in enumerate(messages, self._out.seq):
-            tag = _NO_TAG
-            if isinstance(payload, _Digested):
+            tag = NO_TAG
+            if isinstance(payload, Digested):
                 tag, payload = self._out.digest_tag(seq, payload.digest), payload.region
             elif payload is not None and len(payload):
                 if getattr(payload, "is_cuda", False):
@@ -597,155 +359,6 @@ class Connection:
             except TransportError:
                 return
 
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                sealed = await self.link.recv_header(wire.SEALED_HEADER_SIZE)
-                header, tag = sealed[:wire.HEADER_SIZE], sealed[wire.HEADER_SIZE:wire.HEADER_SIZE + TAG_BYTES]
-                message = wire.unpack(header)
-                seq = self._in.next()
-                if not self._in.check_header(seq, header, tag, sealed[wire.HEADER_SIZE + TAG_BYTES:]):
-                    raise AuthenticationFailed(f"a message from {self.peer} failed its authentication tag "
-                                               "(forged, replayed, reordered or damaged): connection closed")
-                self.last_activity = time.monotonic()
-                await self._dispatch(message, seq, tag)
-        except TransportError as exc:
-            await self._fail(exc)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug must not leave operations hanging
-            log.exception("connection %s reader failed", self.peer)
-            await self._fail(ProtocolError(f"reader failed: {exc!r}"))
-
-    async def _dispatch(self, m: Message, seq: int, tag: bytes) -> None:
-        if m.type == MessageType.RTS:
-            self._mailbox._announce(self, m.tag, m.total, bool(m.flags & wire.FLAG_EAGER))
-        elif m.type == MessageType.CTS:
-            state = self._sends.get(m.tag)
-            if state is not None and not state.accepted.done():
-                state.accepted.set_result(m.total)
-        elif m.type == MessageType.REJECT:
-            reason = await self._recv_small(m, seq, tag)
-            state = self._sends.get(m.tag)
-            if state is not None:
-                state.fail(TransferRejected(reason.decode(errors="replace")))
-        elif m.type == MessageType.DATA:
-            await self._on_data(m, seq, tag)
-        elif m.type == MessageType.ACK:
-            state = self._sends.get(m.tag)
-            if state is not None:
-                n = min(m.length, state.sent - state.acked)
-                state.acked += n
-                await self._window.release(n)
-                if m.flags & wire.FLAG_DONE and not state.done.done():
-                    state.done.set_result(None)
-        elif m.type == MessageType.MSG:
-            payload = await self._recv_small(m, seq, tag)
-            if self._on_message is None:
-                raise ProtocolError("MSG on a connection that takes none")
-            try:
-                self._on_message(self, payload)
-            except Exception:  # the layer above's bug must not take the connection down
-                log.exception("message handler failed on connection %s", self.peer)
-        elif m.type == MessageType.GOODBYE:
-            raise PeerLost(f"{self.peer} closed the connection")
-        else:
-            raise ProtocolError(f"unexpected {m.type.name} after the handshake")
-
-    async def _recv_small(self, m: Message, seq: int, tag: bytes) -> bytearray:
-        """A MSG's or REJECT's payload, its buffer grown as its bytes arrive (a header alone
-        costs no more than its own bytes), authenticated (or decrypted) before it is handed on.
-
-        Raises:
-            AuthenticationFailed: it fails its tag (the connection cannot be trusted further).
-        """
-        if m.length <= _MESSAGE_PIECE or not self.link.streams:  # UCX: one message, one buffer
-            payload = bytearray(m.length)
-            await self.link.recv_payload(memoryview(payload))
-        else:
-            payload = bytearray()
-            while len(payload) < m.length:
-                piece = bytearray(min(_MESSAGE_PIECE, m.length - len(payload)))
-                await self.link.recv_payload(memoryview(piece))
-                payload += piece
-        if self._in.encrypt and m.length:
-            ok = self._in.open_into(seq, bytes(payload), tag, payload)
-        else:
-            ok = self._in.check_payload(seq, payload, tag) if m.length else tag == _NO_TAG
-        if not ok:
-            raise AuthenticationFailed(f"a {m.type.name} from {self.peer} failed its authentication tag")
-        return payload
-
-    async def _on_data(self, m: Message, seq: int, tag: bytes) -> None:
-        receive = self._receives.get(m.tag)
-        if receive is None or receive.done:
-            # Cancelled or timed out here while the sender was mid-transfer: drop its bytes,
-            # tell it once, keep the connection.
-            await self._discard(m.length)
-            if receive is not None:
-                self._receives.pop(m.tag, None)
-                self._reject(m.tag, f"receive {m.tag:#x} was cancelled")
-            return
-        if m.total != receive.total or m.offset + m.length > receive.total:
-            raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
-        region = receive.buffer.region(m.offset, m.offset + m.length)
-        digest = bool(m.flags & wire.FLAG_DIGEST)
-        if self._in.encrypt:
-            if digest:
-                raise ProtocolError("a device digest on an encrypted connection")
-            ok = await self._recv_encrypted(region, seq, tag)
-        elif receive.defer_check and not self.link.stages_device_payloads:
-            receive._checks.append((m.offset, m.length, self._in, seq, tag, digest))
-            ok = await self.link.recv_payload(region)
-        else:
-            ok = await self.link.recv_payload(region, self._verifier(seq, tag, digest))
-        if not ok:
-            # The framing is intact (the header's own CRC passed): fail this transfer, keep the link.
-            self._receives.pop(m.tag, None)
-            receive.fail(CorruptPayload(f"transfer {m.tag:#x}: bytes [{m.offset}, {m.offset + m.length}) failed "
-                                        "their authentication tag"))
-            self._reject(m.tag, "payload authentication failed")
-            return
-        receive._landed(m.length)
-        if receive.received >= receive.total:
-            self._complete(receive)
-        elif receive._unacked >= self._config.max_inflight_bytes // _ACK_FRACTION:
-            self._post([(Message(MessageType.ACK, m.tag, length=receive._unacked), None)])
-            receive._unacked = 0
-
-    def _verifier(self, seq: int, tag: bytes, digest: bool) -> Callable[[Any], bool]:
-        """The check of one DATA payload's bytes, which a backend applies where they landed
-        (host bytes, or a CUDA tensor it received into)."""
-        direction = self._in
-
-        def verify(data: Any) -> bool:
-            if digest:
-                return direction.check_digest(seq, direction.digest(data)(), tag)
-            return direction.check_payload(seq, data.cpu().numpy() if hasattr(data, "is_cuda") else data, tag)
-
-        return verify
-
-    async def _recv_encrypted(self, region: Any, seq: int, tag: bytes) -> bool:
-        """Ciphertext through host memory, decrypted into ``region`` only if it is authentic."""
-        ciphertext = bytearray(len(region) if not hasattr(region, "numel") else region.numel())
-        await self.link.recv_payload(memoryview(ciphertext))
-        if hasattr(region, "is_cuda"):
-            plain = bytearray(len(ciphertext))
-            if not self._in.open_into(seq, bytes(ciphertext), tag, plain):
-                return False
-            import torch
-
-            region.copy_(torch.frombuffer(plain, dtype=torch.uint8) if plain else region.new_empty(0))
-            return True
-        return self._in.open_into(seq, bytes(ciphertext), tag, region)
-
-    async def _discard(self, n: int) -> None:
-        scratch = bytearray(min(n, _DISCARD_CHUNK))
-        while n:
-            k = min(n, len(scratch))
-            await self.link.recv_payload(memoryview(scratch)[:k])
-            n -= k
-
     # ---- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._error is not None:
@@ -792,11 +405,3 @@ class Connection:
                     await asyncio.wait_for(self.link.send(self._parts([(Message(MessageType.GOODBYE), None)])[0]),
                                            self._config.close_timeout)
         await self._fail(TransportClosed(f"connection to {self.peer} closed"))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Digested:
-    """A device payload with its digest computed (``Session.send.digest``)."""
-
-    region: Any
-    digest: bytes

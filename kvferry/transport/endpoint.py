@@ -10,9 +10,11 @@ from collections import Counter
 
 from . import handshake
 from .config import TransportConfig
-from .connection import Connection, Mailbox, OnMessage
+from .connection import Connection, OnMessage
 from .errors import TransportClosed, TransportError
-from .link import Link, RateLimitedLog, backend_module, log, resolve_backend
+from .backends import backend_module, resolve_backend
+from .link import Link, RateLimitedLog, log
+from .mailbox import Mailbox
 
 
 class Listener:

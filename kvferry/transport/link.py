@@ -1,5 +1,6 @@
 """The interface every backend implements: an ordered, reliable message link between two peers,
-and a listener that hands each new link to a callback. The protocol lives in connection.py."""
+and a listener that hands each new link to a callback. The protocol lives in connection.py; which
+backend is used, in backends.py (this base imports none)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any
-
-from .config import TransportConfig
 
 log = logging.getLogger("kvferry.transport")
 
@@ -73,42 +72,6 @@ class ListenerHandle(ABC):
 
 
 OnLink = Callable[[Link], Awaitable[None]]
-
-
-def resolve_backend(config: TransportConfig) -> str:
-    """The backend that ``config`` selects on this machine: decided once by the caller, logged.
-
-    Raises:
-        ImportError: ``backend="ucxx"`` but ucxx does not import.
-    """
-    if config.backend == "tcp":
-        return "tcp"
-    try:
-        from . import ucx  # noqa: F401  (the only module that imports ucxx, with UCX's env defaults)
-    except ImportError:
-        if config.backend == "ucxx":
-            raise
-        return "tcp"
-    return "ucxx"
-
-
-def shutdown_backends() -> None:
-    """Release process-wide backend state (ucxx's notifier thread) before the event loop ends."""
-    import sys
-
-    ucx = sys.modules.get(f"{__package__}.ucx")
-    if ucx is not None:
-        ucx.shutdown()
-
-
-def backend_module(name: str):
-    if name == "ucxx":
-        from . import ucx
-
-        return ucx
-    from . import tcp
-
-    return tcp
 
 
 class RateLimitedLog:

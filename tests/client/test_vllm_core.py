@@ -383,7 +383,7 @@ def test_leases_end_when_the_local_sidecar_dies():
 
 
 def test_kv_corrupted_on_the_wire_fails_the_load():
-    prefill = spawn("tcp", {"KVFERRY_FAULT_CORRUPT_CHUNK": "0", "KVFERRY_TRANSFER_TIMEOUT": "5"})
+    prefill = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "5"}, corrupt_chunk=0)
     decode = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "5"})
     p_layers, d_layers = vllm_layers(1), vllm_layers(None)
     p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-c", p_layers, BLOCKS)

@@ -343,8 +343,11 @@ def replace_prefill_sidecar(pd: dict, corrupt: bool = False):
     old = pd["p_side"]
     stop(old)
     port, data_port = int(old.url.rsplit(":", 1)[1]), int(old.data.rsplit(":", 1)[1])
-    env = {"KVFERRY_TRANSFER_TIMEOUT": "10", **({"KVFERRY_FAULT_CORRUPT_CHUNK": "0"} if corrupt else {})}
-    process = start_sidecar(port, data_port, "tcp", token=TOKEN, env=env)
+    from kvferry.testing import faults
+
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "10", **({faults.CORRUPT_CHUNK: "0"} if corrupt else {})}
+    process = start_sidecar(port, data_port, "tcp", token=TOKEN, env=env,
+                            entry="kvferry.testing.serve" if corrupt else "kvferry.cli")
     new = type(old)(old.url, Client(old.url, token=TOKEN), process, old.data)
     pd["p_side"] = new  # stopped by pd's teardown
     wait_ready(new.client, process)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 # Senders paced to 50 MB/s: the 94 MB transfers below stay in flight for about two seconds.
-SLOW = {"KVFERRY_CHUNK_BYTES": str(1 << 20), "KVFERRY_LINK_GBPS": "0.05"}
+SLOW = {"KVFERRY_CHUNK_BYTES": str(1 << 20), "KVFERRY_EMULATED_LINK_GBPS": "0.05"}
 
 
 def test_receiver_killed_mid_transfer(kv):
@@ -56,7 +56,7 @@ def test_receiver_killed_mid_transfer(kv):
 
 def test_corrupt_chunk_fails_the_transfer(kv):
     env = {"KVFERRY_TRANSFER_TIMEOUT": "5", "KVFERRY_CHUNK_BYTES": str(1 << 20)}
-    a = spawn("tcp", dict(env, KVFERRY_FAULT_CORRUPT_CHUNK="0"))
+    a = spawn("tcp", env, corrupt_chunk=0)
     b = spawn("tcp", env)
     try:
         a.client.region_from_tensor("src", kv)

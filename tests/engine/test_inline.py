@@ -78,7 +78,7 @@ def test_a_codec_learns_its_codebook_once_and_relearns_it_after_a_while(monkeypa
     ``RELEARN_SECONDS``, and after that a thread relearns it while the transfer goes on with the
     old one; the frames exact throughout."""
     from kvferry import codec
-    from kvferry.engine import engine as engine_module
+    from kvferry.engine import codebooks as codebooks_module
 
     async def body(a, b):
         seen = []
@@ -103,7 +103,7 @@ def test_a_codec_learns_its_codebook_once_and_relearns_it_after_a_while(monkeypa
             await send([2, 0], [1, 3])
             await a.learned()
             assert seen == [(3, None)]  # the region's codebook, learned a moment ago
-            monkeypatch.setattr(engine_module, "RELEARN_SECONDS", -1.0)
+            monkeypatch.setattr(codebooks_module, "RELEARN_SECONDS", -1.0)
             first = a.regions.get("src").learned["splitzip"]
             await send([2, 0], [1, 3])
             await a.learned()
@@ -167,7 +167,7 @@ def test_a_region_with_named_axes_learns_entropy_contexts_per_position_in_a_thre
             await send([4, 5, 6, 7, 0, 1, 2, 3])
             assert src.learned["entropy"][0] is book  # used, not relearned
             await send([0])  # a transfer of fewer blocks does not relearn
-            assert src.learned["entropy"][0] is book and not a._learning
+            assert src.learned["entropy"][0] is book and not a.learner.active
             described = src.describe()["learned"]["entropy"]
             assert described["settled"] and described["blocks"] == 8
 
@@ -200,12 +200,12 @@ def test_a_transfer_with_more_blocks_while_a_codebook_is_learned_queues_its_samp
         try:
             src = a.regions.get("src")
             src.learned["splitzip"] = (learn(codec.get("splitzip"), src.tensor[:1]), 0.0, True, 1)
-            from kvferry.engine import engine as engine_module
-            engine_module.RELEARN_SECONDS, saved = -1.0, engine_module.RELEARN_SECONDS
+            from kvferry.engine import codebooks as codebooks_module
+            codebooks_module.RELEARN_SECONDS, saved = -1.0, codebooks_module.RELEARN_SECONDS
             try:
                 await send([0])  # stale: relearned from one block, held at the gate
             finally:
-                engine_module.RELEARN_SECONDS = saved
+                codebooks_module.RELEARN_SECONDS = saved
             assert not src.describe()["learned"]["splitzip"]["settled"]
             await send([0, 1, 2, 3])  # four times as many: queued behind it
             gate.set()
@@ -222,7 +222,7 @@ def test_a_transfer_with_more_blocks_while_a_codebook_is_learned_queues_its_samp
 def test_a_transfer_with_a_newly_learned_codebook_is_no_speed_for_auto(monkeypatch):
     """``auto`` goes by measured transfer speeds; a transfer that uses a codebook for the first
     time (built its tables) is not one, nor is a codec's first transfer to a peer."""
-    from kvferry.engine import engine as engine_module
+    from kvferry.engine import codebooks as codebooks_module
 
     async def main():
         async with _engines(transfer_timeout=10) as (a, b):
@@ -242,7 +242,7 @@ def test_a_transfer_with_a_newly_learned_codebook_is_no_speed_for_auto(monkeypat
             await a.learned()
             measured = await send()
             assert measured is not None  # the same codebook again: a speed
-            monkeypatch.setattr(engine_module, "RELEARN_SECONDS", -1.0)
+            monkeypatch.setattr(codebooks_module, "RELEARN_SECONDS", -1.0)
             assert await send() != measured  # relearning in a thread; this one still used the old book
             measured = a.policy.measured[key]
             await a.learned()
@@ -264,10 +264,10 @@ def test_a_codebook_calibrated_on_a_region_without_axis_names_fits_one_block():
             src.tensor.copy_((torch.randn(6, *shape) * scale).to(torch.bfloat16))
             dst = await b.register_region(RegionSpec("dst", 6, shape, "bfloat16"))
             a.calibrate_codebook("kv", "entropy", "src", [0, 1, 2, 3], token_axis=1, options={"tables": 6})
-            book = a.codebooks["kv"][1]
+            book = a.codebooks.named["kv"][1]
             assert book.geometry == entropy.Geometry(2, 8, 32)
             assert book.to_json() == entropy.calibrate_blocks(src.tensor[:4], token_axis=1, tables=6).to_json()
-            b.codebooks["kv"] = a.codebooks["kv"]
+            b.codebooks.named["kv"] = a.codebooks.named["kv"]
             spec = TransferSpec(peer=b.data_address, pairs=(("src", "dst"),), src_blocks=Blocks.of([5, 4]),
                                 dst_blocks=Blocks.of([0, 1]), codec="entropy", codebook="kv")
             assert (await a.wait(a.submit(spec).id, 10))["state"] == "done"

@@ -223,7 +223,7 @@ def test_an_emulated_link_takes_no_same_host_shortcut():
         assert record["state"] == "done" and "same host" not in record["choice_reason"]
         assert _held(a, b) is None and torch.equal(_landed(segments[0], ids), _sent(a, ids))
 
-    _run(body, link_gbps=1.0)
+    _run(body, emulated_link_gbps=1.0)
 
 
 class _Connection:

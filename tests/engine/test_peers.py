@@ -230,7 +230,7 @@ def test_a_slow_link_tapers_the_plan_at_both_ends_and_stays_exact(kv):
     blocks = 40
     per_chunk = (2 << 20) // (kv[0].numel() * kv.element_size())
     order = list(range(blocks - 1, -1, -1))
-    for link, tapered in ((("KVFERRY_LINK_GBPS", "0.2"), True), (("KVFERRY_ASSUMED_LINK_GBPS", "1000"), False)):
+    for link, tapered in ((("KVFERRY_EMULATED_LINK_GBPS", "0.2"), True), (("KVFERRY_ASSUMED_LINK_GBPS", "1000"), False)):
         env = {"KVFERRY_CHUNK_BYTES": str(2 << 20), "KVFERRY_TRANSFER_TIMEOUT": "30", link[0]: link[1]}
         a, b = spawn("tcp", env), spawn("tcp", env)
         try:

@@ -59,3 +59,12 @@ def test_spin_is_on_for_a_gpu_and_off_for_the_cpu_unless_set():
     assert settings.load({}, {"KVFERRY_SPIN_MS": "0"}).spin_seconds("cuda") == 0
     with pytest.raises(ValueError, match="spin_ms: -2"):
         settings.load({}, {"KVFERRY_SPIN_MS": "-2"}).check()
+
+
+@pytest.mark.parametrize("variable", ["KVFERRY_TESTING_CORRUPT_CHUNK", "KVFERRY_FAULT_CORRUPT_CHUNK", "KVFERRY_LINK_GBPS"])
+def test_the_product_knows_no_test_fault_and_no_old_knob(variable):
+    """Faults are installed only by the test entry point (``kvferry.testing.serve``); a production
+    sidecar given one, or the old name of the link emulator, refuses to start."""
+    with pytest.raises(ValueError, match=variable):
+        settings.load({}, {variable: "0"})
+    assert settings.load({}, {"KVFERRY_EMULATED_LINK_GBPS": "0.5"}).emulated_link_gbps == 0.5

@@ -33,8 +33,8 @@ LISTS = {
 }
 PATHS = {  # sidecar backend, environment
     "lease": ("tcp", {}),
-    "ucxx": ("ucxx", {"UCX_TLS": "tcp,cuda_copy,cuda_ipc", "KVFERRY_LINK_GBPS": "100000"}),
-    "tcp": ("tcp", {"KVFERRY_LINK_GBPS": "100000"}),
+    "ucxx": ("ucxx", {"UCX_TLS": "tcp,cuda_copy,cuda_ipc", "KVFERRY_EMULATED_LINK_GBPS": "100000"}),
+    "tcp": ("tcp", {"KVFERRY_EMULATED_LINK_GBPS": "100000"}),
 }
 
 

@@ -20,7 +20,7 @@ TIMEOUT = 20  # the receiver must notice long before this
 @pytest.mark.parametrize("after_chunks", [0, 3])
 def test_sender_killed_mid_transfer(kv, after_chunks):
     env = {"KVFERRY_TRANSFER_TIMEOUT": str(TIMEOUT), "KVFERRY_CHUNK_BYTES": str(1 << 20),
-           "KVFERRY_LINK_GBPS": "0.02"}  # paced: the transfer is in flight for seconds
+           "KVFERRY_EMULATED_LINK_GBPS": "0.02"}  # paced: the transfer is in flight for seconds
     a, b = spawn("tcp", env), spawn("tcp", env)
     try:
         big = kv.repeat(4, 1, 1, 1)  # 240 blocks, 47 MB

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kvferry.transport import connection
+from kvferry.transport import flow
 
 
 class _Clock:
@@ -29,20 +29,20 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     c = _Clock()
-    monkeypatch.setattr(connection.time, "monotonic", c.monotonic)
-    monkeypatch.setattr(connection.asyncio, "sleep", c.sleep)
+    monkeypatch.setattr(flow.time, "monotonic", c.monotonic)
+    monkeypatch.setattr(flow.asyncio, "sleep", c.sleep)
     return c
 
 
 def test_each_message_waits_for_its_serialization(clock: _Clock) -> None:
-    pacer = connection._Pacer(1000.0)  # bytes per second
+    pacer = flow.Pacer(1000.0)  # bytes per second
     asyncio.run(pacer.admit(500))
     asyncio.run(pacer.admit(500))
     assert clock.slept == pytest.approx([0.5, 0.5])
 
 
 def test_write_time_overlaps_the_serialization(clock: _Clock) -> None:
-    pacer = connection._Pacer(1000.0)
+    pacer = flow.Pacer(1000.0)
     asyncio.run(pacer.admit(500))  # nothing measured yet: waits the whole serialization
     clock.now += 0.2  # the loopback write of the first message: 2,500 B/s
     pacer.wrote(500, 0.2)
@@ -61,7 +61,7 @@ def test_write_time_overlaps_the_serialization(clock: _Clock) -> None:
 
 
 def test_an_idle_sender_leaves_the_link_idle(clock: _Clock) -> None:
-    pacer = connection._Pacer(1000.0)
+    pacer = flow.Pacer(1000.0)
     asyncio.run(pacer.admit(500))
     clock.now += 2.0  # nothing to send for two seconds (not writing)
     asyncio.run(pacer.admit(500))

@@ -1,0 +1,88 @@
+"""The peer protocol's dispatch: each peer message a connection's reader hands over is acted on
+here, at once (the reader never awaits): an ANNOUNCE goes to admission, lease messages to the
+leases, and the rest to the transfer they name, taken only from the connection it runs on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvferry import transport
+
+from . import peer
+from .errors import PeerError, ProtocolViolation
+from .leases import Held
+from .links import PeerLink
+from .transfers import State, Transfer
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def on_message(engine: Engine, connection: transport.Connection, payload: bytes) -> None:
+    """A peer message (called from the connection's reader, so never awaits)."""
+    engine.spinner.touch()
+    try:
+        message = peer.unpack(payload)
+    except ProtocolViolation as exc:
+        engine.log_peer_failure(f"dropped a malformed peer message from {connection.peer}: {exc}")
+        engine.metrics.errors.labels("ProtocolViolation").inc()
+        return
+    body = message.body
+    if isinstance(body, peer.Announce):
+        engine.admission.accept(connection, message.transfer_id, body)
+        return
+    if isinstance(body, peer.Revoke):
+        engine.leases.on_revoke(connection, body.region)
+        return
+    if isinstance(body, peer.Revoked):
+        if not engine.leases.on_revoked(connection, body.region):
+            _abort_protocol(engine, None, connection, f"REVOKED of region {body.region!r}, which was not revoked")
+        return
+    link = engine.links.get(message.transfer_id)
+    if link is None or link.connection is not connection:
+        return  # finished already, or not this peer's to speak for: nothing to do
+    t = engine.transfers.find(message.transfer_id)
+    if isinstance(body, peer.Chunk):
+        if link.incoming is None or not link.incoming.arrived(body):
+            _abort_protocol(engine, t, connection, f"unexpected inline chunk {body.index}")
+    elif isinstance(body, peer.Cancel):
+        if t is not None:
+            engine.abort(t, State.CANCELLED, "Cancelled", f"cancelled by the peer: {body.reason}")
+    elif isinstance(body, peer.Accept):
+        if t is not None:
+            t.mark("accepted")
+        if link.offer is not None and body.targets:
+            engine.leases.hold(connection, [Held(name, target, shape, link.offer[2]) for name, shape, target
+                                          in zip(link.offer[0], link.offer[1], body.targets)])
+        elif link.offer is not None:
+            engine.leases.decline(connection, link.offer[0])
+        if not link.accepted.done():
+            link.accepted.set_result(body)
+    elif isinstance(body, peer.Written):
+        if link.incoming is None or not link.incoming.written_by_peer(body):
+            _abort_protocol(engine, t, connection, "WRITTEN for a transfer that lent no memory")
+    elif isinstance(body, peer.Done):
+        settle(link, body)
+    else:  # Reject or Error
+        verb = "refused" if isinstance(body, peer.Reject) else "failed"
+        settle(link, error=PeerError(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
+
+
+def settle(link: PeerLink, done: peer.Done | None = None, error: Exception | None = None) -> None:
+    """Set a link's reply once: the peer's DONE, or why there will be none."""
+    if link.reply.done():
+        return
+    if error is None:
+        link.reply.set_result(done)
+    else:
+        link.reply.set_exception(error)
+        link.reply.exception()  # retrieved: a receiver's link has nobody awaiting it
+    if link.settle is not None:
+        link.settle(link.reply)
+
+
+def _abort_protocol(engine: Engine, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
+    engine.metrics.errors.labels("ProtocolViolation").inc()
+    engine.log_peer_failure(f"peer {connection.peer} broke the protocol: {reason}")
+    if t is not None and not t.state.terminal:
+        engine.abort(t, State.FAILED, "ProtocolViolation", reason)

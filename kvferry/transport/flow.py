@@ -1,0 +1,103 @@
+"""A sender's flow control: each transfer's state (``SendState``), the window of bytes sent and not
+yet acknowledged (``Window``), the link emulator's pacing (``Pacer``), and a device payload with
+its digest (``Digested``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from .errors import TransportTimeout
+
+
+class Window:
+    """Bytes sent and not yet acknowledged, bounded: senders wait for room."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self._changed = asyncio.Condition()
+        self._error: Exception | None = None
+
+    def try_acquire(self, n: int) -> bool:
+        """Take room at once if there is some (the common case: no task, no wait)."""
+        if self._error is None and self.used + n <= self.capacity and not self._changed.locked():
+            self.used += n
+            return True
+        return False
+
+    async def acquire(self, n: int, timeout: float) -> None:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._error is not None or self.used + n <= self.capacity),
+                    timeout)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(f"receiver acknowledged nothing for {timeout:g} s") from None
+            if self._error is not None:
+                raise self._error
+            self.used += n
+
+    async def release(self, n: int) -> None:
+        async with self._changed:
+            self.used = max(0, self.used - n)
+            self._changed.notify_all()
+
+    async def fail(self, exc: Exception) -> None:
+        async with self._changed:
+            self._error = exc
+            self._changed.notify_all()
+
+
+class Pacer:
+    """Sender-side pacing to a fixed rate: stands in for a slower link in benchmarks. A message's
+    write is timed to end when a link of that rate, busy with the messages before it, would have
+    delivered its last byte, so even a one-message transfer takes at least its size over the rate.
+
+    The write itself (the loopback's own copy) is the link's serialization, not extra time: it is
+    started that much early. Its duration is estimated from the fastest earlier write, so it never
+    ends early; until one was measured a message waits for its whole serialization first, and a
+    write that runs longer than estimated leaves the link idle meanwhile (both only ever slow the
+    emulated link down)."""
+
+    def __init__(self, bytes_per_s: float):
+        self._rate = bytes_per_s
+        self._free_at = time.monotonic()
+        self._loopback = 0.0  # bytes per second of our fastest write (0: none measured yet)
+
+    async def admit(self, n: int) -> None:
+        now = time.monotonic()
+        self._free_at = max(now, self._free_at) + n / self._rate
+        lead = n / self._loopback if self._loopback else 0.0
+        await asyncio.sleep(self._free_at - lead - now)
+
+    def wrote(self, n: int, seconds: float) -> None:
+        if seconds > 0:
+            self._loopback = max(self._loopback, n / seconds)
+
+
+class SendState:
+    """One outgoing transfer: accepted (CTS) and done (the last ACK), bytes sent and acknowledged."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.accepted: asyncio.Future[int] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.sent = 0
+        self.acked = 0
+
+    def fail(self, exc: Exception) -> None:
+        for future in (self.accepted, self.done):
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()
+
+
+@dataclasses.dataclass(frozen=True)
+class Digested:
+    """A device payload with its digest computed (``Session.send.digest``)."""
+
+    region: Any
+    digest: bytes

@@ -1,0 +1,170 @@
+"""Where received bytes go: receives posted by tag (``Receive``) in a ``Mailbox`` shared by all
+connections of a listener (the receiver does not know which connection a sender will use), and
+announcements that came before their receive. Nothing arrives that has no place to go."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .buffers import Buffer
+from .errors import CorruptPayload, TransportClosed, TransportTimeout
+from .seal import Digest, Direction
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+
+class Receive:
+    """A posted receive: the buffer a transfer with ``tag`` will be written into.
+
+    ``wait`` returns the transfer's size once its last byte is in the buffer (checked, unless the
+    consumer deferred the check: ``start_check``) and fails if the transfer makes no progress for
+    ``timeout`` seconds.
+    """
+
+    def __init__(self, tag: int, buffer: Any, mailbox: Mailbox, defer_check: bool = False):
+        self.tag = tag
+        self.buffer = Buffer(buffer, writable=True)
+        # A device buffer's consumer may check the payload's CRCs itself, on its own stream with
+        # its own work (``start_check``): the check then costs no wait of its own on the path.
+        self.defer_check = defer_check and bool(getattr(buffer, "is_cuda", False))
+        self._checks: list[tuple[int, int, Direction, int, bytes, bool]] = []
+        self.total: int | None = None
+        self.received = 0
+        self._unacked = 0
+        self._mailbox = mailbox
+        self._future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._progress = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self._future.done()
+
+    async def wait(self, timeout: float) -> int:
+        """Bytes received, once all have landed.
+
+        Raises:
+            TransportTimeout: no progress for ``timeout`` seconds (the receive is cancelled).
+            TransferRejected, PeerLost, ProtocolError, TransportClosed: as the transfer failed.
+        """
+        while not self._future.done():
+            remaining = self._progress + timeout - time.monotonic()
+            if remaining <= 0:
+                self.fail(TransportTimeout(f"transfer {self.tag:#x}: no data for {timeout:g} s"))
+                break
+            # TransportTimeout is itself a TimeoutError: look at the future, not the exception.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await asyncio.shield(self._future)
+        return self._future.result()
+
+    def start_check(self) -> Callable[[], None]:
+        """For a ``defer_check`` receive, once ``wait`` returned: launch the checks of the bytes
+        received on the current CUDA stream; the returned function raises ``CorruptPayload`` if
+        any failed (it waits for the stream). Until it returns, the bytes are unverified."""
+        pending = []
+        for offset, length, direction, seq, tag, digest in self._checks:
+            region = self.buffer.region(offset, offset + length)
+            if digest:
+                pending.append((offset, length, direction, seq, tag, direction.digest(region)))
+            else:  # a host sender's payload into this GPU: its tag needs the bytes on the host
+                pending.append((offset, length, direction, seq, tag, region.cpu().numpy()))
+
+        def check() -> None:
+            for offset, length, direction, seq, tag, value in pending:
+                ok = (direction.check_digest(seq, value(), tag) if isinstance(value, Digest)
+                      else direction.check_payload(seq, value, tag))
+                if not ok:
+                    raise CorruptPayload(f"transfer {self.tag:#x}: bytes [{offset}, {offset + length}) failed "
+                                         "their authentication tag")
+
+        return check
+
+    def cancel(self) -> None:
+        self.fail(TransportClosed(f"receive {self.tag:#x} cancelled"))
+
+    def fail(self, exc: Exception) -> None:
+        if not self._future.done():
+            self._future.set_exception(exc)
+            self._future.exception()  # retrieved: a receive nobody waits on must not warn
+        self._mailbox._forget(self)
+
+    def _landed(self, n: int) -> None:
+        self.received += n
+        self._unacked += n
+        self._progress = time.monotonic()
+
+    def _finish(self) -> None:
+        if not self._future.done():
+            self._future.set_result(self.received)
+        self._mailbox._forget(self)
+
+
+class Mailbox:
+    """Posted receives by tag, and announcements (RTS) that arrived before their receive."""
+
+    def __init__(self, max_early: int = 4096, max_refused: int = 1 << 16):
+        self._expected: dict[int, Receive] = {}
+        self._early: dict[int, tuple[Connection, int]] = {}
+        self._max_early = max_early
+        self._refused: collections.OrderedDict[int, str] = collections.OrderedDict()  # oldest first
+        self._max_refused = max_refused
+
+    def refuse(self, tags: list[int], reason: str) -> None:
+        """Reject transfers ``tags`` whether they were announced already or arrive later (the
+        layer above refused what they belong to), so no sender waits on them."""
+        for tag in tags:
+            early = self._early.pop(tag, None)
+            if early is not None:
+                early[0]._reject(tag, reason)
+            else:
+                self._refused[tag] = reason
+        while len(self._refused) > self._max_refused:
+            self._refused.popitem(last=False)
+
+    def expect(self, tag: int, buffer: Any, defer_check: bool = False) -> Receive:
+        """Post a receive of transfer ``tag`` into ``buffer`` (host or CUDA, contiguous); with
+        ``defer_check``, a CUDA buffer's payload CRCs are left to ``Receive.start_check``.
+
+        Raises:
+            ValueError: a receive for ``tag`` is already posted, or the buffer is not usable.
+        """
+        if tag in self._expected:
+            raise ValueError(f"a receive for tag {tag:#x} is already posted")
+        receive = Receive(tag, buffer, self, defer_check)
+        self._expected[tag] = receive
+        early = self._early.pop(tag, None)
+        if early is not None:
+            connection, total = early
+            connection._accept(receive, total)
+        return receive
+
+    def _announce(self, connection: Connection, tag: int, total: int, eager: bool = False) -> None:
+        refused = self._refused.pop(tag, None)
+        if refused is not None:
+            connection._reject(tag, refused)
+            return
+        receive = self._expected.get(tag)
+        if receive is not None and receive.total is None:
+            connection._accept(receive, total, eager)
+        elif eager:  # its DATA is already on the way and has nowhere to go: it is discarded
+            connection._reject(tag, f"no receive posted for eager transfer {tag:#x}")
+        elif receive is not None or tag in self._early:
+            connection._reject(tag, f"transfer {tag:#x} is already in progress")
+        elif len(self._early) >= self._max_early:
+            connection._reject(tag, "too many transfers announced without a posted receive")
+        else:
+            self._early[tag] = (connection, total)
+
+    def _forget(self, receive: Receive) -> None:
+        if self._expected.get(receive.tag) is receive:
+            del self._expected[receive.tag]
+
+    def _drop_connection(self, connection: Connection) -> None:
+        for tag in [t for t, (c, _) in self._early.items() if c is connection]:
+            del self._early[tag]
