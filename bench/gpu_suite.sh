@@ -9,7 +9,7 @@
 # LINKS (peers, default 12.5,25,50), TIMEOUT (seconds per command, default 600).
 set -uo pipefail
 
-PARTS="tests codec codecs entropy tcatbe quant checksum latency peers harness e2e"
+PARTS="tests codec codecs entropy tcatbe quant seal latency peers harness e2e"
 usage() {
     cat <<EOF
 usage: bash bench/gpu_suite.sh OUT_DIR [part ...]
@@ -20,7 +20,7 @@ parts (default: all):
   entropy   the entropy codec (bench/entropy_profile.py)
   tcatbe    the tca-tbe codec (bench/tcatbe_gpu_check.py)
   quant     k8v4 / k4v2 on blocks (bench/quant_gpu_check.py --blocks)
-  checksum  payload CRCs on host and GPU beside a device copy (bench/checksum.py)
+  seal      message authentication on host and GPU beside a device copy (bench/seal_cost.py)
   latency   one block, submit to done, tcp and ucxx (bench/latency.py)
   peers     kvferry beside NIXL, unpaced and on emulated links (bench/peers.py)
   harness   the vLLM connector's core between two GPU sidecars (bench/vllm_gpu_harness.py)
@@ -64,7 +64,7 @@ for part in $parts; do
         entropy) run entropy python3 bench/entropy_profile.py --repeats 9 --json "$OUT/entropy.json" ;;
         tcatbe) run tcatbe python3 bench/tcatbe_gpu_check.py --gib 1 --repeats 20 --json "$OUT/tcatbe.json" ;;
         quant) run quant python3 bench/quant_gpu_check.py --blocks --repeats 15 --json "$OUT/quant.json" ;;
-        checksum) run checksum python3 bench/checksum.py --sizes 2M,64M,256M ;;
+        seal) run seal python3 bench/seal_cost.py --sizes 2M,64M,256M ;;
         latency)
             for backend in tcp ucxx; do
                 timeout "$limit" python3 bench/latency.py --device cuda --backend $backend --block-kib 2048 --n 2000 \

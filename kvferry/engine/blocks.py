@@ -107,6 +107,12 @@ class Blocks:
             raise InvalidBlocks("no blocks given")
         if n > MAX_BLOCKS:
             raise InvalidBlocks(f"{n} blocks is over the limit of {MAX_BLOCKS}")
+        if n > num_blocks:  # checked before anything is built: they cannot all be distinct ids of it
+            raise InvalidBlocks(f"{n} blocks do not fit a region of {num_blocks} without repeating")
+        for r in self.ranges or ():
+            last = r.start + r.stride * (r.count - 1)
+            if r.count > 0 and not (0 <= r.start < num_blocks and 0 <= last < num_blocks):
+                raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, range {r} is not")
         if self._check_small(num_blocks):
             return torch.tensor(self.ids, dtype=torch.int64, device=device)
         if self._check_spread(num_blocks):

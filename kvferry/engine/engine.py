@@ -282,6 +282,8 @@ class Engine:
         host, port = _address(spec.peer)
         if not spec.pairs:
             raise BadRequest("a transfer needs at least one region pair")
+        if len(spec.pairs) > peer.MAX_PAIRS:
+            raise BadRequest(f"{len(spec.pairs)} region pairs is over {peer.MAX_PAIRS} per transfer")
         if len(spec.src_blocks) != len(spec.dst_blocks):
             raise BadRequest(f"{len(spec.src_blocks)} source blocks but {len(spec.dst_blocks)} destination blocks")
         pairs, cache = [], {}
@@ -316,9 +318,11 @@ class Engine:
             p.region.busy.add(transfer.id)  # a shm/IPC mapping must outlive the reads of this transfer
             if p.reference is not None:
                 p.reference.busy.add(transfer.id)
+        transfer.redial = lambda: asyncio.create_task(
+            self.outgoing.run(transfer, spec, pairs, candidates, book, (host, port)))
         if not (self.outgoing.start_leased(transfer, spec, pairs, candidates, (host, port))
                 or self.outgoing.start_inline(transfer, spec, pairs, candidates, book, (host, port))):
-            transfer.task = asyncio.create_task(self.outgoing.run(transfer, spec, pairs, candidates, book, (host, port)))
+            transfer.task = transfer.redial()
         return transfer
 
     def reference_for(self, region: Region, name: str, blocks: Blocks) -> Region:
@@ -530,10 +534,31 @@ class Engine:
                 self.lost(t, link, exc)
 
     def lost(self, t: Transfer, link: PeerLink, exc: Exception) -> None:
-        """A transfer's connection failed: whichever side waits fails at once."""
+        """A transfer's connection failed: whichever side waits fails at once. A sender's pooled
+        connection that was dead already (its peer restarted unseen: a reset at first use) before
+        the peer said anything of this transfer is not its failure: it is sent again, once, on a
+        fresh connection (nothing of it reached the peer's new process)."""
+        if self._redial(t, link, exc):
+            return
         if not t.state.terminal:
             self.abort(t, State.FAILED, "PeerError", f"lost the peer: {type(exc).__name__}: {exc}")
         self._settle(link, error=PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
+
+    def _redial(self, t: Transfer, link: PeerLink, exc: Exception) -> bool:
+        if (t.direction != "out" or t.state.terminal or t.redial is None or not link.reused
+                or link.accepted.done() or link.reply.done() or not isinstance(exc, transport.PeerLost)):
+            return False
+        restart, t.redial = t.redial, None
+        self.unlink(t)
+        if t.deadline is not None:
+            t.deadline.cancel()
+            t.deadline = None
+        log.info("transfer %s: the pooled connection to %s was dead (%s): sending it again on a fresh one",
+                 t.id, t.peer, exc)
+        old, t.task = t.task, restart()
+        if old is not None and not old.done():
+            old.cancel()
+        return True
 
     # ---- waiting, cancelling, state -----------------------------------------------------------
     async def wait(self, transfer_id: str, timeout: float) -> dict[str, Any]:

@@ -46,6 +46,9 @@ class PeerLink:
     # A sender's same-host offer: (destination region names, block shapes, dtype), what a lease
     # lent in the ACCEPT is for.
     offer: tuple[list[str], list[tuple[int, ...]], str] | None = None
+    # The connection was pooled from earlier transfers, not dialled for this one: if it turns out
+    # dead before the peer said anything of this transfer, it may be sent again on a fresh one.
+    reused: bool = False
 
 
 def describe(exc: BaseException) -> tuple[str, str]:

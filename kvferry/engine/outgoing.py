@@ -43,6 +43,8 @@ class Outgoing:
         try:
             await self._send(t, spec, pairs, candidates, book, address)
         except asyncio.CancelledError:
+            if t.task is not asyncio.current_task() and not t.state.terminal:
+                return  # sent again on a fresh connection by another task (``Engine.lost``)
             state, kind, reason = self.engine.aborted(t)
             self.engine.end(t, state, kind, reason, peer.Cancel(reason))
         except Exception as exc:
@@ -50,7 +52,8 @@ class Outgoing:
             log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
             self.engine.end(t, State.FAILED, kind, reason, peer.Cancel(f"{kind}: {reason}"))
         finally:
-            self.engine.unlink(t)
+            if t.task is asyncio.current_task():
+                self.engine.unlink(t)
 
     def start_inline(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                      book: tuple[str, Any, str] | None, address: tuple[str, int]) -> bool:
@@ -67,7 +70,7 @@ class Outgoing:
         if self._inline_count(plan, pairs, codec) < len(plan):
             return False
         t.move(State.RUNNING)
-        link = self.engine.link(t, PeerLink(connection))
+        link = self.engine.link(t, PeerLink(connection, reused=True))
         link.offer = self._offer(connection, spec, pairs, codec)  # the receiver may lend shared memory for later
         try:
             inline = self._inline_chunks(t, plan, pairs, codec, len(plan))
@@ -97,7 +100,7 @@ class Outgoing:
         if helds is None:
             return False
         t.move(State.RUNNING)
-        link = self.engine.link(t, PeerLink(connection))
+        link = self.engine.link(t, PeerLink(connection, reused=True))
         self._same_host(t)
         try:
             announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
@@ -191,11 +194,12 @@ class Outgoing:
     async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
         t.move(State.RUNNING)
+        pooled = self.engine.pool.ready(*address)
         try:
             connection = await self.engine.pool.get(*address)
         except transport.TransportError as exc:
             raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
-        link = self.engine.link(t, PeerLink(connection))
+        link = self.engine.link(t, PeerLink(connection, reused=connection is pooled))
         helds = self._leases(connection, spec, pairs, candidates)
         if helds is not None:
             await self._write_same_host(t, spec, pairs, helds, leased=True)

@@ -55,6 +55,7 @@ region go only after REVOKE has been answered by REVOKED (or the connection is g
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -69,7 +70,7 @@ VERSION = 5
 _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
-MAX_PAIRS = 4096
+MAX_PAIRS = 1024  # region pairs per transfer (a model's layers, K and V apart: far fewer)
 EAGER_CHUNKS = 2
 INLINE_CHUNK_BYTES = 256 << 10  # a chunk frame at most this big may ride inline (host memory only)
 INLINE_TOTAL_BYTES = 4 << 20  # and all inline chunks of a transfer together
@@ -365,6 +366,14 @@ def _blocks(blocks: Blocks) -> bytes:
 
 
 # ---- parsing -----------------------------------------------------------------------------------
+_RANGE = struct.Struct("<IIi")
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(fmt: str) -> struct.Struct:
+    return struct.Struct("<" + fmt)
+
+
 class _Reader:
     def __init__(self, data: bytes):
         self.data = data
@@ -378,8 +387,12 @@ class _Reader:
         return chunk
 
     def unpack(self, fmt: str) -> tuple:
-        layout = struct.Struct("<" + fmt)
-        return layout.unpack(self.take(layout.size))
+        layout = _layout(fmt)
+        if self.at + layout.size > len(self.data):
+            raise ProtocolViolation("peer message is truncated")
+        values = layout.unpack_from(self.data, self.at)
+        self.at += layout.size
+        return values
 
     def text(self, width: int) -> str:
         (n,) = self.unpack("B" if width == 1 else "H")
@@ -395,7 +408,7 @@ class _Reader:
         if form == 0:
             return Blocks(ids=self.unpack(f"{n}I"))
         if form == 1:
-            ranges = tuple(Range(*self.unpack("IIi")) for _ in range(n))
+            ranges = tuple(Range(*fields) for fields in _RANGE.iter_unpack(self.take(n * _RANGE.size)))
             if sum(r.count for r in ranges) > MAX_IDS:
                 raise ProtocolViolation(f"ranges of over {MAX_IDS} blocks")
             return Blocks(ranges=ranges)

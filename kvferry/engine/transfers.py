@@ -61,6 +61,8 @@ class Transfer:
     # What ending it must release (posted receives, chunk tags, ...), whatever state it ends in:
     # run once by ``Engine.end``, the one place a transfer ends.
     cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    # A sender's way to start it again on a fresh connection, once (``Engine.lost``).
+    redial: Callable[[], asyncio.Task] | None = field(default=None, repr=False)
     deadline: asyncio.TimerHandle | None = field(default=None, repr=False)  # an inline transfer's timeout
 
     def move(self, state: State, error: str | None = None, kind: str | None = None) -> bool:

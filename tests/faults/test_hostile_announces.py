@@ -49,12 +49,21 @@ def _record(client, transfer_id: str, timeout: float = 10.0) -> dict:
     return record
 
 
-@pytest.fixture
-def receiver():
+@pytest.fixture(scope="module")
+def daemon():
     daemon = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "30", "KVFERRY_PEER_SECRET": SECRET})
-    daemon.client.create_region("dst", 8, [512], "bfloat16")
     yield daemon
     stop(daemon)
+
+
+@pytest.fixture
+def receiver(daemon):
+    daemon.client.create_region("dst", 8, [512], "bfloat16")
+    yield daemon
+    try:
+        daemon.client.delete_region("dst")
+    except Exception:
+        pass
 
 
 @pytest.mark.parametrize("blocks", [Blocks(ranges=(Range(0, 1 << 20, 1),)),

@@ -80,13 +80,20 @@ def test_random_loss_is_retransmitted(hosts, kv):
             net.undrop(name)
 
 
-def test_auto_compresses_once_it_has_measured_a_slow_link(hosts, kv):
+UCXX_RESETS = ("over ucxx, transfers that follow one another on a connection fail at random since the "
+               "transport's messages are sealed (each side's peer resets the endpoint: PeerLost, "
+               "UCXXConnectionResetError / UCXXCanceledError); tcp is not affected")
+
+
+def test_auto_compresses_once_it_has_measured_a_slow_link(request, hosts, kv):
     """At 20 Mbit/s (2.5 MB/s) the CPU codecs outrun the link several times over, even on a
     machine so loaded that they code at 10 MB/s: once ``auto`` has measured the link (and tried
     what it tries once), it sends compressed KV. Behaviour, not speed: which codec and how many
     bytes, never how long. 10 blocks (2 MB): a size whose measurements (kept per power of two, for
     10 minutes) the faster link above did not make."""
     net, a, b = hosts
+    if a.client.health()["backend"] == "ucxx":  # many transfers back to back: see test_ucxx_transfers_back_to_back
+        request.applymarker(pytest.mark.xfail(strict=False, reason=UCXX_RESETS))
     net.shape_all(20)
     try:
         n = 10
@@ -107,3 +114,20 @@ def test_auto_compresses_once_it_has_measured_a_slow_link(hosts, kv):
         b.client.delete_region("dst-auto")
     finally:
         net.shape_all(1000)
+
+
+@pytest.mark.xfail(strict=True, reason=UCXX_RESETS)
+def test_ucxx_transfers_back_to_back(networks, kv):
+    """Six SplitZip transfers, each submitted as the one before is done, on one ucxx connection
+    across the cable: every one is done. (Loopback shows the same: the network only makes it
+    visible; the first transfer is done, later ones fail within milliseconds.)"""
+    pytest.importorskip("ucxx", reason="ucxx is not installed")
+    net = networks("a", "b")
+    net.shape_all(1000)
+    a, b = (net.sidecar(name, env={"KVFERRY_TRANSFER_TIMEOUT": "30"}, backend="ucxx") for name in "ab")
+    a.client.region_from_tensor("src", kv[:10])
+    b.client.create_region("dst", 10, list(kv.shape[1:]), "bfloat16")
+    records = [a.client.transfer(a.client.submit("src", range(10), b.data_address, "dst", range(10),
+                                                 codec="splitzip"), wait=60) for _ in range(6)]
+    assert [r["state"] for r in records] == ["done"] * 6, [r["error"] for r in records]
+    assert same_bits(blocks_of(b, "dst", range(10), kv.shape[1:]), kv[:10])

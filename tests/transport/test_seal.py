@@ -90,10 +90,14 @@ def test_a_digest_changes_with_any_byte_and_with_an_unaligned_start():
 
 
 @pytest.mark.gpu
-def test_gpu_digest_equals_the_cpu_digest():
+@pytest.mark.parametrize("size", [0, 5, seal.SEGMENT_BYTES, 5 * seal.SEGMENT_BYTES + 3, 3 << 20])
+@pytest.mark.parametrize("start", [0, 1, 8])
+def test_gpu_digest_equals_the_cpu_digest(size, start):
+    """The kernel (aligned starts) and the torch path (unaligned ones) against the CPU's value."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     d = seal.Direction(KEY, encrypt=False)
-    data = torch.randint(0, 256, (5 * seal.SEGMENT_BYTES + 3,), dtype=torch.uint8)
-    data[:8] = 255
-    assert d.digest(data.cuda())() == d.digest(data)()
+    data = torch.randint(0, 256, (start + size,), dtype=torch.uint8)
+    data[start:start + 8] = 255
+    gpu = data.cuda()[start:]
+    assert d.digest(gpu)() == d.digest(data[start:].clone())()
