@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -391,11 +391,3 @@ class Network:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-@contextlib.contextmanager
-def network(names: Sequence[str] = ("a", "b")) -> Iterator[Network]:
-    net = Network(names)
-    try:
-        yield net
-    finally:
-        net.close()

@@ -83,6 +83,24 @@ def test_a_partition_longer_than_the_timeout_fails_the_transfer_and_the_next_one
     _next_is_done(a, b, kv)
 
 
+def test_a_peer_unreachable_from_the_start_fails_the_transfer_then_is_reached(networks, kv):
+    """The receiver's link is down before the sender ever dialled it: the dial gets no answer at
+    all (no reset, no refusal), the transfer fails within its timeouts instead of waiting on TCP's
+    own minutes of SYN retries, and once the link is back the next transfer is done."""
+    net = networks("a", "b")
+    net.shape_all(1000)
+    a, b = net.sidecar("a", ENV), net.sidecar("b", ENV)
+    a.client.region_from_tensor("src", kv[:4])
+    b.client.create_region("dst", 8, list(kv.shape[1:]), "bfloat16")
+    net.cut("b")
+    transfer = a.client.submit("src", range(4), b.data_address, "dst", range(4), codec="raw")
+    out, took = _until(a, transfer, _ended, TIMEOUT + SLACK + 30)
+    assert out["state"] == "failed" and out["error"], out
+    assert took < TIMEOUT + SLACK, f"the sender failed it {took:.1f} s after the submit: {out}"
+    net.heal("b")
+    _next_is_done(a, b, kv)
+
+
 def _restart_receiver(net: netns.Network, kv, seen: bool):
     """a has moved KV to b (so it pools a connection to b); then b is killed and started again on
     the same address. ``seen``: over a live link, so b's kernel resets the pooled connection;
