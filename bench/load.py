@@ -222,6 +222,7 @@ class Worker:
     slot: range  # its destination vLLM blocks
     latencies: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    stages: list[dict] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     raw_bytes: int = 0
     wire_bytes: int = 0
@@ -273,6 +274,7 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
                 continue
             worker.latencies.append(elapsed)
             worker.seconds.append(record["seconds"])
+            worker.stages.append(record.get("stages") or {})
             worker.raw_bytes += record["bytes_raw"]
             worker.wire_bytes += record["bytes_wire"]
             chosen = record.get("chosen_codec") or codec
@@ -287,7 +289,7 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
                     worker.mismatched += 1
 
     for worker in workers:
-        worker.latencies, worker.seconds, worker.failures = [], [], []
+        worker.latencies, worker.seconds, worker.stages, worker.failures = [], [], [], []
         worker.raw_bytes = worker.wire_bytes = worker.checked = worker.mismatched = 0
         worker.chosen, worker.crossed = {}, True
     daemons = list({w.sender.name: w.sender for w in workers}.values()) + \
@@ -329,6 +331,17 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
     def cpu(role: str) -> float:
         return sum(cpu1[d.name] - cpu0[d.name] for d in daemons if d.role == role)
 
+    # where the slowest transfers spent their time: each stage's median, over all and over the slowest 1%
+    timed = sorted(((x, st) for w in workers for x, st in zip(w.seconds, w.stages)), key=lambda p: p[0])
+    slow = timed[-max(1, len(timed) // 100):]
+
+    def stage_medians(rows: list) -> dict:
+        names = {k for _, st in rows for k in st}
+        return {k: round(statistics.median(st[k] for _, st in rows if k in st) * 1e3, 1) for k in sorted(names)}
+
+    per_sender = {}
+    for w in workers:
+        per_sender.setdefault(f"{w.sender.name}->{w.receiver.name}", []).extend(w.seconds)
     return {
         "codec": codec, "chosen": chosen, "issued": min(next(issued), count) if count else None,
         "done": len(latencies), "failed": len(failures), "failures": failures[:20],
@@ -339,6 +352,8 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
         "bytes_raw": raw, "bytes_wire": sum(w.wire_bytes for w in workers),
         "p50_ms": _pct(latencies, 50) * 1e3, "p99_ms": _pct(latencies, 99) * 1e3, "max_ms": _pct(latencies, 100) * 1e3,
         "sidecar_p50_ms": _pct(sidecar_s, 50) * 1e3, "sidecar_p99_ms": _pct(sidecar_s, 99) * 1e3,
+        "stages_ms": stage_medians(timed) if timed else {}, "slowest_1pct_stages_ms": stage_medians(slow) if slow else {},
+        "per_pair_p50_ms": {k: round(_pct(sorted(v), 50) * 1e3, 1) for k, v in per_sender.items()},
         "sender_cpu_s_per_gb": cpu("sender") / gb if gb else None,
         "receiver_cpu_s_per_gb": cpu("receiver") / gb if gb else None,
         "rss_start": {k: v["private"] for k, v in rss0.items()}, "rss_end": {k: v["private"] for k, v in rss1.items()},
