@@ -229,6 +229,8 @@ class Worker:
     checked: int = 0
     mismatched: int = 0
     chosen: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)  # chosen codec -> the last reason given for it
+    issued: int = 0
     crossed: bool = True
 
 
@@ -262,6 +264,7 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
             if check:
                 dst_tensor[torch.tensor(shape.region_ids(dst_ids, n_dst))] = 0
             started = time.perf_counter()
+            worker.issued += 1
             try:
                 record = client.send("src", shape.ids(src_ids, src_blocks), peer, "dst",
                                      shape.ids(dst_ids, n_dst), codec=codec, wait=args.wait)
@@ -279,6 +282,7 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
             worker.wire_bytes += record["bytes_wire"]
             chosen = record.get("chosen_codec") or codec
             worker.chosen[chosen] = worker.chosen.get(chosen, 0) + 1
+            worker.reasons[chosen] = record.get("choice_reason") or ""
             if "same host" in (record.get("choice_reason") or "") or not record.get("bytes_wire"):
                 worker.crossed = False
             if check:
@@ -291,7 +295,7 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
     for worker in workers:
         worker.latencies, worker.seconds, worker.stages, worker.failures = [], [], [], []
         worker.raw_bytes = worker.wire_bytes = worker.checked = worker.mismatched = 0
-        worker.chosen, worker.crossed = {}, True
+        worker.chosen, worker.reasons, worker.crossed, worker.issued = {}, {}, True, 0
     daemons = list({w.sender.name: w.sender for w in workers}.values()) + \
         list({w.receiver.name: w.receiver for w in workers}.values())
     cpu0 = {d.name: d.cpu_seconds() for d in daemons}
@@ -343,7 +347,8 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
     for w in workers:
         per_sender.setdefault(f"{w.sender.name}->{w.receiver.name}", []).extend(w.seconds)
     return {
-        "codec": codec, "chosen": chosen, "issued": min(next(issued), count) if count else None,
+        "codec": codec, "chosen": chosen, "issued": sum(w.issued for w in workers),
+        "choice_reasons": {k: v for w in workers for k, v in w.reasons.items()},
         "done": len(latencies), "failed": len(failures), "failures": failures[:20],
         "refused_429": sum(c.refused for c in clients.values()),
         "checked": sum(w.checked for w in workers), "mismatched": sum(w.mismatched for w in workers),

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("topology, layout, codecs", [(["--senders", "2"], "mirror", "raw,auto"),
+@pytest.mark.parametrize("topology, layout, codecs", [(["--senders", "2"], "mirror", "auto"),
                                                      (["--receivers", "2"], "spread", "raw")])
 def test_load_moves_every_transfer_bit_exact(tmp_path, topology, layout, codecs):
     out = tmp_path / "load.json"
@@ -32,7 +32,7 @@ def test_load_moves_every_transfer_bit_exact(tmp_path, topology, layout, codecs)
     sidecars = {"s0", "s1", "r0"} if topology[0] == "--senders" else {"s0", "r0", "r1"}
     for phase in report["phases"]:
         assert phase["failed"] == 0 and phase["failures"] == [], phase["failures"]
-        assert phase["issued"] == phase["done"] == 12
+        assert phase["issued"] == phase["done"] + phase["failed"] == 12
         assert phase["checked"] == 12 and phase["mismatched"] == 0
         assert phase["crossed_wire"]  # no same-host shortcut: the bytes went through the sockets
         assert sum(phase["chosen"].values()) == 12
