@@ -79,11 +79,6 @@ def test_random_loss_is_retransmitted(hosts, kv):
             net.undrop(name)
 
 
-UCXX_RESETS = ("over ucxx, transfers that follow one another on a connection fail at random since the "
-               "transport's messages are sealed (each side's peer resets the endpoint: PeerLost, "
-               "UCXXConnectionResetError / UCXXCanceledError); tcp is not affected")
-
-
 def test_auto_measures_a_slow_link_and_stays_exact(request, hosts, kv):
     """At 20 Mbit/s ``auto`` learns the real link (its choices stop saying "assumed"), every
     transfer is done and bit-exact, and each compressed choice put fewer bytes on the wire.
@@ -92,8 +87,6 @@ def test_auto_measures_a_slow_link_and_stays_exact(request, hosts, kv):
     10 blocks (2 MB): a size whose measurements (kept per power of two, for 10 minutes) the faster
     link above did not make."""
     net, a, b = hosts
-    if a.client.health()["backend"] == "ucxx":  # many transfers back to back: see test_ucxx_transfers_back_to_back
-        request.applymarker(pytest.mark.xfail(strict=False, reason=UCXX_RESETS))
     net.shape_all(20)
     try:
         n = 10
@@ -117,7 +110,6 @@ def test_auto_measures_a_slow_link_and_stays_exact(request, hosts, kv):
         net.shape_all(1000)
 
 
-@pytest.mark.xfail(strict=True, reason=UCXX_RESETS)
 def test_ucxx_transfers_back_to_back(networks, kv):
     """Six SplitZip transfers, each submitted as the one before is done, on one ucxx connection
     across the cable: every one is done. (Loopback shows the same: the network only makes it
