@@ -39,6 +39,7 @@ def response(exc: errors.EngineError) -> JSONResponse:
     body = {"error": type(exc).__name__, "detail": str(exc)}
     if isinstance(exc, errors.TransferFailed):
         body["state"] = exc.state
+        body["kind"] = exc.kind
     return JSONResponse(body, status_code=status_of(exc))
 
 

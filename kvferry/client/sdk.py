@@ -5,13 +5,14 @@ engine's own exception classes, and ``wait`` on a failed transfer raises ``Trans
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import random
 import struct
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -257,10 +258,13 @@ class Client:
 
     def _post(self, body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
               codebook: str | None, wait: float) -> dict:
-        """The transfer's record as ``POST /v1/transfers`` answers it (at its end or after ``wait``)."""
-        return self._call("POST", "/v1/transfers", json=_transfer_body(body, src_blocks, peer, dst_blocks, codec,
-                                                                       codebook),
-                          params={"wait": wait} if wait else None, timeout=self._timeout + wait).json()
+        """The transfer's record as ``POST /v1/transfers`` answers it (at its end or after ``wait``).
+        Waiting for its end, a transfer the receiver refused as overloaded (nothing written) is
+        sent again, like a 429, with backoff."""
+        call = functools.partial(self._call, "POST", "/v1/transfers",
+                                 json=_transfer_body(body, src_blocks, peer, dst_blocks, codec, codebook),
+                                 params={"wait": wait} if wait else None, timeout=self._timeout + wait)
+        return _again_while_overloaded(call, self._retries) if wait else call().json()
 
     def transfer(self, transfer_id: str, wait: float = 0) -> dict:
         """A transfer's record (never raises for its state); ``wait``: long-poll up to that many
@@ -320,6 +324,22 @@ class Client:
         return self._call("GET", "/metrics").text
 
 
+def _again_while_overloaded(call: Callable[[], Reply], retries: int) -> dict:
+    """The record ``call`` (a submit that waits for the end) answers; a transfer the receiver
+    refused as overloaded (it had too many incoming transfers, and nothing was written) is sent
+    again, like a 429, with jittered backoff."""
+    delay = 0.05
+    for attempt in range(retries + 1):
+        try:
+            return call().json()
+        except TransferFailed as exc:
+            if exc.kind != "Overloaded" or attempt == retries:
+                raise
+        time.sleep(delay * (0.5 + random.random()))
+        delay = min(2.0, delay * 2)
+    raise AssertionError("unreachable")
+
+
 class Answer:
     """The record of a transfer sent with ``Client.send_later``, read once by ``result``."""
 
@@ -341,9 +361,15 @@ class Answer:
         if exchange is not None:
             reply = exchange.response()
             if reply.status_code not in RETRY_STATUSES:
-                return _checked(reply, method, path).json()
+                try:
+                    return _checked(reply, method, path).json()
+                except TransferFailed as exc:
+                    if exc.kind != "Overloaded":
+                        raise
         params, body, _, _, timeout = self._call[2:]  # refused for now, or no lean client: as ``send``
-        return self._client._call(method, path, params=params, json=body, timeout=timeout).json()
+        client = self._client
+        return _again_while_overloaded(
+            functools.partial(client._call, method, path, params=params, json=body, timeout=timeout), client._retries)
 
 
 class AsyncClient:
@@ -426,7 +452,7 @@ def _checked(response: Reply | httpx.Response, method: str, path: str) -> Reply 
     except (ValueError, AttributeError):
         body, cls, detail = {}, EngineError, response.text
     if cls is TransferFailed:
-        raise TransferFailed(str(detail), body.get("state", "failed"))
+        raise TransferFailed(str(detail), body.get("state", "failed"), body.get("kind"))
     raise cls(f"{response.status_code} {method} {path}: {detail}")
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvferry import transport
 
 from . import peer
-from .errors import PeerError, ProtocolViolation
+from .errors import Overloaded, PeerError, ProtocolViolation
 from .leases import Held
 from .links import PeerLink
 from .transfers import State, Transfer
@@ -65,7 +65,9 @@ def on_message(engine: Engine, connection: transport.Connection, payload: bytes)
         settle(link, body)
     else:  # Reject or Error
         verb = "refused" if isinstance(body, peer.Reject) else "failed"
-        settle(link, error=PeerError(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
+        # A receiver too busy to take it wrote nothing: said as such, so a client may send it again.
+        kind = Overloaded if isinstance(body, peer.Reject) and body.error == "Overloaded" else PeerError
+        settle(link, error=kind(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
 
 
 def settle(link: PeerLink, done: peer.Done | None = None, error: Exception | None = None) -> None:

@@ -393,7 +393,8 @@ class Engine:
         if t.state == State.DONE:
             return t.public()
         if t.state.terminal:
-            raise TransferFailed(f"transfer {t.id} {t.state.value}: {t.error_kind}: {t.error}", t.state.value)
+            raise TransferFailed(f"transfer {t.id} {t.state.value}: {t.error_kind}: {t.error}", t.state.value,
+                                 t.error_kind)
         raise TransferFailed(f"transfer {t.id} still {t.state.value} after {timeout:g} s", t.state.value)
 
     def status(self, transfer_id: str) -> dict[str, Any]:

@@ -77,10 +77,11 @@ class ProtocolViolation(PeerError):
 class TransferFailed(EngineError):
     """A transfer ended failed or cancelled; ``reason`` says why and ``state`` which."""
 
-    def __init__(self, reason: str, state: str = "failed"):
+    def __init__(self, reason: str, state: str = "failed", kind: str | None = None):
         super().__init__(reason)
         self.reason = reason
         self.state = state
+        self.kind = kind  # the error class it ended with (``Overloaded``: nothing written, send it again)
 
 
 BY_NAME: dict[str, type[EngineError]] = {
