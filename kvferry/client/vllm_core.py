@@ -586,7 +586,7 @@ class Producer:
         try:
             self.cache.alias(lease.region)
             answer = self._client.lease(lease.region, self.config.lease_seconds, ttl=self.config.lease_ttl)
-        except (EngineError, httpx.HTTPError) as exc:
+        except Exception as exc:  # noqa: BLE001 (on the lease thread: any failure frees the blocks now, logged)
             log.error("kvferry: cannot lease the KV of request %s (%s); the decode will not get it",
                       lease.request_id, exc)
             self._delete(lease.region, force=True)

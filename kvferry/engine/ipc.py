@@ -78,6 +78,11 @@ def export(tensor: torch.Tensor) -> tuple[bytes, int, bytes]:
         raise RuntimeError("only CUDA memory can be lent over CUDA IPC")
     pointer = tensor.data_ptr()
     with cupy.cuda.Device(tensor.device.index):  # the driver looks the pointer up in the current context
+        # A thread that never touched CUDA has no current context, and CuPy switches devices only
+        # when the index differs: bind the device's primary context to this thread first (an
+        # engine may export from a worker thread, e.g. a connector's lease thread).
+        cupy.cuda.runtime.setDevice(tensor.device.index)
+        cupy.cuda.runtime.free(0)
         base, _ = address_range(pointer)
         handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base))
     return handle, pointer - base, device_uuid(tensor.device.index)
