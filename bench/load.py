@@ -202,7 +202,7 @@ def source_cache(shape: Shape, num_blocks: int, stamp: int):
 
     from kvferry.demo import llama_blocks
 
-    kv = llama_blocks(ROOT / "kvferry" / "data" / "kv_smollm2_gpl3.npz", num_blocks, layers=shape.layers)
+    kv = llama_blocks(ROOT / "tests" / "data" / "kv_smollm2_gpl3.npz", num_blocks, layers=shape.layers)
     if shape.layout == "spread":  # [layer, kv, block, ...] end to end: one region block per (plane, block)
         kv = kv.permute(1, 2, 0, 3, 4, 5).reshape(2 * shape.layers * num_blocks, *shape.block_shape).contiguous()
     words = kv.view(kv.shape[0], -1).view(torch.int16)

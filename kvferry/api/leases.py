@@ -27,7 +27,7 @@ from .models import NAME
 log = logging.getLogger("kvferry.api")
 
 MAX_LEASE = 86400.0
-MAX_WAIT = 60.0  # one long-poll's longest wait
+MAX_WAIT = 30.0  # one long-poll's longest wait
 RETRY = 0.5  # seconds between tries to delete an expired region a transfer still reads
 
 
