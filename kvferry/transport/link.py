@@ -5,6 +5,7 @@ backend is used, in backends.py (this base imports none)."""
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -86,8 +87,6 @@ class RateLimitedLog:
         self._dropped = 0
 
     def warn(self, message: str) -> None:
-        import time
-
         now = time.monotonic()
         if now - self._last < self._period:
             self._dropped += 1
