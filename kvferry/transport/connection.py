@@ -158,10 +158,10 @@ class Connection(Reader):
         spans = [(offset, min(chunk, data.nbytes - offset)) for offset in range(0, data.nbytes, chunk)]
         state = self._sends[tag] = SendState()
         try:
-            # GPU to GPU: the payload's digests are launched first and awaited without blocking
-            # the loop, behind the rendezvous where there is one.
+            # A device payload is authenticated on its GPU: its digests are launched first and
+            # awaited without blocking the loop, behind the rendezvous where there is one.
             crcs = ([self._out.digest(data.region(offset, offset + n)) for offset, n in spans]
-                    if data.is_device and not self._stages_device_payloads else None)
+                    if data.is_device and not self._out.encrypt else None)
             rts = Message(MessageType.RTS, tag, total=data.nbytes, flags=wire.FLAG_EAGER if eager else 0)
             if not eager:
                 await self._write(rts)
@@ -244,15 +244,10 @@ class Connection(Reader):
         if write is not None:
             await asyncio.shield(write)
 
-    @property
-    def _stages_device_payloads(self) -> bool:
-        """Device payloads go through host memory: the backend stages them, or they are encrypted."""
-        return self.link.stages_device_payloads or self._out.encrypt
-
     def _parts(self, messages: list[tuple[Message, Any]]) -> list[Any]:
         """Sealed headers and payloads in order, each message taking the next sequence number
         (so this runs under the write lock, in the order the parts are written). Device payloads
-        reach here without a digest only where they are staged: they are staged here."""
+        reach here without a digest only to be encrypted: they are copied to the host here."""
         self.last_activity = time.monotonic()
         parts = []
         for seq, (message, payload) in enumerate(messages, self._out.seq):

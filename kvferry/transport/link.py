@@ -45,8 +45,8 @@ class Link(ABC):
             PeerLost, TransportClosed.
         """
 
-    # Backends that move device payloads through host memory (TCP) say so: the connection then
-    # stages them itself and authenticates the host copy.
+    # Backends that move device payloads through host memory (TCP) say so: each payload is then
+    # checked as it lands (host-checked ones before they reach the device), never deferred.
     stages_device_payloads = False
     # A byte stream (TCP) can be read a piece at a time; a message backend (UCX) delivers each
     # payload whole, into one buffer of its size.

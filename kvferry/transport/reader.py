@@ -169,6 +169,7 @@ class Reader:
                 return direction.check_digest(seq, direction.digest(data)(), tag)
             return direction.check_payload(seq, data.cpu().numpy() if hasattr(data, "is_cuda") else data, tag)
 
+        verify.on_device = digest  # type: ignore[attr-defined]  # a backend may land it first, then check
         return verify
 
     async def _recv_encrypted(self, region: Any, seq: int, tag: bytes) -> bool:

@@ -1,5 +1,6 @@
 """The asyncio TCP backend: raw non-blocking sockets (``sock_sendall``/``sock_recv_into``, no
-StreamReader copies). Device buffers are staged through host memory."""
+StreamReader copies). Device payloads are staged through pinned host memory by a worker thread
+(``tcp_device``), their copies overlapping the socket."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from .config import TransportConfig
 from .errors import ConnectError, PeerLost, TransportClosed
 from .link import Link, ListenerHandle, OnLink, log
+from .tcp_device import DeviceStaging
 
 _SOCKET_BUFFER = 4 << 20
 # Reads take what the socket has, up to this much: a header and its small payload, and the
@@ -22,7 +24,7 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffe
 
 
 class TcpLink(Link):
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, io_timeout: float = 30.0):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -32,6 +34,9 @@ class TcpLink(Link):
         self._closed = False
         self._ahead = bytearray(_READ_AHEAD)
         self._head = self._tail = 0  # the unread bytes of ``_ahead``
+        self._io_timeout = io_timeout  # a device payload's socket calls give up after this long idle
+        self._staged_out = DeviceStaging()
+        self._staged_in = DeviceStaging()
         try:
             host, port = sock.getpeername()[:2]
             self.peer = f"{host}:{port}"
@@ -41,15 +46,16 @@ class TcpLink(Link):
     async def send(self, header: bytes, payload: Any = None) -> None:
         try:
             await self._loop.sock_sendall(self._sock, header)
-            if payload is not None and len(payload):
-                await self._loop.sock_sendall(self._sock, _host_bytes(payload))
         except OSError as exc:
             raise self._lost(exc) from exc
+        if payload is not None and len(payload):
+            await self.send_rest([payload])
 
     def send_now(self, parts: list[Any]) -> list[Any]:
-        """Non-blocking ``sendmsg`` of every part (at most ``IOV_MAX`` buffers a call); what did
-        not fit is returned."""
-        parts = [memoryview(_host_bytes(part)).cast("B") for part in parts]
+        """Non-blocking ``sendmsg`` of every part (at most ``IOV_MAX`` buffers a call) up to the
+        first device payload; what did not go is returned."""
+        device = next((i for i, part in enumerate(parts) if getattr(part, "is_cuda", False)), len(parts))
+        parts, later = [memoryview(part).cast("B") for part in parts[:device]], parts[device:]
         done = 0
         while done < len(parts):
             batch = parts[done:done + _IOV_MAX]
@@ -61,15 +67,18 @@ class TcpLink(Link):
                 raise self._lost(exc) from exc
             for part in batch:
                 if sent < len(part):
-                    return [part[sent:], *parts[done + 1:]]
+                    return [part[sent:], *parts[done + 1:], *later]
                 sent -= len(part)
                 done += 1
-        return []
+        return later
 
     async def send_rest(self, parts: list[Any]) -> None:
         try:
             for part in parts:
-                await self._loop.sock_sendall(self._sock, part)
+                if getattr(part, "is_cuda", False):
+                    await asyncio.to_thread(self._staged_out.send, self._sock, part, self._io_timeout)
+                else:
+                    await self._loop.sock_sendall(self._sock, part)
         except OSError as exc:
             raise self._lost(exc) from exc
 
@@ -83,7 +92,12 @@ class TcpLink(Link):
     stages_device_payloads = True
 
     async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None) -> bool:
+        if getattr(region, "is_cuda", False) and (check is None or getattr(check, "on_device", False)):
+            # Checked on the GPU once landed (or not checked here): straight into the region.
+            await self._recv_device(region)
+            return check is None or check(region)
         if getattr(region, "is_cuda", False):
+            # A host-checked payload is checked before it reaches the device.
             staging = bytearray(region.numel())
             await self._recv_exactly(memoryview(staging))
             if check is not None and not check(staging):
@@ -94,6 +108,20 @@ class TcpLink(Link):
             return True
         await self._recv_exactly(region)
         return check is None or check(region)
+
+    async def _recv_device(self, region: Any) -> None:
+        """What was read ahead, copied as it is; the rest by the staging thread."""
+        n = min(region.numel(), self._tail - self._head)
+        if n:
+            import torch
+
+            region[:n].copy_(torch.frombuffer(self._ahead, dtype=torch.uint8, count=n, offset=self._head))
+            self._head += n
+        if n < region.numel():
+            try:
+                await asyncio.to_thread(self._staged_in.recv, self._sock, region[n:], self._io_timeout)
+            except OSError as exc:
+                raise self._lost(exc) from exc
 
     async def _recv_exactly(self, view: memoryview) -> None:
         """Fill ``view``: from what was read ahead, then small rests through the read-ahead buffer
@@ -143,15 +171,10 @@ class TcpLink(Link):
             self._sock.close()
 
 
-def _host_bytes(payload: Any) -> Any:
-    if getattr(payload, "is_cuda", False):
-        return memoryview(payload.cpu().numpy())
-    return payload
-
-
 class TcpListener(ListenerHandle):
-    def __init__(self, sock: socket.socket, on_link: OnLink):
+    def __init__(self, sock: socket.socket, on_link: OnLink, io_timeout: float):
         self._sock = sock
+        self._io_timeout = io_timeout
         self.port = sock.getsockname()[1]
         self._on_link = on_link
         self._handlers: set[asyncio.Task] = set()
@@ -168,7 +191,7 @@ class TcpListener(ListenerHandle):
                 log.warning("tcp accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            task = loop.create_task(self._on_link(TcpLink(conn)))
+            task = loop.create_task(self._on_link(TcpLink(conn, self._io_timeout)))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -191,7 +214,7 @@ async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig)
         raise ConnectError(f"cannot listen on {host}:{port}: {exc}") from exc
     sock.listen(128)
     sock.setblocking(False)
-    return TcpListener(sock, on_link)
+    return TcpListener(sock, on_link, config.op_timeout)
 
 
 async def connect(host: str, port: int, config: TransportConfig) -> TcpLink:
@@ -209,4 +232,4 @@ async def connect(host: str, port: int, config: TransportConfig) -> TcpLink:
         sock.close()
         reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc)
         raise ConnectError(f"cannot connect to {host}:{port}: {reason}") from exc
-    return TcpLink(sock)
+    return TcpLink(sock, config.op_timeout)

@@ -31,3 +31,75 @@ def test_cuda_to_cuda_bit_exact(backend, size):
         await listener.close()
 
     run(main(), timeout=60)
+
+
+@pytest.mark.parametrize("size", [9 << 20 | 13, 40 << 20])
+@pytest.mark.parametrize("src, dst", [("cuda", "cpu"), ("cpu", "cuda")])
+def test_between_host_and_device_bit_exact(backend, size, src, dst):
+    """One side's payload on the GPU, the other's in host memory: the digest of a device payload
+    is checked on the CPU, a host payload's tag before it reaches the device."""
+    async def main():
+        cfg = config(backend, chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        connection = await transport.connect("127.0.0.1", listener.port, cfg)
+        payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)).to(src)
+        target = torch.zeros(size, dtype=torch.uint8, device=dst)
+        torch.cuda.synchronize()
+        receive = listener.expect(9, target)
+        await connection.send(9, payload)
+        await receive.wait(cfg.op_timeout)
+        torch.cuda.synchronize()
+        assert torch.equal(target.cpu(), payload.cpu())
+        await connection.close()
+        await listener.close()
+
+    run(main(), timeout=60)
+
+
+def test_a_device_payload_damaged_on_the_wire_fails_that_transfer_only():
+    """A relay flips one byte of a staged device payload over TCP: its digest fails on the GPU,
+    that transfer fails, and the next one on the same connection lands bit-exact."""
+    import asyncio
+
+    async def relay(listen_port: int, flip_at: int):
+        async def pipe(reader, writer, flip):
+            seen = 0
+            while data := await reader.read(1 << 20):
+                if flip and seen <= flip_at < seen + len(data):
+                    data = bytearray(data)
+                    data[flip_at - seen] ^= 0x01
+                    flip = False
+                seen += len(data)
+                writer.write(bytes(data))
+                await writer.drain()
+            writer.close()
+
+        async def handle(reader, writer):
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", listen_port)
+            await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
+                                 return_exceptions=True)
+
+        return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+    async def main():
+        cfg = config("tcp", chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        server = await relay(listener.port, flip_at=6 << 20)  # inside the first payload, past the handshake
+        connection = await transport.connect("127.0.0.1", server.sockets[0].getsockname()[1], cfg)
+        payload = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, device="cuda")
+        target = torch.zeros_like(payload)
+        receive = listener.expect(1, target)
+        with pytest.raises(transport.TransportError):
+            await connection.send(1, payload)
+        with pytest.raises(transport.CorruptPayload):
+            await receive.wait(cfg.op_timeout)
+        receive = listener.expect(2, target)
+        await connection.send(2, payload)
+        await receive.wait(cfg.op_timeout)
+        torch.cuda.synchronize()
+        assert torch.equal(target, payload)
+        await connection.close()
+        await listener.close()
+        server.close()
+
+    run(main(), timeout=60)
