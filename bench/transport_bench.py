@@ -1,5 +1,5 @@
 """Loopback throughput: ``python bench/transport_bench.py --backend {ucxx,tcp} --size 256MiB --count N
-[--device cuda:0]``.
+[--device cuda:0] [--lanes L]``.
 
 Runs a receiving process and a sending process on 127.0.0.1 and prints one line ending in GB/s
 (payload bytes / seconds from the first announcement to the last acknowledgement). With
@@ -36,7 +36,7 @@ def parse_size(text: str) -> int:
 
 async def _serve(args: argparse.Namespace) -> None:
     config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window,
-                             encrypt=args.encrypt)
+                             encrypt=args.encrypt, tcp_lanes=args.lanes)
     buffers = [_buffer(args), _buffer(args)]  # before UCX starts: it finds CUDA as the daemon does
     listener = await listen("127.0.0.1", 0, config)
     print(json.dumps({"port": listener.port}), flush=True)
@@ -50,7 +50,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 async def _send(args: argparse.Namespace, port: int) -> float:
     config = TransportConfig(backend=args.backend, chunk_bytes=args.chunk, max_inflight_bytes=args.window,
-                             encrypt=args.encrypt)
+                             encrypt=args.encrypt, tcp_lanes=args.lanes)
     payload = _buffer(args)
     connection = await connect("127.0.0.1", port, config)
     start = time.perf_counter()
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:N for GPU buffers")
     parser.add_argument("--baseline", action="store_true", help="also measure raw blocking sockets")
     parser.add_argument("--encrypt", action="store_true", help="encrypt payloads (AES-256-GCM) as well as authenticate them")
+    parser.add_argument("--lanes", type=int, default=1, help="tcp: sockets per connection (the sender dials them)")
     parser.add_argument("--role", choices=("server", "raw-server"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "server":
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     process.wait(timeout=60)
     ratio = f" ratio_vs_raw={rate / raw_rate:.2f}" if raw_rate else ""
     print(f"{args.backend} device={args.device} size={args.size >> 20}MiB count={args.count} "
-          f"chunk={args.chunk >> 20}MiB{ratio} {rate:.2f} GB/s")
+          f"chunk={args.chunk >> 20}MiB lanes={args.lanes}{ratio} {rate:.2f} GB/s")
 
 
 if __name__ == "__main__":

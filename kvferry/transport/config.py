@@ -53,6 +53,9 @@ class TransportConfig:
     # whether payloads are encrypted as well as authenticated (both ends must agree).
     protocol: str = ""
     encrypt: bool = False
+    # TCP connections per link a dialler opens: large DATA payloads spread over them (one TCP
+    # stream moves what one core copies; a fast NIC needs several). 1: a plain stream.
+    tcp_lanes: int = 1
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
     # How ucxx progresses its worker (one choice per process, at its first listen/connect).
     # "blocking": on the event loop, woken by the worker's event fd; ucxx's default "thread"
@@ -72,3 +75,5 @@ class TransportConfig:
             raise ValueError("timeouts must be positive")
         if min(self.max_connections, self.max_handshaking_connections, self.max_handshaking_per_source) <= 0:
             raise ValueError("connection limits must be positive")
+        if not 1 <= self.tcp_lanes <= 16:
+            raise ValueError(f"tcp_lanes must be 1 to 16, not {self.tcp_lanes}")

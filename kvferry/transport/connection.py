@@ -34,7 +34,7 @@ from .config import TransportConfig
 from .errors import ProtocolError, TransferRejected, TransportClosed, TransportError, TransportTimeout
 from .flow import Digested, Pacer, SendState, Window
 from .handshake import Session
-from .link import Link, log
+from .link import Link, Striped, log
 from .mailbox import Mailbox, Receive
 from .reader import NO_TAG, Reader
 from .waiting import until_ready
@@ -264,7 +264,7 @@ class Connection(Reader):
             header = message.pack()
             parts.append(header + tag + self._out.header_tag(seq, header, tag))
             if payload is not None and len(payload):
-                parts.append(payload)
+                parts.append(Striped(payload) if message.type == MessageType.DATA and self.link.lanes > 1 else payload)
         self._out.seq += len(messages)  # only once all are sealed: a failure here writes nothing
         return parts
 

@@ -11,7 +11,7 @@ from collections import Counter
 from . import handshake
 from .config import TransportConfig
 from .connection import Connection, OnMessage
-from .errors import TransportClosed, TransportError
+from .errors import LinkAbsorbed, TransportClosed, TransportError
 from .backends import backend_module, resolve_backend
 from .link import Link, RateLimitedLog, log
 from .mailbox import Mailbox
@@ -59,6 +59,8 @@ class Listener:
                 await evicted.close()
             session = await handshake.acceptor(link, self._config.secret, self._config.connect_timeout,
                                                offer_of(self._config))
+        except LinkAbsorbed:
+            return
         except TransportError as exc:
             if link in self._handshaking:  # not closed to make room for another
                 self._refusals.warn(f"refused a connection from {link.peer}: {type(exc).__name__}: {exc}")

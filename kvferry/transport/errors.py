@@ -56,5 +56,9 @@ class IncompatiblePeer(TransportError):
     """The peer speaks another transport or peer-protocol version, or another security mode."""
 
 
+class LinkAbsorbed(TransportError):
+    """A new socket was a lane of another link (``lanes``): it lives on there, quietly."""
+
+
 class CorruptPayload(TransportError):
     """A payload's bytes do not match their authentication tag; they were not handed on."""

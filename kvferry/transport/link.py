@@ -51,17 +51,40 @@ class Link(ABC):
     # A byte stream (TCP) can be read a piece at a time; a message backend (UCX) delivers each
     # payload whole, into one buffer of its size.
     streams = True
+    # Connections under this link that a large DATA payload is spread over (``Striped``).
+    lanes = 1
 
     @abstractmethod
-    async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None) -> bool:
+    async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None,
+                           striped: bool = False) -> bool:
         """Receive exactly ``len(region)`` payload bytes into ``region`` (host or device); with
         ``check`` (the connection's verifier of these bytes, given the host bytes or the device
         tensor they landed in), False if they fail it (a region a backend stages is left
-        untouched then)."""
+        untouched then). ``striped``: the sender sent it ``Striped``."""
+
+    async def discard(self, nbytes: int, striped: bool = False) -> None:
+        """Read and drop a payload of ``nbytes``."""
+        scratch = bytearray(min(nbytes, 1 << 20))
+        while nbytes:
+            k = min(nbytes, len(scratch))
+            await self.recv_payload(memoryview(scratch)[:k])
+            nbytes -= k
 
     @abstractmethod
     async def close(self) -> None:
         """Release the link; pending operations on it fail."""
+
+
+class Striped:
+    """A DATA payload a link with lanes may spread over them (the receiver is told the same)."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: Any):
+        self.payload = payload
+
+    def __len__(self) -> int:
+        return self.payload.numel() if hasattr(self.payload, "numel") else len(self.payload)
 
 
 class ListenerHandle(ABC):

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from .connection import OnMessage
 
 _ACK_FRACTION = 4  # acknowledge at least every max_inflight_bytes / 4 received
-_DISCARD_CHUNK = 1 << 20
 _MESSAGE_PIECE = 64 << 10  # a MSG payload is read (and its buffer grown) this much at a time
 NO_TAG = bytes(TAG_BYTES)  # the payload tag of a message without a payload
 
@@ -127,7 +126,7 @@ class Reader:
         if receive is None or receive.done:
             # Cancelled or timed out here while the sender was mid-transfer: drop its bytes,
             # tell it once, keep the connection.
-            await self._discard(m.length)
+            await self.link.discard(m.length, striped=True)
             if receive is not None:
                 self._receives.pop(m.tag, None)
                 self._reject(m.tag, f"receive {m.tag:#x} was cancelled")
@@ -142,9 +141,9 @@ class Reader:
             ok = await self._recv_encrypted(region, seq, tag)
         elif receive.defer_check and not self.link.stages_device_payloads:
             receive._checks.append((m.offset, m.length, self._in, seq, tag, digest))
-            ok = await self.link.recv_payload(region)
+            ok = await self.link.recv_payload(region, striped=True)
         else:
-            ok = await self.link.recv_payload(region, self._verifier(seq, tag, digest))
+            ok = await self.link.recv_payload(region, self._verifier(seq, tag, digest), striped=True)
         if not ok:
             # The framing is intact (the header's own CRC passed): fail this transfer, keep the link.
             self._receives.pop(m.tag, None)
@@ -175,7 +174,7 @@ class Reader:
     async def _recv_encrypted(self, region: Any, seq: int, tag: bytes) -> bool:
         """Ciphertext through host memory, decrypted into ``region`` only if it is authentic."""
         ciphertext = bytearray(len(region) if not hasattr(region, "numel") else region.numel())
-        await self.link.recv_payload(memoryview(ciphertext))
+        await self.link.recv_payload(memoryview(ciphertext), striped=True)
         if hasattr(region, "is_cuda"):
             plain = bytearray(len(ciphertext))
             if not self._in.open_into(seq, bytes(ciphertext), tag, plain):
@@ -185,10 +184,3 @@ class Reader:
             region.copy_(torch.frombuffer(plain, dtype=torch.uint8) if plain else region.new_empty(0))
             return True
         return self._in.open_into(seq, bytes(ciphertext), tag, region)
-
-    async def _discard(self, n: int) -> None:
-        scratch = bytearray(min(n, _DISCARD_CHUNK))
-        while n:
-            k = min(n, len(scratch))
-            await self.link.recv_payload(memoryview(scratch)[:k])
-            n -= k

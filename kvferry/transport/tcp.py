@@ -1,6 +1,7 @@
 """The asyncio TCP backend: raw non-blocking sockets (``sock_sendall``/``sock_recv_into``, no
 StreamReader copies). Device payloads are staged through pinned host memory by a worker thread
-(``tcp_device``), their copies overlapping the socket."""
+(``tcp_device``), their copies overlapping the socket; large DATA payloads spread over several
+sockets where the link has lanes (``lanes``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Any
 from collections.abc import Callable
 
 from .config import TransportConfig
-from .errors import ConnectError, PeerLost, TransportClosed
-from .link import Link, ListenerHandle, OnLink, log
-from .tcp_device import DeviceStaging
+from .errors import ConnectError, LinkAbsorbed, PeerLost, ProtocolError, TransportClosed
+from . import lanes as lanes_
+from .link import Link, ListenerHandle, OnLink, Striped, log
+from .tcp_device import DeviceStaging, _recv_all, _send_all
 
 _SOCKET_BUFFER = 4 << 20
 # Reads take what the socket has, up to this much: a header and its small payload, and the
@@ -23,25 +25,48 @@ _READ_AHEAD = 64 << 10
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one sendmsg takes
 
 
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+
+
+def _size(buffer: Any) -> int:
+    return buffer.numel() if hasattr(buffer, "numel") else len(buffer)
+
+
 class TcpLink(Link):
-    def __init__(self, sock: socket.socket, io_timeout: float = 30.0):
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+    def __init__(self, sock: socket.socket, io_timeout: float = 30.0, gathering: lanes_.Gathering | None = None):
+        _tune(sock)
+        self._gathering = gathering  # an accepted socket's: it may open with a lane preamble
+        self._absorbed = False  # a lane of another link now, which owns its socket
         self._sock = sock
+        self._socks = [sock]  # lane 0 first; more once ``add_lanes``
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._ahead = bytearray(_READ_AHEAD)
         self._head = self._tail = 0  # the unread bytes of ``_ahead``
-        self._io_timeout = io_timeout  # a device payload's socket calls give up after this long idle
-        self._staged_out = DeviceStaging()
-        self._staged_in = DeviceStaging()
+        self._io_timeout = io_timeout  # a worker thread's socket calls give up after this long idle
+        self._staged_out = [DeviceStaging()]
+        self._staged_in = [DeviceStaging()]
         try:
             host, port = sock.getpeername()[:2]
             self.peer = f"{host}:{port}"
         except OSError:
             self.peer = "?"
+
+    @property
+    def lanes(self) -> int:  # type: ignore[override]
+        return len(self._socks)
+
+    def add_lanes(self, socks: list[socket.socket]) -> None:
+        """Lanes 1... of this link (lane 0 is the socket it was made with)."""
+        for sock in socks:
+            _tune(sock)
+            self._socks.append(sock)
+            self._staged_out.append(DeviceStaging())
+            self._staged_in.append(DeviceStaging())
 
     async def send(self, header: bytes, payload: Any = None) -> None:
         try:
@@ -53,8 +78,9 @@ class TcpLink(Link):
 
     def send_now(self, parts: list[Any]) -> list[Any]:
         """Non-blocking ``sendmsg`` of every part (at most ``IOV_MAX`` buffers a call) up to the
-        first device payload; what did not go is returned."""
-        device = next((i for i, part in enumerate(parts) if getattr(part, "is_cuda", False)), len(parts))
+        first device or striped payload; what did not go is returned."""
+        device = next((i for i, part in enumerate(parts) if isinstance(part, Striped) or getattr(part, "is_cuda", False)),
+                      len(parts))
         parts, later = [memoryview(part).cast("B") for part in parts[:device]], parts[device:]
         done = 0
         while done < len(parts):
@@ -75,14 +101,41 @@ class TcpLink(Link):
     async def send_rest(self, parts: list[Any]) -> None:
         try:
             for part in parts:
-                if getattr(part, "is_cuda", False):
-                    await asyncio.to_thread(self._staged_out.send, self._sock, part, self._io_timeout)
+                if isinstance(part, Striped):
+                    await self._lanes_do(self._send_lane, part.payload, lanes_.stripes(_size(part.payload), self.lanes))
+                elif getattr(part, "is_cuda", False):
+                    await self._lanes_do(self._send_lane, part, [(0, part.numel())])
                 else:
                     await self._loop.sock_sendall(self._sock, part)
         except OSError as exc:
             raise self._lost(exc) from exc
 
+    async def _lanes_do(self, work: Callable[[int, Any], None], buffer: Any, spans: list[tuple[int, int]]) -> None:
+        """``work(lane, piece)`` for each lane's piece of ``buffer``, at once, in worker threads.
+        The first failure is raised at once; the link is then failed and closed by its
+        connection, which ends the other lanes' calls."""
+        try:
+            await asyncio.gather(*(asyncio.to_thread(work, lane, buffer[offset:offset + size])
+                                   for lane, (offset, size) in enumerate(spans) if size))
+        except OSError as exc:
+            raise self._lost(exc) from exc
+
+    def _send_lane(self, lane: int, piece: Any) -> None:
+        if getattr(piece, "is_cuda", False):
+            self._staged_out[lane].send(self._socks[lane], piece, self._io_timeout)
+        else:
+            _send_all(self._socks[lane], memoryview(piece).cast("B"), self._io_timeout)
+
+    def _recv_lane(self, lane: int, piece: Any) -> None:
+        if getattr(piece, "is_cuda", False):
+            self._staged_in[lane].recv(self._socks[lane], piece, self._io_timeout)
+        else:
+            _recv_all(self._socks[lane], piece, self._io_timeout)
+
     async def recv_header(self, size: int) -> bytes:
+        if self._gathering is not None:
+            gathering, self._gathering = self._gathering, None
+            await self._sort(gathering)
         while self._tail - self._head < size:
             await self._fill()
         start = self._head
@@ -91,37 +144,59 @@ class TcpLink(Link):
 
     stages_device_payloads = True
 
-    async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None) -> bool:
-        if getattr(region, "is_cuda", False) and (check is None or getattr(check, "on_device", False)):
-            # Checked on the GPU once landed (or not checked here): straight into the region.
-            await self._recv_device(region)
-            return check is None or check(region)
-        if getattr(region, "is_cuda", False):
+    async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None,
+                           striped: bool = False) -> bool:
+        spans = lanes_.stripes(_size(region), self.lanes) if striped else [(0, _size(region))]
+        on_device = getattr(region, "is_cuda", False)
+        if on_device and not (check is None or getattr(check, "on_device", False)):
             # A host-checked payload is checked before it reaches the device.
             staging = bytearray(region.numel())
-            await self._recv_exactly(memoryview(staging))
+            await self._recv_spans(memoryview(staging), spans)
             if check is not None and not check(staging):
-                return False  # checked before it reaches the device
+                return False
             import torch
 
             region.copy_(torch.frombuffer(staging, dtype=torch.uint8))
             return True
-        await self._recv_exactly(region)
+        await self._recv_spans(region, spans)  # a device payload is checked on its GPU, once landed
         return check is None or check(region)
 
-    async def _recv_device(self, region: Any) -> None:
-        """What was read ahead, copied as it is; the rest by the staging thread."""
-        n = min(region.numel(), self._tail - self._head)
-        if n:
-            import torch
+    async def _recv_spans(self, region: Any, spans: list[tuple[int, int]]) -> None:
+        """Fill ``region``, lane by lane's piece: host bytes of one lane on the loop; device bytes
+        and several lanes' pieces by worker threads, after what lane 0 read ahead."""
+        if len(spans) == 1 and not getattr(region, "is_cuda", False):
+            await self._recv_exactly(region)
+            return
+        ahead = min(spans[0][1], self._tail - self._head)
+        if ahead:
+            if getattr(region, "is_cuda", False):
+                import torch
 
-            region[:n].copy_(torch.frombuffer(self._ahead, dtype=torch.uint8, count=n, offset=self._head))
-            self._head += n
-        if n < region.numel():
-            try:
-                await asyncio.to_thread(self._staged_in.recv, self._sock, region[n:], self._io_timeout)
-            except OSError as exc:
-                raise self._lost(exc) from exc
+                region[:ahead].copy_(torch.frombuffer(self._ahead, dtype=torch.uint8, count=ahead, offset=self._head))
+                self._head += ahead
+            else:
+                self._take(region[:ahead])
+        spans = [(spans[0][0] + ahead, spans[0][1] - ahead), *spans[1:]]
+        await self._lanes_do(self._recv_lane, region, spans)
+
+    async def discard(self, nbytes: int, striped: bool = False) -> None:
+        """Read and drop a payload of ``nbytes`` (a cancelled receive's), a bounded scratch at a time."""
+        spans = lanes_.stripes(nbytes, self.lanes) if striped else [(0, nbytes)]
+        ahead = min(spans[0][1], self._tail - self._head)
+        self._head += ahead
+        spans = [(0, spans[0][1] - ahead), *spans[1:]]
+
+        def drain(lane: int, size: int) -> None:
+            scratch = memoryview(bytearray(min(size, 1 << 20)))
+            while size:
+                piece = min(size, len(scratch))
+                _recv_all(self._socks[lane], scratch[:piece], self._io_timeout)
+                size -= piece
+
+        try:
+            await asyncio.gather(*(asyncio.to_thread(drain, lane, size) for lane, (_, size) in enumerate(spans) if size))
+        except OSError as exc:
+            raise self._lost(exc) from exc
 
     async def _recv_exactly(self, view: memoryview) -> None:
         """Fill ``view``: from what was read ahead, then small rests through the read-ahead buffer
@@ -161,20 +236,48 @@ class TcpLink(Link):
     def _lost(self, exc: OSError) -> Exception:
         return TransportClosed("link closed") if self._closed else PeerLost(f"{self.peer}: {exc}")
 
+    async def _sort(self, gathering: lanes_.Gathering) -> None:
+        """An accepted socket's first read (inside its handshake's deadline and budget): a lane
+        preamble files it with its link's other lanes. Lane 0 then waits for them all and goes on
+        to the handshake; another lane is absorbed by it, ending this link quietly.
+
+        Raises:
+            LinkAbsorbed: this socket is another link's lane now.
+            ProtocolError: a preamble out of place.
+        """
+        while self._tail - self._head < len(lanes_.MAGIC):
+            await self._fill()
+        if self._ahead[self._head:self._head + len(lanes_.MAGIC)] != lanes_.MAGIC:
+            return  # a plain stream: its first bytes are the handshake's
+        index, count, link_id = lanes_.unpack_preamble(await self.recv_header(lanes_.PREAMBLE.size))
+        if index and self._tail != self._head:
+            raise ProtocolError("bytes on a lane before its link was made")
+        waiting = gathering.add(link_id, index, count, self._sock)
+        if index:
+            self._absorbed = True
+            raise LinkAbsorbed(f"lane {index} of a link from {self.peer}")
+        self.add_lanes(await waiting)
+
     async def close(self) -> None:
-        if not self._closed:
+        if not self._closed and not self._absorbed:
             self._closed = True
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
+            for sock in self._socks:
+                _close(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 class TcpListener(ListenerHandle):
-    def __init__(self, sock: socket.socket, on_link: OnLink, io_timeout: float):
+    def __init__(self, sock: socket.socket, on_link: OnLink, config: TransportConfig):
         self._sock = sock
-        self._io_timeout = io_timeout
+        self._io_timeout = config.op_timeout
+        self._gathering = lanes_.Gathering(config.connect_timeout)
         self.port = sock.getsockname()[1]
         self._on_link = on_link
         self._handlers: set[asyncio.Task] = set()
@@ -191,7 +294,7 @@ class TcpListener(ListenerHandle):
                 log.warning("tcp accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            task = loop.create_task(self._on_link(TcpLink(conn, self._io_timeout)))
+            task = loop.create_task(self._on_link(TcpLink(conn, self._io_timeout, self._gathering)))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -201,6 +304,7 @@ class TcpListener(ListenerHandle):
             await self._task
         except asyncio.CancelledError:
             pass
+        self._gathering.drain()
         self._sock.close()
 
 
@@ -214,7 +318,7 @@ async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig)
         raise ConnectError(f"cannot listen on {host}:{port}: {exc}") from exc
     sock.listen(128)
     sock.setblocking(False)
-    return TcpListener(sock, on_link, config.op_timeout)
+    return TcpListener(sock, on_link, config)
 
 
 async def connect(host: str, port: int, config: TransportConfig) -> TcpLink:
@@ -224,12 +328,20 @@ async def connect(host: str, port: int, config: TransportConfig) -> TcpLink:
     except OSError as exc:
         raise ConnectError(f"cannot resolve {host}: {exc}") from exc
     family, _, proto, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM, proto)
-    sock.setblocking(False)
+    socks = [socket.socket(family, socket.SOCK_STREAM, proto) for _ in range(config.tcp_lanes)]
+    link_id = os.urandom(16)
     try:
-        await asyncio.wait_for(loop.sock_connect(sock, address), config.connect_timeout)
-    except (OSError, asyncio.TimeoutError) as exc:
-        sock.close()
-        reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+        async with asyncio.timeout(config.connect_timeout):
+            for index, sock in enumerate(socks):
+                sock.setblocking(False)
+                await loop.sock_connect(sock, address)
+                if config.tcp_lanes > 1:
+                    await loop.sock_sendall(sock, lanes_.pack_preamble(index, config.tcp_lanes, link_id))
+    except (OSError, TimeoutError) as exc:
+        for sock in socks:
+            sock.close()
+        reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
         raise ConnectError(f"cannot connect to {host}:{port}: {reason}") from exc
-    return TcpLink(sock, config.op_timeout)
+    link = TcpLink(socks[0], config.op_timeout)
+    link.add_lanes(socks[1:])
+    return link

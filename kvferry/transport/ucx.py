@@ -99,7 +99,8 @@ class UcxLink(Link):
         await self._recv(buf)
         return buf.tobytes()
 
-    async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None) -> bool:
+    async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None,
+                           striped: bool = False) -> bool:
         view = region
         if isinstance(region, memoryview):
             region = np.frombuffer(region, dtype=np.uint8)

@@ -7,24 +7,30 @@ import pytest
 import torch
 
 from kvferry import transport
+from kvferry.transport import lanes
 
 # UCX over TCP, plus its CUDA transports where there is a GPU (set before ucxx initializes; the
 # transport never reads the environment).
 os.environ.setdefault("UCX_TLS", "tcp,cuda_copy,cuda_ipc" if torch.cuda.is_available() else "tcp")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-BACKENDS = ["tcp", "ucxx"]
+# "tcp-lanes": TCP links of three sockets, every DATA payload of 64 KiB or more spread over them.
+BACKENDS = ["tcp", "tcp-lanes", "ucxx"]
 
 
 def config(backend: str, **overrides) -> transport.TransportConfig:
     settings = dict(backend=backend, chunk_bytes=1 << 20, max_inflight_bytes=8 << 20,
                     connect_timeout=3.0, op_timeout=5.0, close_timeout=2.0)
+    if backend == "tcp-lanes":
+        settings.update(backend="tcp", tcp_lanes=3)
     settings.update(overrides)
     return transport.TransportConfig(**settings)
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request) -> str:
+def backend(request, monkeypatch) -> str:
+    if request.param == "tcp-lanes":
+        monkeypatch.setattr(lanes, "STRIPE_MIN", 64 << 10)
     return request.param
 
 

@@ -10,12 +10,17 @@ import asyncio
 import sys
 
 from kvferry import transport
+from kvferry.transport import lanes
 
 SMALL_STEPS = dict(chunk_bytes=64 << 10, max_inflight_bytes=128 << 10, op_timeout=60.0)
 
 
 async def main(role: str, backend: str, *rest: str) -> None:
-    config = transport.TransportConfig(backend=backend, **SMALL_STEPS)
+    if backend == "tcp-lanes":  # as tests.transport.conftest makes it
+        lanes.STRIPE_MIN = 64 << 10
+        config = transport.TransportConfig(backend="tcp", tcp_lanes=3, **SMALL_STEPS)
+    else:
+        config = transport.TransportConfig(backend=backend, **SMALL_STEPS)
     if role == "send":
         port, nbytes = int(rest[0]), int(rest[1])
         connection = await transport.connect("127.0.0.1", port, config)
