@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--transport-backend", choices=("auto", "ucxx", "tcp"),
                        help="data plane: ucxx (UCX: RDMA, CUDA IPC; needs a peer secret), tcp, or auto "
                             "(default: ucxx where it is installed and a peer secret is set, else tcp)")
-    serve.add_argument("--tcp-lanes", help="TCP sockets per data connection this sidecar dials, 1 to 16 (default 1); "
+    serve.add_argument("--tcp-lanes", help="TCP sockets per data connection this sidecar dials, 1 to 16 (default 0: 4 on a GPU, 1 on a CPU); "
                                            "large payloads spread over them, for NICs faster than one stream")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                        help="daemon log level (default info)")

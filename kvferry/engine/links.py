@@ -19,6 +19,9 @@ from .settings import Settings
 
 log = logging.getLogger("kvferry.engine")
 CPU_MESSAGE_BYTES = 16 << 20
+# A GPU sidecar dials four TCP lanes: GPU payloads over TCP moved 3.5 GB/s on one lane, 6.0 on four
+# and 5.8 on eight (two H200s of one host, loopback; docs/decisions/025-tcp-lanes.md).
+GPU_TCP_LANES = 4
 
 
 @dataclass
@@ -77,7 +80,7 @@ def data_plane(settings: Settings, on_gpu: bool, chunk_bytes: int) -> tuple[tran
         max_handshaking_connections=settings.max_handshaking_connections,
         max_handshaking_per_source=settings.max_handshaking_per_source,
         protocol=f"kvferry-peer/{peer.VERSION}", encrypt=settings.data_encryption == "on",
-        idle_timeout=settings.idle_timeout, tcp_lanes=settings.tcp_lanes,
+        idle_timeout=settings.idle_timeout, tcp_lanes=settings.tcp_lanes or (GPU_TCP_LANES if on_gpu else 1),
         ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options},
         ucx_progress_mode=settings.ucx_progress_mode)
     backend = transport.resolve_backend(config)

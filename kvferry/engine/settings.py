@@ -49,7 +49,7 @@ class Settings:
     transport_backend: str = "auto"  # auto, ucxx, tcp
     transport_chunk_bytes: int = 0  # largest message; 0 = a whole pipeline chunk's frame on a GPU, 16 MiB on the CPU
     transport_window_bytes: int = 128 * MiB
-    tcp_lanes: int = 1  # TCP sockets per data connection this sidecar dials; large payloads spread over them
+    tcp_lanes: int = 0  # TCP sockets per data connection this sidecar dials (large payloads spread over them); 0 = 4 on a GPU, 1 on the CPU
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     ucx_progress_mode: str = "blocking"  # ucxx's worker progress: blocking (on the event loop), thread, polling, thread-polling
     # After any request or peer message the event loop busy-polls this long, so the next request
@@ -83,8 +83,8 @@ class Settings:
             raise ValueError(f"transport_backend: {self.transport_backend!r} is not auto, ucxx or tcp")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ValueError(f"ucx_progress_mode: {self.ucx_progress_mode!r} is not one of {', '.join(UCX_PROGRESS_MODES)}")
-        if not 1 <= self.tcp_lanes <= 16:
-            raise ValueError(f"tcp_lanes: {self.tcp_lanes} is not 1 to 16")
+        if not 0 <= self.tcp_lanes <= 16:
+            raise ValueError(f"tcp_lanes: {self.tcp_lanes} is not 0 (by device) or 1 to 16")
         if self.data_encryption not in ("off", "on"):
             raise ValueError(f"data_encryption: {self.data_encryption!r} is not off or on")
         if self.log_level not in ("debug", "info", "warning", "error"):
