@@ -48,6 +48,8 @@ DATA_DEV = "data0"
 PREFIX = "kvf-"
 _LOCK = Path("/run/lock/kvferry-netns.lock")
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_PRIVATE, _MNT_DETACH = 0x4000, 1 << 18, 2
 _ROOT = Path(__file__).resolve().parents[2]  # where ``kvferry`` imports from, for the daemons
 
 
@@ -148,6 +150,13 @@ def enter(netns: str) -> None:
         if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
             error = ctypes.get_errno()
             raise OSError(error, f"setns into {netns}: {os.strerror(error)}")
+    # Libraries that list network devices from /sys (UCX) would still see the old namespace's:
+    # as ``ip netns exec`` does, remount /sys in a mount namespace of this process's own.
+    if libc.unshare(_CLONE_NEWNS) == 0 and libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) == 0:
+        libc.umount2(b"/sys", _MNT_DETACH)
+        if libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"mounting /sys in {netns}: {os.strerror(error)}")
 
 
 @dataclass

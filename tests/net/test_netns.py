@@ -4,6 +4,7 @@ a crashed run's namespaces swept by the next one, partitions and shaping that ac
 from __future__ import annotations
 
 import ipaddress
+import os
 import subprocess
 import sys
 
@@ -89,12 +90,13 @@ def _addresses_seen(netns_name: str, queue) -> None:
     out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
     with socket.socket() as s:  # and a socket there binds the host's data address
         s.bind((re.search(rf"{netns.DATA_DEV}\s+inet ([0-9.]+)/", out).group(1), 0))
-        queue.put((out, s.getsockname()[0]))
+        queue.put((out, s.getsockname()[0], sorted(os.listdir("/sys/class/net"))))
 
 
 def test_a_child_process_enters_a_host(networks):
     """What NIXL's processes do in ``bench/peers.py --netns``: ``enter`` moves a spawned process
-    into the host's namespace, where it sees that host's cable and address and nothing of ours."""
+    into the host's namespace, where it sees that host's cable and address and nothing of ours,
+    in /sys too (where UCX lists the devices it may use)."""
     import multiprocessing
 
     net = networks("a", "b")
@@ -103,10 +105,11 @@ def test_a_child_process_enters_a_host(networks):
     child = context.Process(target=_addresses_seen, args=(net.hosts["b"].netns, queue))
     child.start()
     try:
-        seen, bound = queue.get(timeout=60)
+        seen, bound, devices = queue.get(timeout=60)
     finally:
         child.join(timeout=30)
     assert bound == net.hosts["b"].data_ip and net.hosts["a"].data_ip not in seen
     assert net.hosts["a"].root_dev not in seen and "ctl0" in seen
+    assert netns.DATA_DEV in devices and net.hosts["a"].root_dev not in devices
     with pytest.raises(OSError):
         netns.enter("kvf-no-such-namespace")
