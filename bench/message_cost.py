@@ -60,7 +60,7 @@ async def measure(region_blocks: int) -> dict[str, dict[str, float]]:
     engine = Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", peer_secret=SECRET))
     await engine.start()
     times: list[float] = []
-    handler = engine._on_message
+    handler = engine.on_message
 
     def timed(connection, payload):
         started = time.perf_counter()
@@ -69,7 +69,7 @@ async def measure(region_blocks: int) -> dict[str, dict[str, float]]:
         finally:
             times.append(time.perf_counter() - started)
 
-    engine._on_message = timed
+    engine.on_message = timed
     engine.listener.on_message = timed
     await engine.register_region(RegionSpec("dst", region_blocks, (512,), "bfloat16"))
     raw = await RawPeer.connect(engine.data_address, SECRET.encode())

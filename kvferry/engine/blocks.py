@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -15,13 +16,50 @@ from .errors import InvalidBlocks
 MAX_BLOCKS = 1 << 20
 
 
-@dataclass(frozen=True)
-class Range:
-    """``count`` ids from ``start``, ``stride`` apart (stride may be negative, not zero)."""
+class Range(NamedTuple):
+    """``count`` ids from ``start``, ``stride`` apart (stride may be negative, not zero). A named
+    tuple, not a dataclass: a peer's announce may carry thousands, built in a few µs each less."""
 
     start: int
     count: int
     stride: int = 1
+
+
+class RangeTable(Sequence):
+    """Ranges as three integer columns, for block lists decoded from a peer's message: thousands
+    of ranges cost no Python object each (building them stalled the loop and fed the garbage
+    collector). Reads as a sequence of ``Range``."""
+
+    __slots__ = ("starts", "counts", "strides", "total")
+
+    def __init__(self, starts: np.ndarray, counts: np.ndarray, strides: np.ndarray):
+        self.starts, self.counts, self.strides = (np.asarray(c, dtype=np.int64) for c in (starts, counts, strides))
+        self.total = int(self.counts.sum())
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return RangeTable(self.starts[i], self.counts[i], self.strides[i])
+        return Range(int(self.starts[i]), int(self.counts[i]), int(self.strides[i]))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash((self.starts.tobytes(), self.counts.tobytes(), self.strides.tobytes()))
+
+    def __repr__(self) -> str:
+        return f"RangeTable({len(self)} ranges, {self.total} ids)"
+
+
+def _columns(ranges: Sequence[Range]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, counts, strides) of any sequence of ranges, as int64 arrays."""
+    if isinstance(ranges, RangeTable):
+        return ranges.starts, ranges.counts, ranges.strides
+    table = np.array([(r.start, r.count, r.stride) for r in ranges], dtype=np.int64).reshape(-1, 3)
+    return table[:, 0], table[:, 1], table[:, 2]
 
 
 @dataclass(frozen=True)
@@ -31,7 +69,7 @@ class Blocks:
     cache's layers and K/V, one short list where ranges would repeat the same count and stride."""
 
     ids: tuple[int, ...] | None = None
-    ranges: tuple[Range, ...] | None = None
+    ranges: tuple[Range, ...] | RangeTable | None = None
     spread: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -56,6 +94,8 @@ class Blocks:
     def __len__(self) -> int:
         if self.ids is not None:
             return len(self.ids) * (self.spread[0] if self.spread else 1)
+        if isinstance(self.ranges, RangeTable):
+            return self.ranges.total
         return sum(r.count for r in self.ranges)
 
     def _check_small(self, num_blocks: int) -> bool:
@@ -109,10 +149,13 @@ class Blocks:
             raise InvalidBlocks(f"{n} blocks is over the limit of {MAX_BLOCKS}")
         if n > num_blocks:  # checked before anything is built: they cannot all be distinct ids of it
             raise InvalidBlocks(f"{n} blocks do not fit a region of {num_blocks} without repeating")
-        for r in self.ranges or ():
-            last = r.start + r.stride * (r.count - 1)
-            if r.count > 0 and not (0 <= r.start < num_blocks and 0 <= last < num_blocks):
-                raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, range {r} is not")
+        if self.ranges:
+            starts, counts, strides = _columns(self.ranges)
+            lasts = starts + strides * (counts - 1)
+            outside = (counts > 0) & ~((0 <= starts) & (starts < num_blocks) & (0 <= lasts) & (lasts < num_blocks))
+            if outside.any():
+                raise InvalidBlocks(f"block ids must be in 0..{num_blocks - 1}, "
+                                    f"range {self.ranges[int(outside.argmax())]} is not")
         if self._check_small(num_blocks):
             return torch.tensor(self.ids, dtype=torch.int64, device=device)
         if self._check_spread(num_blocks):
@@ -122,9 +165,10 @@ class Blocks:
         elif self.ids is not None:
             ids = torch.tensor(self.ids, dtype=torch.int64)
         else:
-            for r in self.ranges:
-                if r.count < 0 or r.stride == 0:
-                    raise InvalidBlocks(f"range {r} needs count >= 0 and a stride other than 0")
+            _, counts, strides = _columns(self.ranges)
+            bad = (counts < 0) | (strides == 0)
+            if bad.any():
+                raise InvalidBlocks(f"range {self.ranges[int(bad.argmax())]} needs count >= 0 and a stride other than 0")
             ids = _expand(self.ranges, n)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= num_blocks:
@@ -134,13 +178,13 @@ class Blocks:
         return ids.to(device)
 
 
-def _expand(ranges: tuple[Range, ...], n: int) -> torch.Tensor:
+def _expand(ranges: Sequence[Range], n: int) -> torch.Tensor:
     """The ``n`` ids of ``ranges`` in a few tensor operations, not one per range (a request across
     a cache's layers is one range per block, all alike: a single outer sum)."""
-    first = ranges[0]
-    if all(r.count == first.count and r.stride == first.stride for r in ranges):
-        return _outer([r.start for r in ranges], first.count, first.stride)
-    starts, counts, strides = torch.tensor([(r.start, r.count, r.stride) for r in ranges], dtype=torch.int64).unbind(1)
+    starts, counts, strides = _columns(ranges)
+    if (counts == counts[0]).all() and (strides == strides[0]).all():
+        return _outer(starts.tolist(), int(counts[0]), int(strides[0]))
+    starts, counts, strides = (torch.from_numpy(c) for c in (starts, counts, strides))
     firsts = torch.cumsum(counts, 0) - counts  # where each range begins in the list
     step = torch.arange(n, dtype=torch.int64) - torch.repeat_interleave(firsts, counts, output_size=n)
     return torch.repeat_interleave(starts, counts, output_size=n) + step * torch.repeat_interleave(

@@ -60,7 +60,9 @@ import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from .blocks import Blocks, Range
+import numpy as np
+
+from .blocks import Blocks, Range, RangeTable, _columns
 from .errors import ProtocolViolation
 from .plan import TAPER, ChunkTags, Plan, chunk_count, chunk_tag, plan_chunks  # noqa: F401  (the protocol's chunking)
 
@@ -262,8 +264,13 @@ def _str(text: str, width: int) -> bytes:
 
 def _blocks(blocks: Blocks) -> bytes:
     if blocks.ranges is not None:
-        return struct.pack("<BI", 1, len(blocks.ranges)) + b"".join(
-            struct.pack("<IIi", r.start, r.count, r.stride) for r in blocks.ranges)
+        starts, counts, strides = _columns(blocks.ranges)
+        if len(starts) and (min(starts.min(), counts.min()) < 0 or max(starts.max(), counts.max()) >> 32
+                            or not -(1 << 31) <= strides.min() <= strides.max() < 1 << 31):
+            raise struct.error("a block range outside the wire's fields (u32 start and count, i32 stride)")
+        table = np.empty(len(starts), dtype=_RANGE_COLUMNS)
+        table["start"], table["count"], table["stride"] = starts, counts, strides
+        return struct.pack("<BI", 1, len(blocks.ranges)) + table.tobytes()
     if len(blocks.ids) > MAX_IDS:
         raise ProtocolViolation(f"{len(blocks.ids)} block ids is over {MAX_IDS}")
     ids = struct.pack(f"<BI{len(blocks.ids)}I", 0 if blocks.spread is None else 2, len(blocks.ids), *blocks.ids)
@@ -272,6 +279,7 @@ def _blocks(blocks: Blocks) -> bytes:
 
 # ---- parsing -----------------------------------------------------------------------------------
 _RANGE = struct.Struct("<IIi")
+_RANGE_COLUMNS = np.dtype([("start", "<u4"), ("count", "<u4"), ("stride", "<i4")])  # the same, as columns
 
 
 @functools.lru_cache(maxsize=256)
@@ -313,8 +321,9 @@ class _Reader:
         if form == 0:
             return Blocks(ids=self.unpack(f"{n}I"))
         if form == 1:
-            ranges = tuple(Range(*fields) for fields in _RANGE.iter_unpack(self.take(n * _RANGE.size)))
-            if sum(r.count for r in ranges) > MAX_IDS:
+            table = np.frombuffer(self.take(n * _RANGE.size), dtype=_RANGE_COLUMNS)
+            ranges = RangeTable(table["start"], table["count"], table["stride"])
+            if ranges.total > MAX_IDS:
                 raise ProtocolViolation(f"ranges of over {MAX_IDS} blocks")
             return Blocks(ranges=ranges)
         if form == 2:
