@@ -217,9 +217,17 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.leases = LeaseBook()
         await e.start()
         app.state.leases.start(e)
+        grpc_plane = None
         try:
+            if settings.grpc_port:  # imported only here: grpcio is an extra
+                from .grpc.server import ControlPlane
+
+                grpc_plane = ControlPlane(e, settings)
+                await grpc_plane.start(e.ready)
             yield
         finally:
+            if grpc_plane is not None:
+                await grpc_plane.stop()
             await app.state.leases.close()
             await e.close()
 

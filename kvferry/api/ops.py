@@ -11,6 +11,7 @@ from kvferry import __version__, codec
 from kvferry.engine.engine import Engine, TransferSpec
 from kvferry.engine.errors import BadRequest, TransferFailed
 from kvferry.engine.regions import RegionSpec
+from kvferry.engine.transfers import Transfer
 
 from .models import CODEC, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
 
@@ -47,12 +48,19 @@ def write_blocks(e: Engine, name: str, start: int, count: int, data: bytes) -> N
     region.write_run(start, data)
 
 
-async def submit_transfer(e: Engine, body: TransferBody, wait: float) -> tuple[dict[str, Any], int]:
-    """(the record, 200) once done within ``wait``, else ({id, state}, 202). Raises: EngineError."""
-    spec = TransferSpec(peer=body.peer, pairs=body.pairs(), src_blocks=to_blocks(body.src_blocks),
-                        dst_blocks=to_blocks(body.dst_blocks), codec=body.codec, codebook=body.codebook,
-                        references=body.references())
-    t = e.submit(spec)
+def start_transfer(e: Engine, body: TransferBody) -> Transfer:
+    """Raises: EngineError (refused before it started)."""
+    return e.submit(TransferSpec(peer=body.peer, pairs=body.pairs(), src_blocks=to_blocks(body.src_blocks),
+                                 dst_blocks=to_blocks(body.dst_blocks), codec=body.codec, codebook=body.codebook,
+                                 references=body.references()))
+
+
+async def settle(e: Engine, t: Transfer, wait: float) -> tuple[dict[str, Any], int]:
+    """(the record, 200) once done within ``wait``, else ({id, state}, 202).
+
+    Raises:
+        TransferFailed: it failed or was cancelled within ``wait``.
+    """
     if wait:
         try:
             return await e.wait(t.id, wait), 200
@@ -60,6 +68,11 @@ async def submit_transfer(e: Engine, body: TransferBody, wait: float) -> tuple[d
             if exc.state in ("failed", "cancelled"):
                 raise
     return {"id": t.id, "state": t.state.value}, 202
+
+
+async def submit_transfer(e: Engine, body: TransferBody, wait: float) -> tuple[dict[str, Any], int]:
+    """Start a transfer and ``settle`` it. Raises: EngineError."""
+    return await settle(e, start_transfer(e, body), wait)
 
 
 async def transfer_record(e: Engine, transfer_id: str, wait: float) -> dict[str, Any]:
