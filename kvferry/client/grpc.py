@@ -10,6 +10,7 @@ import json
 import random
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from .sdk import Blocks, blocks_json
 
 # A stream broken by these is dialled again (the sidecar restarted, shut down, or the connection dropped).
 REDIAL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+SEEN = 4096  # transfers whose last state a watch remembers, not to yield it again on a resubscription
 KINDS = {transfers_pb2.EVENT_KIND_SNAPSHOT: "snapshot", transfers_pb2.EVENT_KIND_CHANGED: "changed",
          transfers_pb2.EVENT_KIND_NOT_FOUND: "not_found"}
 
@@ -60,7 +62,9 @@ class GrpcClient:
     def __init__(self, target: str, token: str | None = None, timeout: float = 60.0, retries: int = 6,
                  submitter: str | None = None):
         self._channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+            # a restarted sidecar is dialled again within 2 s (gRPC's default backs off to 120 s)
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000)])
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout, self._retries = timeout, retries
         self.submitter = submitter or uuid.uuid4().hex
@@ -196,13 +200,16 @@ class GrpcClient:
         ``follow`` it ends once every watched transfer has ended. A broken stream is dialled again
         with jittered backoff and resubscribed (the current states sent again; a state already
         yielded is not repeated) until the sidecar has been unreachable ``reconnect_timeout`` seconds.
+        Without ids, a resubscription also catches up on the transfers that started since the watch
+        began and ended while it was away (as far as the sidecar's history reaches).
 
         Raises:
             EngineError (bad input, the token refused), grpc.aio.AioRpcError (unreachable too long).
         """
         request = transfers_pb2.WatchRequest(ids=list(ids), submitter=self.submitter if mine and not ids else "",
                                              follow=follow)
-        seen: dict[str, str] = {}  # id -> the state last yielded
+        began = time.time() - 1.0  # the sidecar's clock may be a little behind (it is on this host)
+        seen: OrderedDict[str, str] = OrderedDict()  # id -> the state last yielded, the latest SEEN of them
         delay, down_since = 0.05, None
         while True:
             try:
@@ -212,6 +219,9 @@ class GrpcClient:
                     state = event.status.state if event.status is not None else event.kind
                     if seen.get(event.id) != state:
                         seen[event.id] = state
+                        seen.move_to_end(event.id)
+                        if len(seen) > SEEN:
+                            seen.popitem(last=False)
                         yield event
                 return
             except grpc.aio.AioRpcError as exc:
@@ -223,6 +233,8 @@ class GrpcClient:
                 down_since = down_since or time.monotonic()
                 if time.monotonic() - down_since > reconnect_timeout:
                     raise
+                if not ids:
+                    request.since = began
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(2.0, delay * 2)
 

@@ -141,7 +141,7 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
     @translated
     async def Watch(self, request: transfers_pb2.WatchRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[transfers_pb2.WatchResponse]:
-        watcher = self.hub.subscribe(list(request.ids), request.submitter, request.follow)
+        watcher = self.hub.subscribe(list(request.ids), request.submitter, request.follow, request.since)
         try:
             while True:
                 if watcher.closed:

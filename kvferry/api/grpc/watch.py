@@ -24,6 +24,7 @@ from kvferry.engine.transfers import Transfer, TransferTable
 MAX_WATCHERS = 256  # Watch streams at once
 MAX_BEHIND = 1024  # transfers with an unread event, per watcher
 MAX_IDS = MAX_BEHIND  # transfer ids one Watch names (their snapshots must fit)
+MAX_ENDED_TAGS = 4096  # submitters of ended transfers kept for catch-up (the table's default history)
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,13 @@ class Hub:
         self._table = table
         self._watchers: set[Watcher] = set()
         self._tags: dict[str, str] = {}  # transfer id -> its submitter, while it is in progress
+        self._ended: OrderedDict[str, str] = OrderedDict()  # ... and for the latest MAX_ENDED_TAGS ended
         table.listeners.append(self._changed)
 
-    def subscribe(self, ids: list[str], submitter: str, follow: bool) -> Watcher:
-        """A watcher holding the current state of each transfer it selects.
+    def subscribe(self, ids: list[str], submitter: str, follow: bool, since: float = 0.0) -> Watcher:
+        """A watcher holding the current state of each transfer it selects: those ``ids``, or
+        those in progress and, with ``since``, those created since then that have ended already
+        (the newest that fit in ``MAX_BEHIND``).
 
         Raises:
             BadRequest: too many ids. Overloaded: too many watchers.
@@ -98,7 +102,11 @@ class Hub:
         if ids:
             found = [(i, self._table.find(i)) for i in dict.fromkeys(ids)]
         else:
-            found = [(t.id, t) for t in self._table.active() if watcher.selects(t.id, self._tags.get(t.id, ""))]
+            found = [(t.id, t) for t in self._table.active() if watcher.selects(t.id, self._tag_of(t.id))]
+            if since > 0:
+                ended = [t for t in self._table.query(limit=MAX_BEHIND - len(found))
+                         if t.created >= since and t.state.terminal and watcher.selects(t.id, self._tag_of(t.id))]
+                found = [(t.id, t) for t in reversed(ended)] + found
         for transfer_id, t in found:
             watcher.push(Event("snapshot", transfer_id, t.public()) if t is not None
                          else Event("not_found", transfer_id, None))
@@ -124,8 +132,15 @@ class Hub:
             watcher.closed = True
             watcher.wake.set()
 
+    def _tag_of(self, transfer_id: str) -> str:
+        return self._tags.get(transfer_id) or self._ended.get(transfer_id, "")
+
     def _changed(self, t: Transfer) -> None:
         tag = self._tags.pop(t.id, "") if t.state.terminal else self._tags.get(t.id, "")
+        if tag and t.state.terminal:
+            self._ended[t.id] = tag
+            while len(self._ended) > MAX_ENDED_TAGS:
+                self._ended.popitem(last=False)
         self._tell(t, tag, lambda w: True)
 
     def _tell(self, t: Transfer, tag: str, also: Callable[[Watcher], bool]) -> None:

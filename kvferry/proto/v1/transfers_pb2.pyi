@@ -149,14 +149,16 @@ class CancelResponse(_message.Message):
     def __init__(self, transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("ids", "submitter", "follow")
+    __slots__ = ("ids", "submitter", "follow", "since")
     IDS_FIELD_NUMBER: _ClassVar[int]
     SUBMITTER_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[str]
     submitter: str
     follow: bool
-    def __init__(self, ids: _Optional[_Iterable[str]] = ..., submitter: _Optional[str] = ..., follow: _Optional[bool] = ...) -> None: ...
+    since: float
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., submitter: _Optional[str] = ..., follow: _Optional[bool] = ..., since: _Optional[float] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
     __slots__ = ("kind", "transfer")
