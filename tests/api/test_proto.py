@@ -88,3 +88,33 @@ else:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "grpc client: grpc is not installed" in result.stdout
+
+
+def test_the_grpcurl_examples_call_real_methods_with_valid_messages():
+    """docs/grpc.md's grpcurl lines (not run: grpcurl may be absent) name methods the protocol has,
+    with request bodies that parse as their messages."""
+    import shlex
+
+    from google.protobuf import json_format
+
+    from kvferry.proto.v1 import codebooks_pb2, health_pb2, regions_pb2, transfers_pb2
+
+    modules = (codebooks_pb2, health_pb2, regions_pb2, transfers_pb2)
+    text = (ROOT / "docs" / "grpc.md").read_text().replace("\\\n", " ")
+    commands = [shlex.split(line) for line in text.splitlines() if line.startswith("grpcurl ")]
+    assert len(commands) >= 5
+    for words in commands:
+        method = next((w for w in words if "/" in w and not w.startswith("-")), None)
+        if method is None:
+            assert words[-1] == "list"
+            continue
+        service, name = method.split("/")
+        if service.startswith("grpc."):
+            continue
+        found = [m.DESCRIPTOR.services_by_name[s.name].methods_by_name.get(name) for m in modules
+                 for s in m.DESCRIPTOR.services_by_name.values() if s.full_name == service]
+        assert found and found[0] is not None, f"{method} is not a method of the protocol"
+        if "-d" in words:
+            request = found[0].input_type
+            module = next(m for m in modules if request.name in m.DESCRIPTOR.message_types_by_name)
+            json_format.Parse(words[words.index("-d") + 1], getattr(module, request.name)())
