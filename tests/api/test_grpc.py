@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvferry.client.grpc import GrpcClient
+from kvferry.engine import errors
 from kvferry.demo import free_port
 from kvferry.proto.v1 import regions_pb2, regions_pb2_grpc, transfers_pb2, transfers_pb2_grpc
 from tests.api.conftest import spawn_sidecar
@@ -168,3 +169,27 @@ def test_a_watch_outlives_a_sidecar_restart(sidecars):
         _run(scenario, 120)
     finally:
         stop(a.daemon)
+
+
+def test_codebooks_are_calibrated_stored_and_read(sidecars):
+    a, _ = sidecars
+
+    async def scenario():
+        async with GrpcClient(a.grpc, token=TOKEN) as client:
+            import torch
+
+            name, book = _name(), _name()
+            kv = torch.randn(4, 2, 8, 64).to(torch.bfloat16)
+            await client.create_region(name, 4, [2, 8, 64], "bfloat16")
+            await client.put_blocks(name, 0, 4, kv.view(torch.uint8).numpy().tobytes())
+            made = await client.calibrate(book, name, range(4))
+            assert made["name"] == book and made["codec"] == "splitzip" and made["digest"]
+            document = await client.codebook(book)
+            copy = await client.put_codebook(_name(), document)
+            assert copy["digest"] == made["digest"]
+            with pytest.raises(errors.NotFound):
+                await client.codebook("no-such-codebook")
+            with pytest.raises(errors.BadRequest):
+                await client.calibrate(_name(), name, range(4), energy="lots")
+
+    _run(scenario)
