@@ -102,8 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_module.load(cli, config_file=args.config)
         settings.check()
-        if settings.grpc_port and importlib.util.find_spec("grpc") is None:
-            raise ValueError(f"grpc_port: {settings.grpc_port} but grpcio is not installed (pip install kvferry[grpc])")
+        if settings.grpc_port and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_health", "grpc_reflection")):
+            raise ValueError(f"grpc_port: {settings.grpc_port} but the grpc extra is not installed "
+                             "(pip install kvferry[grpc])")
         if settings.device.startswith("cuda"):
             import torch
 
