@@ -20,13 +20,17 @@ WORKDIR /src
 RUN pip install --index-url https://download.pytorch.org/whl/cu130 "torch==2.11.0"
 COPY pyproject.toml README.md ./
 COPY kvferry ./kvferry
-# This installs the project itself; its dependencies are constrained in pyproject.toml.
+# The P/D proxy the Helm chart runs on this image (one copy: the example's).
+COPY examples/vllm-pd/proxy.py /opt/kvferry-proxy/proxy.py
+# This installs the project itself (grpc: the control plane over gRPC, kvferry serve --grpc-port);
+# its dependencies are constrained in pyproject.toml.
 # hadolint ignore=DL3013
-RUN pip install ".[gpu]" && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin kvferry
+RUN pip install ".[gpu,grpc]" && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin kvferry
 
 USER 10001
 WORKDIR /home/kvferry
-# control API (HTTP) and data plane (UCX or TCP): the defaults of `kvferry serve`
+# control API (HTTP) and data plane (UCX or TCP): the defaults of `kvferry serve` (gRPC is off unless
+# --grpc-port names a port)
 EXPOSE 7700 7701
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7700/healthz', timeout=2)"]

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", help="YAML settings file (also KVFERRY_CONFIG)")
     serve.add_argument("--host", help="control API bind address (default 127.0.0.1; others need a token)")
     serve.add_argument("--port", help="control API port (default 7700)")
+    serve.add_argument("--grpc-port", help="the control API over gRPC too, on this port (default 0: off; needs "
+                                           "pip install kvferry[grpc])")
     serve.add_argument("--data-host", help="data listener bind address (default 127.0.0.1; others need a peer secret)")
     serve.add_argument("--data-port", help="data listener port (default 7701; 0 = any)")
     serve.add_argument("--advertise-host", help="address peers use for the data port")
@@ -88,6 +90,7 @@ def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import importlib.util
     import json
     import logging
     import os
@@ -101,6 +104,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_module.load(cli, config_file=args.config)
         settings.check()
+        if settings.grpc_port and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_health", "grpc_reflection")):
+            raise ValueError(f"grpc_port: {settings.grpc_port} but the grpc extra is not installed "
+                             "(pip install kvferry[grpc])")
         if settings.device.startswith("cuda"):
             import torch
 

@@ -9,7 +9,7 @@ import logging
 import math
 import re
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
@@ -20,15 +20,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvferry import __version__, codec
-from kvferry.engine.engine import Engine, TransferSpec
-from kvferry.engine.errors import BadRequest, EngineError, PayloadTooLarge, TransferFailed, Unauthorized
-from kvferry.engine.regions import RegionSpec
+from kvferry import __version__
+from kvferry.engine.engine import Engine
+from kvferry.engine.errors import EngineError, PayloadTooLarge, Unauthorized
 from kvferry.engine.settings import Settings
 
-from . import errors
+from . import errors, ops
 from .leases import MAX_WAIT, LeaseBody, LeaseBook, RenewBody
-from .models import CODEC, ERRORS, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
+from .models import CODEC, ERRORS, CalibrateBody, RegionBody, TransferBody
+from .ops import submit_transfer, transfer_record
 
 log = logging.getLogger("kvferry.api")
 
@@ -75,9 +75,7 @@ async def readyz(e: EngineDep) -> Response:
 @health.get("/v1/health", dependencies=[Depends(authorized)], responses={401: ERRORS[401]})
 async def health_v1(e: EngineDep) -> dict:
     """What a peer needs to send here (``data_address``), and what this sidecar runs."""
-    return {"status": "ready" if e.ready else "starting", "version": __version__, "backend": e.backend,
-            "device": str(e.device), "data_address": e.data_address, "codecs": codec.names(),
-            "max_body_bytes": e.settings.max_body_bytes}
+    return ops.health(e)
 
 
 @health.get("/metrics", response_class=PlainTextResponse,
@@ -92,10 +90,7 @@ async def metrics(e: EngineDep) -> Response:
 @regions.post("", status_code=201)
 async def create_region(body: RegionBody, e: EngineDep) -> dict:
     """Register KV memory: ``owned`` (allocated here), ``shm`` or ``cuda_ipc`` (the worker's)."""
-    fields = body.model_dump()
-    fields["block_shape"] = tuple(fields["block_shape"])
-    fields["axes"] = tuple(fields["axes"]) if fields["axes"] else None
-    return (await e.register_region(RegionSpec(**fields))).describe()
+    return await ops.create_region(e, body)
 
 
 @regions.get("")
@@ -152,11 +147,7 @@ async def put_blocks(name: str, request: Request, e: EngineDep,
     """Overwrite blocks ``start`` to ``start + count - 1`` with their raw bytes, concatenated
     (application/octet-stream; at most ``max_body_bytes``): an upload in as few requests as
     the body limit allows, rather than one per block."""
-    body = await request.body()
-    region = e.regions.get(name)
-    if len(body) != count * region.block_bytes:
-        raise BadRequest(f"{count} blocks of {name!r} are {count * region.block_bytes} bytes, got {len(body)}")
-    region.write_run(start, body)
+    ops.write_blocks(e, name, start, count, await request.body())
     return Response(status_code=204)
 
 
@@ -177,21 +168,6 @@ async def submit(body: TransferBody, e: EngineDep,
     return JSONResponse(*await submit_transfer(e, body, wait))
 
 
-async def submit_transfer(e: Engine, body: TransferBody, wait: float) -> tuple[dict[str, Any], int]:
-    """(the record, 200) once done within ``wait``, else ({id, state}, 202). Raises: EngineError."""
-    spec = TransferSpec(peer=body.peer, pairs=body.pairs(), src_blocks=to_blocks(body.src_blocks),
-                        dst_blocks=to_blocks(body.dst_blocks), codec=body.codec, codebook=body.codebook,
-                        references=body.references())
-    t = e.submit(spec)
-    if wait:
-        try:
-            return await e.wait(t.id, wait), 200
-        except TransferFailed as exc:
-            if exc.state in ("failed", "cancelled"):
-                raise
-    return {"id": t.id, "state": t.state.value}, 202
-
-
 @transfers.get("")
 async def list_transfers(e: EngineDep, state: Literal["queued", "running", "done", "failed", "cancelled"] | None = None,
                          direction: Literal["in", "out"] | None = None,
@@ -207,13 +183,6 @@ async def get_transfer(transfer_id: str, e: EngineDep,
     return await transfer_record(e, transfer_id, wait)
 
 
-async def transfer_record(e: Engine, transfer_id: str, wait: float) -> dict[str, Any]:
-    """Raises: NotFound."""
-    if wait:
-        await e.transfers.get(transfer_id).wait(wait)
-    return e.status(transfer_id)
-
-
 @transfers.delete("/{transfer_id}")
 async def cancel(transfer_id: str, e: EngineDep) -> dict:
     """Cancel a running transfer (either side; the other side is told)."""
@@ -225,9 +194,7 @@ async def put_codebook(name: str, request: Request, e: EngineDep,
                        codec_name: Annotated[str, Query(alias="codec", pattern=CODEC)] = "splitzip"
                        ) -> dict:
     """Store a codebook document (the codec's ``to_json``)."""
-    if not re.match(NAME, name):
-        raise BadRequest("bad codebook name")
-    return e.put_codebook(name, codec_name, await request.body())
+    return ops.put_codebook(e, name, codec_name, await request.body())
 
 
 @codebooks.get("/{name}")
@@ -238,9 +205,7 @@ async def get_codebook(name: str, e: EngineDep) -> Response:
 @codebooks.post("/{name}/calibrate")
 async def calibrate(name: str, body: CalibrateBody, e: EngineDep) -> dict:
     """Calibrate a codebook for ``codec`` on blocks of a region and store it under ``name``."""
-    if not re.match(NAME, name):
-        raise BadRequest("bad codebook name")
-    return e.calibrate_codebook(name, body.codec, body.region, to_blocks(body.blocks), body.token_axis, body.options)
+    return ops.calibrate(e, name, body)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -252,9 +217,17 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.leases = LeaseBook()
         await e.start()
         app.state.leases.start(e)
+        grpc_plane = None
         try:
+            if settings.grpc_port:  # imported only here: grpcio is an extra
+                from .grpc.server import ControlPlane
+
+                grpc_plane = ControlPlane(e, settings)
+                await grpc_plane.start(e.ready)
             yield
         finally:
+            if grpc_plane is not None:
+                await grpc_plane.stop()
             await app.state.leases.close()
             await e.close()
 
@@ -278,7 +251,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"error": "BadRequest", "detail": _plain(exc.errors())}, status_code=422)
+        return JSONResponse({"error": "BadRequest", "detail": errors.plain(exc.errors())}, status_code=422)
 
     return app
 
@@ -464,6 +437,3 @@ def token_ok(supplied: bytes | str, token: str) -> bool:
         supplied = supplied.encode()
     return hmac.compare_digest(supplied, f"Bearer {token}".encode())
 
-
-def _plain(errors_) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors_)

@@ -20,9 +20,9 @@ import httpx
 
 from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
 
+from .handle import Transfer, TransferStatus, waited
 from .transport import Exchange, KeepAlive, Reply
 
-TERMINAL = ("done", "failed", "cancelled")
 RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
 UPLOAD_BYTES = 32 << 20  # an owned region's upload: at most this much a request (and the body limit)
 Blocks = Sequence[int] | range | dict[str, Any]
@@ -256,6 +256,30 @@ class Client:
         body = {"regions": [_pair_json(p) for p in pairs]}
         return self._post(body, src_blocks, peer, dst_blocks, codec, codebook, wait)["id"]
 
+    def start(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
+              codec: str = "auto", codebook: str | None = None, *,
+              references: tuple[str, str] | None = None) -> Transfer:
+        """``submit``, answered with a typed handle (``t.wait()``, ``t.cancel()``, ``t.status``)."""
+        body = _pair_json((src_region, dst_region, *(references or ())), "src_region", "dst_region")
+        return self._handle(self._post(body, src_blocks, peer, dst_blocks, codec, codebook, 0))
+
+    def start_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
+                      codec: str = "auto", codebook: str | None = None) -> Transfer:
+        """``submit_regions``, answered with a typed handle."""
+        body = {"regions": [_pair_json(p) for p in pairs]}
+        return self._handle(self._post(body, src_blocks, peer, dst_blocks, codec, codebook, 0))
+
+    def handle(self, transfer_id: str) -> Transfer:
+        """A handle on a transfer started elsewhere (its record fetched now). Raises: NotFound."""
+        return self._handle(self.transfer(transfer_id))
+
+    def _handle(self, record: dict) -> Transfer:
+        return Transfer(TransferStatus.from_record(record), self._snapshot,
+                        lambda transfer_id: TransferStatus.from_record(self.cancel(transfer_id)))
+
+    def _snapshot(self, transfer_id: str, wait: float) -> TransferStatus:
+        return TransferStatus.from_record(self.transfer(transfer_id, wait))
+
     def _post(self, body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
               codebook: str | None, wait: float) -> dict:
         """The transfer's record as ``POST /v1/transfers`` answers it (at its end or after ``wait``).
@@ -281,12 +305,7 @@ class Client:
             TransferFailed: it failed or was cancelled (``reason`` from the sidecar), or is not
             done within ``timeout`` seconds.
         """
-        deadline = time.monotonic() + timeout
-        while True:
-            step = max(0.0, min(60.0, deadline - time.monotonic()))
-            state = self.transfer(transfer_id, wait=step) if step else self.transfer(transfer_id)
-            if _settled(transfer_id, state, time.monotonic() >= deadline, timeout):
-                return state
+        return dict(waited(self._snapshot, transfer_id, timeout).record)
 
     def transfers(self, state: str | None = None, direction: str | None = None) -> list[dict]:
         params = {k: v for k, v in (("state", state), ("direction", direction)) if v}
@@ -372,75 +391,6 @@ class Answer:
             functools.partial(client._call, method, path, params=params, json=body, timeout=timeout), client._retries)
 
 
-class AsyncClient:
-    """The asyncio twin of ``Client`` (transfers and health; regions are set up once, with
-    ``Client``): for engines whose scheduler runs an event loop."""
-
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0, retries: int = 6):
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
-        self._timeout = timeout
-        self._retries = retries
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        import asyncio
-
-        delay = 0.05
-        for _ in range(self._retries):
-            response = await self._http.request(method, path, **kwargs)
-            if response.status_code not in RETRY_STATUSES:
-                return _checked(response, method, path)
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(2.0, delay * 2)
-        return _checked(await self._http.request(method, path, **kwargs), method, path)
-
-    async def submit(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
-                     codec: str = "auto", codebook: str | None = None, *, wait: float = 0,
-                     references: tuple[str, str] | None = None) -> str:
-        body = _transfer_body(_pair_json((src_region, dst_region, *(references or ())), "src_region", "dst_region"),
-                              src_blocks, peer, dst_blocks, codec, codebook)
-        return (await self._call("POST", "/v1/transfers", json=body,
-                                 params={"wait": wait} if wait else None, timeout=self._timeout + wait)).json()["id"]
-
-    async def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str,
-                             dst_blocks: Blocks, codec: str = "auto", codebook: str | None = None, *,
-                             wait: float = 0) -> str:
-        body = _transfer_body({"regions": [_pair_json(p) for p in pairs]}, src_blocks, peer, dst_blocks,
-                              codec, codebook)
-        return (await self._call("POST", "/v1/transfers", json=body,
-                                 params={"wait": wait} if wait else None, timeout=self._timeout + wait)).json()["id"]
-
-    async def transfer(self, transfer_id: str, wait: float = 0) -> dict:
-        if not wait:
-            return (await self._call("GET", f"/v1/transfers/{transfer_id}")).json()
-        return (await self._call("GET", f"/v1/transfers/{transfer_id}", params={"wait": wait},
-                                 timeout=self._timeout + wait)).json()
-
-    async def wait(self, transfer_id: str, timeout: float = 60.0) -> dict:
-        """As ``Client.wait``. Raises: TransferFailed."""
-        deadline = time.monotonic() + timeout
-        while True:
-            step = max(0.0, min(60.0, deadline - time.monotonic()))
-            state = await self.transfer(transfer_id, wait=step)
-            if _settled(transfer_id, state, time.monotonic() >= deadline, timeout):
-                return state
-
-    async def cancel(self, transfer_id: str) -> dict:
-        return (await self._call("DELETE", f"/v1/transfers/{transfer_id}")).json()
-
-    async def data_address(self) -> str:
-        return (await self._call("GET", "/v1/health")).json()["data_address"]
-
-
 def _checked(response: Reply | httpx.Response, method: str, path: str) -> Reply | httpx.Response:
     """The response, or the engine's error class raised back (by the name in the body)."""
     if response.status_code < 400:
@@ -472,15 +422,3 @@ def _transfer_body(body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks
     if codebook:
         body["codebook"] = codebook
     return body
-
-
-def _settled(transfer_id: str, state: dict, expired: bool, timeout: float) -> bool:
-    """True once done; raises TransferFailed once failed, cancelled, or out of time."""
-    if state["state"] == "done":
-        return True
-    if state["state"] in TERMINAL:
-        raise TransferFailed(f"transfer {transfer_id} {state['state']}: {state.get('error_kind')}: "
-                             f"{state.get('error')}", state["state"])
-    if expired:
-        raise TransferFailed(f"transfer {transfer_id} still {state['state']} after {timeout:g} s", state["state"])
-    return False

@@ -22,6 +22,7 @@ GPU_SPIN_MS = 50.0  # spin_ms on a GPU host unless set
 class Settings:
     host: str = "127.0.0.1"  # control API; beyond loopback only with a token
     port: int = 7700  # control API (HTTP)
+    grpc_port: int = 0  # the control API over gRPC too, on ``host`` with the same token; 0: off (the grpc extra)
     data_host: str = "127.0.0.1"  # data listener; beyond loopback only with a peer secret
     data_port: int = 7701  # transport listener
     advertise_host: str = ""  # how peers reach this sidecar's data port; default: host seen by peer
@@ -89,9 +90,11 @@ class Settings:
             raise ValueError(f"data_encryption: {self.data_encryption!r} is not off or on")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level: {self.log_level!r} is not debug, info, warning or error")
-        for name in ("port", "data_port"):
+        for name in ("port", "data_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
+        if self.grpc_port and self.grpc_port in (self.port, self.data_port):
+            raise ValueError(f"grpc_port: {self.grpc_port} is taken by the REST or data port")
         for name in ("max_inflight_chunks", "max_concurrent_transfers", "max_body_bytes", "max_connections",
                      "max_handshaking_connections", "max_handshaking_per_source", "max_blocks_per_transfer",
                      "max_incoming_transfers"):
@@ -103,7 +106,7 @@ class Settings:
             raise ValueError(f"spin_ms: {self.spin_ms} must be -1 (by device) or at least 0")
         if self.transfer_timeout <= 0 or self.idle_timeout <= 0:
             raise ValueError("transfer_timeout and idle_timeout must be positive")
-        if not _loopback(self.host) and not self.token:
+        if not _loopback(self.host) and not self.token:  # REST and gRPC alike: both listen on host
             raise ValueError(f"the control API would listen on {self.host} without a token: set KVFERRY_TOKEN "
                              "(or bind it to 127.0.0.1)")
         if self.transport_backend == "ucxx" and not self.peer_secret:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import Conflict, EngineError, NotFound, Overloaded
+
+log = logging.getLogger("kvferry.engine")
 
 
 class State(str, Enum):
@@ -131,6 +134,9 @@ class TransferTable:
         self._transfers: dict[str, Transfer] = {}
         self._active: dict[str, Transfer] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
+        # Told of each transfer added (queued) and each ended (retired by ``Engine.end``), on the
+        # event loop: a front end's push of transfer events (the gRPC Watch). Must not block.
+        self.listeners: list[Callable[[Transfer], None]] = []
 
     def add(self, transfer: Transfer) -> Transfer:
         """Raises: Conflict (id taken), Overloaded (too many in progress)."""
@@ -142,6 +148,7 @@ class TransferTable:
             raise Overloaded(f"{self._max[direction]} {what} are already in progress")
         self._transfers[transfer.id] = self._active[transfer.id] = transfer
         self._counts[direction] += 1
+        self._tell(transfer)
         return transfer
 
     def retire(self, transfer: Transfer) -> None:
@@ -152,6 +159,14 @@ class TransferTable:
             while len(self._finished) > self._history:
                 old, _ = self._finished.popitem(last=False)
                 self._transfers.pop(old, None)
+            self._tell(transfer)
+
+    def _tell(self, transfer: Transfer) -> None:
+        for listener in self.listeners:
+            try:
+                listener(transfer)
+            except Exception:  # a listener's bug must not keep a transfer from starting or ending
+                log.exception("a transfer listener failed on %s", transfer.id)
 
     def active(self, direction: str | None = None) -> list[Transfer]:
         return [t for t in self._active.values() if direction is None or t.direction == direction]

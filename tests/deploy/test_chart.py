@@ -55,7 +55,7 @@ def test_manifests_validate_against_kubernetes_schemas(name):
     kinds = {doc["kind"] for doc in documents}
     assert {"Deployment", "Service"} <= kinds
     if name == "all-options":
-        assert {"Secret", "NetworkPolicy", "ServiceMonitor", "PodMonitor", "ConfigMap"} <= kinds
+        assert {"Secret", "NetworkPolicy", "ServiceMonitor", "PodMonitor"} <= kinds
     for doc in documents:
         if doc["kind"] in CRD_KINDS:
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
@@ -114,6 +114,22 @@ def test_all_options_turn_on_rdma_token_and_ucx():
     assert env["KVFERRY_TRANSFER_TIMEOUT"]["value"] == "12.5"
     assert "IPC_LOCK" in sidecar["securityContext"]["capabilities"]["add"]
     assert sidecar["resources"]["limits"]["rdma/hca_shared_devices_a"] == 1
+
+
+def test_the_grpc_port_is_exposed_where_it_is_on():
+    off = _sidecar({})
+    assert "--grpc-port" not in off["args"] and "grpc" not in {p["name"] for p in off["ports"]}
+    documents = render(ALL_OPTIONS)
+    on = _sidecar(ALL_OPTIONS)
+    port = ALL_OPTIONS["ports"]["grpc"]
+    assert on["args"][on["args"].index("--grpc-port") + 1] == str(port)
+    assert {"name": "grpc", "containerPort": port, "protocol": "TCP"} in on["ports"]
+    service = _of_kind(documents, "Service")["test-kvferry"]
+    assert {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"} in service["spec"]["ports"]
+    policy = _of_kind(documents, "NetworkPolicy")["test-kvferry"]
+    control = [r for r in policy["spec"]["ingress"] if {"port": ALL_OPTIONS["ports"]["control"], "protocol": "TCP"}
+               in r["ports"]]
+    assert len(control) == 1 and {"port": port, "protocol": "TCP"} in control[0]["ports"]  # the same clients
 
 
 def test_schema_rejects_bad_values():
@@ -284,8 +300,10 @@ def test_services_and_network_policies_select_the_pods(name):
 
 
 def test_proxy_runs_the_example_proxy_against_both_roles():
-    assert (CHART / "files" / "proxy.py").read_bytes() == (ROOT / "examples" / "vllm-pd" / "proxy.py").read_bytes(), \
-        "copy examples/vllm-pd/proxy.py to deploy/helm/kvferry/files/proxy.py"
+    """The proxy is the image's (the Dockerfile installs examples/vllm-pd/proxy.py): the chart
+    carries no copy of it."""
+    assert not list(CHART.rglob("proxy.py"))
+    dockerfile = (ROOT / "Dockerfile").read_text()
     for values in (VLLM, ALL_OPTIONS):
         documents = render(values)
         proxy = _deployments(documents)["proxy"]
@@ -293,15 +311,14 @@ def test_proxy_runs_the_example_proxy_against_both_roles():
         _assert_pod_is_whole(pod)
         command = pod["containers"][0]["command"]
         assert command[:2] == ["python3", "/opt/kvferry-proxy/proxy.py"]
+        assert f"COPY examples/vllm-pd/proxy.py {command[1]}" in dockerfile
         services = _of_kind(documents, "Service")
         vllm_port = values["vllm"].get("port", 8000)
         for role in ("prefill", "decode"):
             url = command[command.index(f"--{role}") + 1]
             assert url == f"http://test-kvferry-{role}:{vllm_port}"
             assert services[f"test-kvferry-{role}"]["spec"]["ports"][0]["port"] == vllm_port
-        config_map = _of_kind(documents, "ConfigMap")["test-kvferry-proxy"]
-        assert config_map["data"]["proxy.py"] == (CHART / "files" / "proxy.py").read_text()
-        assert pod["volumes"][0]["configMap"]["name"] == "test-kvferry-proxy"
+        assert "ConfigMap" not in {d["kind"] for d in documents} and not pod.get("volumes")
     # one role alone: no proxy
     alone = render({"vllm": {"model": "m", "prefill": {"enabled": True}}})
     assert set(_deployments(alone)) == {"example", "prefill"}

@@ -64,10 +64,14 @@ this one; within this chart the context is `.`), with the pod's labels from
   image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   args: ["--host", "0.0.0.0", "--port", "{{ .Values.ports.control }}",
-         "--data-host", "0.0.0.0", "--data-port", "{{ .Values.ports.data }}"]
+         "--data-host", "0.0.0.0", "--data-port", "{{ .Values.ports.data }}"
+         {{- with .Values.ports.grpc }}, "--grpc-port", "{{ . }}"{{ end }}]
   ports:
     - {name: control, containerPort: {{ .Values.ports.control }}, protocol: TCP}
     - {name: data, containerPort: {{ .Values.ports.data }}, protocol: TCP}
+    {{- with .Values.ports.grpc }}
+    - {name: grpc, containerPort: {{ . }}, protocol: TCP}
+    {{- end }}
   env:
     - name: KVFERRY_ADVERTISE_HOST
       valueFrom: {fieldRef: {fieldPath: status.podIP}}
