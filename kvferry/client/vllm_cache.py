@@ -140,12 +140,12 @@ class CacheLayout:
             raise IncompatibleCache(f"the KV cache layers differ in shape: {sorted(pages)} (kvferry carries "
                                     "attention KV of one page shape, not Mamba or other state)")
         page = pages.pop()
-        if head_dim is None and heads is not None and heads > 1:
+        if head_dim is None and heads is not None:
             found = [i for i, n in enumerate(page[:-1]) if n == heads]
-            if len(found) != 1:
+            if len(found) > 1 or (not found and heads > 1):
                 raise IncompatibleCache(f"cannot tell which dimension of a KV page {list(page)} counts its {heads} "
                                         "heads")
-            head_dim = found[0]
+            head_dim = found[0] if found else None  # one head, no dimension of 1: a page without heads (MLA)
         if head_dim is not None and (not 0 <= head_dim < len(page) - 1 or (heads and page[head_dim] != heads)):
             raise IncompatibleCache(f"dimension {head_dim} of a KV page {list(page)} does not count {heads} heads")
         return cls(num_blocks, len(layers), page, tuple(dims), dtype, head_dim=head_dim)

@@ -697,7 +697,8 @@ class Consumer:
                  "transfer_seconds": r.get("seconds"), "answer_seconds": pull.answered - pull.started,
                  "load_seconds": pull.load_seconds, "blocks": len(pull.spec.local_blocks),
                  "bytes_raw": r.get("bytes_raw"), "bytes_wire": r.get("bytes_wire"), "ratio": r.get("ratio"),
-                 "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id, "stages": r.get("stages")}
+                 "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id, "stages": r.get("stages"),
+                 "transfers": list(pull.transfer_ids)}
         self.stats.append(entry)
         del self.stats[:-1000]
         self.interval.record(entry)
