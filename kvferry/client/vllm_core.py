@@ -45,7 +45,7 @@ import httpx
 from kvferry.engine.errors import EngineError, NotFound
 
 from . import tp
-from .sdk import Answer, Client  # noqa: F401 (re-exported)
+from .sdk import Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
 
