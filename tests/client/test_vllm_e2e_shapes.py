@@ -5,8 +5,8 @@ the rule of ``test_vllm_e2e.py`` (the single vLLM's second answer to the prompt,
 last token cached).
 
 Tiny seeded random models (``examples/vllm-pd/make_model.py --random``) keep it short on two
-cores. One server per shape plays prefill, decode and the single vLLM (``kv_both``): vLLM's
-``cache_salt`` keeps the three roles' prefix caches apart, so the decode's KV can only come from
+cores. Two ``kv_both`` servers per shape: the decode server is also the single vLLM, and vLLM's
+``cache_salt`` keeps those two roles' prefix caches apart, so the decode's KV can only come from
 the pull. The TP model has one layer, whose KV vLLM computes identically at any TP size (a
 second layer would see the all-reduce's TP-dependent rounding), so a TP=2 prefill's KV is
 exactly what a TP=1 vLLM computes, and the comparison holds token for token.
@@ -16,6 +16,7 @@ exactly what a TP=1 vLLM computes, and the comparison holds token for token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -102,20 +103,25 @@ def run_pairs(prefill: Both, decode: Both, salt: str, seed: int, codecs: tuple[s
     return lines
 
 
+@contextlib.contextmanager
+def pair(python: str, model_dir: Path, logs: Path, tps: tuple[int, int] = (1, 1), extra: list[str] | None = None):
+    """Two ``kv_both`` servers with a sidecar each (a sidecar cannot send to itself), started at once."""
+    servers: list[Both] = []
+    try:
+        for i, size in enumerate(tps):
+            servers.append(Both(python, model_dir, logs / f"{i}-tp{size}.log", tp=size, extra=extra))
+        for both in servers:
+            both.server.wait()
+        yield servers
+    finally:
+        for both in servers:
+            both.stop()
+
+
 @pytest.fixture(scope="module")
 def tp_pair(vllm_python, tiny, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("vllm-tp")
-    one = two = None
-    try:
-        one = Both(vllm_python, tiny["tp"], logs / "tp1.log")
-        two = Both(vllm_python, tiny["tp"], logs / "tp2.log", tp=2)
-        one.server.wait()
-        two.server.wait()
-        yield one, two
-    finally:
-        for both in (one, two):
-            if both is not None:
-                both.stop()
+    with pair(vllm_python, tiny["tp"], tmp_path_factory.mktemp("vllm-tp"), (1, 2)) as servers:
+        yield servers
 
 
 def test_prefill_tp2_feeds_a_tp1_decode(tp_pair):
@@ -131,21 +137,12 @@ def test_prefill_tp1_feeds_a_tp2_decode(tp_pair):
 
 
 def test_sliding_window_model_with_two_kv_cache_groups(vllm_python, tiny, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("vllm-swa")
-    server = Both(vllm_python, tiny["swa"], logs / "swa.log")
-    try:
-        server.server.wait()
-        run_pairs(server, server, "swa", 3, codecs=("raw", "auto"))
-    finally:
-        server.stop()
+    with pair(vllm_python, tiny["swa"], tmp_path_factory.mktemp("vllm-swa")) as (prefill, decode):
+        run_pairs(prefill, decode, "swa", 3, codecs=("raw", "auto"))
 
 
 def test_fp8_kv_cache(vllm_python, tiny, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("vllm-fp8")
-    server = Both(vllm_python, tiny["tp"], logs / "fp8.log", extra=["--kv-cache-dtype", "fp8"])
-    try:
-        server.server.wait()
-        lines = run_pairs(server, server, "fp8", 4, codecs=("raw", "entropy"))
+    with pair(vllm_python, tiny["tp"], tmp_path_factory.mktemp("vllm-fp8"), extra=["--kv-cache-dtype", "fp8"]) as (
+            prefill, decode):
+        lines = run_pairs(prefill, decode, "fp8", 4, codecs=("raw", "entropy"))
         assert {line["codec"] for line in lines} == {"raw", "entropy"}
-    finally:
-        server.stop()
