@@ -695,7 +695,7 @@ class Consumer:
         r = pull.record
         entry = {"request_id": pull.spec.request_id, "wait_seconds": self.clock() - pull.started,
                  "transfer_seconds": r.get("seconds"), "answer_seconds": pull.answered - pull.started,
-                 "load_seconds": pull.load_seconds, "blocks": len(pull.spec.local_blocks),
+                 "load_seconds": pull.load_seconds, "blocks": len(self._local_blocks(pull)),
                  "bytes_raw": r.get("bytes_raw"), "bytes_wire": r.get("bytes_wire"), "ratio": r.get("ratio"),
                  "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id, "stages": r.get("stages"),
                  "transfers": list(pull.transfer_ids)}
