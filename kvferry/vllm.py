@@ -237,7 +237,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         shared (``Heartbeats.shared_leases``)."""
         if not self._shared or self.heartbeats is None:
             return
-        for request_id in getattr(connector_output, "finished_recving", None) or ():
+        ended = set(getattr(connector_output, "finished_recving", None) or ()) | set(
+            getattr(connector_output, "failed_recving", None) or ())
+        for request_id in ended:
             entry = self._shared.pop(request_id, None)
             if entry is not None:
                 self.heartbeats.release_later(*entry)

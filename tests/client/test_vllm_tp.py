@@ -274,3 +274,42 @@ def test_hybrid_groups_overlaying_one_cache_cross_in_one_pull(sidecars):
         consumer.close()
         p_cache.close()
         d_cache.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_an_mla_latent_is_read_once_from_one_rank(sidecars, p_tp, d_tp):
+    """MLA: a page is ``[block_size, latent]``, no head dimension, the same on every rank: each
+    decode rank reads one prefill rank's copy, and a copy nobody reads still has its lease ended."""
+    p_side, d_side = sidecars
+    g = torch.Generator().manual_seed(9)
+    latent = (torch.randn((LAYERS, BLOCKS, BLOCK_SIZE, 96), generator=g)).to(torch.bfloat16)
+    record = {"model": "mla", "dtype": "bfloat16", "block_size": BLOCK_SIZE, "kv_heads": 1, "layout": "LBHNC+mla"}
+    p_layers = [[t.clone() for t in latent] for _ in range(p_tp)]
+    d_layers = [[torch.zeros_like(t) for t in latent] for _ in range(d_tp)]
+    p_caches = [KvCache(Client(p_side.url, token=TOKEN), f"mla-p{p_tp}{d_tp}-r{r}", p_layers[r], BLOCKS)
+                for r in range(p_tp)]
+    d_caches = [KvCache(Client(d_side.url, token=TOKEN), f"mla-d{p_tp}{d_tp}-r{r}", d_layers[r], BLOCKS)
+                for r in range(d_tp)]
+    producers = [Producer(config(p_side), c, r) for r, c in enumerate(p_caches)]
+    consumers = [Consumer(config(d_side), c, r, compat=compat_record(tp=d_tp, **record))
+                 for r, c in enumerate(d_caches)]
+    beats = Heartbeats(config(d_side))
+    try:
+        src, dst = [1, 6, 2], [4, 3, 9]
+        for p in producers:
+            p.save("m", src)
+        params = remote_params("m", src, config(p_side), compat=compat_record(tp=p_tp, **record))
+        for c in consumers:
+            c.start(LoadSpec("md", tuple(dst), params))
+        for rank, c in enumerate(consumers):
+            assert pump(c) == ({"md"}, set())
+            assert len(c.stats[-1]["transfers"]) == 1
+            assert torch.equal(bits(torch.stack(d_layers[rank])[:, dst]), bits(latent[:, src]))
+        beats.release_later(params["url"], beats.shared_leases(params, consumers[0].compat))
+        assert all(released(p, "m") for p in producers)
+    finally:
+        beats.close()
+        for worker in [*producers, *consumers]:
+            worker.close()
+        for c in [*p_caches, *d_caches]:
+            c.close()
