@@ -166,7 +166,8 @@ class CacheLayout:
             f"{self.dtype}{list(self.block_shape)} "
             f"({'in place' if self.in_place else '[layers, *page] per KV head: a mirror'}): "
             "a different block size, head layout, layer count or dtype cannot be transferred; run both instances "
-            "with the same model, --block-size and --kv-cache-dtype (and the same in_place setting)")
+            "with the same model, --block-size and --kv-cache-dtype (and the same in_place setting; different "
+            "tensor-parallel sizes need in_place: false on both)")
 
 
 class KvCache:

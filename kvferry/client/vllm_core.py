@@ -545,14 +545,16 @@ class Consumer:
             check_compat(self.compat, spec.params.get("compat"), url)
         src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
         pull.client = self.remote(url)
-        records = []
-        for piece in self.slices(spec):
+        records, pieces = [], self.slices(spec)
+        # one read answers at its end (one round trip); several are all sent first, then waited on
+        wait = min(LONG_POLL, self.config.load_timeout) if len(pieces) == 1 else 0.0
+        for piece in pieces:
             # The prefill takes the lease on a thread of its own, so a pull may come a moment before
             # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails.
             grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.01
             while True:
                 try:
-                    records.append(self._send(pull, url, piece, src, dst))
+                    records.append(self._send(pull, url, piece, src, dst, wait))
                     break
                 except NotFound:
                     if time.monotonic() + pause > grace:
@@ -570,7 +572,8 @@ class Consumer:
         pull.answered, pull.answered_wall = self.clock(), time.time()
         return merge_records(records)
 
-    def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int]) -> dict[str, Any]:
+    def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
+              wait: float) -> dict[str, Any]:
         """Check the prefill rank's blocks (first contact) and send the pull of ``piece``; its
         record once answered."""
         lease = lease_names(pull.spec.params, [piece.rank])[0]
@@ -587,7 +590,7 @@ class Consumer:
         codec = pull.spec.params.get("codec") or self.config.codec  # a request may name its codec
         pull.asked_wall = pull.asked_wall or time.time()
         answer = pull.client.send_later(lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
-                                        codec=codec, wait=min(LONG_POLL, self.config.load_timeout))
+                                        codec=codec, wait=wait)
         return answer.result()
 
     def poll(self) -> tuple[set[str], set[str]]:
