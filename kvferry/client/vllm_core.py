@@ -1,13 +1,15 @@
 """The vLLM connector's core, free of vLLM imports: what the connector asks the sidecars, which
 blocks go where, and the leases that keep a prefill's blocks alive until the decode has them.
 
-The flow (one kvferry transfer per request, all layers in it):
+The flow (one kvferry transfer per request, all layers and KV cache groups in it; where prefill
+and decode run different tensor-parallel sizes, one per prefill rank a decode rank reads: the
+heads it holds, ``kvferry.client.tp``):
 
-* Every vLLM worker registers its KV cache with its local sidecar once (``KvCache``): on a GPU the
-  sidecar maps the worker's own memory (``cuda_ipc``, no copy); on the CPU vLLM owns the
-  allocation, so the cache is mirrored in a POSIX shared-memory segment of ``num_blocks`` blocks,
-  each holding every layer's page of that block, and pages are copied in (prefill) or out
-  (decode) per request.
+* Every vLLM worker registers its KV cache with its local sidecar once (``KvCache``,
+  ``vllm_cache.py``): on a GPU the sidecar maps the worker's own memory (``cuda_ipc``, no copy);
+  on the CPU vLLM owns the allocation, so the cache is mirrored in a POSIX shared-memory segment,
+  head-major (a region block per vLLM block and KV head, every layer's page of that head in it),
+  and pages are copied in (prefill) or out (decode) per request.
 * Prefill (``Producer``): once a request's prompt is computed, its blocks are saved into the
   mirror and a *lease* is taken: a region named after the request on the prefill's sidecar, a
   view of the same memory, leased (``PUT /v1/leases/{name}``) for ``lease_seconds`` and at most
