@@ -22,19 +22,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+try:  # vLLM's hybrid allocator (several KV cache groups) for connectors that declare it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover (depends on the vLLM installed)
+    SupportsHMA = object
+
 from kvferry.client.sdk import Client
 from kvferry.client.vllm_core import (
+    FP8,
     PARAMS_KEY,
     ConnectorConfig,
     Consumer,
     Heartbeats,
-    IncompatibleCache,
     KvCache,
     LoadSpec,
     Producer,
     PromMetrics,
     TransferStats,
     compat_record,
+    groups_of,
     remote_params,
 )
 
@@ -65,15 +71,14 @@ class KvferryMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)  # decode: pulls to start
 
 
-def _first_group(block_ids: Any) -> list[int]:
-    """vLLM passes block ids per KV cache group; kvferry carries single-group (full attention) models."""
-    if block_ids is None:
-        return []
-    if len(block_ids) and isinstance(block_ids[0], (list, tuple)):
-        if len(block_ids) > 1:
-            raise IncompatibleCache("kvferry carries models with one KV cache group (full attention) only")
-        return list(block_ids[0])
-    return list(block_ids)
+def _groups(block_ids: Any) -> list[list[int]]:
+    """vLLM's block ids per KV cache group (a flat list is one group; None none)."""
+    return [] if block_ids is None else groups_of(list(block_ids))
+
+
+def _as_sent(groups: list[list[int]]) -> list[int] | list[list[int]]:
+    """One group as a flat list (what older decodes read), several as one list per group."""
+    return groups[0] if len(groups) == 1 else groups
 
 
 class KvferryStats(TransferStats, KVConnectorStats):
@@ -94,25 +99,67 @@ class KvferryPromMetrics(PromMetrics, KVConnectorPromMetrics):
         PromMetrics.observe(self, transfer_stats_data, engine_idx)
 
 
-def _compat(vllm_config) -> dict[str, Any]:
+def _layout_name(vllm_config, kv_cache_config) -> str:
+    """vLLM's resolved KV cache layout name (``LBHNC``...), "" where this vLLM has none."""
+    return str(getattr(kv_cache_config, "kv_cache_layout", None)
+               or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "")
+
+
+def _group_names(kv_cache_config) -> list[str]:
+    """The KV cache groups as the compatibility record names them: spec type and window."""
+    names = []
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        names.append(type(spec).__name__ + (f":{window}" if window else ""))
+    return names
+
+
+def _compat(vllm_config, kv_cache_config=None) -> dict[str, Any]:
     """What a prefill and a decode must agree on, from vLLM's configuration (the same in vLLM's
     scheduler and worker processes; the block layout is checked against the prefill's region)."""
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     hf = getattr(model, "hf_config", None)
     architectures = ",".join(getattr(hf, "architectures", None) or ())
     name = str(getattr(model, "model", "")).rstrip("/").rsplit("/", 1)[-1]  # the same model from another path
+    mla = bool(getattr(model, "use_mla", False))
+    text = getattr(model, "hf_text_config", hf)
     return compat_record(model=f"{name} ({architectures})" if architectures else name,
                          dtype=str(getattr(model, "dtype", "")), kv_cache_dtype=str(getattr(cache, "cache_dtype", "")),
                          block_size=cache.block_size, tp=parallel.tensor_parallel_size,
-                         pp=parallel.pipeline_parallel_size, dp=parallel.data_parallel_size)
+                         pp=parallel.pipeline_parallel_size, dp=parallel.data_parallel_size,
+                         kv_heads=1 if mla else model.get_total_num_kv_heads(), head_size=model.get_head_size(),
+                         layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+                         layout=_layout_name(vllm_config, kv_cache_config) + ("+mla" if mla else ""),
+                         groups=_group_names(kv_cache_config))
 
 
-class KvferryConnector(KVConnectorBase_V1):
+def _head_dim(layout: str, tensor) -> int | None:
+    """Which dimension of a page (a layer tensor without its block dimension) counts KV heads,
+    from vLLM's layout name; None where this vLLM names no layout (``CacheLayout.of`` looks for
+    the one dimension of the right size)."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        order = list(KVCacheLayout[layout.split("+")[0]].layer_view_order)  # tensor dim -> logical [B, H, N, C]
+    except (ImportError, KeyError, AttributeError):
+        return None
+    lead = tensor.dim() - len(order)  # a leading K/V dimension some backends add
+    if lead < 0:
+        return None
+    head, block = order.index(1) + lead, order.index(0) + lead
+    return head - (block < head)
+
+
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.load(transfer.kv_connector_extra_config or {})
-        self.compat = _compat(vllm_config)
+        self.compat = _compat(vllm_config, kv_cache_config)
+        self.vllm_config = vllm_config
+        self.dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        self._shared: dict[str, tuple[str, list[str]]] = {}  # decode: request -> leases its ranks share
         self.heartbeats = Heartbeats(self.config) if role == KVConnectorRole.SCHEDULER and transfer.is_kv_consumer \
             else None
         self.engine_id = transfer.engine_id or "engine"
@@ -154,9 +201,17 @@ class KvferryConnector(KVConnectorBase_V1):
         if params.get("do_remote_prefill") and PARAMS_KEY in params:
             if self.heartbeats is not None:
                 self.heartbeats.untrack(request.request_id)  # the pull starts now
-            local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
             # no blocks to fill (a local prefix hit covered the prompt): the pull just ends the lease
-            self._meta.loads.append(LoadSpec(request.request_id, tuple(local), dict(params[PARAMS_KEY])))
+            local: tuple = ()
+            if num_external_tokens > 0:
+                local = tuple(blocks.get_unhashed_block_ids()) if len(blocks.blocks) == 1 else \
+                    tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
+            ours = dict(params[PARAMS_KEY])
+            self._meta.loads.append(LoadSpec(request.request_id, local, ours))
+            if local and self.heartbeats is not None:
+                shared = self.heartbeats.shared_leases(ours, self.compat)
+                if shared:
+                    self._shared[request.request_id] = (ours["url"], shared)
             params["do_remote_prefill"] = False  # one pull per request
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -167,7 +222,8 @@ class KvferryConnector(KVConnectorBase_V1):
             if entry is None:
                 continue
             request, ids = entry
-            ids.extend(_first_group(new_blocks))
+            for group in _groups(new_blocks):
+                ids.extend(group)  # the groups overlay one cache: the mirror copies their blocks alike
             scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
             if request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
                 self._meta.saves.append((request_id, list(ids)))
@@ -175,6 +231,25 @@ class KvferryConnector(KVConnectorBase_V1):
                 del self._tracked[request_id]
         meta, self._meta = self._meta, KvferryMetadata()
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """Decode: a request loaded (or failed) on every rank ends the prefill leases its ranks
+        shared (``Heartbeats.shared_leases``)."""
+        if not self._shared or self.heartbeats is None:
+            return
+        ended = set(getattr(connector_output, "finished_recving", None) or ()) | set(
+            getattr(connector_output, "failed_recving", None) or ())
+        for request_id in ended:
+            entry = self._shared.pop(request_id, None)
+            if entry is not None:
+                self.heartbeats.release_later(*entry)
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """Every group: a pull carries each group's blocks."""
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
@@ -196,9 +271,8 @@ class KvferryConnector(KVConnectorBase_V1):
             # aborted: the worker deletes the lease now; vLLM frees the blocks once it is gone
             self._meta.abandon.append(request_id)
             return True, None
-        blocks = _first_group(block_ids)
-        ours = remote_params(request_id, blocks, self.config, num_tokens=request.num_computed_tokens,
-                             compat=self.compat)
+        ours = remote_params(request_id, _as_sent(_groups(block_ids)), self.config,
+                             num_tokens=request.num_computed_tokens, compat=self.compat, dp_rank=self.dp_rank)
         ours["block_size"] = self.block_size
         if params.get("kvferry_codec"):  # the client's choice for this request, else the decode's setting
             ours["codec"] = str(params["kvferry_codec"])
@@ -213,16 +287,24 @@ class KvferryConnector(KVConnectorBase_V1):
         """
         rank = _rank()
         client = Client(self.config.url, token=self.config.token)
-        name = f"{self.config.region}-{self.engine_id}-r{rank}"[:128]
+        dp = f"-dp{self.dp_rank}" if self.dp_rank else ""
+        name = f"{self.config.region}-{self.engine_id}{dp}-r{rank}"[:128]
         num_blocks = self._kv_cache_config.num_blocks
-        self.cache = KvCache(client, name, list(kv_caches.values()), num_blocks, self.config.shm_prefix,
-                             self.config.in_place)
+        layers = list(kv_caches.values())
+        model, parallel = self.vllm_config.model_config, self.vllm_config.parallel_config
+        mla = bool(getattr(model, "use_mla", False))
+        heads = None if mla else model.get_num_kv_heads(parallel)
+        head_dim = None if mla or not layers else _head_dim(_layout_name(self.vllm_config, self._kv_cache_config),
+                                                              layers[0])
+        self.cache = KvCache(client, name, layers, num_blocks, self.config.shm_prefix, self.config.in_place,
+                             fp8=FP8.get(str(self.vllm_config.cache_config.cache_dtype)), heads=heads,
+                             head_dim=head_dim)
         layout = self.cache.layout
         log.info("kvferry: KV cache registered as %s (%d vLLM blocks as %d region blocks of %s %s, %s, %s)", name,
                  num_blocks, num_blocks * layout.planes, list(layout.block_shape), layout.dtype, self.cache.kind,
                  "vLLM's own memory" if layout.in_place else "a mirror")
         if self.producer_role:
-            self.producer = Producer(self.config, self.cache, rank)
+            self.producer = Producer(self.config, self.cache, rank, dp_rank=self.dp_rank)
         if self.consumer_role:
             self.consumer = Consumer(self.config, self.cache, rank, compat=self.compat)
 

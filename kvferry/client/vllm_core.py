@@ -1,13 +1,15 @@
 """The vLLM connector's core, free of vLLM imports: what the connector asks the sidecars, which
 blocks go where, and the leases that keep a prefill's blocks alive until the decode has them.
 
-The flow (one kvferry transfer per request, all layers in it):
+The flow (one kvferry transfer per request, all layers and KV cache groups in it; where prefill
+and decode run different tensor-parallel sizes, one per prefill rank a decode rank reads: the
+heads it holds, ``kvferry.client.tp``):
 
-* Every vLLM worker registers its KV cache with its local sidecar once (``KvCache``): on a GPU the
-  sidecar maps the worker's own memory (``cuda_ipc``, no copy); on the CPU vLLM owns the
-  allocation, so the cache is mirrored in a POSIX shared-memory segment of ``num_blocks`` blocks,
-  each holding every layer's page of that block, and pages are copied in (prefill) or out
-  (decode) per request.
+* Every vLLM worker registers its KV cache with its local sidecar once (``KvCache``,
+  ``vllm_cache.py``): on a GPU the sidecar maps the worker's own memory (``cuda_ipc``, no copy);
+  on the CPU vLLM owns the allocation, so the cache is mirrored in a POSIX shared-memory segment,
+  head-major (a region block per vLLM block and KV head, every layer's page of that head in it),
+  and pages are copied in (prefill) or out (decode) per request.
 * Prefill (``Producer``): once a request's prompt is computed, its blocks are saved into the
   mirror and a *lease* is taken: a region named after the request on the prefill's sidecar, a
   view of the same memory, leased (``PUT /v1/leases/{name}``) for ``lease_seconds`` and at most
@@ -37,28 +39,29 @@ import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from kvferry.engine.errors import EngineError, NotFound
 
-from .sdk import Answer, Client, packed
+from . import tp
+from .sdk import Client
+from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
+from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
 
 log = logging.getLogger("kvferry.vllm")
 
-DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float8_e5m2": "float8_e5m2",
-          "torch.float8_e4m3fn": "float8_e4m3fn"}
+__all__ = ["DTYPES", "FP8", "FAILURE_KINDS", "CacheLayout", "ConnectorConfig", "Consumer", "Heartbeats",
+           "IncompatibleCache", "IncompatiblePeer", "KvCache", "LoadSpec", "Producer", "PromMetrics", "TransferStats",
+           "check_compat", "compat_record", "distinct", "failure_kind", "lease_name", "lease_names", "match_blocks",
+           "pair_groups", "remote_params"]
+
 PARAMS_KEY = "kvferry"  # our part of vLLM's kv_transfer_params
 WAITERS = 16  # a decode's pulls waited on at once (more wait for a thread)
 LONG_POLL = 10.0  # seconds one long-poll of a transfer's end may take
 LEASE_GRACE = 5.0  # seconds a decode asks again for a lease the prefill may not have taken yet
-
-
-class IncompatibleCache(EngineError):
-    """The two instances' KV caches cannot be exchanged block for block (block size, heads,
-    head size, layer count or dtype differ)."""
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -137,200 +140,13 @@ class ConnectorConfig:
 FLOATS = ("lease_seconds", "lease_ttl", "heartbeat_seconds", "load_timeout", "call_timeout", "watch_seconds")
 
 
-def lease_name(prefix: str, request_id: str) -> str:
+def lease_name(prefix: str, request_id: str, dp_rank: int = 0) -> str:
     """The lease of a prefill request: a valid region name whatever the request id holds, the
-    same in vLLM's scheduler and worker processes. Worker ``rank`` holds ``f"{lease}-r{rank}"``."""
+    same in vLLM's scheduler and worker processes. Worker ``rank`` holds ``f"{lease}-r{rank}"``.
+    A data-parallel rank other than 0 is part of the name, so DP ranks sharing a sidecar never
+    collide (request ids are only unique within one engine)."""
     digest = hashlib.sha256(request_id.encode()).hexdigest()[:24]
-    return f"{prefix}-lease-{digest}"
-
-
-# ---- the cache as the sidecar sees it ----------------------------------------------------------
-@dataclass(frozen=True)
-class CacheLayout:
-    """vLLM's per-layer KV tensors as kvferry blocks, one of two ways:
-
-    * a mirror (``in_place`` false): block ``b`` of the region holds page ``b`` of every layer
-      (the slice at index ``b`` of each layer's block dimension);
-    * vLLM's own memory (``in_place``), where the layers lie end to end in one allocation: the
-      region's blocks are the contiguous pieces of it, one per (layer, leading plane such as K
-      or V, vLLM block) in memory order, so vLLM block ``b`` is ``planes`` region blocks, ``b``
-      plus multiples of ``num_blocks``: one id spread ``num_blocks`` apart.
-    """
-
-    num_blocks: int
-    num_layers: int
-    page_shape: tuple[int, ...]  # one layer's page: the layer tensor without its block dimension
-    block_dims: tuple[int, ...]  # which dimension of each layer tensor counts blocks
-    dtype: str
-    in_place: bool = False
-
-    @property
-    def planes(self) -> int:
-        """Region blocks per vLLM block."""
-        if not self.in_place:
-            return 1
-        return self.num_layers * math.prod(self.page_shape[:self.block_dims[0]])
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        if self.in_place:
-            return self.page_shape[self.block_dims[0]:]
-        return (self.num_layers, *self.page_shape)
-
-    def blocks(self, block_ids: Sequence[int], num_blocks: int | None = None) -> dict[str, Any]:
-        """vLLM block ids as this layout's region blocks (of a cache of ``num_blocks`` vLLM
-        blocks: ours by default, or a prefill's), packed (``kvferry.client.packed``)."""
-        if not self.in_place:
-            return packed(block_ids)
-        stride = self.num_blocks if num_blocks is None else num_blocks
-        return packed(block_ids, self.planes, stride)
-
-    def in_place_view(self, layers: Sequence[Any]) -> Any | None:
-        """The region over vLLM's own memory (``[num_blocks * planes, *block_shape]``), or None
-        where the layers do not lie end to end in one allocation in the same layout."""
-        import torch
-
-        if len(set(self.block_dims)) != 1 or any(not t.is_contiguous() for t in layers):
-            return None
-        first = layers[0]
-        if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-               or t.data_ptr() != first.data_ptr() + i * first.nbytes for i, t in enumerate(layers)):
-            return None
-        placed = replace(self, in_place=True)
-        shape = (self.num_blocks * placed.planes, *placed.block_shape)  # the layers' span, end to end
-        return torch.as_strided(first, shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
-
-    @classmethod
-    def of(cls, layers: Sequence[Any], num_blocks: int) -> CacheLayout:
-        """Raises: IncompatibleCache for layouts kvferry cannot carry (mixed shapes or dtypes,
-        no dimension of ``num_blocks``, float32)."""
-        if not layers:
-            raise IncompatibleCache("vLLM registered no KV cache tensors")
-        dtype = DTYPES.get(str(layers[0].dtype))
-        if dtype is None:
-            raise IncompatibleCache(f"kvferry moves bf16, fp16 and fp8 KV caches, not {layers[0].dtype}")
-        dims, pages = [], set()
-        for t in layers:
-            if str(t.dtype) != str(layers[0].dtype):
-                raise IncompatibleCache("the KV cache layers mix dtypes")
-            candidates = [d for d, n in enumerate(t.shape) if n == num_blocks]
-            if not candidates:
-                raise IncompatibleCache(f"no dimension of a KV layer {list(t.shape)} counts the {num_blocks} blocks")
-            d = candidates[0]
-            dims.append(d)
-            pages.add(tuple(n for i, n in enumerate(t.shape) if i != d))
-        if len(pages) != 1:
-            raise IncompatibleCache(f"the KV cache layers differ in shape: {sorted(pages)}")
-        return cls(num_blocks, len(layers), pages.pop(), tuple(dims), dtype)
-
-    def check_peer(self, remote: Mapping[str, Any], where: str) -> int:
-        """The number of vLLM blocks of a prefill's cache (its region's description), once its
-        blocks are known to fit ours; else refused, with what differs.
-
-        Raises: IncompatibleCache.
-        """
-        shape, dtype = tuple(remote["block_shape"]), remote["dtype"]
-        if shape == self.block_shape and dtype == self.dtype and remote["num_blocks"] % self.planes == 0:
-            return remote["num_blocks"] // self.planes
-        raise IncompatibleCache(
-            f"the prefill's KV cache at {where} holds {dtype}{list(shape)} blocks, this decode's "
-            f"{self.dtype}{list(self.block_shape)} ({'in place' if self.in_place else '[layers, *page]: a mirror'}): "
-            "a different block size, head layout, layer count or dtype cannot be transferred; run both instances "
-            "with the same model, --block-size and --kv-cache-dtype (and the same in_place setting)")
-
-
-class KvCache:
-    """The worker's KV cache registered with its sidecar once, as region ``name`` of
-    ``num_blocks`` blocks, block ``b`` holding every layer's page ``b``.
-
-    CPU (``shm``): vLLM owns its allocation, so the region is a POSIX shared-memory mirror the
-    sidecar maps; ``save``/``load`` copy a request's pages between vLLM's tensors and the mirror.
-    GPU (``cuda_ipc``): where vLLM's layers lie end to end in one allocation (as vLLM allocates
-    them), the sidecar maps that memory itself, through CUDA IPC (``CacheLayout.in_place``):
-    transfers read and write vLLM's pages, and ``save``/``load`` copy nothing. Else the mirror is a
-    device buffer the sidecar maps, and the copies are device gathers, never through the host.
-    """
-
-    def __init__(self, client: Client, name: str, layers: Sequence[Any], num_blocks: int,
-                 shm_prefix: str = "kvferry-", in_place: bool = True):
-        import uuid
-
-        import torch
-
-        self.client, self.name = client, name
-        self.layers = list(layers)
-        self.layout = CacheLayout.of(self.layers, num_blocks)
-        self.device = self.layers[0].device
-        shape = (num_blocks, *self.layout.block_shape)
-        self._shm = None
-        if self.device.type == "cuda":
-            view = self.layout.in_place_view(self.layers) if in_place else None
-            if view is not None:
-                self.layout = replace(self.layout, in_place=True)
-            self.mirror = None if view is not None else torch.empty(shape, dtype=self.layers[0].dtype,
-                                                                    device=self.device)
-            lent = view if view is not None else self.mirror
-            self.kind = "cuda_ipc"
-            self._register(lambda n: client.region_from_tensor(n, lent, kind="cuda_ipc")[0])
-        else:
-            from multiprocessing import shared_memory
-
-            nbytes = math.prod(shape) * self.layers[0].element_size()
-            self._shm = shared_memory.SharedMemory(name=f"{shm_prefix}{uuid.uuid4().hex}", create=True,
-                                                   size=max(1, nbytes))
-            os.fchmod(self._shm._fd, 0o660)  # the sidecar may run as another user of the pod's group
-            flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
-            self.mirror = flat.view(self.layers[0].dtype).view(shape)
-            self.kind = "shm"
-            self._register(lambda n: client.create_region(n, num_blocks, list(self.layout.block_shape),
-                                                          self.layout.dtype, kind="shm", shm_name=self._shm.name))
-        self._ipc = None
-
-    def _register(self, create) -> None:
-        """Register, replacing a region of that name left by a previous run of this worker."""
-        from kvferry.engine.errors import Conflict
-
-        self._create = create
-        try:
-            create(self.name)
-        except Conflict:
-            self.client.delete_region(self.name)
-            create(self.name)
-
-    def alias(self, name: str) -> None:
-        """Another region over the same memory (a lease)."""
-        self._create(name)
-
-    def save(self, block_ids: Sequence[int]) -> None:
-        """Copy the pages of ``block_ids`` of every layer from vLLM's cache into the mirror."""
-        if self.layout.in_place:
-            return
-        import torch
-
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        for layer, (t, d) in enumerate(zip(self.layers, self.layout.block_dims)):
-            self.mirror[ids, layer] = t.index_select(d, ids).movedim(d, 0)
-
-    def load(self, block_ids: Sequence[int]) -> None:
-        """Copy the pages of ``block_ids`` of every layer from the mirror into vLLM's cache."""
-        if self.layout.in_place:
-            return
-        import torch
-
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        for layer, (t, d) in enumerate(zip(self.layers, self.layout.block_dims)):
-            t.index_copy_(d, ids, self.mirror[ids, layer].movedim(0, d))
-
-    def close(self) -> None:
-        try:
-            self.client.delete_region(self.name)
-        except (EngineError, httpx.HTTPError) as exc:
-            log.warning("could not delete region %s: %s", self.name, exc)
-        if self._shm is not None:
-            self.mirror = None
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+    return f"{prefix}-lease-{digest}" if not dp_rank else f"{prefix}-lease-dp{int(dp_rank)}-{digest}"
 
 
 # ---- compatibility -----------------------------------------------------------------------------
@@ -339,155 +155,52 @@ class IncompatiblePeer(IncompatibleCache):
     protocol version, model, dtype, block size, layout, parallel shape)."""
 
 
-COMPARED = ("kvferry", "peer_protocol", "model", "dtype", "kv_cache_dtype", "block_size", "tp", "pp")
+COMPARED = ("kvferry", "peer_protocol", "model", "dtype", "kv_cache_dtype", "block_size", "kv_heads", "head_size",
+            "layers", "layout", "groups", "pp")
 
 
 def compat_record(model: str = "", dtype: str = "", kv_cache_dtype: str = "", block_size: int = 0,
-                  tp: int = 1, pp: int = 1, dp: int = 1) -> dict[str, Any]:
+                  tp: int = 1, pp: int = 1, dp: int = 1, kv_heads: int = 0, head_size: int = 0, layers: int = 0,
+                  layout: str = "", groups: Sequence[str] = ()) -> dict[str, Any]:
     """What both sides of a transfer must agree on, sent by the prefill in ``kv_transfer_params``
-    and checked by the decode before each pull (a dict comparison, no call). The block layout
-    (shape, dtype, in place or a mirror) is checked against the prefill's region at first contact
-    (``CacheLayout.check_peer``). ``dp`` is carried for the message only: each data-parallel rank
-    is an engine of its own, with leases of its own. The sidecars' own handshake checks their wire
-    protocol."""
+    and checked by the decode before each pull (a dict comparison, no call). ``kv_heads``: the
+    model's KV heads in all (1 for MLA, whose latent every rank holds whole); ``layout``: vLLM's
+    KV cache layout name (and ``mla``); ``groups``: its KV cache groups (``full``,
+    ``sliding_window:64``). Tensor-parallel sizes may differ where both split the heads
+    (``check_compat``); ``dp`` only rides along: each data-parallel rank is an engine of its own,
+    with leases of its own. The block layout (shape, dtype, in place or a mirror) is checked
+    against the prefill's region at first contact (``CacheLayout.check_peer``); the sidecars' own
+    handshake checks their wire protocol."""
     from kvferry import __version__
     from kvferry.engine import peer  # not kvferry.transport: vLLM's environment lacks its dependencies
 
     return {"kvferry": __version__, "peer_protocol": peer.VERSION,
             "model": str(model), "dtype": str(dtype), "kv_cache_dtype": str(kv_cache_dtype),
-            "block_size": int(block_size), "tp": int(tp), "pp": int(pp), "dp": int(dp)}
+            "block_size": int(block_size), "tp": int(tp), "pp": int(pp), "dp": int(dp), "kv_heads": int(kv_heads),
+            "head_size": int(head_size), "layers": int(layers), "layout": str(layout), "groups": list(groups)}
 
 
 def check_compat(ours: Mapping[str, Any], theirs: Mapping[str, Any] | None, where: str) -> None:
-    """Raises: IncompatiblePeer naming every field that differs."""
+    """Raises: IncompatiblePeer naming every field that differs, and tensor-parallel sizes that
+    cannot exchange heads (``kvferry.client.tp``)."""
     if theirs is None:
         raise IncompatiblePeer(f"the prefill at {where} sent no compatibility record: its kvferry connector is older "
                                f"than this decode's ({ours.get('kvferry')})")
     differ = [f"{key}: prefill {theirs.get(key)!r}, decode {ours.get(key)!r}" for key in COMPARED
               if theirs.get(key) != ours.get(key)]
+    p_tp, d_tp = int(theirs.get("tp", 1)), int(ours.get("tp", 1))
+    if p_tp != d_tp:
+        heads = int(ours.get("kv_heads") or 0)
+        try:
+            if heads < 1:
+                raise tp.BadShape("the KV head count is unknown")
+            tp.plan(heads, p_tp, d_tp, 0)
+            tp.rank_heads(heads, p_tp, 0)
+        except tp.BadShape as exc:
+            differ.append(f"tp: prefill {p_tp}, decode {d_tp} ({exc})")
     if differ:
         raise IncompatiblePeer(f"the prefill at {where} cannot hand this decode its KV; they differ in "
                                f"{'; '.join(differ)}")
-
-
-# ---- statistics --------------------------------------------------------------------------------
-FAILURE_KINDS = ("incompatible", "lease_gone", "unreachable", "timeout", "transfer", "integrity", "copy")
-
-
-def failure_kind(error: BaseException | str) -> str:
-    """A failed pull's kind, for counting (``kvferry_failures_total{kind=...}``)."""
-    text = str(error)
-    if isinstance(error, IncompatibleCache) or "IncompatibleCache" in text or "IncompatiblePeer" in text:
-        return "incompatible"
-    if isinstance(error, NotFound) or "NotFound" in text:
-        return "lease_gone"
-    if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)) or "ConnectError" in text:
-        return "unreachable"
-    if isinstance(error, httpx.TimeoutException) or "not done after" in text or "Timeout" in text:
-        return "timeout"
-    if "integrity" in text.lower() or "checksum" in text.lower() or "crc" in text.lower():
-        return "integrity"
-    if "copying the pages" in text:
-        return "copy"
-    return "transfer"
-
-
-class TransferStats:
-    """The connector's statistics of one interval: per received request its transfer time, bytes
-    raw and on the wire and codec; failures by kind. Plain lists and counts (vLLM sends them from
-    the workers to its logger process); ``kvferry.vllm.KvferryStats`` is this as vLLM's class."""
-
-    def __init__(self, data: Mapping[str, Any] | None = None):
-        self.reset()
-        for key, value in (data or {}).items():  # copied: aggregating must not change the caller's lists
-            if key in self.data:
-                self.data[key] = dict(value) if key == "failures" else list(value)
-
-    def reset(self) -> None:
-        self.data = {"transfer_seconds": [], "wait_seconds": [], "bytes_raw": [], "bytes_wire": [], "codec": [],
-                     "failures": {}}
-
-    def record(self, entry: Mapping[str, Any]) -> None:
-        d = self.data
-        d["transfer_seconds"].append(float(entry.get("transfer_seconds") or 0.0))
-        d["wait_seconds"].append(float(entry.get("wait_seconds") or 0.0))
-        d["bytes_raw"].append(int(entry.get("bytes_raw") or 0))
-        d["bytes_wire"].append(int(entry.get("bytes_wire") or 0))
-        d["codec"].append(str(entry.get("codec") or "unknown"))
-
-    def fail(self, kind: str) -> None:
-        self.data["failures"][kind] = self.data["failures"].get(kind, 0) + 1
-
-    def aggregate(self, other: TransferStats) -> TransferStats:
-        for key in ("transfer_seconds", "wait_seconds", "bytes_raw", "bytes_wire", "codec"):
-            self.data[key].extend(other.data.get(key, ()))
-        for kind, n in other.data.get("failures", {}).items():
-            self.data["failures"][kind] = self.data["failures"].get(kind, 0) + n
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        d = self.data
-        n, raw, wire = len(d["transfer_seconds"]), sum(d["bytes_raw"]), sum(d["bytes_wire"])
-        times = sorted(d["transfer_seconds"])
-        return {"requests": n, "failures": sum(d["failures"].values()),
-                "avg_transfer_ms": round(1e3 * sum(times) / n, 3) if n else 0.0,
-                "p90_transfer_ms": round(1e3 * times[min(n - 1, int(0.9 * n))], 3) if n else 0.0,
-                "avg_wait_ms": round(1e3 * sum(d["wait_seconds"]) / n, 3) if n else 0.0,
-                "bytes_raw": raw, "bytes_wire": wire, "ratio": round(raw / wire, 3) if wire else 0.0}
-
-    def is_empty(self) -> bool:
-        return not self.data["transfer_seconds"] and not self.data["failures"]
-
-    def take(self) -> TransferStats | None:
-        """This interval's statistics (None if nothing happened), and a fresh interval."""
-        if self.is_empty():
-            return None
-        taken = type(self)(self.data)
-        self.reset()
-        return taken
-
-
-class PromMetrics:
-    """The statistics as Prometheus metrics, registered through the metric classes vLLM hands a
-    connector (``build_prom_metrics``), one child per engine."""
-
-    def __init__(self, metric_types: Mapping[type, Any], labelnames: Sequence[str],
-                 per_engine_labelvalues: Mapping[int, Sequence[object]]):
-        from prometheus_client import Counter, Histogram
-
-        histogram, counter = metric_types[Histogram], metric_types[Counter]
-        self.labelnames, self.per_engine = list(labelnames), dict(per_engine_labelvalues)
-        seconds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-        self.transfer = histogram(name="vllm:kvferry_transfer_seconds", buckets=seconds, labelnames=self.labelnames,
-                                  documentation="A request's KV transfer, as the prefill's sidecar timed it.")
-        self.wait = histogram(name="vllm:kvferry_wait_seconds", buckets=seconds, labelnames=self.labelnames,
-                              documentation="A request's pull from its start to its KV in vLLM's cache.")
-        self.raw = counter(name="vllm:kvferry_bytes_raw", labelnames=[*self.labelnames, "codec"],
-                           documentation="KV bytes received, uncompressed.")
-        self.wire = counter(name="vllm:kvferry_bytes_wire", labelnames=[*self.labelnames, "codec"],
-                            documentation="KV bytes received as they crossed the wire.")
-        self.requests = counter(name="vllm:kvferry_requests", labelnames=[*self.labelnames, "codec"],
-                                documentation="Requests whose KV was received, by the codec that carried it.")
-        self.failures = counter(name="vllm:kvferry_failures", labelnames=[*self.labelnames, "kind"],
-                                documentation="Pulls that failed, by kind (" + ", ".join(FAILURE_KINDS) + ").")
-        self.ratio = histogram(name="vllm:kvferry_ratio", labelnames=[*self.labelnames, "codec"],
-                               buckets=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0],
-                               documentation="A request's compression ratio (raw bytes / wire bytes).")
-
-    def observe(self, data: Mapping[str, Any], engine_idx: int = 0) -> None:
-        values = list(self.per_engine.get(engine_idx, ()))
-        for seconds, wait, raw, wire, codec in zip(data.get("transfer_seconds", ()), data.get("wait_seconds", ()),
-                                                   data.get("bytes_raw", ()), data.get("bytes_wire", ()),
-                                                   data.get("codec", ())):
-            self.transfer.labels(*values).observe(seconds)
-            self.wait.labels(*values).observe(wait)
-            self.raw.labels(*values, codec).inc(raw)
-            self.wire.labels(*values, codec).inc(wire)
-            self.requests.labels(*values, codec).inc()
-            if wire:
-                self.ratio.labels(*values, codec).observe(raw / wire)
-        for kind, n in data.get("failures", {}).items():
-            self.failures.labels(*values, kind).inc(n)
 
 
 # ---- prefill ------------------------------------------------------------------------------------
@@ -512,10 +225,11 @@ class Producer:
     ``lease_ttl`` after it was taken. A sidecar that stopped answering (it runs beside this worker:
     gone, and its regions with it) for ``lease_seconds`` frees the leases older than that."""
 
-    def __init__(self, config: ConnectorConfig, cache: KvCache, rank: int = 0, clock=time.monotonic):
+    def __init__(self, config: ConnectorConfig, cache: KvCache, rank: int = 0, clock=time.monotonic,
+                 dp_rank: int = 0):
         import threading
 
-        self.config, self.cache, self.rank, self.clock = config, cache, rank, clock
+        self.config, self.cache, self.rank, self.clock, self.dp_rank = config, cache, rank, clock, dp_rank
         self.leases: dict[str, Lease] = {}
         self._finished: set[str] = set()  # ids vLLM said finished (only those may be reported sent)
         self._lock = threading.Lock()
@@ -530,13 +244,13 @@ class Producer:
         """Copy the request's blocks into the mirror (here, in vLLM's step) and lease them (on the
         lease thread). A lease that cannot be taken (sidecar down) is released: the blocks go back
         to vLLM and the decode's pull fails."""
-        name = f"{lease_name(self.config.region, request_id)}-r{self.rank}"
+        name = f"{lease_name(self.config.region, request_id, self.dp_rank)}-r{self.rank}"
         now = self.clock()
         lease = Lease(request_id, name, now + self.config.lease_ttl + self.config.call_timeout, taken=now)
         with self._lock:
             self.leases[request_id] = lease
         try:
-            self.cache.save(block_ids)
+            self.cache.save(flat_blocks(block_ids))
         except Exception as exc:  # noqa: BLE001 (a copy failure is this request's failure)
             log.error("kvferry: cannot copy the KV of request %s (%s); the decode will not get it", request_id, exc)
             lease.held = False
@@ -659,7 +373,8 @@ class Pull:
     spec: LoadSpec
     started: float
     client: Client | None = None
-    transfer_id: str | None = None
+    transfer_id: str | None = None  # the first of transfer_ids
+    transfer_ids: list[str] = field(default_factory=list)  # one per prefill rank read
     error: str | None = None
     kind: str = ""  # the failure's kind (FAILURE_KINDS)
     record: dict[str, Any] = field(default_factory=dict)
@@ -670,20 +385,25 @@ class Pull:
     load_seconds: float = 0.0  # copying the pages into vLLM's cache
 
 
-def remote_params(request_id: str, block_ids: Sequence[int], config: ConnectorConfig,
-                  num_tokens: int = 0, compat: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What a prefill hands the decode (inside vLLM's kv_transfer_params)."""
-    params = {"url": config.public_url, "lease": lease_name(config.region, request_id),
-              "block_ids": [int(b) for b in block_ids], "num_tokens": int(num_tokens)}
+def remote_params(request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], config: ConnectorConfig,
+                  num_tokens: int = 0, compat: Mapping[str, Any] | None = None, dp_rank: int = 0) -> dict[str, Any]:
+    """What a prefill hands the decode (inside vLLM's kv_transfer_params): ``block_ids`` one list,
+    or one per KV cache group."""
+    ids: list[Any] = [[int(b) for b in g] for g in block_ids] if block_ids and isinstance(
+        block_ids[0], (list, tuple)) else [int(b) for b in block_ids]
+    params = {"url": config.public_url, "lease": lease_name(config.region, request_id, dp_rank),
+              "block_ids": ids, "num_tokens": int(num_tokens)}
     if compat is not None:
         params["compat"] = dict(compat)
         params["ranks"] = int(compat.get("tp", 1))
     return params
 
 
-def lease_names(params: Mapping[str, Any]) -> list[str]:
-    """Every worker's lease of a request (``kv_transfer_params``): one per tensor-parallel rank."""
-    return [f"{params['lease']}-r{rank}" for rank in range(int(params.get("ranks", 1)))]
+def lease_names(params: Mapping[str, Any], ranks: Iterable[int] | None = None) -> list[str]:
+    """Worker leases of a request (``kv_transfer_params``): one per tensor-parallel rank, or
+    those of ``ranks``."""
+    ranks = range(int(params.get("ranks", 1))) if ranks is None else ranks
+    return [f"{params['lease']}-r{rank}" for rank in ranks]
 
 
 def match_blocks(local: Sequence[int], remote: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -699,12 +419,71 @@ def match_blocks(local: Sequence[int], remote: Sequence[int]) -> tuple[list[int]
     return [int(b) for b in remote[len(remote) - len(local):]], local
 
 
+def groups_of(block_ids: Sequence[Any]) -> list[list[int]]:
+    """Block ids as one list per KV cache group (a flat list is one group)."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return [[int(b) for b in g] for g in block_ids]
+    return [[int(b) for b in block_ids]]
+
+
+NULL_BLOCK = 0  # vLLM's placeholder for a block a group no longer holds (out of a sliding window)
+
+
+def pair_groups(local: Sequence[Any], remote: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """(prefill blocks, decode blocks) of a request, group by group (``match_blocks``). With several
+    KV cache groups (vLLM's hybrid allocator), a prefill block vLLM already dropped (a sliding
+    window's oldest, ``NULL_BLOCK``) is skipped: the decode never reads that position either.
+    The caches overlay the groups, so one list of pairs covers them all.
+
+    Raises: IncompatibleCache when the group counts differ or a group wants more than it holds."""
+    local_groups, remote_groups = groups_of(local), groups_of(remote)
+    if len(local_groups) != len(remote_groups):
+        raise IncompatibleCache(f"the prefill sent {len(remote_groups)} KV cache groups, this decode has "
+                                f"{len(local_groups)}")
+    src, dst = [], []
+    for mine, theirs in zip(local_groups, remote_groups):
+        s, d = match_blocks(mine, theirs)
+        for a, b in zip(s, d):
+            if len(local_groups) == 1 or a != NULL_BLOCK:
+                src.append(a)
+                dst.append(b)
+    return src, dst
+
+
+def flat_blocks(block_ids: Sequence[Any]) -> list[int]:
+    return [b for g in groups_of(block_ids) for b in g]
+
+
+def tp_shape(ours: Mapping[str, Any] | None, theirs: Mapping[str, Any] | None) -> tuple[int, int, int]:
+    """(KV heads in all, prefill TP, decode TP) of a pull; equal sizes where either record lacks them."""
+    if ours is None or theirs is None or not ours.get("kv_heads"):
+        return 1, 1, 1
+    return int(ours["kv_heads"]), int(theirs.get("tp", 1)), int(ours.get("tp", 1))
+
+
+def merge_records(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The transfers of one pull (one per prefill rank read) as one record: the first that did
+    not end done, else their sums (bytes) and the longest time."""
+    for r in records:
+        if r.get("state") != "done":
+            return r
+    if len(records) == 1:
+        return records[0]
+    raw, wire = sum(r.get("bytes_raw") or 0 for r in records), sum(r.get("bytes_wire") or 0 for r in records)
+    return {**records[0], "bytes_raw": raw, "bytes_wire": wire, "ratio": round(raw / wire, 3) if wire else None,
+            "seconds": max(r.get("seconds") or 0.0 for r in records), "transfers": [r.get("id") for r in records]}
+
+
 class Consumer:
     """Decode worker: pulls each request's KV from its prefill's sidecar into the local cache.
 
     vLLM's step makes no HTTP call: ``start`` hands the pull to a worker thread (the first contact
-    with a prefill's sidecar, its checks, the transfer's submission and its long-polled end),
-    ``poll`` collects the ends at the next steps and copies the pages."""
+    with a prefill's sidecar, its checks, the transfers' submission and their long-polled ends),
+    ``poll`` collects the ends at the next steps and copies the pages.
+
+    Where the prefill runs another tensor-parallel size, the pull is one transfer per prefill rank
+    this rank reads (``kvferry.client.tp``): the heads it holds of that rank's lease, written
+    into their place in this rank's head-major mirror."""
 
     def __init__(self, config: ConnectorConfig, cache: KvCache, rank: int = 0, clock=time.monotonic,
                  compat: Mapping[str, Any] | None = None):
@@ -715,7 +494,7 @@ class Consumer:
         self.pulls: dict[str, Pull] = {}
         self.failed_blocks: dict[str, tuple[int, ...]] = {}  # request id -> its blocks that did not load
         self._clients: dict[str, Client] = {}
-        self._checked: dict[str, int] = {}  # prefill sidecars whose layout matched ours -> their vLLM blocks
+        self._checked: dict[tuple[str, str], int] = {}  # (sidecar, lease rank) that matched ours -> its vLLM blocks
         self._data_address: str | None = None
         self._local = Client(config.url, token=config.token, timeout=config.call_timeout)
         self._lock = threading.Lock()
@@ -735,7 +514,7 @@ class Consumer:
         """Hand the pull to a worker thread; never raises, never waits (a failure is reported as a
         failed load by ``poll``). A spec without local blocks only ends the prefill's lease."""
         pull = Pull(spec, self.clock())
-        if not spec.local_blocks:
+        if not flat_blocks(spec.local_blocks):
             self._release_later(pull)
             return pull
         self.pulls[spec.request_id] = pull
@@ -745,54 +524,80 @@ class Consumer:
             pull.error, pull.kind = f"the connector is closing: {exc}", "transfer"
         return pull
 
+    def slices(self, spec: LoadSpec) -> list[tp.Slice]:
+        """What this rank reads from which prefill rank (one slice of all its heads from the rank
+        of its own number where both run one tensor-parallel size)."""
+        heads, p_tp, d_tp = tp_shape(self.compat, spec.params.get("compat"))
+        if p_tp == d_tp:
+            return [tp.Slice(self.rank, 0, 0, self.cache.layout.heads)]
+        mine = len(tp.rank_heads(heads, d_tp, self.rank))
+        if self.cache.layout.heads != mine:
+            raise IncompatibleCache(f"this decode's cache pages hold {self.cache.layout.heads} KV heads, not the "
+                                    f"{mine} of rank {self.rank} of {d_tp}: a prefill of tensor-parallel size {p_tp} "
+                                    "cannot be read head by head")
+        return tp.plan(heads, p_tp, d_tp, self.rank)
+
     def _run(self, pull: Pull) -> dict[str, Any]:
-        """On a worker thread: check the prefill (first contact), send the pull, long-poll its end
-        (at most ``LONG_POLL`` seconds a call) until it ended or ``load_timeout`` passed."""
+        """On a worker thread: check the prefill (first contact), send the pulls, long-poll their
+        ends (at most ``LONG_POLL`` seconds a call) until they ended or ``load_timeout`` passed."""
         deadline = time.monotonic() + self.config.load_timeout
         spec = pull.spec
-        url, lease = spec.params["url"], self._lease(spec)
+        url = spec.params["url"]
         if self.compat is not None:
             check_compat(self.compat, spec.params.get("compat"), url)
-        src, dst = match_blocks(spec.local_blocks, spec.params["block_ids"])
+        src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
         pull.client = self.remote(url)
-        # The prefill takes the lease on a thread of its own, so a pull may come a moment before
-        # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails.
-        grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.01
-        while True:
-            try:
-                record = self._send(pull, url, lease, src, dst)
-                break
-            except NotFound:
-                if time.monotonic() + pause > grace:
-                    raise
-                time.sleep(pause)
-                pause = min(0.2, pause * 2)
-        pull.transfer_id = record["id"]
-        while record["state"] in ("queued", "running"):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            record = pull.client.transfer(pull.transfer_id, wait=min(LONG_POLL, left))
+        records, pieces = [], self.slices(spec)
+        # one read answers at its end (one round trip); several are all sent first, then waited on
+        wait = min(LONG_POLL, self.config.load_timeout) if len(pieces) == 1 else 0.0
+        for piece in pieces:
+            # The prefill takes the lease on a thread of its own, so a pull may come a moment before
+            # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails.
+            grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.01
+            while True:
+                try:
+                    records.append(self._send(pull, url, piece, src, dst, wait))
+                    break
+                except NotFound:
+                    if time.monotonic() + pause > grace:
+                        raise
+                    time.sleep(pause)
+                    pause = min(0.2, pause * 2)
+            pull.transfer_ids.append(records[-1]["id"])
+        pull.transfer_id = pull.transfer_ids[0]
+        for i, record in enumerate(records):
+            while record["state"] in ("queued", "running"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                record = records[i] = pull.client.transfer(record["id"], wait=min(LONG_POLL, left))
         pull.answered, pull.answered_wall = self.clock(), time.time()
-        return record
+        return merge_records(records)
 
-    def _send(self, pull: Pull, url: str, lease: str, src: list[int], dst: list[int]) -> dict[str, Any]:
-        """Check the prefill's blocks (first contact) and send the pull; its record once answered."""
-        if url not in self._checked:
-            self._checked[url] = self.cache.layout.check_peer(pull.client.region(lease), url)
+    def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
+              wait: float) -> dict[str, Any]:
+        """Check the prefill rank's blocks (first contact) and send the pull of ``piece``; its
+        record once answered."""
+        lease = lease_names(pull.spec.params, [piece.rank])[0]
+        heads, p_tp, d_tp = tp_shape(self.compat, pull.spec.params.get("compat"))
         layout = self.cache.layout
-        src_blocks, dst_blocks = layout.blocks(src, self._checked[url]), layout.blocks(dst)
+        theirs = layout.heads if p_tp == d_tp else len(tp.rank_heads(heads, p_tp, piece.rank))
+        key = (url, f"{p_tp}:{piece.rank}")
+        if key not in self._checked:
+            self._checked[key] = layout.check_peer(pull.client.region(lease), url, theirs)
+        src_blocks = layout.blocks(src, self._checked[key], piece.src, piece.count, theirs)
+        dst_blocks = layout.blocks(dst, None, piece.dst, piece.count)
         if self._data_address is None:
             self._data_address = self._local.data_address()
         codec = pull.spec.params.get("codec") or self.config.codec  # a request may name its codec
-        pull.asked_wall = time.time()
+        pull.asked_wall = pull.asked_wall or time.time()
         answer = pull.client.send_later(lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
-                                        codec=codec, wait=min(LONG_POLL, self.config.load_timeout))
+                                        codec=codec, wait=wait)
         return answer.result()
 
     def poll(self) -> tuple[set[str], set[str]]:
         """(received, failed) request ids, each reported once; received ones are in vLLM's cache.
-        Asks nobody: a pull still on its way past ``load_timeout`` fails here, and its transfer is
+        Asks nobody: a pull still on its way past ``load_timeout`` fails here, and its transfers are
         cancelled on a worker thread."""
         received, failed = set(), set()
         for rid, pull in list(self.pulls.items()):
@@ -811,7 +616,7 @@ class Consumer:
                 self._record(pull)
             else:
                 failed.add(rid)
-                self.failed_blocks[rid] = tuple(pull.spec.local_blocks)
+                self.failed_blocks[rid] = tuple(flat_blocks(pull.spec.local_blocks))
                 self.interval.fail(pull.kind or failure_kind(pull.error))
                 log.error("kvferry: KV of request %s not loaded: %s", rid, pull.error)
             self._release_later(pull)
@@ -832,11 +637,11 @@ class Consumer:
             except Exception as exc:  # noqa: BLE001 (a copy failure is this request's failure)
                 pull.error, pull.kind = f"copying the pages into vLLM's cache failed: {exc}", "copy"
         elif state in ("failed", "cancelled"):
-            pull.error = (f"transfer {pull.transfer_id} {state}: {pull.record.get('error_kind')}: "
+            pull.error = (f"transfer {pull.record.get('id')} {state}: {pull.record.get('error_kind')}: "
                           f"{pull.record.get('error')}")
             pull.kind = failure_kind(pull.error)
         else:
-            pull.error, pull.kind = f"transfer {pull.transfer_id} not done after {self.config.load_timeout:g} s", \
+            pull.error, pull.kind = f"transfer {pull.record.get('id')} not done after {self.config.load_timeout:g} s", \
                 "timeout"
             self._cancel_later(pull)
 
@@ -844,12 +649,14 @@ class Consumer:
         def cancel() -> None:
             try:
                 if pull.ended is not None:
-                    pull.ended.result(timeout=self.config.call_timeout)  # its transfer id, once sent
+                    pull.ended.result(timeout=self.config.call_timeout)  # its transfer ids, once sent
             except Exception:  # noqa: BLE001 (the pull failed anyway: nothing to cancel)
                 pass
-            if pull.transfer_id is not None and pull.client is not None:
+            for transfer_id in list(pull.transfer_ids):
+                if pull.client is None:
+                    break
                 try:
-                    pull.client.cancel(pull.transfer_id)
+                    pull.client.cancel(transfer_id)
                 except (EngineError, httpx.HTTPError):
                     pass  # it may have ended meanwhile; the request fails either way
         try:
@@ -858,22 +665,28 @@ class Consumer:
             pass
 
     def _local_blocks(self, pull: Pull) -> list[int]:
-        return match_blocks(pull.spec.local_blocks, pull.spec.params["block_ids"])[1]
+        return pair_groups(pull.spec.local_blocks, pull.spec.params["block_ids"])[1]
 
-    def _lease(self, spec: LoadSpec) -> str:
-        return f"{spec.params['lease']}-r{self.rank}"
+    def _leases(self, spec: LoadSpec, loaded: bool) -> list[str]:
+        """The prefill leases this rank ends (``tp.releases``): its own where both run one
+        tensor-parallel size."""
+        heads, p_tp, d_tp = tp_shape(self.compat, spec.params.get("compat"))
+        if p_tp == d_tp:
+            return lease_names(spec.params, [self.rank])
+        return lease_names(spec.params, tp.releases(heads, p_tp, d_tp, self.rank, loaded))
 
     def _release_later(self, pull: Pull) -> None:
-        """End the prefill's lease, whatever happened, on a worker thread: vLLM's step does not
-        wait for that HTTP call, and the prefill frees the blocks once the lease is gone."""
+        """End the prefill's leases this rank ends, whatever happened, on a worker thread: vLLM's
+        step does not wait for that HTTP call, and the prefill frees the blocks once the lease is gone."""
         try:
-            lease, url = self._lease(pull.spec), pull.spec.params["url"]
-        except (KeyError, TypeError):
+            leases, url = self._leases(pull.spec, pull.ended is not None), pull.spec.params["url"]
+        except (KeyError, TypeError, ValueError):
             return
-        try:
-            self._waiters.submit(self._release, url, lease, pull.ended)
-        except RuntimeError:  # closing: the lease expires on its own
-            pass
+        for lease in leases:
+            try:
+                self._waiters.submit(self._release, url, lease, pull.ended)
+            except RuntimeError:  # closing: the lease expires on its own
+                pass
 
     def _release(self, url: str, lease: str, ended: Future | None) -> None:
         if ended is not None:  # a pull that timed out may still be submitting: release after it
@@ -881,27 +694,16 @@ class Consumer:
                 ended.result(timeout=self.config.call_timeout + self.config.load_timeout)
             except Exception:  # noqa: BLE001
                 pass
-        grace, pause = time.monotonic() + LEASE_GRACE, 0.01
-        while True:
-            try:
-                self.remote(url).delete_region(lease)
-                return
-            except NotFound:  # pulled and ended already, or not taken yet: ask again for a moment
-                if time.monotonic() + pause > grace:
-                    return
-                time.sleep(pause)
-                pause = min(0.2, pause * 2)
-            except (EngineError, httpx.HTTPError) as exc:  # the lease expires on its own
-                log.debug("kvferry: lease %s not deleted: %s", lease, exc)
-                return
+        release(self.remote(url), lease)
 
     def _record(self, pull: Pull) -> None:
         r = pull.record
         entry = {"request_id": pull.spec.request_id, "wait_seconds": self.clock() - pull.started,
                  "transfer_seconds": r.get("seconds"), "answer_seconds": pull.answered - pull.started,
-                 "load_seconds": pull.load_seconds, "blocks": len(pull.spec.local_blocks),
+                 "load_seconds": pull.load_seconds, "blocks": len(self._local_blocks(pull)),
                  "bytes_raw": r.get("bytes_raw"), "bytes_wire": r.get("bytes_wire"), "ratio": r.get("ratio"),
-                 "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id, "stages": r.get("stages")}
+                 "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id, "stages": r.get("stages"),
+                 "transfers": list(pull.transfer_ids)}
         self.stats.append(entry)
         del self.stats[:-1000]
         self.interval.record(entry)
@@ -915,6 +717,24 @@ class Consumer:
         self._waiters.shutdown(wait=False, cancel_futures=True)
         for client in [*self._clients.values(), self._local]:
             client.close()
+
+
+def release(client: Client, lease: str) -> None:
+    """Delete a prefill's lease (the prefill frees its blocks once it is gone); a lease not there
+    is asked for again for ``LEASE_GRACE`` seconds (not taken yet, or pulled and ended already)."""
+    grace, pause = time.monotonic() + LEASE_GRACE, 0.01
+    while True:
+        try:
+            client.delete_region(lease)
+            return
+        except NotFound:
+            if time.monotonic() + pause > grace:
+                return
+            time.sleep(pause)
+            pause = min(0.2, pause * 2)
+        except (EngineError, httpx.HTTPError) as exc:  # the lease expires on its own
+            log.debug("kvferry: lease %s not deleted: %s", lease, exc)
+            return
 
 
 class Heartbeats:
@@ -931,6 +751,7 @@ class Heartbeats:
         self._clients: dict[str, Client] = {}
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._releases: ThreadPoolExecutor | None = None
         self.sent = 0  # heartbeat calls made (for the tests and the log)
 
     def track(self, request_id: str, params: Mapping[str, Any]) -> None:
@@ -948,8 +769,35 @@ class Heartbeats:
 
     def close(self) -> None:
         self._closed.set()
+        if self._releases is not None:
+            self._releases.shutdown(wait=False, cancel_futures=True)
         for client in list(self._clients.values()):
             client.close()
+
+    def shared_leases(self, params: Mapping[str, Any], compat: Mapping[str, Any] | None) -> list[str]:
+        """The leases of a request that several of this decode's ranks read (``tp.shared``): no
+        rank may end one alone, so the scheduler does once vLLM reports the request loaded (or
+        failed) on every rank."""
+        heads, p_tp, d_tp = tp_shape(compat, params.get("compat"))
+        return [] if p_tp == d_tp else lease_names(params, tp.shared(heads, p_tp, d_tp))
+
+    def release_later(self, url: str, leases: Sequence[str]) -> None:
+        """End ``leases`` on a thread (the scheduler's step makes no HTTP call)."""
+        if self._releases is None:
+            self._releases = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-release")
+        for lease in leases:
+            try:
+                self._releases.submit(lambda name=lease: release(self._client(url), name))
+            except RuntimeError:  # closing: the lease expires on its own
+                return
+
+    def _client(self, url: str) -> Client:
+        with self._lock:
+            client = self._clients.get(url)
+            if client is None:
+                client = self._clients[url] = Client(url, token=self.config.peer_token(),
+                                                     timeout=self.config.call_timeout)
+            return client
 
     def beat(self) -> None:
         """One round: renew every tracked request's leases, grouped by prefill sidecar."""
@@ -962,10 +810,7 @@ class Heartbeats:
             except (KeyError, TypeError, ValueError):
                 continue
         for url, names in by_url.items():
-            client = self._clients.get(url)
-            if client is None:
-                client = self._clients[url] = Client(url, token=self.config.peer_token(),
-                                                     timeout=self.config.call_timeout)
+            client = self._client(url)
             try:
                 answer = client.renew_leases(names, self.config.lease_seconds)
                 self.sent += 1

@@ -482,7 +482,7 @@ def test_a_stalled_local_sidecar_never_blocks_the_prefill_step(stalled):
     cache = KvCache.__new__(KvCache)  # the cache's registration would hang too: a mirror in memory
     cache.layout = CacheLayout.of(vllm_layers(1), BLOCKS)
     cache.layers, cache.device, cache.name = vllm_layers(1), torch.device("cpu"), "p-stalled"
-    cache.mirror = torch.zeros((BLOCKS, *cache.layout.block_shape), dtype=torch.bfloat16)
+    cache.mirror = torch.zeros((BLOCKS, cache.layout.heads, *cache.layout.block_shape), dtype=torch.bfloat16)
     cache.client = Client(stalled, token=TOKEN, timeout=2)
     cache._create = lambda name: cache.client.create_region(name, BLOCKS, list(cache.layout.block_shape), "bfloat16")
     producer = Producer(ConnectorConfig(url=stalled, token=TOKEN, call_timeout=2), cache)
@@ -500,7 +500,7 @@ def test_a_stalled_local_sidecar_never_blocks_the_prefill_step(stalled):
             longest = max(longest, time.monotonic() - step)
             time.sleep(0.005)
         assert longest < 0.5, longest
-        assert torch.equal(cache.mirror[[1, 2], 0], torch.stack(cache.layers)[0].movedim(1, 0)[[1, 2]])
+        assert torch.equal(cache.mirror[[1, 2], 0, 0], torch.stack(cache.layers)[0].movedim(1, 0)[[1, 2]])
     finally:
         producer.close()
         cache.client.close()

@@ -1,0 +1,151 @@
+"""Real vLLM-CPU P/D across cache shapes the basic end-to-end test does not cover: a tensor-parallel
+size change both ways (TP=2 -> TP=1 and TP=1 -> TP=2), a sliding-window hybrid model (two KV
+cache groups) and an FP8 KV cache. Each answer is compared token for token with a single vLLM's by
+the rule of ``test_vllm_e2e.py`` (the single vLLM's second answer to the prompt, its KV but the
+last token cached).
+
+Tiny seeded random models (``examples/vllm-pd/make_model.py --random``) keep it short on two
+cores. Two ``kv_both`` servers per shape: the decode server is also the single vLLM, and vLLM's
+``cache_salt`` keeps those two roles' prefix caches apart, so the decode's KV can only come from
+the pull. The TP model has one layer, whose KV vLLM computes identically at any TP size (a
+second layer would see the all-reduce's TP-dependent rounding), so a TP=2 prefill's KV is
+exactly what a TP=1 vLLM computes, and the comparison holds token for token.
+
+    python -m pytest -s -m vllm tests/client/test_vllm_e2e_shapes.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import spawn, stop
+from .test_vllm_e2e import CACHE, ROOT, Server, complete, kv_config, model, tokens_of, vllm_python  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+BLOCKS = [1, 2, 3, 5, 8]  # prompts of 1 + 32 k tokens: 33 to 257, past the 64-token window
+
+
+def prompts(seed: int) -> list[list[int]]:
+    """Token-id prompts (the random models read ids, not text), n - 1 a multiple of the block size."""
+    return [[100 + (seed * 7919 + i * 104729 + j * 31) % 40000 for j in range(1 + 32 * k)] for i, k in enumerate(BLOCKS)]
+
+
+@pytest.fixture(scope="module")
+def tiny(vllm_python, model) -> dict[str, Path]:  # noqa: F811 (the fixtures of test_vllm_e2e)
+    made = {}
+    for kind in ("tp", "swa"):
+        target = CACHE / f"tiny-{kind}"
+        done = subprocess.run([vllm_python, str(ROOT / "examples" / "vllm-pd" / "make_model.py"), "--random", kind,
+                               "--tokenizer", str(model), str(target)], capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        made[kind] = target
+    return made
+
+
+class Both:
+    """A ``kv_both`` vLLM and its sidecar, stopped together."""
+
+    def __init__(self, python: str, model_dir: Path, log: Path, tp: int = 1, extra: list[str] | None = None):
+        self.sidecar = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "10"})
+        self.stats = log.with_suffix(".jsonl")
+        config = kv_config("kv_both", self.sidecar, stats_path=str(self.stats), load_timeout=20)
+        self.server = Server(python, model_dir, log, config, ["-tp", str(tp), *(extra or [])])
+
+    def received(self) -> list[dict]:
+        return [json.loads(line) for line in self.stats.read_text().splitlines()] if self.stats.exists() else []
+
+    def stop(self) -> None:
+        self.server.stop()
+        stop(self.sidecar)
+
+
+def reference(server: Server, prompt: list[int]) -> tuple:
+    """The single vLLM's answer with the prompt's KV cached but the last token (its second answer)."""
+    complete(server.url, prompt, cache_salt="reference")
+    return tokens_of(complete(server.url, prompt, cache_salt="reference"))
+
+
+def disaggregated(prefill: Server, decode: Server, prompt: list[int], salt: str, codec: str = "raw") -> tuple:
+    """Prefill on one server, decode on another (or the same one under another salt), by hand as
+    the example proxy does."""
+    first = complete(prefill.url, prompt, max_tokens=1, cache_salt=f"{salt}-p", kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "kvferry_codec": codec})
+    params = first.json()["kv_transfer_params"]
+    assert params and params["kvferry"]["lease"], first.text[:1000]
+    return tokens_of(complete(decode.url, prompt, cache_salt=f"{salt}-d", kv_transfer_params=params))
+
+
+def run_pairs(prefill: Both, decode: Both, salt: str, seed: int, codecs: tuple[str, ...] = ("raw",)) -> list[dict]:
+    """Every prompt disaggregated from ``prefill`` to ``decode``; what the decode received."""
+    before = len(decode.received())
+    mismatches, started = [], time.monotonic()
+    for i, prompt in enumerate(prompts(seed)):
+        expected = reference(decode.server, prompt)
+        got = disaggregated(prefill.server, decode.server, prompt, salt, codecs[i % len(codecs)])
+        if got != expected:
+            mismatches.append((len(prompt), expected, got))
+    assert not mismatches, f"{len(mismatches)}/{len(BLOCKS)} differ, first: {mismatches[0]}"
+    lines = decode.received()[before:]  # one line per decode rank and request
+    assert len({line["request_id"] for line in lines}) == len(BLOCKS), \
+        "a decode computed a prompt itself instead of loading its KV"
+    print(f"\n[{salt}] {len(BLOCKS)} P/D answers equal to a single vLLM's in {time.monotonic() - started:.1f} s; "
+          f"codecs {sorted({line['codec'] for line in lines})}, transfers per request "
+          f"{sorted({len(line['transfers']) for line in lines})}")
+    return lines
+
+
+@contextlib.contextmanager
+def pair(python: str, model_dir: Path, logs: Path, tps: tuple[int, int] = (1, 1), extra: list[str] | None = None):
+    """Two ``kv_both`` servers with a sidecar each (a sidecar cannot send to itself), started at once."""
+    servers: list[Both] = []
+    try:
+        for i, size in enumerate(tps):
+            servers.append(Both(python, model_dir, logs / f"{i}-tp{size}.log", tp=size, extra=extra))
+        for both in servers:
+            both.server.wait()
+        yield servers
+    finally:
+        for both in servers:
+            both.stop()
+
+
+@pytest.fixture(scope="module")
+def tp_pair(vllm_python, tiny, tmp_path_factory):
+    with pair(vllm_python, tiny["tp"], tmp_path_factory.mktemp("vllm-tp"), (1, 2)) as servers:
+        yield servers
+
+
+def test_prefill_tp2_feeds_a_tp1_decode(tp_pair):
+    one, two = tp_pair
+    lines = run_pairs(two, one, "tp2-to-tp1", 1)
+    assert {len(line["transfers"]) for line in lines} == {2}  # one read per prefill rank
+
+
+def test_prefill_tp1_feeds_a_tp2_decode(tp_pair):
+    one, two = tp_pair
+    lines = run_pairs(one, two, "tp1-to-tp2", 2, codecs=("raw", "splitzip"))
+    assert len(lines) == 2 * len(BLOCKS)  # both decode ranks loaded every request: half the prefill's heads each
+
+
+def test_sliding_window_model_with_two_kv_cache_groups(vllm_python, tiny, tmp_path_factory):
+    with pair(vllm_python, tiny["swa"], tmp_path_factory.mktemp("vllm-swa")) as (prefill, decode):
+        lines = run_pairs(prefill, decode, "swa", 3, codecs=("raw", "auto"))
+        # the longest prompt's full-attention group pulls all its blocks, the window's group only
+        # those inside the window: vLLM dropped the others (its null block), and they are skipped
+        assert max(BLOCKS) < max(line["blocks"] for line in lines) < 2 * max(BLOCKS)
+
+
+def test_fp8_kv_cache(vllm_python, tiny, tmp_path_factory):
+    with pair(vllm_python, tiny["tp"], tmp_path_factory.mktemp("vllm-fp8"), extra=["--kv-cache-dtype", "fp8"]) as (
+            prefill, decode):
+        lines = run_pairs(prefill, decode, "fp8", 4, codecs=("raw", "entropy"))
+        assert {line["codec"] for line in lines} == {"raw", "entropy"}
