@@ -169,8 +169,8 @@ class Admission:
             reference = self.engine.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
         self.engine.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs
-        t = Transfer(id=transfer_id, direction="in", peer=connection.peer, source=peer_source(connection.peer, connection.id),
-                     pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
+        t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
+                     source=peer_source(connection.peer, connection.id), pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
                      chosen_codec=a.codec, choice_reason="the sender's", lossy=not codec.lossless,
                      references=[p.reference.name for p in pairs if p.reference is not None])
         self.engine.transfers.add(t)

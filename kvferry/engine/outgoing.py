@@ -152,8 +152,8 @@ class Outgoing:
     def _deadline(self, t: Transfer) -> None:
         """A transfer without a task fails if the receiver does not confirm in time."""
         timeout = self.engine.settings.transfer_timeout
-        t.deadline = asyncio.get_running_loop().call_later(
-            timeout, self.apply, t, Event(On.DEADLINE, "PeerError", f"the receiver did not confirm within {timeout:g} s"))
+        late = Event(On.DEADLINE, "PeerError", f"the receiver did not confirm within {timeout:g} s")
+        t.deadline = asyncio.get_running_loop().call_later(timeout, self.apply, t, late)
 
     def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future, failed: On = On.PEER_FAIL) -> None:
         """A transfer without a task ends: the receiver's DONE, or why there is none (``failed``:

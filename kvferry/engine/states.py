@@ -89,7 +89,7 @@ class On(str, Enum):
     ACCEPT_LENT = "accept lent"          # the receiver's ACCEPT, lending its destination memory
     CREDIT = "credit"                    # the receiver posted a buffer (a transport CTS)
     SENT_LAST = "sent last"              # the last chunk left
-    WRITTEN = "written"                  # the write into lent memory is over and told (WRITTEN, or the announce behind it)
+    WRITTEN = "written"                  # the lent memory is written, and the receiver told so
     REDIAL = "redial"                    # the pooled connection was dead before the peer said anything: start again
     PEER_DONE = "peer done"              # the receiver's DONE: every block written
     # receiver

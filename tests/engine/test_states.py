@@ -139,4 +139,5 @@ def test_the_documented_table_is_the_modules():
     text = DOCS.read_text()
     match = re.search(r"<!-- states:begin -->\n(.*?)<!-- states:end -->", text, re.DOTALL)
     assert match, "docs/protocol.md lost its generated state table"
-    assert match[1] == states.table(), "regenerate the table: python -c 'from kvferry.engine import states; print(states.table())'"
+    regenerate = "python -c 'from kvferry.engine import states; print(states.table(), end=\"\")'"
+    assert match[1] == states.table(), f"the table is stale: {regenerate}"
