@@ -4,6 +4,8 @@ then writes whatever messages a test composes, in any order."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from typing import Any
 
 from kvferry.engine import peer
@@ -21,9 +23,18 @@ class RawPeer:
         self.link, self.session = link, session
 
     @classmethod
-    async def connect(cls, address: str, secret: bytes, offer: handshake.Offer = OFFER) -> RawPeer:
+    async def connect(cls, address: str, secret: bytes, offer: handshake.Offer = OFFER,
+                      source: str | None = None) -> RawPeer:
+        """``source``: the local (IPv4) address to connect from, as another host would."""
         host, port = address.rsplit(":", 1)
-        link = await tcp.connect(host, int(port), TransportConfig(backend="tcp", secret=secret))
+        if source is None:
+            link = await tcp.connect(host, int(port), TransportConfig(backend="tcp", secret=secret))
+        else:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((source, 0))
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+            link = tcp.TcpLink(sock)
         return cls(link, await handshake.connector(link, secret, 5, offer))
 
     @classmethod

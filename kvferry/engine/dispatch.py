@@ -1,6 +1,8 @@
 """The peer protocol's dispatch: each peer message a connection's reader hands over is acted on
 here, at once (the reader never awaits): an ANNOUNCE goes to admission, lease messages to the
-leases, and the rest to the transfer they name, taken only from the connection it runs on."""
+leases, and the rest to the transfer they name, taken only from the connection it runs on. A
+message a receiver never expects (ACCEPT, DONE, REJECT, ERROR) is an event of its state machine
+too, which ends the transfer as a protocol violation."""
 
 from __future__ import annotations
 
@@ -9,13 +11,18 @@ from typing import TYPE_CHECKING
 from kvferry import transport
 
 from . import peer
+from .driver import settle
 from .errors import Overloaded, PeerError, ProtocolViolation
 from .leases import Held
-from .links import PeerLink
-from .transfers import State, Transfer
+from .states import Event, On
+from .transfers import Transfer
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+# Messages only a sender takes, as the events they are to a receiver's state machine.
+_SENDERS_ONLY = {peer.Accept: On.ACCEPT, peer.Done: On.PEER_DONE, peer.Reject: On.PEER_FAIL, peer.Error: On.PEER_FAIL}
 
 
 def on_message(engine: Engine, connection: transport.Connection, payload: bytes) -> None:
@@ -42,12 +49,16 @@ def on_message(engine: Engine, connection: transport.Connection, payload: bytes)
     if link is None or link.connection is not connection:
         return  # finished already, or not this peer's to speak for: nothing to do
     t = engine.transfers.find(message.transfer_id)
+    if t is not None and t.direction == "in" and type(body) in _SENDERS_ONLY:
+        _protocol(engine, connection, f"{type(body).__name__.upper()} for a transfer it sends")
+        engine.driver.apply(t, Event(_SENDERS_ONLY[type(body)]))
+        return
     if isinstance(body, peer.Chunk):
         if link.incoming is None or not link.incoming.arrived(body):
             _abort_protocol(engine, t, connection, f"unexpected inline chunk {body.index}")
     elif isinstance(body, peer.Cancel):
         if t is not None:
-            engine.abort(t, State.CANCELLED, "Cancelled", f"cancelled by the peer: {body.reason}")
+            engine.driver.apply(t, Event(On.PEER_CANCEL, "Cancelled", f"cancelled by the peer: {body.reason}"))
     elif isinstance(body, peer.Accept):
         if t is not None:
             t.mark("accepted")
@@ -70,21 +81,13 @@ def on_message(engine: Engine, connection: transport.Connection, payload: bytes)
         settle(link, error=kind(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
 
 
-def settle(link: PeerLink, done: peer.Done | None = None, error: Exception | None = None) -> None:
-    """Set a link's reply once: the peer's DONE, or why there will be none."""
-    if link.reply.done():
-        return
-    if error is None:
-        link.reply.set_result(done)
-    else:
-        link.reply.set_exception(error)
-        link.reply.exception()  # retrieved: a receiver's link has nobody awaiting it
-    if link.settle is not None:
-        link.settle(link.reply)
+def _protocol(engine: Engine, connection: transport.Connection, reason: str) -> None:
+    """Count and log (rate-limited) a peer's breach of the protocol."""
+    engine.metrics.errors.labels("ProtocolViolation").inc()
+    engine.log_peer_failure(f"peer {connection.peer} broke the protocol: {reason}")
 
 
 def _abort_protocol(engine: Engine, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
-    engine.metrics.errors.labels("ProtocolViolation").inc()
-    engine.log_peer_failure(f"peer {connection.peer} broke the protocol: {reason}")
-    if t is not None and not t.state.terminal:
-        engine.abort(t, State.FAILED, "ProtocolViolation", reason)
+    _protocol(engine, connection, reason)
+    if t is not None:
+        engine.driver.apply(t, Event(On.VIOLATION, "ProtocolViolation", reason))

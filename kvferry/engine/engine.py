@@ -3,6 +3,9 @@
 ``codebooks.py`` keeps named codebooks and learns others, ``pipeline.py`` runs codec work,
 ``policy.py`` chooses codecs, ``peer.py`` owns the peer messages' bytes.
 
+A transfer's phases and the moves between them are ``states.py``'s, a table with no IO;
+``driver.py`` applies them and is the one place a transfer ends.
+
 Sending: the sender announces a transfer on its (pooled, authenticated) data connection to the
 peer, then streams chunks right behind the announce: blocks grouped into chunks of about
 ``chunk_bytes``, each encoded while earlier ones are on the wire, at most ``max_inflight_chunks``
@@ -30,10 +33,11 @@ from kvferry import __version__, codec as codecs, transport
 from . import dispatch, ipc, peer
 from .blocks import Blocks, Ids
 from .codebooks import Codebooks, Learner, codec_named
-from .errors import BadRequest, Conflict, NotFound, PeerError, TransferFailed, UnknownCodec
+from .driver import Driver
+from .errors import BadRequest, Conflict, TransferFailed, UnknownCodec
 from .incoming import Admission
 from .leases import Leases
-from .links import Pair, PeerLink, data_plane
+from .links import LinkTable, Pair, data_plane
 from .metrics import Metrics
 from .outgoing import Outgoing
 from .pipeline import BufferPool, CodecRunner
@@ -41,7 +45,6 @@ from .policy import Policy
 from .regions import Region, RegionSpec, RegionTable
 from .settings import Settings
 from .spin import Spinner
-from .dispatch import settle
 from .transfers import State, Transfer, TransferTable
 
 log = logging.getLogger("kvferry.engine")
@@ -84,7 +87,8 @@ class Engine:
         else:
             self.device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else "cpu")
         self.regions = RegionTable(self.device, settings.max_region_bytes, settings.shm_prefix)
-        self.transfers = TransferTable(settings.max_concurrent_transfers, max_incoming=settings.max_incoming_transfers)
+        self.transfers = TransferTable(settings.max_concurrent_transfers, max_incoming=settings.max_incoming_transfers,
+                                       max_incoming_per_peer=settings.incoming_per_peer)
         self.metrics = Metrics()
         self.codebooks = Codebooks()
         self.learner = Learner()
@@ -99,10 +103,10 @@ class Engine:
         self.listener: transport.Listener | None = None
         self.pool: transport.Pool | None = None
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
-        self.links: dict[str, PeerLink] = {}  # transfer id -> its peer link, while it runs
+        self.links = LinkTable(self._connection_lost)  # running transfers' peer links
+        self.driver = Driver(self.transfers, self.links, self.metrics, self.regions)  # every change of phase
         self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all)  # receivers' memory lent to us, opened once
         self.leases = Leases()  # standing leases of same-host memory, held and lent
-        self._watched: dict[transport.Connection, dict[str, Transfer]] = {}  # connection -> its transfers
         self.outgoing = Outgoing(self)
         self.on_message = functools.partial(dispatch.on_message, self)  # a peer message, from a reader
         self.admission = Admission(self)
@@ -145,7 +149,7 @@ class Engine:
         """Stop taking work, end what is in flight (telling the peers), release the data plane."""
         self.ready = False
         for t in self.transfers.active():
-            self.abort(t, State.CANCELLED, "Shutdown", "the sidecar shut down")
+            self.driver.cancel(t, "Shutdown", "the sidecar shut down")
         tasks = [t.task for t in self.transfers.all() if t.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(0)  # let the control loops write the last CANCELs
@@ -335,56 +339,10 @@ class Engine:
         return [requested]
 
     # ---- peer links ---------------------------------------------------------------------------
-    def link(self, t: Transfer, link: PeerLink) -> PeerLink:
-        """Tie ``t`` to its connection: messages about it are taken from there only, and losing
-        the connection fails it. One close callback per connection, not per transfer (a pooled
-        connection outlives millions of transfers)."""
-        self.links[t.id] = link
-        watched = self._watched.get(link.connection)
-        if watched is None:
-            watched = self._watched[link.connection] = {}
-            link.connection.on_close(self._connection_lost)
-        watched[t.id] = t
-        return link
-
-    def unlink(self, t: Transfer) -> None:
-        link = self.links.pop(t.id, None)
-        if link is not None:
-            self._watched.get(link.connection, {}).pop(t.id, None)
-
     def _connection_lost(self, connection: transport.Connection, exc: Exception) -> None:
         self.leases.lost(connection)
-        for t in list(self._watched.pop(connection, {}).values()):
-            link = self.links.get(t.id)
-            if link is not None:
-                self.lost(t, link, exc)
-
-    def lost(self, t: Transfer, link: PeerLink, exc: Exception) -> None:
-        """A transfer's connection failed: whichever side waits fails at once. A sender's pooled
-        connection that was dead already (its peer restarted unseen: a reset at first use) before
-        the peer said anything of this transfer is not its failure: it is sent again, once, on a
-        fresh connection (nothing of it reached the peer's new process)."""
-        if self._redial(t, link, exc):
-            return
-        if not t.state.terminal:
-            self.abort(t, State.FAILED, "PeerError", f"lost the peer: {type(exc).__name__}: {exc}")
-        settle(link, error=PeerError(f"lost the peer: {type(exc).__name__}: {exc}"))
-
-    def _redial(self, t: Transfer, link: PeerLink, exc: Exception) -> bool:
-        if (t.direction != "out" or t.state.terminal or t.redial is None or not link.reused
-                or link.accepted.done() or link.reply.done() or not isinstance(exc, transport.PeerLost)):
-            return False
-        restart, t.redial = t.redial, None
-        self.unlink(t)
-        if t.deadline is not None:
-            t.deadline.cancel()
-            t.deadline = None
-        log.info("transfer %s: the pooled connection to %s was dead (%s): sending it again on a fresh one",
-                 t.id, t.peer, exc)
-        old, t.task = t.task, restart()
-        if old is not None and not old.done():
-            old.cancel()
-        return True
+        for t, link in self.links.lost(connection):
+            self.driver.lost(t, link, exc)
 
     # ---- waiting, cancelling, state -----------------------------------------------------------
     async def wait(self, transfer_id: str, timeout: float) -> dict[str, Any]:
@@ -412,70 +370,8 @@ class Engine:
         t = self.transfers.get(transfer_id)
         if t.state.terminal:
             raise Conflict(f"transfer {transfer_id} is already {t.state.value}")
-        self.abort(t, State.CANCELLED, "Cancelled", "cancelled by request")
+        self.driver.cancel(t, "Cancelled", "cancelled by request")
         return t.public()
-
-    def abort(self, t: Transfer, state: State, kind: str, reason: str) -> None:
-        """End ``t`` from outside its task (cancelled, timed out, its peer lost), telling the peer."""
-        if t.abort is None:
-            t.abort = (state.value, kind, reason)
-        self.end(t, state, kind, reason, peer.Cancel(reason))
-
-    def end(self, t: Transfer, state: State, kind: str | None = None, reason: str | None = None,
-            tell: peer.Cancel | peer.Error | peer.Done | None = None) -> bool:
-        """The one place a transfer ends, whatever it was doing (its task not yet started,
-        between chunks, after the last one, writing under a lease, inline): the record becomes
-        terminal, what it held is released (``Transfer.cleanups``), the peer is told (``tell``),
-        its link is dropped and its task, if another, cancelled. False if it had ended already."""
-        if not t.move(state, reason, kind):
-            return False
-        try:
-            self.account(t)
-            cleanups, t.cleanups = t.cleanups, []
-            for cleanup in reversed(cleanups):
-                try:
-                    cleanup()
-                except Exception:  # one failed release must not keep the others held
-                    log.exception("releasing transfer %s failed", t.id)
-            if tell is not None:
-                self.tell(t, tell)
-        finally:
-            self.unlink(t)
-            task = t.task
-            if task is not None and not task.done() and task is not asyncio.current_task():
-                task.cancel()
-        return True
-
-    def aborted(self, t: Transfer) -> tuple[State, str, str]:
-        state, kind, reason = t.abort or ("cancelled", "Cancelled", "cancelled")
-        return State(state), kind, reason
-
-    def tell(self, t: Transfer, body: peer.Cancel | peer.Error | peer.Done) -> None:
-        """Best effort: the peer learns why we stopped (it times out on its own otherwise)."""
-        link = self.links.get(t.id)
-        if link is not None and not link.connection.closed:
-            link.connection.post_message(peer.pack(peer.Message(t.id, body)))
-
-    def finish(self, t: Transfer, state: State, kind: str | None = None, error: str | None = None) -> None:
-        self.end(t, state, kind, error)
-
-    def account(self, t: Transfer) -> None:
-        """Bookkeeping once ``t`` is terminal: history, metrics, regions no longer busy."""
-        state, kind = t.state, t.error_kind
-        if t.deadline is not None:
-            t.deadline.cancel()
-        self.transfers.retire(t)
-        self.metrics.finished(state.value, t.direction, t.chosen_codec, t.bytes_raw, t.bytes_wire, t.seconds)
-        if t.lossy and state == State.DONE:
-            self.metrics.lossy_bytes.labels(t.direction, t.chosen_codec).inc(t.bytes_raw)
-        if state == State.FAILED:
-            self.metrics.errors.labels(kind or "EngineError").inc()
-        names = [d for _, d in t.pairs] if t.direction == "in" else [s for s, _ in t.pairs]
-        for name in names + t.references:
-            try:  # the region may be deleted again once no transfer uses it
-                self.regions.get(name).busy.discard(t.id)
-            except NotFound:
-                pass
 
     def refresh_gauges(self) -> None:
         """Gauges that are cheaper to count at scrape time than to keep in step."""

@@ -16,7 +16,8 @@ from . import ipc, peer
 from .blocks import Ids
 from .errors import BadRequest, Conflict, EngineError, PeerError, ProtocolViolation, UnknownCodec
 from .links import Pair, PeerLink, describe
-from .transfers import State, Transfer
+from .states import Event, On
+from .transfers import Transfer, peer_source
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -51,25 +52,26 @@ class Admission:
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
         tags = peer.ChunkTags(transfer_id, len(plan))
+        apply = self.engine.driver.apply
         if announce.flags & peer.FLAG_WRITTEN:  # the blocks are in place already: done at once
             incoming = Incoming(self.engine, t, pairs, plan, tags, codec)
-            self.engine.link(t, PeerLink(connection, incoming=incoming))
-            t.move(State.RUNNING)
+            self.engine.links.add(t, PeerLink(connection, incoming=incoming))
+            apply(t, Event(On.ADMIT_LENT))
             incoming.all_written()
-            self.engine.unlink(t)
+            self.engine.links.drop(t)
             return
         targets = self._lend(connection, announce, pairs)
         # Targets lent behind inline chunks are a lease for later transfers; this one rides inline.
         writes_itself = bool(targets) and not announce.inline_chunks
         incoming = Incoming(self.engine, t, pairs, plan, tags, codec, announce.inline_chunks, writes_itself)
-        self.engine.link(t, PeerLink(connection, incoming=incoming))
-        t.move(State.RUNNING)
+        self.engine.links.add(t, PeerLink(connection, incoming=incoming))
+        apply(t, Event(On.ADMIT_LENT if writes_itself else On.ADMIT))
         if incoming.now:  # decoded as its chunks are read, right behind this announce
             if announce.host != bytes(16):  # the answer to an offer (a lease, or none), before the DONE
                 connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
             timeout = self.engine.settings.transfer_timeout
             t.deadline = asyncio.get_running_loop().call_later(
-                timeout, self.engine.abort, t, State.FAILED, "PeerError", f"inline chunks did not come within {timeout:g} s")
+                timeout, apply, t, Event(On.DEADLINE, "PeerError", f"inline chunks did not come within {timeout:g} s"))
             return
         if not writes_itself:
             incoming.post_ahead()
@@ -168,7 +170,7 @@ class Admission:
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
         self.engine.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs
         t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
-                     pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
+                     source=peer_source(connection.peer, connection.id), pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
                      chosen_codec=a.codec, choice_reason="the sender's", lossy=not codec.lossless,
                      references=[p.reference.name for p in pairs if p.reference is not None])
         self.engine.transfers.add(t)
@@ -223,7 +225,7 @@ class Incoming:
     def all_written(self) -> None:
         """The sender wrote every block under its lease before it announced the transfer: done."""
         self._count_written()
-        self._done()
+        self._done(written=True)
 
     def arrived(self, chunk: peer.Chunk) -> bool:
         """An inline chunk came; False if none such was announced (or it came twice). The
@@ -241,11 +243,9 @@ class Incoming:
             self._decode(chunk.index, _frame(chunk.frame), len(chunk.frame))
         except Exception as exc:
             self._failed(exc)
-            self.engine.unlink(self.t)
             return True
         if self.completed == len(self.plan):
             self._done()
-            self.engine.unlink(self.t)
         return True
 
     def _decode(self, i: int, frame: torch.Tensor, nbytes: int) -> None:
@@ -269,17 +269,20 @@ class Incoming:
         t.blocks_done += blocks
         self.completed += 1
         self.engine.metrics.chunks.labels("in").inc()
+        if self.completed < len(self.plan):
+            self.engine.driver.apply(t, Event(On.CHUNK))
 
-    def _done(self) -> None:
-        """Every block is written: done here, and the sender is told at once."""
-        t = self.t
-        t.mark("last_byte")
-        self.engine.end(t, State.DONE, tell=peer.Done(t.blocks_done, t.bytes_raw, t.bytes_wire))
+    def _done(self, written: bool = False) -> None:
+        """Every block is written (``written``: by the sender, into lent memory): done here, and
+        the sender is told at once (DONE)."""
+        self.t.mark("last_byte")
+        self.engine.driver.apply(self.t, Event(On.PEER_WRITTEN if written else On.LAST_CHUNK))
 
     def _failed(self, exc: Exception) -> None:
         kind, reason = describe(exc)
-        self.engine.log_peer_failure(f"incoming transfer {self.t.id} failed: {kind}: {reason}")
-        self.engine.end(self.t, State.FAILED, kind, reason, peer.Error(kind, reason))
+        if not self.t.state.terminal:
+            self.engine.log_peer_failure(f"incoming transfer {self.t.id} failed: {kind}: {reason}")
+        self.engine.driver.apply(self.t, Event(On.FAIL, kind, reason))
 
     def release(self) -> None:
         """What this transfer holds, let go however it ended: posted receives (their buffers back
@@ -350,14 +353,13 @@ class Incoming:
                 if i in self.receives:
                     engine.buffers.give(self.receives.pop(i).buffer.obj)
                 self._count(nbytes, raw, count)
-            self._done()
+            self._done(written=self.written is not None)
         except asyncio.CancelledError:
-            state, kind, reason = engine.aborted(t)
-            engine.end(t, state, kind, reason, None if kind == "PeerError" else peer.Cancel(reason))
+            engine.driver.apply(t, Event(On.CANCEL, "Cancelled", "cancelled"))  # ended already, unless by the loop
         except Exception as exc:
             self._failed(exc)
         finally:
-            engine.unlink(t)
+            engine.links.drop(t)
 
 
 def _frame(data: bytes | memoryview) -> torch.Tensor:

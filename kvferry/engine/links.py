@@ -1,12 +1,12 @@
-"""What both sides of a transfer hold: its validated region pairs and its peer link; and how the
-engine's data plane is configured (``data_plane``)."""
+"""What both sides of a transfer hold: its validated region pairs and its peer link (``LinkTable``:
+every running transfer's); and how the engine's data plane is configured (``data_plane``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -16,6 +16,9 @@ from . import peer
 from .blocks import Ids
 from .regions import Region
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .transfers import Transfer
 
 log = logging.getLogger("kvferry.engine")
 CPU_MESSAGE_BYTES = 16 << 20
@@ -59,6 +62,46 @@ class PeerLink:
     # The connection was pooled from earlier transfers, not dialled for this one: if it turns out
     # dead before the peer said anything of this transfer, it may be sent again on a fresh one.
     reused: bool = False
+
+
+class LinkTable:
+    """Running transfers' peer links by transfer id, and each connection's transfers: messages
+    about a transfer are taken from its own connection only, and losing a connection reaches every
+    transfer on it. One close callback per connection, not per transfer (a pooled connection
+    outlives millions of transfers)."""
+
+    def __init__(self, on_lost: Callable[[transport.Connection, Exception], None]):
+        self._links: dict[str, PeerLink] = {}
+        self._watched: dict[transport.Connection, dict[str, Transfer]] = {}
+        self._on_lost = on_lost
+
+    def add(self, t: Transfer, link: PeerLink) -> PeerLink:
+        self._links[t.id] = link
+        watched = self._watched.get(link.connection)
+        if watched is None:
+            watched = self._watched[link.connection] = {}
+            link.connection.on_close(self._on_lost)
+        watched[t.id] = t
+        return link
+
+    def drop(self, t: Transfer) -> None:
+        link = self._links.pop(t.id, None)
+        if link is not None:
+            self._watched.get(link.connection, {}).pop(t.id, None)
+
+    def get(self, transfer_id: str) -> PeerLink | None:
+        return self._links.get(transfer_id)
+
+    def __getitem__(self, transfer_id: str) -> PeerLink:
+        return self._links[transfer_id]
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def lost(self, connection: transport.Connection) -> list[tuple[Transfer, PeerLink]]:
+        """The transfers that ran on ``connection``, with their links, forgotten by it."""
+        transfers = self._watched.pop(connection, {}).values()
+        return [(t, self._links[t.id]) for t in list(transfers) if t.id in self._links]
 
 
 def describe(exc: BaseException) -> tuple[str, str]:

@@ -14,21 +14,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvferry import codec as codecs, transport
-from kvferry.codec import blockcopy
 
 from . import ipc, peer
-from .blocks import Ids
 from .errors import EngineError, PeerError, ProtocolViolation
 from .leases import Held
 from .links import Pair, PeerLink, describe
 from .pipeline import runs_now
-from .transfers import State, Transfer
+from .samehost import write_blocks
+from .states import Event, On
+from .transfers import Transfer
 
 if TYPE_CHECKING:
     from .engine import Engine, TransferSpec
 
 log = logging.getLogger("kvferry.engine")
-FEW_BLOCKS = 4  # a same-host write of at most this many listed blocks copies them one by one
 
 
 class Outgoing:
@@ -36,6 +35,7 @@ class Outgoing:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.apply = engine.driver.apply
 
     async def run(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                   book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
@@ -44,16 +44,18 @@ class Outgoing:
             await self._send(t, spec, pairs, candidates, book, address)
         except asyncio.CancelledError:
             if t.task is not asyncio.current_task() and not t.state.terminal:
-                return  # sent again on a fresh connection by another task (``Engine.lost``)
-            state, kind, reason = self.engine.aborted(t)
-            self.engine.end(t, state, kind, reason, peer.Cancel(reason))
+                return  # sent again on a fresh connection by another task (``Driver.lost``)
+            self.apply(t, Event(On.CANCEL, "Cancelled", "cancelled"))  # ended already, unless by the loop
         except Exception as exc:
             kind, reason = describe(exc)
-            log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
-            self.engine.end(t, State.FAILED, kind, reason, peer.Cancel(f"{kind}: {reason}"))
+            link = self.engine.links.get(t.id)
+            refused = link is not None and link.reply.done() and link.reply.exception() is exc
+            if not t.state.terminal:
+                log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
+            self.apply(t, Event(On.PEER_FAIL if refused else On.FAIL, kind, reason))
         finally:
             if t.task is asyncio.current_task():
-                self.engine.unlink(t)
+                self.engine.links.drop(t)
 
     def start_inline(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                      book: tuple[str, Any, str] | None, address: tuple[str, int]) -> bool:
@@ -69,21 +71,20 @@ class Outgoing:
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
         if self._inline_count(plan, pairs, codec) < len(plan):
             return False
-        t.move(State.RUNNING)
-        link = self.engine.link(t, PeerLink(connection, reused=True))
+        self.apply(t, Event(On.DIAL))
+        link = self.engine.links.add(t, PeerLink(connection, reused=True))
         link.offer = self._offer(connection, spec, pairs, codec)  # the receiver may lend shared memory for later
         try:
             inline = self._inline_chunks(t, plan, pairs, codec, len(plan))
             announce = self._announce(t, spec, pairs, book, len(inline), link.offer is not None)
         except Exception as exc:  # the codec's or the layout's refusal: the transfer's, not the engine's
-            self._replied(t, 0, _failed(exc))
+            self._replied(t, 0, _failed(exc), On.FAIL)
             return True
         connection.post_message(announce, *inline)
+        self.apply(t, Event(On.ANNOUNCE_ALL))
         for stage in ("announced", "first_byte", "last_byte"):
             t.mark(stage)
-        timeout = self.engine.settings.transfer_timeout
-        t.deadline = asyncio.get_running_loop().call_later(
-            timeout, self.engine.abort, t, State.FAILED, "PeerError", f"the receiver did not confirm within {timeout:g} s")
+        self._deadline(t)
         link.settle = functools.partial(self._replied, t, _measured_bytes(spec, pairs))
         return True
 
@@ -99,26 +100,26 @@ class Outgoing:
         helds = self._leases(connection, spec, pairs, candidates)
         if helds is None:
             return False
-        t.move(State.RUNNING)
-        link = self.engine.link(t, PeerLink(connection, reused=True))
+        self.apply(t, Event(On.DIAL))
+        self.apply(t, Event(On.LEASE))
+        link = self.engine.links.add(t, PeerLink(connection, reused=True))
         self._same_host(t)
         try:
             announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
             with self.engine.leases.writing(connection, helds):
                 self.engine.codec.call_now("encode", pairs[0].region.tensor.device,
-                                           functools.partial(self._write_blocks, spec, pairs, helds))
+                                           self._write(spec, pairs, helds))
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
-                                        if isinstance(exc, RuntimeError) else exc))
+                                        if isinstance(exc, RuntimeError) else exc), On.FAIL)
             return True
         t.bytes_raw = _raw_bytes(spec, pairs)
         for stage in ("first_byte", "last_byte"):
             t.mark(stage)
         connection.post_message(announce)
+        self.apply(t, Event(On.WRITTEN))
         t.mark("announced")
-        timeout = self.engine.settings.transfer_timeout
-        t.deadline = asyncio.get_running_loop().call_later(
-            timeout, self.engine.abort, t, State.FAILED, "PeerError", f"the receiver did not confirm within {timeout:g} s")
+        self._deadline(t)
         link.settle = functools.partial(self._replied, t, 0)  # not a link speed: a same-host copy
         return True
 
@@ -148,18 +149,25 @@ class Outgoing:
                   and self.engine.leases.offer_wanted(connection, destinations[0]))
         return destinations if wanted else None
 
-    def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future) -> None:
-        """An inline transfer's end: the receiver's DONE, or why there is none."""
-        self.engine.unlink(t)
+    def _deadline(self, t: Transfer) -> None:
+        """A transfer without a task fails if the receiver does not confirm in time."""
+        timeout = self.engine.settings.transfer_timeout
+        late = Event(On.DEADLINE, "PeerError", f"the receiver did not confirm within {timeout:g} s")
+        t.deadline = asyncio.get_running_loop().call_later(timeout, self.apply, t, late)
+
+    def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future, failed: On = On.PEER_FAIL) -> None:
+        """A transfer without a task ends: the receiver's DONE, or why there is none (``failed``:
+        whose doing that is)."""
+        self.engine.links.drop(t)
         if t.state.terminal:
             return  # cancelled or timed out first
         if reply.exception() is not None:
             kind, reason = describe(reply.exception())
             log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
-            self.engine.finish(t, State.FAILED, kind, reason)
+            self.apply(t, Event(failed, kind, reason))
             return
         t.blocks_done = reply.result().blocks
-        self.engine.finish(t, State.DONE)
+        self.apply(t, Event(On.PEER_DONE))
         self.engine.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
         self.engine.policy.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - t.submitted)
 
@@ -192,15 +200,16 @@ class Outgoing:
 
     async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
-        t.move(State.RUNNING)
+        self.apply(t, Event(On.DIAL))
         pooled = self.engine.pool.ready(*address)
         try:
             connection = await self.engine.pool.get(*address)
         except transport.TransportError as exc:
             raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
-        link = self.engine.link(t, PeerLink(connection, reused=connection is pooled))
+        link = self.engine.links.add(t, PeerLink(connection, reused=connection is pooled))
         helds = self._leases(connection, spec, pairs, candidates)
         if helds is not None:
+            self.apply(t, Event(On.LEASE))
             await self._write_same_host(t, spec, pairs, helds, leased=True)
             return
         codec, book = self._choose(t, spec, pairs, candidates, book)
@@ -223,6 +232,7 @@ class Outgoing:
         except BaseException:
             _drop(first)
             raise
+        self.apply(t, Event(On.OFFER if offer else On.ANNOUNCE_ALL if len(inline) == len(plan) else On.ANNOUNCE))
         t.mark("announced")
         if inline:
             t.mark("first_byte")
@@ -231,13 +241,16 @@ class Outgoing:
             if accept.targets:
                 if len(accept.targets) != len(pairs):
                     raise ProtocolViolation(f"{len(accept.targets)} targets for {len(pairs)} region pairs")
+                self.apply(t, Event(On.ACCEPT_LENT))
                 helds = self._leases(connection, spec, pairs, candidates) or [
                     Held(dst, target, p.region.block_shape, p.region.dtype)
                     for (_, dst), p, target in zip(spec.pairs, pairs, accept.targets)]  # lost already: this once
                 await self._write_same_host(t, spec, pairs, helds)
                 return
+            self.apply(t, Event(On.ACCEPT))
         if len(inline) < len(plan):
             await self._stream(t, connection, link, plan, pairs, codec, len(inline), first)
+            self.apply(t, Event(On.SENT_LAST))
         t.mark("last_byte")
         wire_s = time.perf_counter() - wire_start
         self.engine.metrics.wire_seconds.inc(wire_s)
@@ -246,7 +259,7 @@ class Outgoing:
         # Done only when the receiver has written every block.
         done = await self._reply(link, self.engine.settings.transfer_timeout)
         t.blocks_done = done.blocks
-        self.engine.finish(t, State.DONE)
+        self.apply(t, Event(On.PEER_DONE))
         self.engine.policy.observe_transfer(t.peer, t.chosen_codec, _measured_bytes(spec, pairs),
                                             time.perf_counter() - t.submitted)
 
@@ -333,7 +346,7 @@ class Outgoing:
         device = pairs[0].region.tensor.device
         try:
             with self.engine.leases.writing(link.connection, helds):
-                await self.engine.codec.call("encode", device, raw, functools.partial(self._write_blocks, spec, pairs, helds))
+                await self.engine.codec.call("encode", device, raw, self._write(spec, pairs, helds))
         except (RuntimeError, EngineError) as exc:
             raise PeerError(f"cannot write into the receiver's memory: {exc}") from exc
         t.bytes_raw = raw
@@ -344,40 +357,19 @@ class Outgoing:
             t.mark("announced")
         else:
             await link.connection.send_message(peer.pack(peer.Message(t.id, peer.Written(len(spec.dst_blocks)))))
+        self.apply(t, Event(On.WRITTEN))
         done = await self._reply(link, self.engine.settings.transfer_timeout)
         t.blocks_done = done.blocks
-        self.engine.finish(t, State.DONE)
+        self.apply(t, Event(On.PEER_DONE))
+
+    def _write(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> functools.partial:
+        return functools.partial(write_blocks, self.engine.mapper, spec.src_blocks, spec.dst_blocks, pairs, helds)
 
     @staticmethod
     def _same_host(t: Transfer) -> None:
         t.chosen_codec = next(c.name for c in codecs.lossless() if c.capabilities.identity)
         t.choice_reason = "same host: written straight into the receiver's memory (CUDA IPC or shared memory)"
         t.lossy = False
-
-    def _write_blocks(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> None:
-        """The gather-scatter of every pair's blocks into the receiver's memory (one kernel each on
-        a GPU); a few blocks are copied one by one, which costs fewer driver calls than building
-        index tensors; spreads go as their ids, which the kernel spreads (listing 16,384 ids of
-        each side and copying them to the GPU took ~0.3 ms on an H100 host)."""
-        resolved: dict[int, Ids] = {}
-        few = (spec.src_blocks.listed is not None and spec.dst_blocks.listed is not None
-               and len(spec.src_blocks) <= FEW_BLOCKS)
-        for pair, held in zip(pairs, helds):
-            region, target = pair.region, held.target
-            remote = self.engine.mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype,
-                                               region.tensor.device)
-            if target.num_blocks not in resolved:  # checked on the host
-                resolved[target.num_blocks] = Ids.of(spec.dst_blocks, target.num_blocks)
-            if few:
-                blockcopy.copy_listed(region.tensor, spec.src_blocks.listed, remote, spec.dst_blocks.listed)
-                continue
-            src, dst = pair.index.spread, resolved[target.num_blocks].spread
-            if src is not None and dst is not None and src[1] == dst[1]:
-                ids = torch.tensor(src[0] + dst[0], dtype=torch.int64).to(region.tensor.device)  # one small copy
-                blockcopy.copy_spread(region.tensor, ids[:len(src[0])], remote, ids[len(src[0]):], src[1], src[2], dst[2])
-                continue
-            src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], region.tensor.device)
-            blockcopy.copy_blocks(region.tensor, src_ids, remote, dst_ids)
 
     async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: Pair, start: int, count: int,
                             index: int) -> torch.Tensor:

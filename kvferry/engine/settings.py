@@ -31,6 +31,7 @@ class Settings:
     data_encryption: str = "off"  # on: KV is encrypted on the wire too (AES-256-GCM; every message is authenticated either way)
     max_blocks_per_transfer: int = 1 << 20  # blocks per region pair a transfer may name (sent or announced)
     max_incoming_transfers: int = 64  # transfers peers may have in progress into this sidecar at once
+    max_incoming_transfers_per_peer: int = 0  # ... from one peer (source address); 0: three quarters of those
     device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
     cpu_threads: int = 0  # torch's intra-op threads for CPU codec work; 0 = torch's default (all cores)
     chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
@@ -63,6 +64,12 @@ class Settings:
     # Link emulation for benchmarks on one host, never for serving: pace outgoing data to this many
     # GB/s, take no same-host shortcut, and let ``auto`` assume this speed (0 = off, a real link).
     emulated_link_gbps: float = 0.0
+
+    @property
+    def incoming_per_peer(self) -> int:
+        """The incoming transfers one peer may have in progress at once: by default a lone sender
+        uses most of the budget, and a quarter always stays for the others."""
+        return self.max_incoming_transfers_per_peer or max(1, self.max_incoming_transfers * 3 // 4)
 
     def public(self) -> dict[str, Any]:
         """Settings as printed at start-up, secrets masked."""
@@ -100,6 +107,9 @@ class Settings:
                      "max_incoming_transfers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be positive")
+        if self.max_incoming_transfers_per_peer < 0:
+            raise ValueError(f"max_incoming_transfers_per_peer: {self.max_incoming_transfers_per_peer} must be 0 "
+                             "(a quarter of max_incoming_transfers) or positive")
         if self.max_region_bytes < 0:
             raise ValueError(f"max_region_bytes: {self.max_region_bytes} must be 0 (by memory) or positive")
         if self.spin_ms < 0 and self.spin_ms != -1:

@@ -1,37 +1,20 @@
-"""Transfer records and their state machine: the legal transitions live here and nowhere else."""
+"""Transfer records and their table; their phases and the moves between them are ``states.py``'s."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from enum import Enum
 from collections.abc import Callable
 from typing import Any
 
-from .errors import Conflict, EngineError, NotFound, Overloaded
+from .errors import Conflict, NotFound, Overloaded
+from .states import Phase, Side, State
 
 log = logging.getLogger("kvferry.engine")
-
-
-class State(str, Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (State.DONE, State.FAILED, State.CANCELLED)
-
-
-_LEGAL = {
-    State.QUEUED: {State.RUNNING, State.FAILED, State.CANCELLED},
-    State.RUNNING: {State.DONE, State.FAILED, State.CANCELLED},
-}
+__all__ = ["STAGES", "State", "Transfer", "TransferTable", "peer_source"]
 # Stages a transfer passes, in order; ``stages`` holds seconds since submit for each one reached.
 STAGES = ("announced", "accepted", "first_byte", "last_byte", "done")
 
@@ -45,10 +28,12 @@ class Transfer:
     blocks: int  # per pair
     codec: str  # what was asked: auto or a registered name
     chosen_codec: str = ""
+    source: str = ""  # an incoming transfer's peer as its limit counts it (``peer_source``)
     choice_reason: str = ""
     lossy: bool = False  # the chosen codec changes the values (asked for by name, never by auto)
     references: list[str] = field(default_factory=list)  # regions of predictor KV this side reads
-    state: State = State.QUEUED
+    state: State = State.QUEUED  # public: ``phase`` as the API reports it
+    phase: Phase = Phase.QUEUED  # where its state machine is (``states.py``); moved by ``Driver.apply`` only
     bytes_raw: int = 0
     bytes_wire: int = 0
     blocks_done: int = 0
@@ -58,36 +43,28 @@ class Transfer:
     submitted: float = field(default_factory=time.perf_counter)
     finished_at: float | None = None
     stages: dict[str, float] = field(default_factory=dict)
-    abort: tuple[str, str, str] | None = field(default=None, repr=False)  # (state, kind, reason) to end with
     _finished: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     task: asyncio.Task | None = field(default=None, repr=False)  # None: an inline transfer, ended by callbacks
-    # What ending it must release (posted receives, chunk tags, ...), whatever state it ends in:
-    # run once by ``Engine.end``, the one place a transfer ends.
+    # What ending it must release (posted receives, chunk tags, ...), whatever phase it ends in:
+    # run once, by the state machine's ``Release`` (``Driver``).
     cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
-    # A sender's way to start it again on a fresh connection, once (``Engine.lost``).
+    # A sender's way to start it again on a fresh connection, once (``Driver.lost``).
     redial: Callable[[], asyncio.Task] | None = field(default=None, repr=False)
     deadline: asyncio.TimerHandle | None = field(default=None, repr=False)  # an inline transfer's timeout
 
-    def move(self, state: State, error: str | None = None, kind: str | None = None) -> bool:
-        """Go to ``state`` if legal; returns False (and changes nothing) from a terminal state.
+    @property
+    def side(self) -> Side:
+        return Side(self.direction)
 
-        Raises:
-            EngineError: an illegal move from a live state (a bug, not bad input).
-        """
-        if self.state == state:
-            return False
-        if state not in _LEGAL.get(self.state, set()):
-            if self.state.terminal:
-                return False
-            raise EngineError(f"transfer {self.id}: {self.state.value} -> {state.value} is not legal")
-        self.state = state
-        if state.terminal:
+    def enter(self, phase: Phase, kind: str | None = None, reason: str | None = None) -> None:
+        """Record the phase the state machine moved to (``Driver.apply``, nowhere else)."""
+        self.phase, self.state = phase, phase.public
+        if phase.terminal:
             self.finished_at = time.perf_counter()
-            self.error, self.error_kind = error, kind
-            if state == State.DONE:
+            self.error, self.error_kind = reason, kind
+            if phase == Phase.DONE:
                 self.mark("done")
             self._finished.set()
-        return True
 
     def mark(self, stage: str) -> None:
         self.stages.setdefault(stage, time.perf_counter() - self.submitted)
@@ -125,27 +102,37 @@ class TransferTable:
     """Transfers by id. Finished ones are kept for queries, the oldest forgotten beyond ``history``;
     every operation is O(1) so a long-running daemon does not slow down as its history fills.
     Transfers in progress are bounded per direction: peers' transfers into this sidecar
-    (``max_incoming``) never crowd out its own (``max_active``), nor the other way round."""
+    (``max_incoming``) never crowd out its own (``max_active``), nor the other way round; and per
+    peer (``max_incoming_per_peer``, by source address): one peer cannot take every incoming slot."""
 
-    def __init__(self, max_active: int, history: int = 4096, max_incoming: int | None = None):
+    def __init__(self, max_active: int, history: int = 4096, max_incoming: int | None = None,
+                 max_incoming_per_peer: int | None = None):
         self._max = {"out": max_active, "in": max_active if max_incoming is None else max_incoming}
+        self._per_peer = self._max["in"] if max_incoming_per_peer is None else max_incoming_per_peer
         self._counts = {"out": 0, "in": 0}
+        self._sources: Counter[str] = Counter()  # incoming transfers in progress per peer source
         self._history = history
         self._transfers: dict[str, Transfer] = {}
         self._active: dict[str, Transfer] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
-        # Told of each transfer added (queued) and each ended (retired by ``Engine.end``), on the
+        # Told of each transfer added (queued) and each ended (retired by the driver, where every transfer ends), on the
         # event loop: a front end's push of transfer events (the gRPC Watch). Must not block.
         self.listeners: list[Callable[[Transfer], None]] = []
 
     def add(self, transfer: Transfer) -> Transfer:
-        """Raises: Conflict (id taken), Overloaded (too many in progress)."""
+        """Raises: Conflict (id taken), Overloaded (too many in progress, in all or from its peer)."""
         if transfer.id in self._transfers:
             raise Conflict(f"transfer {transfer.id} already exists")
         direction = transfer.direction
         if self._counts[direction] >= self._max[direction]:
             what = "incoming transfers" if direction == "in" else "transfers"
             raise Overloaded(f"{self._max[direction]} {what} are already in progress")
+        if direction == "in":
+            source = transfer.source or transfer.peer
+            if self._sources[source] >= self._per_peer:
+                raise Overloaded(f"{self._per_peer} incoming transfers from {source} are already in progress "
+                                 "(max_incoming_transfers_per_peer)")
+            self._sources[source] += 1
         self._transfers[transfer.id] = self._active[transfer.id] = transfer
         self._counts[direction] += 1
         self._tell(transfer)
@@ -155,6 +142,11 @@ class TransferTable:
         """Move a terminal transfer to the history, forgetting the oldest beyond its bound."""
         if self._active.pop(transfer.id, None) is not None:
             self._counts[transfer.direction] -= 1
+            if transfer.direction == "in":
+                source = transfer.source or transfer.peer
+                self._sources[source] -= 1
+                if not self._sources[source]:
+                    del self._sources[source]
             self._finished[transfer.id] = None
             while len(self._finished) > self._history:
                 old, _ = self._finished.popitem(last=False)
@@ -192,3 +184,10 @@ class TransferTable:
 
     def all(self) -> list[Transfer]:
         return list(self._transfers.values())
+
+
+def peer_source(peer: str, connection_id: int) -> str:
+    """What a peer's incoming transfers are counted under: the address of its ``host:port``, or its
+    connection where the backend gives no address (ucxx)."""
+    host, sep, port = peer.rpartition(":")
+    return host.strip("[]") if sep and host and port.isdigit() else f"connection {connection_id}"

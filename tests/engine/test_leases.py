@@ -215,6 +215,8 @@ def test_a_write_announced_without_a_lease_is_refused():
             await a.wait(t.id, 10)
         assert b.transfers.find(t.id) is None  # refused before the receiver took it on
 
+    _run(body)
+
 
 def test_an_emulated_link_takes_no_same_host_shortcut():
     async def body(a, b, segments):

@@ -1,4 +1,5 @@
-"""The transfer state machine and table (no daemon needed)."""
+"""The transfer table: its bounds in all, per direction and per peer, and its history (no daemon
+needed; the state machine's own tests are ``test_states.py``)."""
 
 from __future__ import annotations
 
@@ -6,29 +7,43 @@ import asyncio
 
 import pytest
 
-from kvferry.engine.errors import Conflict, EngineError, Overloaded
-from kvferry.engine.transfers import State, Transfer, TransferTable
+from kvferry.engine.errors import Conflict, Overloaded
+from kvferry.engine.states import Phase
+from kvferry.engine.transfers import State, Transfer, TransferTable, peer_source
 
 
-def _transfer(i: int) -> Transfer:
-    return Transfer(id=f"t{i}", direction="out", peer="x:1", pairs=[("a", "b")], blocks=1, codec="raw")
+def _transfer(i: int, direction: str = "out", peer: str = "x:1") -> Transfer:
+    return Transfer(id=f"t{i}", direction=direction, peer=peer, pairs=[("a", "b")], blocks=1, codec="raw",
+                    source=peer_source(peer, i) if direction == "in" else "")
 
 
 def _finish(table: TransferTable, t: Transfer, state: State = State.DONE) -> None:
-    t.move(State.RUNNING)
-    t.move(state)
+    t.enter(Phase(state.value))
     table.retire(t)
 
 
-def test_legal_transitions_only():
+def test_a_terminal_phase_is_recorded_once():
     async def main():
         t = _transfer(0)
-        assert t.move(State.RUNNING) and t.move(State.DONE)
-        assert not t.move(State.FAILED)  # terminal states stay put
-        assert "done" in t.stages
-        fresh = _transfer(1)
-        with pytest.raises(EngineError):
-            fresh.move(State.DONE)  # queued -> done skips running
+        t.enter(Phase.CONNECTING)
+        assert t.state == State.RUNNING
+        t.enter(Phase.DONE)
+        assert t.state == State.DONE and "done" in t.stages and await t.wait(0)
+
+    asyncio.run(main())
+
+
+def test_one_peer_cannot_take_every_incoming_slot():
+    async def main():
+        table = TransferTable(max_active=8, max_incoming=8, max_incoming_per_peer=2)
+        flood = [table.add(_transfer(i, "in", "10.0.0.1:5000")) for i in range(2)]
+        with pytest.raises(Overloaded, match="max_incoming_transfers_per_peer"):
+            table.add(_transfer(2, "in", "10.0.0.1:5001"))  # another connection from the same address
+        other = table.add(_transfer(3, "in", "10.0.0.2:5000"))
+        _finish(table, flood[0])
+        table.add(_transfer(4, "in", "10.0.0.1:5000"))  # its slot is free again
+        assert peer_source("ucx-peer", 7) == "connection 7" and peer_source("[::1]:80", 1) == "::1"
+        assert other.state == State.QUEUED
 
     asyncio.run(main())
 

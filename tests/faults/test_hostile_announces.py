@@ -123,7 +123,7 @@ def test_a_transfer_aborted_in_the_announces_own_write_ends(receiver, follow):
 def test_silent_announces_neither_stay_running_nor_lock_out_the_sidecars_own_transfers():
     a = spawn("tcp", {"KVFERRY_PEER_SECRET": SECRET})
     b = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "4", "KVFERRY_PEER_SECRET": SECRET,
-                      "KVFERRY_MAX_INCOMING_TRANSFERS": "8"})
+                      "KVFERRY_MAX_INCOMING_TRANSFERS": "8", "KVFERRY_MAX_INCOMING_TRANSFERS_PER_PEER": "8"})
     try:
         b.client.create_region("dst", 8, [512], "bfloat16")
         b.client.create_region("src", 8, [512], "bfloat16")
@@ -140,9 +140,13 @@ def test_silent_announces_neither_stay_running_nor_lock_out_the_sidecars_own_tra
         # The peer's announces fill only the incoming budget: this sidecar's own transfer runs.
         transfer = b.client.submit("src", [0, 1], a.data, "dst", [0, 1], codec="raw")
         assert b.client.wait(transfer, timeout=30)["state"] == "done"
-        records = [_record(b.client, i, timeout=15) for i in ids]
-        states = [r.get("state") for r in records if r]
-        assert states and all(s in ("failed", "cancelled") for s in states), states
+        deadline = time.monotonic() + 15  # the refused ones have no record: only the taken ones are waited for
+        while True:
+            states = [t["state"] for t in b.client.transfers(direction="in") if t["id"] in ids]
+            if states and "running" not in states or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert len(states) == 8 and all(s in ("failed", "cancelled") for s in states), states
         asyncio.run(raw.close())
     finally:
         stop(a, b)

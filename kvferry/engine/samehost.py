@@ -1,0 +1,40 @@
+"""A same-host write: a transfer's blocks copied straight into memory the receiver lent
+(CUDA IPC or host shared memory, ``leases.py``), one kernel per region pair."""
+
+from __future__ import annotations
+
+import torch
+
+from kvferry.codec import blockcopy
+
+from .blocks import Blocks, Ids
+from .ipc import Mapper
+from .leases import Held
+from .links import Pair
+
+FEW_BLOCKS = 4  # a same-host write of at most this many listed blocks copies them one by one
+
+
+def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: list[Pair], helds: list[Held]) -> None:
+    """The gather-scatter of every pair's blocks into the receiver's memory (one kernel each on
+    a GPU); a few blocks are copied one by one, which costs fewer driver calls than building
+    index tensors; spreads go as their ids, which the kernel spreads (listing 16,384 ids of
+    each side and copying them to the GPU took ~0.3 ms on an H100 host)."""
+    resolved: dict[int, Ids] = {}
+    few = src_blocks.listed is not None and dst_blocks.listed is not None and len(src_blocks) <= FEW_BLOCKS
+    for pair, held in zip(pairs, helds):
+        region, target = pair.region, held.target
+        remote = mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype,
+                               region.tensor.device)
+        if target.num_blocks not in resolved:  # checked on the host
+            resolved[target.num_blocks] = Ids.of(dst_blocks, target.num_blocks)
+        if few:
+            blockcopy.copy_listed(region.tensor, src_blocks.listed, remote, dst_blocks.listed)
+            continue
+        src, dst = pair.index.spread, resolved[target.num_blocks].spread
+        if src is not None and dst is not None and src[1] == dst[1]:
+            ids = torch.tensor(src[0] + dst[0], dtype=torch.int64).to(region.tensor.device)  # one small copy
+            blockcopy.copy_spread(region.tensor, ids[:len(src[0])], remote, ids[len(src[0]):], src[1], src[2], dst[2])
+            continue
+        src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], region.tensor.device)
+        blockcopy.copy_blocks(region.tensor, src_ids, remote, dst_ids)
