@@ -7,6 +7,7 @@ import pytest
 
 from kvferry.api.grpc.watch import MAX_BEHIND, MAX_IDS, Hub
 from kvferry.engine.errors import BadRequest
+from kvferry.engine.states import Phase
 from kvferry.engine.transfers import State, Transfer, TransferTable
 
 
@@ -15,8 +16,9 @@ def _transfer(table: TransferTable, transfer_id: str) -> Transfer:
 
 
 def _end(table: TransferTable, t: Transfer, state: State = State.DONE) -> None:
-    t.move(State.RUNNING)
-    t.move(state, "why" if state != State.DONE else None, "Cancelled" if state == State.CANCELLED else None)
+    """What the driver records as a transfer runs and ends (``Transfer.enter``), then retires it."""
+    t.enter(Phase.CONNECTING)
+    t.enter(Phase(state.value), "Cancelled" if state == State.CANCELLED else None, "why" if state != State.DONE else None)
     table.retire(t)
 
 
