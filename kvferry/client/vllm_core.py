@@ -52,7 +52,7 @@ from . import tp
 from .sdk import Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
-from .vllm_watch import CONTROLS, Stream, Waiter, Watches
+from .vllm_watch import CONTROLS, Stream, Waiter, Watches, failure
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -579,6 +579,8 @@ class Consumer:
             waiter = waiters.get(record["id"])
             if waiter is not None and record["state"] in ("queued", "running"):
                 record = records[i] = self.watches.wait(stream, waiter, deadline, pull.client, self._local)
+                if wait and record["state"] in ("failed", "cancelled"):
+                    raise failure(record)  # as the HTTP call that waits for it raises
             pushed = pushed and waiter is not None and waiter.record is not None
             while record["state"] in ("queued", "running"):
                 left = deadline - time.monotonic()

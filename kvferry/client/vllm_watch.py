@@ -16,7 +16,6 @@ sidecar's record of the incoming transfer tells whether the KV arrived.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import threading
 import time
@@ -28,7 +27,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvferry.engine.errors import EngineError, NotFound
+from kvferry.engine.errors import EngineError, NotFound, TransferFailed
 
 from .sdk import Blocks, Client
 
@@ -43,7 +42,12 @@ TERMINAL = ("done", "failed", "cancelled")
 
 def grpc_available() -> bool:
     """Whether the grpc extra is installed (the connector works without it, over HTTP)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("grpc", "google.protobuf"))
+    try:
+        import grpc  # noqa: F401
+        import google.protobuf  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def grpc_target(url: str, health: Mapping[str, Any]) -> str | None:
@@ -113,6 +117,7 @@ class Stream:
         waiter = Waiter(transfer_id, time.time())
         record = self.ended.get(transfer_id)
         if record is not None:  # its end came before the Submit's answer
+            self.pushed += 1
             waiter.record = record
             waiter.event.set()
         else:
@@ -245,6 +250,13 @@ class Watches:
         if self._thread is not None:
             self._thread.join(5.0)
         self._loop = None
+
+
+def failure(record: Mapping[str, Any]) -> TransferFailed:
+    """A failed or cancelled transfer's record as the error a submit that waited for it raises
+    over HTTP, so a pull reports it in the same words whichever way its end came."""
+    return TransferFailed(f"transfer {record.get('id')} {record['state']}: {record.get('error_kind')}: "
+                          f"{record.get('error')}", record["state"], record.get("error_kind"))
 
 
 def asked(transfer_id: str, remote: Client, local: Client) -> dict[str, Any] | None:
