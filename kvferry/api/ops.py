@@ -29,7 +29,7 @@ def health(e: Engine) -> dict[str, Any]:
     """What a peer needs to send here (``data_address``), and what this sidecar runs."""
     return {"status": "ready" if e.ready else "starting", "version": __version__, "backend": e.backend,
             "device": str(e.device), "data_address": e.data_address, "codecs": codec.names(),
-            "max_body_bytes": e.settings.max_body_bytes, "grpc_port": e.settings.grpc_port}
+            "max_body_bytes": e.settings.max_body_bytes}
 
 
 async def create_region(e: Engine, body: RegionBody) -> dict[str, Any]:
