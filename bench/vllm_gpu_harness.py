@@ -13,8 +13,14 @@ and from the transfer's end to its answer read on the decode's side. The transfe
 two sidecars' records: from the sender's announce to the receiver's record, the receiver's own
 time to done, and from there to the sender's done (its DONE on the way back).
 
+With ``--control http,grpc`` (the default) one run measures both ways the decode learns a
+transfer's end, request by request in turn on the same sidecars and caches: the HTTP call that
+answers at the end, and the prefill sidecar's gRPC Watch pushing it (``kvferry.client.vllm_watch``);
+each reported apart (median and p90), with "answer after the end" the time from the transfer's end
+on the prefill's sidecar to the decode's worker thread holding its record.
+
     python bench/vllm_gpu_harness.py [--tokens 4096] [--requests 20] [--codec auto] [--backend tcp]
-                                     [--layout in-place|mirror]
+                                     [--layout in-place|mirror] [--control http,grpc] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -32,18 +38,31 @@ sys.path.insert(0, str(ROOT))
 LAYERS, BLOCK_SIZE, HEADS, HEAD_DIM = 32, 16, 8, 128
 
 
+CONTROLS = {"http": "http", "grpc": "auto"}  # a path's name -> the connector's control setting
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--requests", type=int, default=20, help="per control path")
     parser.add_argument("--codec", default="auto")
     parser.add_argument("--backend", default="tcp")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--poll-ms", type=float, default=0.5, help="get_finished interval (vLLM: every step)")
     parser.add_argument("--layout", choices=("in-place", "mirror"), default="in-place",
                         help="lend vLLM's cache itself (default) or a device mirror of it")
+    parser.add_argument("--control", default="http,grpc",
+                        help="how the decode learns transfer ends, comma-separated: http, grpc (a Watch stream)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    controls = [c.strip() for c in args.control.split(",") if c.strip()]
+    if not controls or any(c not in CONTROLS for c in controls):
+        parser.error(f"--control: {args.control!r} is not a list of {', '.join(CONTROLS)}")
 
     import torch
 
@@ -58,9 +77,11 @@ def main() -> int:
     per_request = args.tokens // BLOCK_SIZE
     blocks = 2 * per_request + 16
     ports = [(free_port(), free_port()) for _ in range(2)]
-    processes = [start_sidecar(p, d, args.backend, device=args.device, env={"KVFERRY_TRANSFER_TIMEOUT": "60"})
-                 for p, d in ports]
-    rows = []
+    serve_grpc = "grpc" in controls  # each sidecar on a gRPC port of its own beside REST
+    processes = [start_sidecar(p, d, args.backend, device=args.device, env={"KVFERRY_TRANSFER_TIMEOUT": "60"},
+                               extra=["--grpc-port", str(free_port())] if serve_grpc else None) for p, d in ports]
+    rows: dict[str, list[dict]] = {c: [] for c in controls}
+    consumers: dict[str, Consumer] = {}
     try:
         urls = [f"http://127.0.0.1:{p}" for p, _ in ports]
         for url, process in zip(urls, processes):
@@ -75,77 +96,113 @@ def main() -> int:
         d_cache = KvCache(Client(urls[1]), "harness-decode", d_layers, blocks, in_place=in_place)
         p_config = ConnectorConfig(url=urls[0], codec=args.codec)
         producer = Producer(p_config, p_cache)
-        consumer = Consumer(ConnectorConfig(url=urls[1], codec=args.codec), d_cache)
-        for request in range(args.requests + 1):  # the first warms up
-            order = torch.randperm(blocks, generator=torch.Generator().manual_seed(request)).tolist()
-            src, dst = order[:per_request], order[per_request:2 * per_request]
-            d_buffer.zero_()
-            sync()
-            rid = f"req-{request}"
-            producer.save(rid, src)
-            sync()
-            started_wall = time.time()
-            pull = consumer.start(LoadSpec(f"dec-{request}", tuple(dst), remote_params(rid, src, p_config)))
-            if pull.error:
-                raise RuntimeError(pull.error)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                received, failed = consumer.poll()
-                if received or failed:
-                    break
-                time.sleep(args.poll_ms / 1e3)
-            if failed or not received:
-                raise RuntimeError(f"request {rid} did not load: {consumer.failed_blocks}")
-            sync()
-            ids_p, ids_d = torch.tensor(src, device=args.device), torch.tensor(dst, device=args.device)
-            exact = torch.equal(p_buffer.index_select(2, ids_p).view(torch.int16),
-                                d_buffer.index_select(2, ids_d).view(torch.int16))
-            producer.finished_sending({rid})
-            if request:
-                stats = consumer.stats[-1]
-                created = pull.record["created"]  # on the prefill's sidecar, this host's wall clock
-                announced = created + (pull.record["stages"] or {}).get("announced", float("nan"))
-                incoming = d_cache.client.transfer(pull.transfer_id)  # the decode sidecar's record of it
-                received = incoming["created"] + incoming["seconds"]
-                rows.append({**stats, "bit_exact": exact, "send_seconds": pull.asked_wall - started_wall,
-                             "ask_seconds": created - pull.asked_wall,
-                             "reply_seconds": pull.answered_wall - created - stats["transfer_seconds"],
-                             "admit_seconds": incoming["created"] - announced,
-                             "receive_seconds": incoming["seconds"],
-                             "done_back_seconds": created + stats["transfer_seconds"] - received})
+        consumers = {c: Consumer(ConnectorConfig(url=urls[1], codec=args.codec, control=CONTROLS[c]), d_cache)
+                     for c in controls}
+        for request in range(args.requests + 1):  # the first of each path warms up
+            for control in controls:  # the paths in turn, on the same sidecars and caches
+                consumer = consumers[control]
+                order = torch.randperm(blocks, generator=torch.Generator().manual_seed(request)).tolist()
+                src, dst = order[:per_request], order[per_request:2 * per_request]
+                d_buffer.zero_()
+                sync()
+                rid = f"req-{control}-{request}"
+                producer.save(rid, src)
+                sync()
+                started_wall = time.time()
+                pull = consumer.start(LoadSpec(f"dec-{control}-{request}", tuple(dst), remote_params(rid, src, p_config)))
+                if pull.error:
+                    raise RuntimeError(pull.error)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    received, failed = consumer.poll()
+                    if received or failed:
+                        break
+                    time.sleep(args.poll_ms / 1e3)
+                if failed or not received:
+                    raise RuntimeError(f"request {rid} did not load: {consumer.failed_blocks}")
+                sync()
+                ids_p, ids_d = torch.tensor(src, device=args.device), torch.tensor(dst, device=args.device)
+                exact = torch.equal(p_buffer.index_select(2, ids_p).view(torch.int16),
+                                    d_buffer.index_select(2, ids_d).view(torch.int16))
+                producer.finished_sending({rid})
+                if request:
+                    rows[control].append(row_of(consumer.stats[-1], pull, d_cache.client, exact, started_wall))
+        for consumer in consumers.values():
+            consumer.close()
         p_cache.close()
         d_cache.close()
     finally:
         stop_sidecars(processes)
-    wait = statistics.median(r["wait_seconds"] for r in rows)
-    transfer = statistics.median(r["transfer_seconds"] for r in rows)
-    overhead = statistics.median(r["wait_seconds"] - r["transfer_seconds"] for r in rows)
-    nbytes = rows[0]["bytes_raw"]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    first = rows[controls[0]]
     print(f"vLLM connector core, {device}, {time.strftime('%Y-%m-%d')}: {args.tokens} tokens of Llama-3-8B KV "
-          f"({nbytes / 2**20:.0f} MiB, {LAYERS} layers) per request, codec {args.codec}, {args.layout}, {len(rows)} requests\n"
-          f"`{' '.join(sys.argv)}`\n")
-    answer = statistics.median(r["answer_seconds"] for r in rows)
-    load = statistics.median(r["load_seconds"] for r in rows)
-    print("| decode waits (median) | transfer (median) | overhead (median of differences) | its answer in "
-          "| load into vLLM's cache | codec chosen | bit-exact |")
-    print("|---:|---:|---:|---:|---:|---|---|")
-    print(f"| {wait * 1e3:.2f} ms | {transfer * 1e3:.2f} ms | {overhead * 1e3:.2f} ms | {answer * 1e3:.2f} ms | "
-          f"{load * 1e3:.2f} ms | {rows[-1]['codec']} | {'all' if all(r['bit_exact'] for r in rows) else 'NO'} |")
+          f"({first[0]['bytes_raw'] / 2**20:.0f} MiB, {LAYERS} layers) per request, codec {args.codec}, {args.layout}, "
+          f"{len(first)} requests per control path\n`{' '.join(sys.argv)}`\n")
+    print("| control | decode waits median / p90 | transfer median / p90 | overhead median / p90 "
+          "| answer after the transfer's end median / p90 | load into vLLM's cache | ends pushed | codec | bit-exact |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+    summary = {}
+    for control in controls:
+        summary[control] = report(control, rows[control])
+    for control in controls:
+        parts(control, rows[control])
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "command": " ".join(sys.argv), "summary": summary,
+                                         "rows": rows}, indent=1))
+    ok = all(r["bit_exact"] for c in controls for r in rows[c])
+    pushed = all(r["control"] == "grpc" for r in rows.get("grpc", []))
+    if not pushed:
+        print("some grpc-path requests' ends did not come by the Watch stream (see the 'ends pushed' column)")
+    return 0 if ok and pushed else 1
+
+
+def row_of(stats: dict, pull, local, exact: bool, started_wall: float) -> dict:
+    """One request's times, on this host's wall clock where they cross processes."""
+    created = pull.record["created"]  # on the prefill's sidecar, this host's wall clock
+    announced = created + (pull.record["stages"] or {}).get("announced", float("nan"))
+    incoming = local.transfer(pull.transfer_id)  # the decode sidecar's record of it
+    received = incoming["created"] + incoming["seconds"]
+    return {**stats, "bit_exact": exact, "send_seconds": pull.asked_wall - started_wall,
+            "ask_seconds": created - pull.asked_wall,
+            "reply_seconds": pull.answered_wall - created - stats["transfer_seconds"],
+            "overhead_seconds": stats["wait_seconds"] - stats["transfer_seconds"],
+            "admit_seconds": incoming["created"] - announced, "receive_seconds": incoming["seconds"],
+            "done_back_seconds": created + stats["transfer_seconds"] - received}
+
+
+def report(control: str, rows: list[dict]) -> dict:
+    """The path's row of the table; its medians and p90s, in ms."""
+    out = {}
+    for key in ("wait_seconds", "transfer_seconds", "overhead_seconds", "reply_seconds", "load_seconds"):
+        values = [r[key] for r in rows]
+        out[key.removesuffix("_seconds")] = {"median_ms": statistics.median(values) * 1e3,
+                                              "p90_ms": quantile(values, 0.9) * 1e3}
+
+    def cell(key: str) -> str:
+        return f"{out[key]['median_ms']:.3f} / {out[key]['p90_ms']:.3f} ms"
+
+    pushed = sum(r["control"] == "grpc" for r in rows)
+    print(f"| {control} | {cell('wait')} | {cell('transfer')} | {cell('overhead')} | {cell('reply')} | "
+          f"{out['load']['median_ms']:.2f} ms | {pushed}/{len(rows)} | {rows[-1]['codec']} | "
+          f"{'all' if all(r['bit_exact'] for r in rows) else 'NO'} |")
+    out["pushed"] = pushed
+    return out
+
+
+def parts(control: str, rows: list[dict]) -> None:
+    """Where a path's overhead and the transfer's end go, median ms."""
+    median = {k: statistics.median(r[k] for r in rows) * 1e3
+              for k in ("send_seconds", "ask_seconds", "reply_seconds", "admit_seconds", "receive_seconds",
+                        "done_back_seconds")}
     stages = {k: statistics.median(r["stages"][k] for r in rows if k in (r["stages"] or {})) * 1e3
               for k in rows[0]["stages"] or {}}
-    split = {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("send_seconds", "ask_seconds", "reply_seconds")}
-    print(f"the overhead's parts, median ms: from the pull's start to its request sent {split['send_seconds']:.2f}, "
-          f"from there to the transfer's start {split['ask_seconds']:.2f}, "
-          f"from the transfer's end to its answer {split['reply_seconds']:.2f}")
-    print("transfer stages, median ms since submit: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
-    end = {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("admit_seconds", "receive_seconds",
-                                                                    "done_back_seconds")}
-    print(f"the transfer's end, median ms: from its announce to the receiver's record {end['admit_seconds']:.2f}, "
-          f"to the receiver's done {end['receive_seconds']:.2f}, to the sender's done {end['done_back_seconds']:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps({"device": device, "command": " ".join(sys.argv), "rows": rows}, indent=1))
-    return 0 if all(r["bit_exact"] for r in rows) else 1
+    print(f"\n{control}: the overhead's parts, median ms: from the pull's start to its request sent "
+          f"{median['send_seconds']:.3f}, from there to the transfer's start {median['ask_seconds']:.3f}, "
+          f"from the transfer's end to its answer {median['reply_seconds']:.3f}")
+    print(f"{control}: transfer stages, median ms since submit: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+    print(f"{control}: the transfer's end, median ms: from its announce to the receiver's record "
+          f"{median['admit_seconds']:.2f}, to the receiver's done {median['receive_seconds']:.2f}, to the sender's "
+          f"done {median['done_back_seconds']:.2f}")
 
 
 if __name__ == "__main__":

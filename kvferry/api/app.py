@@ -74,8 +74,9 @@ async def readyz(e: EngineDep) -> Response:
 
 @health.get("/v1/health", dependencies=[Depends(authorized)], responses={401: ERRORS[401]})
 async def health_v1(e: EngineDep) -> dict:
-    """What a peer needs to send here (``data_address``), and what this sidecar runs."""
-    return ops.health(e)
+    """What a peer needs to send here (``data_address``), and what this sidecar runs; ``grpc_port``
+    (0: off) tells a vLLM decode where to watch its transfers."""
+    return {**ops.health(e), "grpc_port": e.settings.grpc_port}
 
 
 @health.get("/metrics", response_class=PlainTextResponse,

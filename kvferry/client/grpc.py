@@ -11,7 +11,7 @@ import random
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,21 +194,28 @@ class GrpcClient:
         return convert.transfer_record(answer.transfer)
 
     async def watch(self, ids: Sequence[str] = (), *, mine: bool = False, follow: bool = False,
-                    reconnect_timeout: float = 60.0) -> AsyncIterator[TransferEvent]:
+                    reconnect_timeout: float = 60.0, since: float = 0.0,
+                    on_redial: Callable[[], object] | None = None) -> AsyncIterator[TransferEvent]:
         """Events of the transfers ``ids``; without ids, of this client's transfers (``mine``) or of
         every transfer of the sidecar. First the current state of each, then each change; without
         ``follow`` it ends once every watched transfer has ended. A broken stream is dialled again
         with jittered backoff and resubscribed (the current states sent again; a state already
         yielded is not repeated) until the sidecar has been unreachable ``reconnect_timeout`` seconds.
         Without ids, a resubscription also catches up on the transfers that started since the watch
-        began and ended while it was away (as far as the sidecar's history reaches).
+        began and ended while it was away (as far as the sidecar's history reaches); ``since`` (a
+        wall-clock time) catches up from then on the first subscription too, so a transfer submitted
+        before the stream registered is not missed. ``on_redial`` is called each time the stream
+        broke and is dialled again: a restarted sidecar forgot its transfers, and a caller waiting
+        for one asks for it another way.
 
         Raises:
             EngineError (bad input, the token refused), grpc.aio.AioRpcError (unreachable too long).
         """
         request = transfers_pb2.WatchRequest(ids=list(ids), submitter=self.submitter if mine and not ids else "",
-                                             follow=follow)
+                                             follow=follow, since=since if not ids else 0.0)
         began = time.time() - 1.0  # the sidecar's clock may be a little behind (it is on this host)
+        if since and not ids:
+            began = min(began, since)
         seen: OrderedDict[str, str] = OrderedDict()  # id -> the state last yielded, the latest SEEN of them
         delay, down_since = 0.05, None
         while True:
@@ -235,6 +242,8 @@ class GrpcClient:
                     raise
                 if not ids:
                     request.since = began
+                if on_redial is not None:
+                    on_redial()
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(2.0, delay * 2)
 

@@ -22,7 +22,9 @@ heads it holds, ``kvferry.client.tp``):
 * Decode (``Consumer``): once vLLM has allocated blocks for a request, a worker thread checks the
   prefill (compatibility record, block layout: first contact), asks the *prefill's* sidecar to
   send the lease's blocks to its own sidecar's region (one transfer, pull semantics over
-  kvferry's push API) in one HTTP call that answers at the transfer's end; the next step copies
+  kvferry's push API) in one HTTP call that answers at the transfer's end (or, where that
+  sidecar serves gRPC, submits it there and hears its end from one Watch stream per prefill
+  sidecar: ``vllm_watch.py``); the next step copies
   the pages into vLLM's cache, deletes the lease and reports the request received; a failure is
   reported as such, so vLLM's ``kv_load_failure_policy`` (fail or recompute) applies.
 
@@ -50,6 +52,7 @@ from . import tp
 from .sdk import Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
+from .vllm_watch import CONTROLS, Stream, Waiter, Watches, failure
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -85,6 +88,7 @@ class ConnectorConfig:
     stats_path: str = ""  # decode: append one JSON line per received request (wait, bytes, ratio)
     shm_prefix: str = "kvferry-"  # the local sidecar's shm_prefix setting (CPU mirrors are named so)
     in_place: bool = True  # GPU: lend vLLM's own cache where its layers lie end to end, else a mirror
+    control: str = "auto"  # decode: transfer ends by a prefill's gRPC Watch where it serves one, or "http" only
 
     # KVFERRY_TOKEN and KVFERRY_SHM_PREFIX mean what they mean to the sidecar; the connector's own
     # settings are KVFERRY_CONNECTOR_* (a sidecar refuses KVFERRY_* names it does not know).
@@ -95,7 +99,7 @@ class ConnectorConfig:
            "call_timeout": "KVFERRY_CONNECTOR_CALL_TIMEOUT", "watch_seconds": "KVFERRY_CONNECTOR_WATCH_SECONDS",
            "region": "KVFERRY_CONNECTOR_REGION",
            "stats_path": "KVFERRY_CONNECTOR_STATS_PATH", "shm_prefix": "KVFERRY_SHM_PREFIX",
-           "in_place": "KVFERRY_CONNECTOR_IN_PLACE"}
+           "in_place": "KVFERRY_CONNECTOR_IN_PLACE", "control": "KVFERRY_CONNECTOR_CONTROL"}
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -122,6 +126,8 @@ class ConnectorConfig:
             if flag not in ("1", "0", "true", "false", "yes", "no"):
                 raise ValueError(f"in_place: {values['in_place']!r} is not true or false")
             values["in_place"] = flag in ("1", "true", "yes")
+        if values.get("control", "auto") not in CONTROLS:
+            raise ValueError(f"control: {values['control']!r} is not one of {', '.join(CONTROLS)}")
         return cls(**values)
 
     @property
@@ -383,6 +389,7 @@ class Pull:
     asked_wall: float = 0.0  # wall clock when the pull was sent and answered: lined up with the
     answered_wall: float = 0.0  # sidecar's record (``created``) where both run on one host
     load_seconds: float = 0.0  # copying the pages into vLLM's cache
+    control: str = "http"  # how the transfers' ends came: "grpc" (each pushed by a Watch) or "http"
 
 
 def remote_params(request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], config: ConnectorConfig,
@@ -501,6 +508,7 @@ class Consumer:
         self.stats: list[dict[str, Any]] = []
         self.interval = TransferStats()  # what vLLM's get_kv_connector_stats takes
         self._waiters = ThreadPoolExecutor(max_workers=WAITERS, thread_name_prefix="kvferry-pull")
+        self.watches = Watches(config.peer_token(), config.call_timeout) if config.control == "auto" else None
 
     def remote(self, url: str) -> Client:
         with self._lock:
@@ -547,7 +555,8 @@ class Consumer:
             check_compat(self.compat, spec.params.get("compat"), url)
         src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
         pull.client = self.remote(url)
-        records, pieces = [], self.slices(spec)
+        stream = self.watches.stream_for(url, pull.client) if self.watches is not None else None
+        records, pieces, waiters = [], self.slices(spec), {}
         # one read answers at its end (one round trip); several are all sent first, then waited on
         wait = min(LONG_POLL, self.config.load_timeout) if len(pieces) == 1 else 0.0
         for piece in pieces:
@@ -556,7 +565,7 @@ class Consumer:
             grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.01
             while True:
                 try:
-                    records.append(self._send(pull, url, piece, src, dst, wait))
+                    records.append(self._send(pull, url, piece, src, dst, wait, stream, waiters))
                     break
                 except NotFound:
                     if time.monotonic() + pause > grace:
@@ -565,19 +574,28 @@ class Consumer:
                     pause = min(0.2, pause * 2)
             pull.transfer_ids.append(records[-1]["id"])
         pull.transfer_id = pull.transfer_ids[0]
+        pushed = bool(waiters)
         for i, record in enumerate(records):
+            waiter = waiters.get(record["id"])
+            if waiter is not None and record["state"] in ("queued", "running"):
+                record = records[i] = self.watches.wait(stream, waiter, deadline, pull.client, self._local)
+                if wait and record["state"] in ("failed", "cancelled"):
+                    raise failure(record)  # as the HTTP call that waits for it raises
+            pushed = pushed and waiter is not None and waiter.record is not None
             while record["state"] in ("queued", "running"):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 record = records[i] = pull.client.transfer(record["id"], wait=min(LONG_POLL, left))
         pull.answered, pull.answered_wall = self.clock(), time.time()
+        pull.control = "grpc" if pushed else "http"
         return merge_records(records)
 
     def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
-              wait: float) -> dict[str, Any]:
+              wait: float, stream: Stream | None = None, waiters: dict[str, Waiter] | None = None) -> dict[str, Any]:
         """Check the prefill rank's blocks (first contact) and send the pull of ``piece``; its
-        record once answered."""
+        record once answered. With a Watch ``stream``, submitted over gRPC and its ``Waiter`` put
+        in ``waiters``: the record answers at once."""
         lease = lease_names(pull.spec.params, [piece.rank])[0]
         heads, p_tp, d_tp = tp_shape(self.compat, pull.spec.params.get("compat"))
         layout = self.cache.layout
@@ -591,6 +609,12 @@ class Consumer:
             self._data_address = self._local.data_address()
         codec = pull.spec.params.get("codec") or self.config.codec  # a request may name its codec
         pull.asked_wall = pull.asked_wall or time.time()
+        if stream is not None and waiters is not None:
+            waiter = self.watches.submit(stream, lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
+                                         codec)
+            if waiter is not None:
+                waiters[waiter.id] = waiter
+                return {"id": waiter.id, "state": "queued"}
         answer = pull.client.send_later(lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
                                         codec=codec, wait=wait)
         return answer.result()
@@ -703,7 +727,7 @@ class Consumer:
                  "load_seconds": pull.load_seconds, "blocks": len(self._local_blocks(pull)),
                  "bytes_raw": r.get("bytes_raw"), "bytes_wire": r.get("bytes_wire"), "ratio": r.get("ratio"),
                  "codec": r.get("chosen_codec"), "transfer_id": pull.transfer_id, "stages": r.get("stages"),
-                 "transfers": list(pull.transfer_ids)}
+                 "transfers": list(pull.transfer_ids), "control": pull.control}
         self.stats.append(entry)
         del self.stats[:-1000]
         self.interval.record(entry)
@@ -715,6 +739,8 @@ class Consumer:
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
+        if self.watches is not None:
+            self.watches.close()
         for client in [*self._clients.values(), self._local]:
             client.close()
 
