@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import os
+import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,7 +53,7 @@ from . import tp
 from .sdk import Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
-from .vllm_watch import CONTROLS, Stream, Waiter, Watches, failure
+from .vllm_watch import CONTROLS, Stream, Waiter, Watches, failure, overloaded
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -577,8 +578,18 @@ class Consumer:
         pushed = bool(waiters)
         for i, record in enumerate(records):
             waiter = waiters.get(record["id"])
-            if waiter is not None and record["state"] in ("queued", "running"):
+            delay = 0.05
+            while waiter is not None and record["state"] in ("queued", "running"):
                 record = records[i] = self.watches.wait(stream, waiter, deadline, pull.client, self._local)
+                if overloaded(record) and time.monotonic() + delay < deadline:
+                    # The receiver had too many incoming transfers and wrote nothing: sent again
+                    # with jittered backoff, as the HTTP path's SDK call does.
+                    time.sleep(delay * (0.5 + random.random()))
+                    delay = min(2.0, delay * 2)
+                    record = records[i] = self._send(pull, url, pieces[i], src, dst, wait, stream, waiters)
+                    pull.transfer_ids[i] = record["id"]
+                    waiter = waiters.get(record["id"])
+                    continue
                 if wait and record["state"] in ("failed", "cancelled"):
                     raise failure(record)  # as the HTTP call that waits for it raises
             pushed = pushed and waiter is not None and waiter.record is not None
@@ -587,6 +598,7 @@ class Consumer:
                 if left <= 0:
                     break
                 record = records[i] = pull.client.transfer(record["id"], wait=min(LONG_POLL, left))
+        pull.transfer_id = pull.transfer_ids[0]
         pull.answered, pull.answered_wall = self.clock(), time.time()
         pull.control = "grpc" if pushed else "http"
         return merge_records(records)

@@ -252,6 +252,11 @@ class Watches:
         self._loop = None
 
 
+def overloaded(record: Mapping[str, Any]) -> bool:
+    """The receiver refused the transfer as overloaded (nothing written): worth sending again."""
+    return record["state"] == "failed" and record.get("error_kind") == "Overloaded"
+
+
 def failure(record: Mapping[str, Any]) -> TransferFailed:
     """A failed or cancelled transfer's record as the error a submit that waited for it raises
     over HTTP, so a pull reports it in the same words whichever way its end came."""

@@ -264,3 +264,36 @@ def test_the_control_setting_is_checked():
     assert ConnectorConfig.load(None, {"KVFERRY_CONNECTOR_CONTROL": "http"}).control == "http"
     with pytest.raises(ValueError, match="control"):
         ConnectorConfig.load({"control": "grpc-only"}, {})
+
+
+def test_pulls_refused_by_an_overloaded_receiver_are_sent_again(control):
+    """The decode's sidecar takes one incoming transfer at a time: of pulls started together, those
+    it refuses as overloaded (nothing written) are sent again, over either control, and all land."""
+    prefill = grpc_sidecar()
+    decode = grpc_sidecar({"KVFERRY_MAX_INCOMING_TRANSFERS": "1"})
+    try:
+        p_cache, d_cache, p_layers, d_layers = caches(prefill, decode, f"busy-{control}")
+        producer = Producer(config(prefill), p_cache)
+        consumer = Consumer(config(decode, control=control), d_cache)
+        moves = [([3, 9], [20, 1]), ([4, 17], [2, 11]), ([0, 6], [5, 8]), ([7, 10], [12, 13])]
+        for i, (src, _) in enumerate(moves):
+            producer.save(f"busy-{control}-{i}", src)
+        for i, (src, dst) in enumerate(moves):
+            pull = consumer.start(LoadSpec(f"dec-busy-{control}-{i}", tuple(dst),
+                                           remote_params(f"busy-{control}-{i}", src, config(prefill))))
+            assert pull.error is None, pull.error
+        received: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(received) < len(moves) and time.monotonic() < deadline:
+            done, failed = pump(consumer, timeout=60)
+            assert not failed, failed
+            received |= done
+        assert received == {f"dec-busy-{control}-{i}" for i in range(len(moves))}
+        block_dim = p_cache.layout.block_dims[0]
+        for src, dst in moves:
+            assert torch.equal(pages(d_layers, dst, block_dim).view(torch.int16),
+                               pages(p_layers, src, block_dim).view(torch.int16))
+        producer.close()
+        consumer.close()
+    finally:
+        stop(prefill, decode)
