@@ -159,7 +159,7 @@ class Exchange:
         except _Malformed as exc:
             self._owner._drop(connection)
             raise httpx.RemoteProtocolError(str(exc)) from exc
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: the socket's file was closed under the read
             self._owner._drop(connection)
             raise httpx.ReadError(f"{type(exc).__name__}: {exc}") from exc
         if closing:
