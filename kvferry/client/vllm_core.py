@@ -562,8 +562,10 @@ class Consumer:
         wait = min(LONG_POLL, self.config.load_timeout) if len(pieces) == 1 else 0.0
         for piece in pieces:
             # The prefill takes the lease on a thread of its own, so a pull may come a moment before
-            # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails.
-            grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.01
+            # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails,
+            # first after 1 ms (a lease is taken in about that: a first wait of 10 ms cost a GPU
+            # harness's pulls 11 ms each).
+            grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.001
             while True:
                 try:
                     records.append(self._send(pull, url, piece, src, dst, wait, stream, waiters))
