@@ -65,7 +65,9 @@ __all__ = ["DTYPES", "FP8", "FAILURE_KINDS", "CacheLayout", "ConnectorConfig", "
 PARAMS_KEY = "kvferry"  # our part of vLLM's kv_transfer_params
 WAITERS = 16  # a decode's pulls waited on at once (more wait for a thread)
 LONG_POLL = 10.0  # seconds one long-poll of a transfer's end may take
-LEASE_GRACE = 5.0  # seconds a decode asks again for a lease the prefill may not have taken yet
+# Seconds a decode asks again for a lease the prefill may not have taken yet (its lease thread can
+# lag seconds behind vLLM's step on a loaded host: 5 s failed one request in sixty on 2 cores).
+LEASE_GRACE = 15.0
 
 
 # ---- configuration -----------------------------------------------------------------------------
