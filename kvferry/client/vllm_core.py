@@ -68,6 +68,9 @@ LONG_POLL = 10.0  # seconds one long-poll of a transfer's end may take
 # Seconds a decode asks again for a lease the prefill may not have taken yet (its lease thread can
 # lag seconds behind vLLM's step on a loaded host: 5 s failed one request in sixty on 2 cores).
 LEASE_GRACE = 15.0
+# Seconds a decode's release waits for a lease to appear before leaving it to expire on its own
+# (most often it was pulled and ended already; asking longer only adds calls to the prefill's sidecar).
+RELEASE_GRACE = 5.0
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -763,8 +766,8 @@ class Consumer:
 
 def release(client: Client, lease: str) -> None:
     """Delete a prefill's lease (the prefill frees its blocks once it is gone); a lease not there
-    is asked for again for ``LEASE_GRACE`` seconds (not taken yet, or pulled and ended already)."""
-    grace, pause = time.monotonic() + LEASE_GRACE, 0.01
+    is asked for again for ``RELEASE_GRACE`` seconds (not taken yet, or pulled and ended already)."""
+    grace, pause = time.monotonic() + RELEASE_GRACE, 0.01
     while True:
         try:
             client.delete_region(lease)

@@ -96,6 +96,7 @@ def test_a_missing_lease_fails_alike(served, control, monkeypatch):
     import kvferry.client.vllm_core as core
 
     monkeypatch.setattr(core, "LEASE_GRACE", 0.3)
+    monkeypatch.setattr(core, "RELEASE_GRACE", 0.3)
     prefill, decode = served
     _, d_cache, _, d_layers = caches(prefill, decode, f"gone-{control}")
     consumer = Consumer(config(decode, control=control, load_timeout=5), d_cache)
