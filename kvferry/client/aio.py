@@ -10,11 +10,11 @@ from typing import Any
 
 import httpx
 
-from .handle import AsyncTransfer, TransferStatus, awaited
+from .handle import AsyncHandles, AsyncTransfer, awaited
 from .sdk import RETRY_STATUSES, Blocks, _checked, _pair_json, _transfer_body
 
 
-class AsyncClient:
+class AsyncClient(AsyncHandles):
     """Transfers, health, and the region calls a test or a small engine needs (an owned
     region's bulk upload from a tensor stays with ``Client.region_from_tensor``)."""
 
@@ -91,19 +91,6 @@ class AsyncClient:
                             dst_blocks: Blocks, codec: str = "auto", codebook: str | None = None) -> AsyncTransfer:
         body = {"regions": [_pair_json(p) for p in pairs]}
         return self._handle(await self._post(body, src_blocks, peer, dst_blocks, codec, codebook, 0))
-
-    async def handle(self, transfer_id: str) -> AsyncTransfer:
-        """A handle on a transfer started elsewhere (its record fetched now). Raises: NotFound."""
-        return self._handle(await self.transfer(transfer_id))
-
-    def _handle(self, record: dict) -> AsyncTransfer:
-        async def cancel(transfer_id: str) -> TransferStatus:
-            return TransferStatus.from_record(await self.cancel(transfer_id))
-
-        return AsyncTransfer(TransferStatus.from_record(record), self._snapshot, cancel)
-
-    async def _snapshot(self, transfer_id: str, wait: float) -> TransferStatus:
-        return TransferStatus.from_record(await self.transfer(transfer_id, wait))
 
     async def _post(self, body: dict, src_blocks: Blocks, peer: str, dst_blocks: Blocks, codec: str,
                     codebook: str | None, wait: float) -> dict:

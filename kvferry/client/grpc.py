@@ -22,7 +22,7 @@ from kvferry.proto import convert
 from kvferry.proto.v1 import (codebooks_pb2, codebooks_pb2_grpc, health_pb2, health_pb2_grpc, regions_pb2,
                               regions_pb2_grpc, transfers_pb2, transfers_pb2_grpc)
 
-from .handle import AsyncTransfer, TransferStatus, awaited
+from .handle import AsyncHandles, AsyncTransfer, TransferStatus, awaited
 from .sdk import Blocks, blocks_json
 
 # A stream broken by these is dialled again (the sidecar restarted, shut down, or the connection dropped).
@@ -55,7 +55,7 @@ def engine_error(exc: grpc.aio.AioRpcError) -> EngineError | None:
     return cls(f"{exc.code().name}: {exc.details()}")
 
 
-class GrpcClient:
+class GrpcClient(AsyncHandles):
     """One sidecar's gRPC control plane. ``target``: ``host:port``; ``submitter``: the tag this
     client's transfers carry, which ``watch(mine=True)`` selects (default: one of its own)."""
 
@@ -166,19 +166,6 @@ class GrpcClient:
                             dst_blocks: Blocks, codec: str = "auto", codebook: str | None = None) -> AsyncTransfer:
         return self._handle(await self._submit(self._submit_request(pairs, src_blocks, peer, dst_blocks, codec,
                                                                     codebook, 0)))
-
-    async def handle(self, transfer_id: str) -> AsyncTransfer:
-        """A handle on a transfer started elsewhere (its record fetched now). Raises: NotFound."""
-        return self._handle(await self.transfer(transfer_id))
-
-    def _handle(self, record: dict) -> AsyncTransfer:
-        async def cancel(transfer_id: str) -> TransferStatus:
-            return TransferStatus.from_record(await self.cancel(transfer_id))
-
-        return AsyncTransfer(TransferStatus.from_record(record), self._snapshot, cancel)
-
-    async def _snapshot(self, transfer_id: str, wait: float) -> TransferStatus:
-        return TransferStatus.from_record(await self.transfer(transfer_id, wait))
 
     async def transfer(self, transfer_id: str, wait: float = 0) -> dict:
         """A transfer's record (never raises for its state); ``wait``: long-poll for its end."""

@@ -171,3 +171,21 @@ class AsyncTransfer(_Handle):
         """As ``Transfer.cancel``. Raises: Conflict."""
         self._status = await self._cancel(self.id)
         return self._status
+
+
+class AsyncHandles:
+    """Typed handles for an asyncio client of either front end: it provides ``transfer(id, wait)``
+    and ``cancel(id)``, each answering a transfer's record."""
+
+    async def handle(self, transfer_id: str) -> AsyncTransfer:
+        """A handle on a transfer started elsewhere (its record fetched now). Raises: NotFound."""
+        return self._handle(await self.transfer(transfer_id))
+
+    def _handle(self, record: dict) -> AsyncTransfer:
+        async def cancel(transfer_id: str) -> TransferStatus:
+            return TransferStatus.from_record(await self.cancel(transfer_id))
+
+        return AsyncTransfer(TransferStatus.from_record(record), self._snapshot, cancel)
+
+    async def _snapshot(self, transfer_id: str, wait: float) -> TransferStatus:
+        return TransferStatus.from_record(await self.transfer(transfer_id, wait))

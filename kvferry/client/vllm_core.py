@@ -506,7 +506,7 @@ class Consumer:
         self.compat = dict(compat) if compat is not None else None
         self.pulls: dict[str, Pull] = {}
         self.failed_blocks: dict[str, tuple[int, ...]] = {}  # request id -> its blocks that did not load
-        self._clients: dict[str, Client] = {}
+        self._peers = PeerClients(config)
         self._checked: dict[tuple[str, str], int] = {}  # (sidecar, lease rank) that matched ours -> its vLLM blocks
         self._data_address: str | None = None
         self._local = Client(config.url, token=config.token, timeout=config.call_timeout)
@@ -517,12 +517,7 @@ class Consumer:
         self.watches = Watches(config.peer_token(), config.call_timeout) if config.control == "auto" else None
 
     def remote(self, url: str) -> Client:
-        with self._lock:
-            client = self._clients.get(url)
-            if client is None:
-                client = self._clients[url] = Client(url, token=self.config.peer_token(),
-                                                     timeout=self.config.call_timeout)
-            return client
+        return self._peers.get(url)
 
     def start(self, spec: LoadSpec) -> Pull:
         """Hand the pull to a worker thread; never raises, never waits (a failure is reported as a
@@ -760,7 +755,30 @@ class Consumer:
         self._waiters.shutdown(wait=False, cancel_futures=True)
         if self.watches is not None:
             self.watches.close()
-        for client in [*self._clients.values(), self._local]:
+        self._peers.close()
+        self._local.close()
+
+
+class PeerClients:
+    """One API client per prefill sidecar (by URL), made on first use and shared by threads."""
+
+    def __init__(self, config: ConnectorConfig):
+        import threading
+
+        self._config, self._lock, self._clients = config, threading.Lock(), {}
+
+    def get(self, url: str) -> Client:
+        with self._lock:
+            client = self._clients.get(url)
+            if client is None:
+                client = self._clients[url] = Client(url, token=self._config.peer_token(),
+                                                     timeout=self._config.call_timeout)
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             client.close()
 
 
@@ -793,7 +811,7 @@ class Heartbeats:
         self.config, self.clock = config, clock
         self._tracked: dict[str, Mapping[str, Any]] = {}
         self._lock = threading.Lock()
-        self._clients: dict[str, Client] = {}
+        self._peers = PeerClients(config)
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._releases: ThreadPoolExecutor | None = None
@@ -816,8 +834,7 @@ class Heartbeats:
         self._closed.set()
         if self._releases is not None:
             self._releases.shutdown(wait=False, cancel_futures=True)
-        for client in list(self._clients.values()):
-            client.close()
+        self._peers.close()
 
     def shared_leases(self, params: Mapping[str, Any], compat: Mapping[str, Any] | None) -> list[str]:
         """The leases of a request that several of this decode's ranks read (``tp.shared``): no
@@ -837,12 +854,7 @@ class Heartbeats:
                 return
 
     def _client(self, url: str) -> Client:
-        with self._lock:
-            client = self._clients.get(url)
-            if client is None:
-                client = self._clients[url] = Client(url, token=self.config.peer_token(),
-                                                     timeout=self.config.call_timeout)
-            return client
+        return self._peers.get(url)
 
     def beat(self) -> None:
         """One round: renew every tracked request's leases, grouped by prefill sidecar."""
