@@ -7,7 +7,9 @@ prefill, pull + get_finished polling + load on the decode) and is checked bit fo
 Reported per request size: the time the decode waits for the KV (start of the pull to the pages
 in its cache), the transfer's own time (the sender's record, submit to done), and the difference
 (the connector's overhead: the HTTP call, polling, and with ``--layout mirror`` the device
-gathers into and out of the mirror). The overhead's parts, on this host's wall clock: the pull's
+gathers into and out of the mirror). The decode pulls once the prefill's lease is held, as a real
+decode asks only after the proxy's hop (``--pull-after save`` races the lease thread instead, and
+counts the lease's taking as overhead); the lease's time after the save is reported apart. The overhead's parts, on this host's wall clock: the pull's
 start to its request sent, from there to the transfer's record created on the prefill's sidecar,
 and from the transfer's end to its answer read on the decode's side. The transfer's end, split by the
 two sidecars' records: from the sender's announce to the receiver's record, the receiver's own
@@ -58,6 +60,9 @@ def main() -> int:
                         help="lend vLLM's cache itself (default) or a device mirror of it")
     parser.add_argument("--control", default="http,grpc",
                         help="how the decode learns transfer ends, comma-separated: http, grpc (a Watch stream)")
+    parser.add_argument("--pull-after", choices=("lease", "save"), default="lease",
+                        help="lease: the decode pulls once the prefill's lease is held (a real decode asks after the "
+                             "proxy's hop); save: right after the save, racing the lease thread")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     controls = [c.strip() for c in args.control.split(",") if c.strip()]
@@ -106,8 +111,15 @@ def main() -> int:
                 d_buffer.zero_()
                 sync()
                 rid = f"req-{control}-{request}"
-                producer.save(rid, src)
+                saved = time.monotonic()
+                lease = producer.save(rid, src)
                 sync()
+                if args.pull_after == "lease":  # as behind the proxy, which asks the decode once the prefill answered
+                    while lease.generation is None and lease.held and time.monotonic() - saved < 10:
+                        time.sleep(0.0001)
+                    if lease.generation is None:
+                        raise RuntimeError(f"request {rid}: the prefill's lease was not taken")
+                lease_s = time.monotonic() - saved if lease.generation is not None else float("nan")
                 started_wall = time.time()
                 pull = consumer.start(LoadSpec(f"dec-{control}-{request}", tuple(dst), remote_params(rid, src, p_config)))
                 if pull.error:
@@ -127,6 +139,7 @@ def main() -> int:
                 producer.finished_sending({rid})
                 if request:
                     rows[control].append(row_of(consumer.stats[-1], pull, d_cache.client, exact, started_wall))
+                    rows[control][-1]["lease_seconds"] = lease_s
         for consumer in consumers.values():
             consumer.close()
         p_cache.close()
@@ -196,6 +209,10 @@ def parts(control: str, rows: list[dict]) -> None:
                         "done_back_seconds")}
     stages = {k: statistics.median(r["stages"][k] for r in rows if k in (r["stages"] or {})) * 1e3
               for k in rows[0]["stages"] or {}}
+    leases = [r["lease_seconds"] for r in rows if r["lease_seconds"] == r["lease_seconds"]]
+    if leases:
+        print(f"\n{control}: the prefill's lease held, median ms after its save: {statistics.median(leases) * 1e3:.3f}",
+              end="")
     print(f"\n{control}: the overhead's parts, median ms: from the pull's start to its request sent "
           f"{median['send_seconds']:.3f}, from there to the transfer's start {median['ask_seconds']:.3f}, "
           f"from the transfer's end to its answer {median['reply_seconds']:.3f}")

@@ -116,8 +116,9 @@ async def delete_region(name: str, e: EngineDep, request: Request, force: bool =
 @leases.put("/{name}")
 async def take_lease(name: str, body: LeaseBody, e: EngineDep, request: Request) -> dict:
     """Lease region ``name``: deleted ``seconds`` from now unless renewed, and ``ttl`` seconds
-    after it was taken at the latest (``docs/decisions/023-connector-leases.md``)."""
-    return request.app.state.leases.take(e, name, body.seconds, body.ttl)
+    after it was taken at the latest (``docs/decisions/023-connector-leases.md``). With ``of``,
+    ``name`` is first created as a view of region ``of`` (one call per lease of a worker's cache)."""
+    return request.app.state.leases.take(e, name, body.seconds, body.ttl, body.of)
 
 
 @leases.post("/renew")

@@ -35,6 +35,9 @@ class LeaseBody(BaseModel):
     seconds: float = Field(gt=0, le=MAX_LEASE, description="the lease ends this long from now unless renewed")
     ttl: float | None = Field(default=None, gt=0, le=MAX_LEASE,
                               description="on a new lease: it ends this long after it was taken, renewed or not")
+    of: str | None = Field(default=None, pattern=NAME,
+                           description="lease a new view of this region (its memory, under the lease's name): "
+                                       "one call, nothing mapped again")
 
 
 class RenewBody(BaseModel):
@@ -63,9 +66,21 @@ class LeaseBook:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def take(self, engine: Engine, name: str, seconds: float, ttl: float | None) -> dict[str, Any]:
-        """Take or extend the lease on region ``name``. Raises: NotFound (no such region)."""
-        engine.regions.get(name)
+    def take(self, engine: Engine, name: str, seconds: float, ttl: float | None, of: str | None = None) -> dict[str, Any]:
+        """Take or extend the lease on region ``name``; with ``of``, first create ``name`` as a
+        view of region ``of`` unless it is one already.
+
+        Raises: NotFound (no such region), Conflict (``name`` exists and is not a view of ``of``).
+        """
+        if of is None:
+            engine.regions.get(name)
+        else:
+            try:
+                region = engine.regions.get(name)
+            except NotFound:
+                region = engine.regions.view(name, of)
+            if region.view_of != of:
+                raise Conflict(f"region {name!r} exists and is not a view of {of!r}")
         now = self.clock()
         lease = self.leases.get(name)
         if lease is None:

@@ -186,12 +186,15 @@ class Client:
         self._call("DELETE", f"/v1/regions/{name}", params={"force": "true"} if force else None)
 
     # ---- leases ------------------------------------------------------------------------------
-    def lease(self, name: str, seconds: float, ttl: float | None = None) -> dict:
+    def lease(self, name: str, seconds: float, ttl: float | None = None, of: str | None = None) -> dict:
         """Lease region ``name`` (the sidecar deletes it ``seconds`` from now unless renewed, and
-        ``ttl`` seconds after it was taken at the latest), or extend the lease."""
+        ``ttl`` seconds after it was taken at the latest), or extend the lease. ``of``: create
+        ``name`` first as a view of region ``of`` (its memory under the lease's name)."""
         body: dict[str, Any] = {"seconds": seconds}
         if ttl is not None:
             body["ttl"] = ttl
+        if of is not None:
+            body["of"] = of
         return self._call("PUT", f"/v1/leases/{name}", json=body).json()
 
     def renew_leases(self, names: Sequence[str], seconds: float) -> dict:

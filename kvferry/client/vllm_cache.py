@@ -231,8 +231,21 @@ class KvCache:
         try:
             create(self.name)
         except Conflict:
-            self.client.delete_region(self.name)
+            self._delete()
             create(self.name)
+
+    def _delete(self) -> None:
+        """Delete the registered region, and first the leases' views of it (a worker that goes
+        away, or a previous run's, leaves no lease on its memory)."""
+        from kvferry.engine.errors import Conflict
+
+        try:
+            self.client.delete_region(self.name)
+        except Conflict:
+            for region in self.client.list_regions():
+                if region.get("view_of") == self.name:
+                    self.client.delete_region(region["name"], force=True)
+            self.client.delete_region(self.name)
 
     def alias(self, name: str) -> None:
         """Another region over the same memory (a lease)."""
@@ -269,7 +282,7 @@ class KvCache:
 
     def close(self) -> None:
         try:
-            self.client.delete_region(self.name)
+            self._delete()
         except (EngineError, httpx.HTTPError) as exc:
             log.warning("could not delete region %s: %s", self.name, exc)
         if self._shm is not None:

@@ -310,8 +310,7 @@ class Producer:
 
     def _take(self, lease: Lease) -> None:
         try:
-            self.cache.alias(lease.region)
-            answer = self._client.lease(lease.region, self.config.lease_seconds, ttl=self.config.lease_ttl)
+            answer = self._lease(lease.region)
         except Exception as exc:  # noqa: BLE001 (on the lease thread: any failure frees the blocks now, logged)
             log.error("kvferry: cannot lease the KV of request %s (%s); the decode will not get it",
                       lease.request_id, exc)
@@ -320,6 +319,15 @@ class Producer:
             return
         lease.generation = int(answer["generation"])
         self._wake.set()
+
+    def _lease(self, region: str) -> dict[str, Any]:
+        """Lease a view of the registered cache named ``region``: one call, nothing mapped again."""
+        seconds, ttl = self.config.lease_seconds, self.config.lease_ttl
+        try:
+            return self._client.lease(region, seconds, ttl=ttl, of=self.cache.name)
+        except NotFound:  # a sidecar without views, or one that lost the cache's registration
+            self.cache.alias(region)
+            return self._client.lease(region, seconds, ttl=ttl)
 
     def _drop(self, lease: Lease) -> None:
         """Delete the lease region now, cancelling a pull that reads it."""

@@ -185,6 +185,8 @@ class Engine:
         if region.quarantined and not force:
             raise Conflict(f"region {name!r} is quarantined: {region.quarantined} (delete with force=true "
                            "once that sender is gone)")
+        if views := self.regions.views(name):
+            raise Conflict(f"region {name!r} has views {sorted(views)[:8]}: delete them first")
         region.closing = True  # lent to nobody from now on
         try:
             silent = await self.leases.revoke(name, self.transport_config.close_timeout)

@@ -75,6 +75,7 @@ class Region:
     learned: dict[str, tuple[Any, float, bool, int]] = field(default_factory=dict)  # codec -> (codebook, when, settled, blocks)
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
     _segment_fd: int = -1  # shm: the segment's descriptor, whose size is checked before each use
+    view_of: str | None = None  # a view: another name over the memory of region ``view_of``
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -126,6 +127,7 @@ class Region:
                 "block_shape": list(self.block_shape), "dtype": self.dtype, "device": str(self._tensor.device),
                 "block_bytes": self.block_bytes, "busy_transfers": sorted(self.busy),
                 "axes": list(self.axes) if self.axes else None, "memory": memory, "quarantined": self.quarantined,
+                "view_of": self.view_of,
                 # what codecs learned from the data: "settled" once learned with the block's axes
                 # (or without, where none are named); before that, a quick codebook in use
                 "learned": {name: {"age_s": round(time.monotonic() - when, 3), "settled": settled, "blocks": blocks}
@@ -160,7 +162,9 @@ class Region:
         target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def release(self) -> None:
-        if self.kind == "shm" and self._keepalive is not None:
+        if self.view_of is not None:  # the memory is its base region's, released with it
+            self._tensor, self._segment_fd = torch.empty(0), -1
+        elif self.kind == "shm" and self._keepalive is not None:
             self._tensor = torch.empty(0)
             self._segment_fd = -1
             self._keepalive.close()
@@ -259,6 +263,26 @@ class RegionTable:
                       shm_name=spec.shm_name if spec.kind == "shm" else "", _keepalive=keepalive,
                       _segment_fd=fd)
 
+    def view(self, name: str, of: str) -> Region:
+        """Region ``name`` over the memory of region ``of``: a lease of a worker's registered
+        cache costs a name, not a mapping (opening a CUDA IPC handle again takes milliseconds).
+        The base is not deleted while a view of it exists.
+
+        Raises:
+            NotFound: no region ``of``. Conflict: the name is taken. BadRequest: ``of`` is a view.
+        """
+        base = self.get(of)
+        if base.view_of is not None:
+            raise BadRequest(f"region {of!r} is a view of {base.view_of!r}: view that region instead")
+        if name in self._regions:
+            raise Conflict(f"region {name!r} already exists")
+        return self.add(Region(name, base.kind, base.num_blocks, base.block_shape, base.dtype, base._tensor,
+                               axes=base.axes, ipc_export=base.ipc_export, shm_name=base.shm_name,
+                               _segment_fd=base._segment_fd, view_of=of))
+
+    def views(self, of: str) -> list[str]:
+        return [r.name for r in self._regions.values() if r.view_of == of]
+
     def _allocate(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
         """Zeroed memory for an owned region, if it fits in what is free now.
 
@@ -280,9 +304,13 @@ class RegionTable:
                                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
     def delete(self, name: str) -> None:
+        """Raises: NotFound. Conflict (a transfer uses it, or views of it exist)."""
         region = self.get(name)
         if region.busy:
             raise Conflict(f"region {name!r} is in use by transfers {sorted(region.busy)}")
+        views = self.views(name)
+        if views:
+            raise Conflict(f"region {name!r} has views {sorted(views)[:8]}: delete them first")
         del self._regions[name]
         region.release()
 

@@ -617,6 +617,46 @@ def test_a_real_pull_shows_in_the_statistics(pd):
         producer.close()
 
 
+def test_a_lease_of_a_view_shares_the_cache_and_holds_it(sidecars):
+    """A lease taken ``of`` a registered region is a new name over the same memory (what a
+    transfer reads through the view is the base's), taken and extended in one call; the base
+    is not deleted while a view of it exists, and bad views are refused by name."""
+    from kvferry.engine.errors import BadRequest, Conflict, NotFound
+
+    prefill, decode = sidecars
+    c = prefill.client
+    base = torch.arange(4 * 64, dtype=torch.int16).view(4, 64)  # the bits of bfloat16 blocks
+    c.create_region("view-base", 4, [64], "bfloat16")
+    for i in range(4):
+        c.put_block("view-base", i, base[i].numpy().tobytes())
+    assert c.lease("view-a", 30, ttl=60, of="view-base")["name"] == "view-a"
+    assert c.lease("view-a", 40, of="view-base")["expires_in"] == pytest.approx(40, abs=1)  # extended
+    assert c.region("view-a")["view_of"] == "view-base" and c.region("view-base")["view_of"] is None
+    assert c.get_block("view-a", 2) == base[2].numpy().tobytes()
+    decode.client.create_region("view-dst", 4, [64], "bfloat16")
+    record = c._call("POST", "/v1/transfers", params={"wait": 30}, json={
+        "src_region": "view-a", "src_blocks": [3, 1], "dst_region": "view-dst", "dst_blocks": [0, 2],
+        "peer": decode.client.data_address(), "codec": "raw"}).json()
+    assert record["state"] == "done", record
+    assert decode.client.get_block("view-dst", 0) == base[3].numpy().tobytes()
+    assert decode.client.get_block("view-dst", 2) == base[1].numpy().tobytes()
+    with pytest.raises(Conflict, match="view-a"):
+        c.delete_region("view-base")
+    with pytest.raises(NotFound):
+        c.lease("view-b", 5, of="view-none")
+    with pytest.raises(BadRequest, match="view of"):
+        c.lease("view-c", 5, of="view-a")
+    c.create_region("view-own", 1, [64], "bfloat16")
+    with pytest.raises(Conflict, match="not a view"):
+        c.lease("view-own", 5, of="view-base")
+    c.delete_region("view-a")
+    assert "view-a" not in c.leases()["leases"]
+    c.delete_region("view-base")
+    for name in ("view-own",):
+        c.delete_region(name)
+    decode.client.delete_region("view-dst")
+
+
 def test_the_sidecars_lease_book(sidecars):
     """The API under the connector's leases: take, renew (a heartbeat names leases gone as
     missing), the TTL caps renewals, the long-poll answers when a lease ends, bad input is refused."""
