@@ -111,9 +111,9 @@ def main() -> int:
                 d_buffer.zero_()
                 sync()
                 rid = f"req-{control}-{request}"
-                saved = time.monotonic()
                 lease = producer.save(rid, src)
                 sync()
+                saved = time.monotonic()
                 if args.pull_after == "lease":  # as behind the proxy, which asks the decode once the prefill answered
                     while lease.generation is None and lease.held and time.monotonic() - saved < 10:
                         time.sleep(0.0001)
@@ -211,7 +211,8 @@ def parts(control: str, rows: list[dict]) -> None:
               for k in rows[0]["stages"] or {}}
     leases = [r["lease_seconds"] for r in rows if r["lease_seconds"] == r["lease_seconds"]]
     if leases:
-        print(f"\n{control}: the prefill's lease held, median ms after its save: {statistics.median(leases) * 1e3:.3f}",
+        print(f"\n{control}: the prefill's lease held, median ms after its save returned: "
+              f"{statistics.median(leases) * 1e3:.3f}",
               end="")
     print(f"\n{control}: the overhead's parts, median ms: from the pull's start to its request sent "
           f"{median['send_seconds']:.3f}, from there to the transfer's start {median['ask_seconds']:.3f}, "

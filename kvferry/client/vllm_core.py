@@ -433,18 +433,18 @@ def match_blocks(local: Sequence[int], remote: Sequence[int]) -> tuple[list[int]
 
     Raises: IncompatibleCache when the decode wants more blocks than the prefill holds.
     """
-    local = [int(b) for b in local]
+    local = list(map(int, local))
     if len(local) > len(remote):
         raise IncompatibleCache(f"the decode allocated {len(local)} blocks for the prompt, the prefill holds "
                                 f"{len(remote)}: the block sizes differ")
-    return [int(b) for b in remote[len(remote) - len(local):]], local
+    return list(map(int, remote[len(remote) - len(local):])), local
 
 
 def groups_of(block_ids: Sequence[Any]) -> list[list[int]]:
     """Block ids as one list per KV cache group (a flat list is one group)."""
     if block_ids and isinstance(block_ids[0], (list, tuple)):
-        return [[int(b) for b in g] for g in block_ids]
-    return [[int(b) for b in block_ids]]
+        return [list(map(int, g)) for g in block_ids]
+    return [list(map(int, block_ids))]
 
 
 NULL_BLOCK = 0  # vLLM's placeholder for a block a group no longer holds (out of a sliding window)
@@ -458,6 +458,8 @@ def pair_groups(local: Sequence[Any], remote: Sequence[Any]) -> tuple[list[int],
 
     Raises: IncompatibleCache when the group counts differ or a group wants more than it holds."""
     local_groups, remote_groups = groups_of(local), groups_of(remote)
+    if len(local_groups) == len(remote_groups) == 1:  # one group: every pair, no null block to skip
+        return match_blocks(local_groups[0], remote_groups[0])
     if len(local_groups) != len(remote_groups):
         raise IncompatibleCache(f"the prefill sent {len(remote_groups)} KV cache groups, this decode has "
                                 f"{len(local_groups)}")
