@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Engine": "engine", "TransferSpec": "engine", "RegionSpec": "regions", "Blocks": "blocks", "Range": "blocks",
+    "Engine": "engine", "TransferSpec": "transfers", "RegionSpec": "regions", "Blocks": "blocks", "Range": "blocks",
     "Settings": "settings", "State": "transfers",
 }
 __all__ = sorted(_EXPORTS)

@@ -6,72 +6,69 @@ too, which ends the transfer as a protocol violation."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvferry import transport
 
 from . import peer
+from .context import TransferContext
 from .driver import settle
 from .errors import Overloaded, PeerError, ProtocolViolation
+from .incoming import Admission
 from .leases import Held
 from .states import Event, On
 from .transfers import Transfer
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 # Messages only a sender takes, as the events they are to a receiver's state machine.
 _SENDERS_ONLY = {peer.Accept: On.ACCEPT, peer.Done: On.PEER_DONE, peer.Reject: On.PEER_FAIL, peer.Error: On.PEER_FAIL}
 
 
-def on_message(engine: Engine, connection: transport.Connection, payload: bytes) -> None:
+def on_message(ctx: TransferContext, admission: Admission, connection: transport.Connection, payload: bytes) -> None:
     """A peer message (called from the connection's reader, so never awaits)."""
-    engine.spinner.touch()
+    ctx.spinner.touch()
     try:
         message = peer.unpack(payload)
     except ProtocolViolation as exc:
-        engine.log_peer_failure(f"dropped a malformed peer message from {connection.peer}: {exc}")
-        engine.metrics.errors.labels("ProtocolViolation").inc()
+        ctx.log_peer_failure(f"dropped a malformed peer message from {connection.peer}: {exc}")
+        ctx.metrics.errors.labels("ProtocolViolation").inc()
         return
     body = message.body
     if isinstance(body, peer.Announce):
-        engine.admission.accept(connection, message.transfer_id, body)
+        admission.accept(connection, message.transfer_id, body)
         return
     if isinstance(body, peer.Revoke):
-        engine.leases.on_revoke(connection, body.region)
+        ctx.leases.on_revoke(connection, body.region)
         return
     if isinstance(body, peer.Revoked):
-        if not engine.leases.on_revoked(connection, body.region):
-            _abort_protocol(engine, None, connection, f"REVOKED of region {body.region!r}, which was not revoked")
+        if not ctx.leases.on_revoked(connection, body.region):
+            _abort_protocol(ctx, None, connection, f"REVOKED of region {body.region!r}, which was not revoked")
         return
-    link = engine.links.get(message.transfer_id)
+    link = ctx.links.get(message.transfer_id)
     if link is None or link.connection is not connection:
         return  # finished already, or not this peer's to speak for: nothing to do
-    t = engine.transfers.find(message.transfer_id)
+    t = ctx.transfers.find(message.transfer_id)
     if t is not None and t.direction == "in" and type(body) in _SENDERS_ONLY:
-        _protocol(engine, connection, f"{type(body).__name__.upper()} for a transfer it sends")
-        engine.driver.apply(t, Event(_SENDERS_ONLY[type(body)]))
+        _protocol(ctx, connection, f"{type(body).__name__.upper()} for a transfer it sends")
+        ctx.driver.apply(t, Event(_SENDERS_ONLY[type(body)]))
         return
     if isinstance(body, peer.Chunk):
         if link.incoming is None or not link.incoming.arrived(body):
-            _abort_protocol(engine, t, connection, f"unexpected inline chunk {body.index}")
+            _abort_protocol(ctx, t, connection, f"unexpected inline chunk {body.index}")
     elif isinstance(body, peer.Cancel):
         if t is not None:
-            engine.driver.apply(t, Event(On.PEER_CANCEL, "Cancelled", f"cancelled by the peer: {body.reason}"))
+            ctx.driver.apply(t, Event(On.PEER_CANCEL, "Cancelled", f"cancelled by the peer: {body.reason}"))
     elif isinstance(body, peer.Accept):
         if t is not None:
             t.mark("accepted")
         if link.offer is not None and body.targets:
-            engine.leases.hold(connection, [Held(name, target, shape, link.offer[2]) for name, shape, target
-                                          in zip(link.offer[0], link.offer[1], body.targets)])
+            ctx.leases.hold(connection, [Held(name, target, shape, link.offer[2]) for name, shape, target
+                                       in zip(link.offer[0], link.offer[1], body.targets)])
         elif link.offer is not None:
-            engine.leases.decline(connection, link.offer[0])
+            ctx.leases.decline(connection, link.offer[0])
         if not link.accepted.done():
             link.accepted.set_result(body)
     elif isinstance(body, peer.Written):
         if link.incoming is None or not link.incoming.written_by_peer(body):
-            _abort_protocol(engine, t, connection, "WRITTEN for a transfer that lent no memory")
+            _abort_protocol(ctx, t, connection, "WRITTEN for a transfer that lent no memory")
     elif isinstance(body, peer.Done):
         settle(link, body)
     else:  # Reject or Error
@@ -81,13 +78,13 @@ def on_message(engine: Engine, connection: transport.Connection, payload: bytes)
         settle(link, error=kind(f"the receiver {verb} the transfer: {body.error}: {body.reason}"))
 
 
-def _protocol(engine: Engine, connection: transport.Connection, reason: str) -> None:
+def _protocol(ctx: TransferContext, connection: transport.Connection, reason: str) -> None:
     """Count and log (rate-limited) a peer's breach of the protocol."""
-    engine.metrics.errors.labels("ProtocolViolation").inc()
-    engine.log_peer_failure(f"peer {connection.peer} broke the protocol: {reason}")
+    ctx.metrics.errors.labels("ProtocolViolation").inc()
+    ctx.log_peer_failure(f"peer {connection.peer} broke the protocol: {reason}")
 
 
-def _abort_protocol(engine: Engine, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
-    _protocol(engine, connection, reason)
+def _abort_protocol(ctx: TransferContext, t: Transfer | None, connection: transport.Connection, reason: str) -> None:
+    _protocol(ctx, connection, reason)
     if t is not None:
-        engine.driver.apply(t, Event(On.VIOLATION, "ProtocolViolation", reason))
+        ctx.driver.apply(t, Event(On.VIOLATION, "ProtocolViolation", reason))

@@ -1,7 +1,8 @@
 """The typed core of a sidecar: regions, codebooks, transfers and their peer links. The rooms:
 ``outgoing.py`` sends, ``incoming.py`` admits and receives, ``dispatch.py`` acts on peer messages,
 ``codebooks.py`` keeps named codebooks and learns others, ``pipeline.py`` runs codec work,
-``policy.py`` chooses codecs, ``peer.py`` owns the peer messages' bytes.
+``policy.py`` chooses codecs, ``peer.py`` owns the peer messages' bytes. The first three work
+with ``context.py``'s ``TransferContext`` (the services they use), never with the engine.
 
 A transfer's phases and the moves between them are ``states.py``'s, a table with no IO;
 ``driver.py`` applies them and is the one place a transfer ends.
@@ -23,7 +24,6 @@ import gc
 import functools
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from kvferry import __version__, codec as codecs, transport
 from . import dispatch, ipc, peer
 from .blocks import Blocks, Ids
 from .codebooks import Codebooks, Learner, codec_named
+from .context import DataPlane, TransferContext
 from .driver import Driver
 from .errors import BadRequest, Conflict, TransferFailed, UnknownCodec
 from .incoming import Admission
@@ -45,7 +46,7 @@ from .policy import Policy
 from .regions import Region, RegionSpec, RegionTable
 from .settings import Settings
 from .spin import Spinner
-from .transfers import State, Transfer, TransferTable
+from .transfers import State, Transfer, TransferSpec, TransferTable
 
 log = logging.getLogger("kvferry.engine")
 # A GPU chunk pays ~0.2-0.3 ms of host work per codec call and ~1 ms per message over UCX
@@ -53,22 +54,6 @@ log = logging.getLogger("kvferry.engine")
 # chunks keep the pipeline short.
 GPU_CHUNK_BYTES = 256 << 20
 CPU_CHUNK_BYTES = 4 << 20
-
-
-@dataclass(frozen=True)
-class TransferSpec:
-    """One transfer: the same blocks of every (source, destination) region pair, to ``peer``
-    (the receiving sidecar's data address, ``host:port``)."""
-
-    peer: str
-    pairs: tuple[tuple[str, str], ...]
-    src_blocks: Blocks
-    dst_blocks: Blocks
-    codec: str = "auto"
-    codebook: str | None = None
-    # Per pair, the (source, destination) regions holding a predictor's KV for the same blocks,
-    # for codecs that code against it ("predictive"); None: no references.
-    references: tuple[tuple[str, str], ...] | None = None
 
 
 class Engine:
@@ -100,30 +85,40 @@ class Engine:
                                  lambda direction, s: self.metrics.codec_seconds.labels(direction).inc(s),
                                  self.spinner.in_thread, settings.transfer_timeout)
         self.transport_config, self.backend = data_plane(settings, self.device.type == "cuda", self.chunk_bytes)
-        self.listener: transport.Listener | None = None
-        self.pool: transport.Pool | None = None
+        self.plane = DataPlane()  # the listener and the pool, once started
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
         self.links = LinkTable(self._connection_lost)  # running transfers' peer links
         self.driver = Driver(self.transfers, self.links, self.metrics, self.regions)  # every change of phase
         self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all)  # receivers' memory lent to us, opened once
         self.leases = Leases()  # standing leases of same-host memory, held and lent
-        self.outgoing = Outgoing(self)
-        self.on_message = functools.partial(dispatch.on_message, self)  # a peer message, from a reader
-        self.admission = Admission(self)
+        # What the sender, the receiver and the dispatch of peer messages work with: never this engine.
+        self.ctx = TransferContext(
+            settings=settings, chunk_bytes=self.chunk_bytes, plane=self.plane, driver=self.driver, links=self.links,
+            transfers=self.transfers, regions=self.regions, codebooks=self.codebooks, learner=self.learner,
+            policy=self.policy, codec=self.codec, buffers=self.buffers, leases=self.leases, mapper=self.mapper,
+            metrics=self.metrics, spinner=self.spinner, peer_log=transport.RateLimitedLog(log))
+        self.outgoing = Outgoing(self.ctx)
+        self.admission = Admission(self.ctx)
+        self.on_message = functools.partial(dispatch.on_message, self.ctx, self.admission)  # a peer message, from a reader
         self.ready = False
-        self._peer_log = transport.RateLimitedLog(log)
 
-    def log_peer_failure(self, message: str) -> None:
-        """A warning caused by a peer, rate-limited (a peer must not be able to flood the log)."""
-        self._peer_log.warn(message)
+    @property
+    def listener(self) -> transport.Listener | None:
+        """The data listener, once started (held by ``plane``, which the context shares)."""
+        return self.plane.listener
+
+    @property
+    def pool(self) -> transport.Pool | None:
+        """The pool of connections to peers, once started (held by ``plane``)."""
+        return self.plane.pool
 
     # ---- lifetime ------------------------------------------------------------------------------
     async def start(self) -> None:
         self.spinner.start()
-        self.listener = await transport.listen(self.settings.data_host, self.settings.data_port,
-                                               self.transport_config, backend=self.backend,
-                                               on_message=self.on_message)
-        self.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self.on_message)
+        self.plane.listener = await transport.listen(self.settings.data_host, self.settings.data_port,
+                                                     self.transport_config, backend=self.backend,
+                                                     on_message=self.on_message)
+        self.plane.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self.on_message)
         self.metrics.info.info({"version": __version__, "transport_backend": self.backend, "device": str(self.device),
                                 "codecs": ",".join(codecs.names())})
         # Speeds per pipeline chunk, from samples of at most 64 MiB (1 MiB on a CPU) and a
@@ -265,12 +260,12 @@ class Engine:
             if len(spec.references) != len(pairs):
                 raise BadRequest(f"{len(spec.references)} reference pairs for {len(pairs)} region pairs")
             for p, (src_ref, _) in zip(pairs, spec.references):
-                p.reference = self.reference_for(p.region, src_ref, spec.src_blocks)
+                p.reference = self.ctx.reference_for(p.region, src_ref, spec.src_blocks)
         candidates = self._candidates(spec.codec, pairs[0].region.tensor.dtype)
         book = self.codebooks.for_transfer(spec.codebook)
         if len(candidates) == 1:  # a codec asked for by name: refuse what it cannot code before sending
             entry = book if book is not None and book[0] == candidates[0] else None
-            self.bind(codecs.get(candidates[0]), entry[1] if entry else None, pairs)
+            self.ctx.bind(codecs.get(candidates[0]), entry[1] if entry else None, pairs)
         elif spec.references is not None:
             raise BadRequest("reference regions are for a codec that codes against them: name it (codec=predictive)")
         transfer = Transfer(id=uuid.uuid4().hex, direction="out", peer=spec.peer, pairs=list(spec.pairs),
@@ -287,43 +282,6 @@ class Engine:
                 or self.outgoing.start_inline(transfer, spec, pairs, candidates, book, (host, port))):
             transfer.task = transfer.redial()
         return transfer
-
-    def reference_for(self, region: Region, name: str, blocks: Blocks) -> Region:
-        """The region ``name`` as the reference of ``region``: the same blocks, layout and device.
-
-        Raises:
-            NotFound, InvalidBlocks, BadRequest.
-        """
-        ref = self.regions.get(name)
-        if ref is region:
-            raise BadRequest(f"region {name!r} cannot be its own reference")
-        if (ref.dtype, ref.block_shape, ref.axes, ref.tensor.device) != (
-                region.dtype, region.block_shape, region.axes, region.tensor.device):
-            raise BadRequest(f"reference {name!r} holds {ref.dtype}{list(ref.block_shape)} blocks (axes {ref.axes}) on "
-                             f"{ref.tensor.device}; region {region.name!r} holds {region.dtype}"
-                             f"{list(region.block_shape)} (axes {region.axes}) on {region.tensor.device}")
-        ref.resolve(blocks)
-        return ref
-
-    def bind(self, codec: codecs.Codec, codebook: Any, pairs: list[Pair], *, sending: bool = True) -> None:
-        """Bind ``codec`` and its codebook to each pair's block layout and reference (``pair.bound``);
-        a sender without a codebook learns one from the data where the codec can (``_sample``).
-
-        Raises:
-            BadRequest: the codec needs a codebook or layout it was not given, or refuses them.
-        """
-        if codec.capabilities.decode_needs_codebook and codebook is None:
-            raise BadRequest(f"codec {codec.name!r} needs a codebook: name one (PUT /v1/codebooks/{{name}})")
-        learn = codec.learn if codec.capabilities.learns and codebook is None and sending else None
-        for p in pairs:
-            if p.bound_for == codec.name:
-                continue
-            try:
-                book = codebook if learn is None else self.learner.book(codec.name, learn, p)
-                p.bound = codec.bind(book, p.region.layout, None if p.reference is None else p.reference.tensor)
-                p.bound_for = codec.name
-            except codecs.CodecError as exc:
-                raise BadRequest(f"codec {codec.name!r} cannot code region {p.region.name!r}: {exc}") from None
 
     async def learned(self) -> None:
         """Wait for the codebooks being learned in threads (tests; shutdown)."""

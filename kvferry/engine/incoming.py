@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,22 +13,22 @@ from kvferry import codec as codecs, transport
 
 from . import ipc, peer
 from .blocks import Ids
+from .codebooks import codec_named
+from .context import TransferContext
 from .errors import BadRequest, Conflict, EngineError, PeerError, ProtocolViolation, UnknownCodec
 from .links import Pair, PeerLink, describe
+from .settings import Settings
 from .states import Event, On
 from .transfers import Transfer, peer_source
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 log = logging.getLogger("kvferry.engine")
 
 
 class Admission:
-    """Admits announced transfers for an engine."""
+    """Admits announced transfers, with the services of ``ctx``."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, ctx: TransferContext):
+        self.ctx = ctx
 
     def accept(self, connection: transport.Connection, transfer_id: str, announce: peer.Announce) -> None:
         """Validate an announced transfer and post its first receives, or refuse it. Its sizes
@@ -44,32 +43,32 @@ class Admission:
             t, pairs, codec = self._check(connection, transfer_id, announce)
         except EngineError as exc:
             kind, reason = describe(exc)
-            self.engine.metrics.errors.labels(kind).inc()
+            self.ctx.metrics.errors.labels(kind).inc()
             # Chunks the sender may send before it reads the refusal are refused too; it stops at the REJECT.
             first = min(announce.inline_chunks, peer.MAX_INLINE_CHUNKS)
-            self.engine.listener.mailbox.refuse(peer.ChunkTags(transfer_id, first + self.window)[first:],
-                                                f"{kind}: {reason}")
+            self.ctx.plane.listener.mailbox.refuse(peer.ChunkTags(transfer_id, first + window(self.ctx.settings))[first:],
+                                                   f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
         tags = peer.ChunkTags(transfer_id, len(plan))
-        apply = self.engine.driver.apply
+        apply = self.ctx.driver.apply
         if announce.flags & peer.FLAG_WRITTEN:  # the blocks are in place already: done at once
-            incoming = Incoming(self.engine, t, pairs, plan, tags, codec)
-            self.engine.links.add(t, PeerLink(connection, incoming=incoming))
+            incoming = Incoming(self.ctx, t, pairs, plan, tags, codec)
+            self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
             apply(t, Event(On.ADMIT_LENT))
             incoming.all_written()
-            self.engine.links.drop(t)
+            self.ctx.links.drop(t)
             return
         targets = self._lend(connection, announce, pairs)
         # Targets lent behind inline chunks are a lease for later transfers; this one rides inline.
         writes_itself = bool(targets) and not announce.inline_chunks
-        incoming = Incoming(self.engine, t, pairs, plan, tags, codec, announce.inline_chunks, writes_itself)
-        self.engine.links.add(t, PeerLink(connection, incoming=incoming))
+        incoming = Incoming(self.ctx, t, pairs, plan, tags, codec, announce.inline_chunks, writes_itself)
+        self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
         apply(t, Event(On.ADMIT_LENT if writes_itself else On.ADMIT))
         if incoming.now:  # decoded as its chunks are read, right behind this announce
             if announce.host != bytes(16):  # the answer to an offer (a lease, or none), before the DONE
                 connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
-            timeout = self.engine.settings.transfer_timeout
+            timeout = self.ctx.settings.transfer_timeout
             t.deadline = asyncio.get_running_loop().call_later(
                 timeout, apply, t, Event(On.DEADLINE, "PeerError", f"inline chunks did not come within {timeout:g} s"))
             return
@@ -79,17 +78,12 @@ class Admission:
             connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
         t.task = asyncio.create_task(incoming.run())
 
-    @property
-    def window(self) -> int:
-        """How many chunks past the last one taken a sender may have announced or sent."""
-        return peer.EAGER_CHUNKS + self.engine.settings.max_inflight_chunks + 1
-
     def _check_sizes(self, a: peer.Announce) -> None:
         """Counts checked by arithmetic before any work: blocks, chunks, inline chunks.
 
         Raises: BadRequest, ProtocolViolation.
         """
-        blocks, limit = len(a.dst_blocks), self.engine.settings.max_blocks_per_transfer
+        blocks, limit = len(a.dst_blocks), self.ctx.settings.max_blocks_per_transfer
         if blocks > limit:
             raise BadRequest(f"a transfer of {blocks} blocks is over this sidecar's {limit} (max_blocks_per_transfer)")
         chunks = peer.chunk_count(blocks, tuple(p.blocks_per_chunk for p in a.pairs))
@@ -104,11 +98,11 @@ class Admission:
 
         Raises: ProtocolViolation.
         """
-        codec = self.engine.codec_named(a.codec)
+        codec = codec_named(a.codec)
         if not codec.capabilities.identity or a.inline_chunks:
             raise ProtocolViolation(f"a transfer written under a lease is raw and carries no chunks, not {a.codec!r}")
         for layout in a.pairs:
-            if not self.engine.leases.lent_to(layout.dst_region, connection):
+            if not self.ctx.leases.lent_to(layout.dst_region, connection):
                 raise ProtocolViolation(f"written under a lease of region {layout.dst_region!r} this connection "
                                         "does not hold")
 
@@ -140,14 +134,14 @@ class Admission:
             log.info("streaming instead of lending GPU memory: %s", exc)
             return ()
         for p in pairs:
-            self.engine.leases.lend(p.region.name, connection)
+            self.ctx.leases.lend(p.region.name, connection)
         return tuple(targets)
 
     def _check(self, connection: transport.Connection, transfer_id: str, a: peer.Announce):
-        codec = self.engine.codec_named(a.codec)
+        codec = codec_named(a.codec)
         book = None
         if a.codebook:
-            entry = self.engine.codebooks.get(a.codebook)
+            entry = self.ctx.codebooks.get(a.codebook)
             if entry is not None and peer.codebook_digest(entry[2]) == a.codebook_digest:
                 book = entry[1]
             elif codec.capabilities.decode_needs_codebook:
@@ -156,7 +150,7 @@ class Admission:
             raise UnknownCodec(f"codec {a.codec!r} needs a codebook and the sender named none")
         pairs, cache = [], {}
         for layout in a.pairs:
-            region = self.engine.regions.get(layout.dst_region)
+            region = self.ctx.regions.get(layout.dst_region)
             if region.quarantined:
                 raise Conflict(f"region {region.name!r} is quarantined: {region.quarantined}")
             if region.dtype != a.dtype or region.block_shape != layout.block_shape:
@@ -166,14 +160,14 @@ class Admission:
             key = region.num_blocks
             if key not in cache:
                 cache[key] = Ids.of(a.dst_blocks, region.num_blocks)
-            reference = self.engine.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
+            reference = self.ctx.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
-        self.engine.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs
+        self.ctx.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs
         t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
                      source=peer_source(connection.peer, connection.id), pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
                      chosen_codec=a.codec, choice_reason="the sender's", lossy=not codec.lossless,
                      references=[p.reference.name for p in pairs if p.reference is not None])
-        self.engine.transfers.add(t)
+        self.ctx.transfers.add(t)
         for p in pairs:
             p.region.busy.add(t.id)
             if p.reference is not None:
@@ -185,16 +179,16 @@ class Admission:
 class Incoming:
     """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
 
-    def __init__(self, engine: Engine, t: Transfer, pairs: list[Pair], plan: peer.Plan,
+    def __init__(self, ctx: TransferContext, t: Transfer, pairs: list[Pair], plan: peer.Plan,
                  tags: peer.ChunkTags, codec: codecs.Codec, inline_chunks: int = 0, lent: bool = False):
-        self.engine, self.t, self.pairs, self.plan, self.tags = engine, t, pairs, plan, tags
+        self.ctx, self.t, self.pairs, self.plan, self.tags = ctx, t, pairs, plan, tags
         t.cleanups.append(self.release)
         self.codec = codec
         loop = asyncio.get_running_loop()
         self.written: asyncio.Future | None = loop.create_future() if lent else None
         self.inline: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(min(inline_chunks, len(plan)))}
         self.receives: dict[int, transport.Receive] = {}
-        self.ahead = max(engine.settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS)
+        self.ahead = max(ctx.settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS)
         self.completed = 0
         # Every chunk inline and small, into host memory: each is decoded as the reader hands it
         # over (no task, no thread hop), and the last one's DONE goes out at once.
@@ -256,8 +250,8 @@ class Incoming:
             t.mark("first_byte")
         raw = count * pair.region.block_bytes
         try:
-            self.engine.codec.decode_now(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
-                                         pair.bound, raw)
+            self.ctx.codec.decode_now(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
+                                      pair.bound, raw)
         except codecs.CodecError as exc:
             raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
         self._count(nbytes, raw, count)
@@ -268,21 +262,21 @@ class Incoming:
         t.bytes_raw += raw
         t.blocks_done += blocks
         self.completed += 1
-        self.engine.metrics.chunks.labels("in").inc()
+        self.ctx.metrics.chunks.labels("in").inc()
         if self.completed < len(self.plan):
-            self.engine.driver.apply(t, Event(On.CHUNK))
+            self.ctx.driver.apply(t, Event(On.CHUNK))
 
     def _done(self, written: bool = False) -> None:
         """Every block is written (``written``: by the sender, into lent memory): done here, and
         the sender is told at once (DONE)."""
         self.t.mark("last_byte")
-        self.engine.driver.apply(self.t, Event(On.PEER_WRITTEN if written else On.LAST_CHUNK))
+        self.ctx.driver.apply(self.t, Event(On.PEER_WRITTEN if written else On.LAST_CHUNK))
 
     def _failed(self, exc: Exception) -> None:
         kind, reason = describe(exc)
         if not self.t.state.terminal:
-            self.engine.log_peer_failure(f"incoming transfer {self.t.id} failed: {kind}: {reason}")
-        self.engine.driver.apply(self.t, Event(On.FAIL, kind, reason))
+            self.ctx.log_peer_failure(f"incoming transfer {self.t.id} failed: {kind}: {reason}")
+        self.ctx.driver.apply(self.t, Event(On.FAIL, kind, reason))
 
     def release(self) -> None:
         """What this transfer holds, let go however it ended: posted receives (their buffers back
@@ -291,9 +285,9 @@ class Incoming:
             receive.cancel()
         self.receives.clear()
         if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
-            end = min(len(self.plan), self.completed + len(self.inline) + self.engine.admission.window)
-            self.engine.listener.mailbox.refuse(self.tags[self.completed:end],
-                                                f"transfer {self.t.id} ended {self.t.state.value}")
+            end = min(len(self.plan), self.completed + len(self.inline) + window(self.ctx.settings))
+            self.ctx.plane.listener.mailbox.refuse(self.tags[self.completed:end],
+                                                   f"transfer {self.t.id} ended {self.t.state.value}")
 
     async def _next_frame(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
         if i in self.inline:
@@ -321,8 +315,8 @@ class Incoming:
             pair_index, _, count = self.plan[i]
             region = self.pairs[pair_index].region
             capacity = self.codec.capacity((count, *region.block_shape), region.tensor.dtype)
-            buffer = self.engine.buffers.take(capacity, region.tensor.device)
-            self.receives[i] = self.engine.listener.expect(self.tags[i], buffer, defer_check=True)
+            buffer = self.ctx.buffers.take(capacity, region.tensor.device)
+            self.receives[i] = self.ctx.plane.listener.expect(self.tags[i], buffer, defer_check=True)
 
     def post_ahead(self) -> None:
         """Receives for the first transport chunks, before the next message is read (the sender
@@ -332,8 +326,8 @@ class Incoming:
             self.post(i)
 
     async def run(self) -> None:
-        engine, t = self.engine, self.t
-        timeout = engine.settings.transfer_timeout
+        ctx, t = self.ctx, self.t
+        timeout = ctx.settings.transfer_timeout
         try:
             if self.written is not None:
                 await self._lent(timeout)
@@ -346,20 +340,25 @@ class Incoming:
                     t.mark("first_byte")
                 receive = self.receives.get(i)
                 try:
-                    await engine.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
-                                              pair.bound, raw, check=receive.start_check if receive else None)
+                    await ctx.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
+                                           pair.bound, raw, check=receive.start_check if receive else None)
                 except codecs.CodecError as exc:
                     raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
                 if i in self.receives:
-                    engine.buffers.give(self.receives.pop(i).buffer.obj)
+                    ctx.buffers.give(self.receives.pop(i).buffer.obj)
                 self._count(nbytes, raw, count)
             self._done(written=self.written is not None)
         except asyncio.CancelledError:
-            engine.driver.apply(t, Event(On.CANCEL, "Cancelled", "cancelled"))  # ended already, unless by the loop
+            ctx.driver.apply(t, Event(On.CANCEL, "Cancelled", "cancelled"))  # ended already, unless by the loop
         except Exception as exc:
             self._failed(exc)
         finally:
-            engine.links.drop(t)
+            ctx.links.drop(t)
+
+
+def window(settings: Settings) -> int:
+    """How many chunks past the last one taken a sender may have announced or sent."""
+    return peer.EAGER_CHUNKS + settings.max_inflight_chunks + 1
 
 
 def _frame(data: bytes | memoryview) -> torch.Tensor:

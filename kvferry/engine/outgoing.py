@@ -9,33 +9,31 @@ import asyncio
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvferry import codec as codecs, transport
 
 from . import ipc, peer
+from .context import TransferContext
 from .errors import EngineError, PeerError, ProtocolViolation
 from .leases import Held
 from .links import Pair, PeerLink, describe
 from .pipeline import runs_now
 from .samehost import write_blocks
 from .states import Event, On
-from .transfers import Transfer
-
-if TYPE_CHECKING:
-    from .engine import Engine, TransferSpec
+from .transfers import Transfer, TransferSpec
 
 log = logging.getLogger("kvferry.engine")
 
 
 class Outgoing:
-    """Runs outgoing transfers for an engine (its task per transfer is ``run``)."""
+    """Runs outgoing transfers (its task per transfer is ``run``) with the services of ``ctx``."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.apply = engine.driver.apply
+    def __init__(self, ctx: TransferContext):
+        self.ctx = ctx
+        self.apply = ctx.driver.apply
 
     async def run(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                   book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
@@ -48,14 +46,14 @@ class Outgoing:
             self.apply(t, Event(On.CANCEL, "Cancelled", "cancelled"))  # ended already, unless by the loop
         except Exception as exc:
             kind, reason = describe(exc)
-            link = self.engine.links.get(t.id)
+            link = self.ctx.links.get(t.id)
             refused = link is not None and link.reply.done() and link.reply.exception() is exc
             if not t.state.terminal:
                 log.warning("transfer %s failed: %s: %s", t.id, kind, reason)
             self.apply(t, Event(On.PEER_FAIL if refused else On.FAIL, kind, reason))
         finally:
             if t.task is asyncio.current_task():
-                self.engine.links.drop(t)
+                self.ctx.links.drop(t)
 
     def start_inline(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                      book: tuple[str, Any, str] | None, address: tuple[str, int]) -> bool:
@@ -64,7 +62,7 @@ class Outgoing:
         the connection, or the deadline) ends it. False, with nothing done, if it does not qualify."""
         if any(p.region.tensor.is_cuda for p in pairs):
             return False
-        connection = self.engine.pool.ready(*address)
+        connection = self.ctx.plane.pool.ready(*address)
         if connection is None:
             return False
         codec, book = self._choose(t, spec, pairs, candidates, book)
@@ -72,7 +70,7 @@ class Outgoing:
         if self._inline_count(plan, pairs, codec) < len(plan):
             return False
         self.apply(t, Event(On.DIAL))
-        link = self.engine.links.add(t, PeerLink(connection, reused=True))
+        link = self.ctx.links.add(t, PeerLink(connection, reused=True))
         link.offer = self._offer(connection, spec, pairs, codec)  # the receiver may lend shared memory for later
         try:
             inline = self._inline_chunks(t, plan, pairs, codec, len(plan))
@@ -93,8 +91,8 @@ class Outgoing:
         """Write a small transfer, here and now, into memory the receiver lent this sidecar's open
         connection (a standing lease), then announce it behind the data: one message, ended by the
         receiver's DONE. False, with nothing done, if it does not qualify."""
-        connection = self.engine.pool.ready(*address)
-        if connection is None or not self.engine.leases.holding(connection) \
+        connection = self.ctx.plane.pool.ready(*address)
+        if connection is None or not self.ctx.leases.holding(connection) \
                 or not runs_now(pairs[0].region.tensor.device, _raw_bytes(spec, pairs)):
             return False
         helds = self._leases(connection, spec, pairs, candidates)
@@ -102,13 +100,13 @@ class Outgoing:
             return False
         self.apply(t, Event(On.DIAL))
         self.apply(t, Event(On.LEASE))
-        link = self.engine.links.add(t, PeerLink(connection, reused=True))
+        link = self.ctx.links.add(t, PeerLink(connection, reused=True))
         self._same_host(t)
         try:
             announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
-            with self.engine.leases.writing(connection, helds):
-                self.engine.codec.call_now("encode", pairs[0].region.tensor.device,
-                                           self._write(spec, pairs, helds))
+            with self.ctx.leases.writing(connection, helds):
+                self.ctx.codec.call_now("encode", pairs[0].region.tensor.device,
+                                        self._write(spec, pairs, helds))
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
                                         if isinstance(exc, RuntimeError) else exc), On.FAIL)
@@ -128,11 +126,11 @@ class Outgoing:
         """The standing leases ``spec`` can be written under: it moves blocks as they are (raw
         asked for, or ``auto``'s choice), on no emulated link, into regions all lent on this
         connection. None otherwise."""
-        if self.engine.settings.emulated_link_gbps or spec.references is not None:
+        if self.ctx.settings.emulated_link_gbps or spec.references is not None:
             return None
         if len(candidates) == 1 and not codecs.get(candidates[0]).capabilities.identity:
             return None
-        return self.engine.leases.held(connection, *_destinations(spec, pairs))
+        return self.ctx.leases.held(connection, *_destinations(spec, pairs))
 
     def _offer(self, connection: transport.Connection, spec: TransferSpec, pairs: list[Pair],
                codec: codecs.Codec) -> tuple[list[str], list[tuple[int, ...]], str] | None:
@@ -142,23 +140,23 @@ class Outgoing:
         peer stands for a remote one, which only the wire reaches), and not declined on this
         connection."""
         on_gpu = [p.region.tensor.is_cuda for p in pairs]
-        settings = self.engine.settings
+        settings = self.ctx.settings
         destinations = _destinations(spec, pairs)
         wanted = ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not settings.emulated_link_gbps
                   and (spec.codec == "auto" or codec.capabilities.identity) and spec.references is None
-                  and self.engine.leases.offer_wanted(connection, destinations[0]))
+                  and self.ctx.leases.offer_wanted(connection, destinations[0]))
         return destinations if wanted else None
 
     def _deadline(self, t: Transfer) -> None:
         """A transfer without a task fails if the receiver does not confirm in time."""
-        timeout = self.engine.settings.transfer_timeout
+        timeout = self.ctx.settings.transfer_timeout
         late = Event(On.DEADLINE, "PeerError", f"the receiver did not confirm within {timeout:g} s")
         t.deadline = asyncio.get_running_loop().call_later(timeout, self.apply, t, late)
 
     def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future, failed: On = On.PEER_FAIL) -> None:
         """A transfer without a task ends: the receiver's DONE, or why there is none (``failed``:
         whose doing that is)."""
-        self.engine.links.drop(t)
+        self.ctx.links.drop(t)
         if t.state.terminal:
             return  # cancelled or timed out first
         if reply.exception() is not None:
@@ -168,8 +166,8 @@ class Outgoing:
             return
         t.blocks_done = reply.result().blocks
         self.apply(t, Event(On.PEER_DONE))
-        self.engine.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
-        self.engine.policy.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - t.submitted)
+        self.ctx.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
+        self.ctx.policy.observe_transfer(t.peer, t.chosen_codec, raw_bytes, time.perf_counter() - t.submitted)
 
     def _choose(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                 book: tuple[str, Any, str] | None) -> tuple[codecs.Codec, tuple[str, Any, str] | None]:
@@ -178,14 +176,14 @@ class Outgoing:
         if len(candidates) == 1:
             chosen, t.choice_reason = candidates[0], "requested"
         else:
-            chosen, t.choice_reason = self.engine.policy.choose(t.peer, _raw_bytes(spec, pairs), self.engine.chunk_bytes,
-                                                                candidates)
+            chosen, t.choice_reason = self.ctx.policy.choose(t.peer, _raw_bytes(spec, pairs), self.ctx.chunk_bytes,
+                                                             candidates)
         t.chosen_codec = chosen
         if book is not None and book[0] != chosen:
             book = None
         codec = codecs.get(chosen)
         t.lossy = not codec.lossless
-        self.engine.bind(codec, book[1] if book is not None else None, pairs)  # sets each pair's ``bound``
+        self.ctx.bind(codec, book[1] if book is not None else None, pairs)  # sets each pair's ``bound``
         return codec, book
 
     def _announce(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], book: tuple[str, Any, str] | None,
@@ -201,12 +199,12 @@ class Outgoing:
     async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                     book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
         self.apply(t, Event(On.DIAL))
-        pooled = self.engine.pool.ready(*address)
+        pooled = self.ctx.plane.pool.ready(*address)
         try:
-            connection = await self.engine.pool.get(*address)
+            connection = await self.ctx.plane.pool.get(*address)
         except transport.TransportError as exc:
             raise PeerError(f"cannot reach {t.peer}: {type(exc).__name__}: {exc}") from exc
-        link = self.engine.links.add(t, PeerLink(connection, reused=connection is pooled))
+        link = self.ctx.links.add(t, PeerLink(connection, reused=connection is pooled))
         helds = self._leases(connection, spec, pairs, candidates)
         if helds is not None:
             self.apply(t, Event(On.LEASE))
@@ -214,8 +212,8 @@ class Outgoing:
             return
         codec, book = self._choose(t, spec, pairs, candidates, book)
         # On a slow link the plan is tapered: the first bytes leave, and the last are decoded, sooner.
-        tapered = self.engine.policy.tapers(t.peer, pairs[0].blocks_per_chunk * pairs[0].region.block_bytes,
-                                            t.chosen_codec)
+        tapered = self.ctx.policy.tapers(t.peer, pairs[0].blocks_per_chunk * pairs[0].region.block_bytes,
+                                         t.chosen_codec)
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs), tapered)
         link.offer = self._offer(connection, spec, pairs, codec)
         offer = link.offer is not None
@@ -253,15 +251,15 @@ class Outgoing:
             self.apply(t, Event(On.SENT_LAST))
         t.mark("last_byte")
         wire_s = time.perf_counter() - wire_start
-        self.engine.metrics.wire_seconds.inc(wire_s)
-        self.engine.policy.observe_link(t.peer, t.bytes_wire, wire_s)
-        self.engine.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
+        self.ctx.metrics.wire_seconds.inc(wire_s)
+        self.ctx.policy.observe_link(t.peer, t.bytes_wire, wire_s)
+        self.ctx.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
         # Done only when the receiver has written every block.
-        done = await self._reply(link, self.engine.settings.transfer_timeout)
+        done = await self._reply(link, self.ctx.settings.transfer_timeout)
         t.blocks_done = done.blocks
         self.apply(t, Event(On.PEER_DONE))
-        self.engine.policy.observe_transfer(t.peer, t.chosen_codec, _measured_bytes(spec, pairs),
-                                            time.perf_counter() - t.submitted)
+        self.ctx.policy.observe_transfer(t.peer, t.chosen_codec, _measured_bytes(spec, pairs),
+                                         time.perf_counter() - t.submitted)
 
     @staticmethod
     def _inline_count(plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec) -> int:
@@ -283,8 +281,8 @@ class Outgoing:
         for index, (pair_index, start, blocks) in enumerate(plan[:count]):
             pair = pairs[pair_index]
             nbytes = blocks * pair.region.block_bytes
-            frame = self.engine.codec.encode_now(codec, pair.region.tensor, pair.ids[start:start + blocks], pair.bound,
-                                                 nbytes)
+            frame = self.ctx.codec.encode_now(codec, pair.region.tensor, pair.ids[start:start + blocks], pair.bound,
+                                              nbytes)
             frame = self._account_chunk(t, frame, nbytes, index)
             inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, memoryview(frame.numpy())))))
         return inline
@@ -296,7 +294,7 @@ class Outgoing:
         encoded, the next encoded while earlier ones are on the wire, at most
         ``max_inflight_chunks`` encoded and unacknowledged. ``first``: the first one's encode,
         begun already."""
-        slots = asyncio.Semaphore(self.engine.settings.max_inflight_chunks)
+        slots = asyncio.Semaphore(self.ctx.settings.max_inflight_chunks)
         sends: list[asyncio.Task] = []
         try:
             for index, (pair_index, start, count) in enumerate(plan):
@@ -309,7 +307,7 @@ class Outgoing:
                     payload = await first
                 else:
                     payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, index)
-                self.engine.metrics.inflight_chunks.inc()
+                self.ctx.metrics.inflight_chunks.inc()
                 eager = index < inline + peer.EAGER_CHUNKS
                 sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots, eager)))
                 # Let the send start (its checksum launched, its first message written) before the
@@ -323,7 +321,7 @@ class Outgoing:
 
     async def _accepted(self, link: PeerLink) -> peer.Accept:
         """The receiver's ACCEPT (or its refusal, raised)."""
-        timeout = self.engine.settings.transfer_timeout
+        timeout = self.ctx.settings.transfer_timeout
         try:
             async with asyncio.timeout(timeout):
                 await asyncio.wait({link.accepted, link.reply}, return_when=asyncio.FIRST_COMPLETED)
@@ -339,14 +337,14 @@ class Outgoing:
                                leased: bool = False) -> None:
         """Write the blocks into the receiver's lent memory, then tell it and wait for its DONE:
         WRITTEN after an ACCEPT, or (``leased``: under a standing lease) the announce itself."""
-        link = self.engine.links[t.id]
+        link = self.ctx.links[t.id]
         raw = _raw_bytes(spec, pairs)
         self._same_host(t)
         announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN) if leased else None
         device = pairs[0].region.tensor.device
         try:
-            with self.engine.leases.writing(link.connection, helds):
-                await self.engine.codec.call("encode", device, raw, self._write(spec, pairs, helds))
+            with self.ctx.leases.writing(link.connection, helds):
+                await self.ctx.codec.call("encode", device, raw, self._write(spec, pairs, helds))
         except (RuntimeError, EngineError) as exc:
             raise PeerError(f"cannot write into the receiver's memory: {exc}") from exc
         t.bytes_raw = raw
@@ -358,12 +356,12 @@ class Outgoing:
         else:
             await link.connection.send_message(peer.pack(peer.Message(t.id, peer.Written(len(spec.dst_blocks)))))
         self.apply(t, Event(On.WRITTEN))
-        done = await self._reply(link, self.engine.settings.transfer_timeout)
+        done = await self._reply(link, self.ctx.settings.transfer_timeout)
         t.blocks_done = done.blocks
         self.apply(t, Event(On.PEER_DONE))
 
     def _write(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> functools.partial:
-        return functools.partial(write_blocks, self.engine.mapper, spec.src_blocks, spec.dst_blocks, pairs, helds)
+        return functools.partial(write_blocks, self.ctx.mapper, spec.src_blocks, spec.dst_blocks, pairs, helds)
 
     @staticmethod
     def _same_host(t: Transfer) -> None:
@@ -374,14 +372,14 @@ class Outgoing:
     async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: Pair, start: int, count: int,
                             index: int) -> torch.Tensor:
         nbytes = count * pair.region.block_bytes
-        payload = await self.engine.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], pair.bound,
-                                                 nbytes)
+        payload = await self.ctx.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], pair.bound,
+                                              nbytes)
         return self._account_chunk(t, payload, nbytes, index)
 
     def _account_chunk(self, t: Transfer, payload: torch.Tensor, nbytes: int, index: int) -> torch.Tensor:
         t.bytes_raw += nbytes
         t.bytes_wire += payload.numel()
-        self.engine.metrics.chunks.labels("out").inc()
+        self.ctx.metrics.chunks.labels("out").inc()
         return payload
 
     async def _first(self, link: PeerLink, work: asyncio.Future) -> None:
@@ -411,7 +409,7 @@ class Outgoing:
         except transport.TransportError as exc:
             raise PeerError(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
         finally:
-            self.engine.metrics.inflight_chunks.dec()
+            self.ctx.metrics.inflight_chunks.dec()
             slots.release()
 
 

@@ -157,10 +157,11 @@ class CodecRunner:
     def measure(self, candidates: list[codecs.Codec], device: torch.device, nbytes: int, chunk_bytes: int = 0) -> None:
         """Each candidate's speed on this device per pipeline chunk (``chunk_bytes``, default
         ``nbytes``), per call as the pipeline pays it: with the codebook the codec learns once, as
-        ``Engine.bind`` does, best of three after a warm-up, at ``nbytes`` and a quarter of it, so
-        that a call's fixed cost and its cost per byte extrapolate to the chunk (entropy's decode
-        of 64 MiB measured a fifth of its speed on a 256 MiB chunk, all of it per call). The
-        ratio is the sample's (Gaussian KV-shaped blocks) until real transfers say better."""
+        ``TransferContext.bind`` does, best of three after a warm-up, at ``nbytes`` and a quarter
+        of it, so that a call's fixed cost and its cost per byte extrapolate to the chunk
+        (entropy's decode of 64 MiB measured a fifth of its speed on a 256 MiB chunk, all of it
+        per call). The ratio is the sample's (Gaussian KV-shaped blocks) until real transfers say
+        better."""
         block = (16, 8, 128)
         per_block = 16 * 8 * 128 * 2
         blocks = max(8, nbytes // per_block)

@@ -8,15 +8,34 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import Conflict, NotFound, Overloaded
 from .states import Phase, Side, State
 
+if TYPE_CHECKING:
+    from .blocks import Blocks
+
 log = logging.getLogger("kvferry.engine")
-__all__ = ["STAGES", "State", "Transfer", "TransferTable", "peer_source"]
+__all__ = ["STAGES", "State", "Transfer", "TransferSpec", "TransferTable", "peer_source"]
 # Stages a transfer passes, in order; ``stages`` holds seconds since submit for each one reached.
 STAGES = ("announced", "accepted", "first_byte", "last_byte", "done")
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """One transfer: the same blocks of every (source, destination) region pair, to ``peer``
+    (the receiving sidecar's data address, ``host:port``)."""
+
+    peer: str
+    pairs: tuple[tuple[str, str], ...]
+    src_blocks: Blocks
+    dst_blocks: Blocks
+    codec: str = "auto"
+    codebook: str | None = None
+    # Per pair, the (source, destination) regions holding a predictor's KV for the same blocks,
+    # for codecs that code against it ("predictive"); None: no references.
+    references: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass
