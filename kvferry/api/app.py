@@ -4,7 +4,6 @@ statuses (``errors.py``)."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import re
@@ -26,6 +25,7 @@ from kvferry.engine.errors import EngineError, PayloadTooLarge, Unauthorized
 from kvferry.engine.settings import Settings
 
 from . import errors, ops
+from .auth import token_ok
 from .leases import MAX_WAIT, LeaseBody, LeaseBook, RenewBody
 from .models import CODEC, ERRORS, CalibrateBody, RegionBody, TransferBody
 from .ops import submit_transfer, transfer_record
@@ -431,11 +431,3 @@ def _replay(body: bytes, receive):
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
     return again
-
-
-def token_ok(supplied: bytes | str, token: str) -> bool:
-    """Constant-time comparison of an Authorization header with ``Bearer <token>``."""
-    if isinstance(supplied, str):
-        supplied = supplied.encode()
-    return hmac.compare_digest(supplied, f"Bearer {token}".encode())
-

@@ -22,7 +22,7 @@ from kvferry.engine.settings import Settings
 from kvferry.proto.v1 import (codebooks_pb2, codebooks_pb2_grpc, health_pb2, health_pb2_grpc, regions_pb2,
                               regions_pb2_grpc, transfers_pb2, transfers_pb2_grpc)
 
-from ..app import token_ok
+from ..auth import token_ok
 from .services import Codebooks, Health, Regions, Transfers, abort
 from .watch import Hub
 

@@ -9,12 +9,15 @@ one lookup of the stream's next ``CODE_BITS`` bits, and a table's lookup fits in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import CodebookMismatch
-from .codebook import EntropyCodebook
 from .symbols import Geometry, SymbolLayout
+
+if TYPE_CHECKING:  # the codebook imports this module (its code lengths): only a type here
+    from .codebook import EntropyCodebook
 
 CODE_BITS = 10  # longest code: one lookup of 2**10 entries decodes any symbol
 LEN_BITS = 4  # a lookup entry is symbol << LEN_BITS | length

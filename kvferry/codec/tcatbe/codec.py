@@ -26,7 +26,7 @@ from .. import prefix as frame_prefix
 from ..registry import Capabilities, PositionFree
 from ..staging import current_stream, optional_cupy, read_to_host
 from . import reference
-from .format import FRAME_ID, HEADER_SIZE, TcaTbeHeader, make_header, padding_ranges, parse_header
+from .format import FRAME_ID, HEADER_SIZE, TcaTbeHeader, finish, make_header, padding_ranges, parse_header
 
 DTYPES = (torch.bfloat16,)  # FP16's 10-bit mantissa leaves a 3-bit exponent code nothing to save
 _WIRE_IDS = frozenset(layout_for(d).wire_id for d in DTYPES)
@@ -118,15 +118,6 @@ def assemble(header: TcaTbeHeader, streams: Sequence[bytes], checksum: bool) -> 
         assert len(data) == length, (length, len(data))
         buf[offset:offset + length] = np.frombuffer(data, dtype=np.uint8)
     return finish(torch.from_numpy(buf), header, checksum)
-
-
-def finish(frame: torch.Tensor, header: TcaTbeHeader, checksum: bool) -> torch.Tensor:
-    """Write the header into a frame whose streams are in place (CRC over a host copy)."""
-    if checksum:
-        header = header.with_crc(crc32c(memoryview(frame[HEADER_SIZE:].cpu().numpy())))
-    packed = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
-    frame[:HEADER_SIZE].copy_(packed.to(frame.device))
-    return frame
 
 
 def _prefix(frame: Any) -> bytes:

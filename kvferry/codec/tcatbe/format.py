@@ -19,6 +19,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..checksum import crc32c
 from ..dtypes import layout_by_wire_id
 from ..errors import CorruptFrame
@@ -174,3 +176,13 @@ def padding_ranges(header: TcaTbeHeader) -> list[tuple[int, int]]:
                 ranges.append((end, offset))
             end = offset + length
     return ranges
+
+
+def finish(frame: torch.Tensor, header: TcaTbeHeader, checksum: bool) -> torch.Tensor:
+    """Write the header into a frame whose streams are in place (CRC over a host copy): the
+    header's one writer, for the reference and the GPU kernels alike."""
+    if checksum:
+        header = header.with_crc(crc32c(memoryview(frame[HEADER_SIZE:].cpu().numpy())))
+    packed = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
+    frame[:HEADER_SIZE].copy_(packed.to(frame.device))
+    return frame

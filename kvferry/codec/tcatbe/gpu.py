@@ -34,7 +34,7 @@ from ..errors import CorruptFrame, InvalidArgument, OutputMismatch
 from ..format import stored_size
 from ..frames import encode_stored
 from . import cuda
-from .format import GROUP_TILES, PLANES, TILE, WINDOW, Stream, TcaTbeHeader, make_header, padding_ranges
+from .format import GROUP_TILES, PLANES, TILE, WINDOW, Stream, TcaTbeHeader, finish, make_header, padding_ranges
 
 try:
     import triton
@@ -342,7 +342,6 @@ def _check_input(t: torch.Tensor, dtype: torch.dtype) -> None:
 
 def encode(x: torch.Tensor, *, checksum: bool) -> torch.Tensor:
     """The reference's frame of bfloat16 ``x``, computed on ``x``'s device by the kernels."""
-    from .codec import finish  # the header's one writer
 
     layout = layout_for(x.dtype)
     n = x.numel()
