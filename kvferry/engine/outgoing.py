@@ -83,7 +83,7 @@ class Outgoing:
         for stage in ("announced", "first_byte", "last_byte"):
             t.mark(stage)
         self._deadline(t)
-        link.settle = functools.partial(self._replied, t, _measured_bytes(spec, pairs))
+        link.settle = functools.partial(self._replied, t, spec.measured_bytes(pairs))
         return True
 
     def start_leased(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
@@ -93,7 +93,7 @@ class Outgoing:
         receiver's DONE. False, with nothing done, if it does not qualify."""
         connection = self.ctx.plane.pool.ready(*address)
         if connection is None or not self.ctx.leases.holding(connection) \
-                or not runs_now(pairs[0].region.tensor.device, _raw_bytes(spec, pairs)):
+                or not runs_now(pairs[0].region.tensor.device, spec.raw_bytes(pairs)):
             return False
         helds = self._leases(connection, spec, pairs, candidates)
         if helds is None:
@@ -111,7 +111,7 @@ class Outgoing:
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
                                         if isinstance(exc, RuntimeError) else exc), On.FAIL)
             return True
-        t.bytes_raw = _raw_bytes(spec, pairs)
+        t.bytes_raw = spec.raw_bytes(pairs)
         for stage in ("first_byte", "last_byte"):
             t.mark(stage)
         connection.post_message(announce)
@@ -130,7 +130,7 @@ class Outgoing:
             return None
         if len(candidates) == 1 and not codecs.get(candidates[0]).capabilities.identity:
             return None
-        return self.ctx.leases.held(connection, *_destinations(spec, pairs))
+        return self.ctx.leases.held(connection, *spec.destinations(pairs))
 
     def _offer(self, connection: transport.Connection, spec: TransferSpec, pairs: list[Pair],
                codec: codecs.Codec) -> tuple[list[str], list[tuple[int, ...]], str] | None:
@@ -141,7 +141,7 @@ class Outgoing:
         connection."""
         on_gpu = [p.region.tensor.is_cuda for p in pairs]
         settings = self.ctx.settings
-        destinations = _destinations(spec, pairs)
+        destinations = spec.destinations(pairs)
         wanted = ((ipc.available() and all(on_gpu) or not any(on_gpu)) and not settings.emulated_link_gbps
                   and (spec.codec == "auto" or codec.capabilities.identity) and spec.references is None
                   and self.ctx.leases.offer_wanted(connection, destinations[0]))
@@ -176,7 +176,7 @@ class Outgoing:
         if len(candidates) == 1:
             chosen, t.choice_reason = candidates[0], "requested"
         else:
-            chosen, t.choice_reason = self.ctx.policy.choose(t.peer, _raw_bytes(spec, pairs), self.ctx.chunk_bytes,
+            chosen, t.choice_reason = self.ctx.policy.choose(t.peer, spec.raw_bytes(pairs), self.ctx.chunk_bytes,
                                                              candidates)
         t.chosen_codec = chosen
         if book is not None and book[0] != chosen:
@@ -219,6 +219,30 @@ class Outgoing:
         offer = link.offer is not None
         inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, self._inline_count(plan, pairs, codec))
         wire_start = time.perf_counter()
+        sharing = self.ctx.policy.begin_stream(t.peer)
+        try:
+            if await self._wire(t, spec, pairs, candidates, book, connection, link, codec, plan, inline, offer,
+                                tapered):
+                return
+        finally:
+            ended = self.ctx.policy.end_stream(t.peer)
+        wire_s = time.perf_counter() - wire_start
+        self.ctx.metrics.wire_seconds.inc(wire_s)
+        self.ctx.policy.observe_link(t.peer, t.bytes_wire, wire_s, max(sharing[0], ended[0]))
+        self.ctx.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
+        # Done only when the receiver has written every block.
+        done = await self._reply(link, self.ctx.settings.transfer_timeout)
+        t.blocks_done = done.blocks
+        self.apply(t, Event(On.PEER_DONE))
+        self.ctx.policy.observe_transfer(t.peer, t.chosen_codec, spec.measured_bytes(pairs),
+                                         time.perf_counter() - t.submitted, alone=sharing[1] == ended[1] == 1)
+
+    async def _wire(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
+                    book: tuple[str, Any, str] | None, connection: transport.Connection, link: PeerLink,
+                    codec: codecs.Codec, plan: list[tuple[int, int, int]], inline: list, offer: bool,
+                    tapered: bool) -> bool:
+        """Announce, then the bytes: inline, streamed, or written into memory an ACCEPT lent
+        (True: that write ended the transfer, the receiver's DONE included)."""
         # The first streamed chunk of GPU memory is encoded on the GPU while its announce is written.
         first = None
         if not offer and len(inline) < len(plan) and pairs[0].region.tensor.is_cuda:
@@ -244,22 +268,13 @@ class Outgoing:
                     Held(dst, target, p.region.block_shape, p.region.dtype)
                     for (_, dst), p, target in zip(spec.pairs, pairs, accept.targets)]  # lost already: this once
                 await self._write_same_host(t, spec, pairs, helds)
-                return
+                return True
             self.apply(t, Event(On.ACCEPT))
         if len(inline) < len(plan):
             await self._stream(t, connection, link, plan, pairs, codec, len(inline), first)
             self.apply(t, Event(On.SENT_LAST))
         t.mark("last_byte")
-        wire_s = time.perf_counter() - wire_start
-        self.ctx.metrics.wire_seconds.inc(wire_s)
-        self.ctx.policy.observe_link(t.peer, t.bytes_wire, wire_s)
-        self.ctx.policy.observe_ratio(t.chosen_codec, t.bytes_raw, t.bytes_wire)
-        # Done only when the receiver has written every block.
-        done = await self._reply(link, self.ctx.settings.transfer_timeout)
-        t.blocks_done = done.blocks
-        self.apply(t, Event(On.PEER_DONE))
-        self.ctx.policy.observe_transfer(t.peer, t.chosen_codec, _measured_bytes(spec, pairs),
-                                         time.perf_counter() - t.submitted)
+        return False
 
     @staticmethod
     def _inline_count(plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec) -> int:
@@ -338,7 +353,7 @@ class Outgoing:
         """Write the blocks into the receiver's lent memory, then tell it and wait for its DONE:
         WRITTEN after an ACCEPT, or (``leased``: under a standing lease) the announce itself."""
         link = self.ctx.links[t.id]
-        raw = _raw_bytes(spec, pairs)
+        raw = spec.raw_bytes(pairs)
         self._same_host(t)
         announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN) if leased else None
         device = pairs[0].region.tensor.device
@@ -428,19 +443,3 @@ def _failed(exc: Exception) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
     future.set_exception(exc)
     return future
-
-
-def _destinations(spec: TransferSpec, pairs: list[Pair]) -> tuple[list[str], list[tuple[int, ...]], str]:
-    """(destination region names, block shapes, dtype): what a lease must match."""
-    return [dst for _, dst in spec.pairs], [p.region.block_shape for p in pairs], pairs[0].region.dtype
-
-
-def _measured_bytes(spec: TransferSpec, pairs: list[Pair]) -> int:
-    """The bytes a transfer's time is a speed of for ``auto`` (``Policy.observe_transfer``): none
-    where a codebook is used for the first time (``Pair.fresh_book``)."""
-    return 0 if any(p.fresh_book for p in pairs) else _raw_bytes(spec, pairs)
-
-
-def _raw_bytes(spec: TransferSpec, pairs: list[Pair]) -> int:
-    """The KV bytes a transfer moves: its blocks of every region pair."""
-    return len(spec.src_blocks) * sum(p.region.block_bytes for p in pairs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 import time
 from typing import Any, Awaitable, Callable
 
@@ -56,6 +57,11 @@ class CodecRunner:
         self._on_seconds = on_seconds
         self._in_thread = in_thread  # the engine's, which stops its loop spinning meanwhile
         self._gpu_timeout = gpu_timeout
+        # Codec calls running now, and how many ever began: a call that saw neither change ran
+        # alone, and only its speed is the codec's own (``Policy.observe_codec``).
+        self._calls = threading.Lock()
+        self._running = 0
+        self._began = 0
 
     async def encode(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
                      raw_bytes: int) -> torch.Tensor:
@@ -107,7 +113,7 @@ class CodecRunner:
         """GPU work the loop awaits rather than blocks on: launched on the direction's stream (the
         check first), polled once per turn of the loop, so that UCX's progress and the other
         chunks' sends and receives run meanwhile; then its result, and the check's verdict."""
-        started = time.perf_counter()
+        started, alone = time.perf_counter(), self._begin()
         stream = self._streams[direction]
         with torch.cuda.stream(stream):
             verdict = check() if check is not None else None
@@ -117,14 +123,17 @@ class CodecRunner:
                 if verdict is not None:
                     verdict()  # bytes that failed their CRC explain a refused frame
                 raise
-        await transport.until_ready(pending, timeout=self._gpu_timeout, what=f"{codec.name} {direction}")
         try:
-            with torch.cuda.stream(stream):  # a frame the GPU declined is decoded here, on this stream
-                result = pending.result()
+            await transport.until_ready(pending, timeout=self._gpu_timeout, what=f"{codec.name} {direction}")
+            try:
+                with torch.cuda.stream(stream):  # a frame the GPU declined is decoded here, on this stream
+                    result = pending.result()
+            finally:
+                if verdict is not None:
+                    verdict()
         finally:
-            if verdict is not None:
-                verdict()
-        self._observe(direction, codec, raw_bytes, time.perf_counter() - started)
+            alone = self._end(alone)
+        self._observe(direction, codec, raw_bytes, time.perf_counter() - started, alone)
         return result
 
     async def _run(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
@@ -136,23 +145,39 @@ class CodecRunner:
 
     def _timed(self, direction: str, codec: codecs.Codec, cache: torch.Tensor, raw_bytes: int,
                work: Callable, *args: Any, check: Callable[[], Callable[[], None]] | None = None) -> Any:
-        started = time.perf_counter()
+        started, alone = time.perf_counter(), self._begin()
         stream = self._streams.get(direction) if cache.is_cuda else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            verdict = check() if check is not None else None
-            try:
-                result = work(*args)
-                if stream is not None:
-                    stream.synchronize()  # the chunk is done (sent or written) only when its GPU work is
-            finally:
-                if verdict is not None:
-                    verdict()  # raises for bytes that failed their CRC, which also explain a refused frame
-        self._observe(direction, codec, raw_bytes, time.perf_counter() - started)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                verdict = check() if check is not None else None
+                try:
+                    result = work(*args)
+                    if stream is not None:
+                        stream.synchronize()  # the chunk is done (sent or written) only when its GPU work is
+                finally:
+                    if verdict is not None:
+                        verdict()  # raises for bytes that failed their CRC, which also explain a refused frame
+        finally:
+            alone = self._end(alone)
+        self._observe(direction, codec, raw_bytes, time.perf_counter() - started, alone)
         return result
 
-    def _observe(self, direction: str, codec: codecs.Codec, raw_bytes: int, seconds: float) -> None:
+    def _begin(self) -> int:
+        """A codec call starts: its number if it starts alone, else 0."""
+        with self._calls:
+            self._running += 1
+            self._began += 1
+            return self._began if self._running == 1 else 0
+
+    def _end(self, began: int) -> bool:
+        """It ended: whether it ran alone (no other call running when it began or since)."""
+        with self._calls:
+            self._running -= 1
+            return bool(began) and self._began == began
+
+    def _observe(self, direction: str, codec: codecs.Codec, raw_bytes: int, seconds: float, alone: bool) -> None:
         self._on_seconds(direction, seconds)
-        self._policy.observe_codec(codec.name, direction, raw_bytes, seconds)
+        self._policy.observe_codec(codec.name, direction, raw_bytes, seconds, alone)
 
     def measure(self, candidates: list[codecs.Codec], device: torch.device, nbytes: int, chunk_bytes: int = 0) -> None:
         """Each candidate's speed on this device per pipeline chunk (``chunk_bytes``, default

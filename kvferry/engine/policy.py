@@ -9,6 +9,14 @@ transfers of about this size (same power of two) to this peer, ``auto`` takes th
 fastest, since the model assumes stages overlap perfectly and a busy host does not give it that.
 To get there it tries each plausible candidate once the model's best has been measured, so that
 ``auto`` corrects its own model without a user naming every codec; one far behind is never tried.
+
+Transfers in flight together share the link and the codec: a transfer's own wire rate is its
+share of the link, and a codec call's speed is what it gets of the device. So the link is learned
+as the sum of the shares (a transfer's rate times how many streamed to that peer beside it), the
+codecs from calls that ran alone, and the model weighs a new transfer with its shares of both:
+the link divided among the transfers streaming to that peer, the codec among all streaming. A
+transfer's measured speed says nothing about another codec's when others ran beside it, so the
+measured choice (and its learning) is left to transfers that run alone.
 """
 
 from __future__ import annotations
@@ -61,16 +69,39 @@ class Policy:
     # first messages), which no later transfer pays. A codebook's first use is left out by the
     # engine (``Pair.fresh_book``); kernels are built by the start-up measurement.
     warmed: set[str] = field(default_factory=set)
+    streaming: dict[str, int] = field(default_factory=dict)  # peer -> transfers on the wire to it now
     _recent: dict[tuple[str, str, int], deque] = field(default_factory=dict, repr=False)  # ``measured``'s samples
 
-    def predict(self, peer: str, raw_bytes: int, chunk_bytes: int, codec: str) -> float:
-        """Seconds the pipeline needs for ``raw_bytes`` with ``codec`` (inf if its speed is unknown)."""
+    def begin_stream(self, peer: str) -> tuple[int, int]:
+        """A transfer starts streaming to ``peer``: (to that peer, in all), this one included."""
+        self.streaming[peer] = self.streaming.get(peer, 0) + 1
+        return self.streaming[peer], sum(self.streaming.values())
+
+    def end_stream(self, peer: str) -> tuple[int, int]:
+        """It stopped: (to that peer, in all) as they were, this one included."""
+        counts = self.streaming.get(peer, 1), max(1, sum(self.streaming.values()))
+        if counts[0] <= 1:
+            self.streaming.pop(peer, None)
+        else:
+            self.streaming[peer] = counts[0] - 1
+        return counts
+
+    def sharing(self, peer: str) -> tuple[int, int]:
+        """(to ``peer``, in all) a transfer starting now would stream beside, itself included."""
+        return self.streaming.get(peer, 0) + 1, sum(self.streaming.values()) + 1
+
+    def predict(self, peer: str, raw_bytes: int, chunk_bytes: int, codec: str,
+                sharing: tuple[int, int] = (1, 1)) -> float:
+        """Seconds the pipeline needs for ``raw_bytes`` with ``codec`` (inf if its speed is unknown),
+        given its ``sharing`` (transfers on the link to that peer, transfers coding on this device)."""
         speed = self.codecs.get(codec)
         if speed is None or not (speed.encode_gbps and speed.decode_gbps):
             return math.inf
-        link = self.link_gbps.get(peer, self.assumed_link_gbps) * 1e9
+        on_link, in_all = sharing
+        link = self.link_gbps.get(peer, self.assumed_link_gbps) * 1e9 / on_link
         chunk = min(raw_bytes, chunk_bytes) or 1
-        stages = (chunk / (speed.encode_gbps * 1e9), chunk / (speed.ratio * link), chunk / (speed.decode_gbps * 1e9))
+        stages = (chunk * in_all / (speed.encode_gbps * 1e9), chunk / (speed.ratio * link),
+                  chunk * on_link / (speed.decode_gbps * 1e9))
         return max(raw_bytes, 1) / chunk * max(stages) + sum(stages) - max(stages)
 
     def choose(self, peer: str, raw_bytes: int, chunk_bytes: int, candidates: list[str] | None = None,
@@ -83,8 +114,13 @@ class Policy:
         if not names:
             raise ValueError("no codec to choose from")
         now = time.monotonic() if now is None else now
-        times = {c: self.predict(peer, raw_bytes, chunk_bytes, c) for c in names}
+        sharing = self.sharing(peer)
+        times = {c: self.predict(peer, raw_bytes, chunk_bytes, c, sharing) for c in names}
         best = min(names, key=lambda c: times[c])  # min keeps the first of equals
+        if sharing[1] > 1:
+            return best, (f"predicted {' vs '.join(f'{c} {times[c] * 1e3:.2f} ms' for c in names)} with its shares: "
+                          f"the link ({self.link_gbps.get(peer, self.assumed_link_gbps):.2f} GB/s) among "
+                          f"{sharing[0]} transfers, the codecs among {sharing[1]}")
         plausible = [c for c in sorted(names, key=lambda c: times[c]) if times[c] <= times[best] * EXPLORE_MARGIN]
         size_class = raw_bytes.bit_length()
         fresh = {c: e[0] for c in names
@@ -117,13 +153,14 @@ class Policy:
         coding = chunk_bytes / (speed.encode_gbps * 1e9) + chunk_bytes / (speed.decode_gbps * 1e9)
         return chunk_bytes / max(speed.ratio, 1.0) / link >= TAPER_WIRE_SECONDS and coding >= TAPER_CODING_SECONDS
 
-    def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None) -> None:
+    def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None,
+                         alone: bool = True) -> None:
         """A whole transfer's speed, as the sender saw it (fixed costs included); not the first
-        to a peer (see ``warmed``)."""
+        to a peer (see ``warmed``), nor one that shared the link or the codecs (``alone``)."""
         if peer not in self.warmed:
             self.warmed.add(peer)
             return
-        if seconds > 0 and raw_bytes >= 1 << 20:
+        if alone and seconds > 0 and raw_bytes >= 1 << 20:
             now = time.monotonic() if now is None else now
             key = (peer, codec, raw_bytes.bit_length())
             old = self.measured.get(key)
@@ -133,15 +170,17 @@ class Policy:
             recent.append(raw_bytes / seconds / 1e9)
             self.measured[key] = (statistics.median(recent), now)
 
-    def observe_link(self, peer: str, wire_bytes: int, seconds: float) -> None:
+    def observe_link(self, peer: str, wire_bytes: int, seconds: float, sharing: int = 1) -> None:
+        """A transfer's wire rate, its share of a link it streamed on beside ``sharing - 1`` others."""
         if seconds > 0 and wire_bytes > 1 << 20:
-            self.link_gbps[peer] = _follow(self.link_gbps.get(peer), wire_bytes / seconds / 1e9)
+            self.link_gbps[peer] = _follow(self.link_gbps.get(peer), wire_bytes / seconds / 1e9 * max(1, sharing))
 
-    def observe_codec(self, codec: str, direction: str, raw_bytes: int, seconds: float) -> None:
+    def observe_codec(self, codec: str, direction: str, raw_bytes: int, seconds: float, alone: bool = True) -> None:
         """Follow the codec speed real chunks see (the start-up sample can be taken while the
-        machine is busy starting, and a GPU shares its bandwidth with the serving engine)."""
+        machine is busy starting, and a GPU shares its bandwidth with the serving engine); only
+        calls that ran ``alone``: the model divides the codec among concurrent transfers itself."""
         speed = self.codecs.get(codec)
-        if speed is not None and seconds > 0 and raw_bytes >= 1 << 20:
+        if alone and speed is not None and seconds > 0 and raw_bytes >= 1 << 20:
             name = f"{direction}_gbps"
             setattr(speed, name, _follow(getattr(speed, name), raw_bytes / seconds / 1e9))
 

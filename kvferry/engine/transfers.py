@@ -15,6 +15,7 @@ from .states import Phase, Side, State
 
 if TYPE_CHECKING:
     from .blocks import Blocks
+    from .links import Pair
 
 log = logging.getLogger("kvferry.engine")
 __all__ = ["STAGES", "State", "Transfer", "TransferSpec", "TransferTable", "peer_source"]
@@ -36,6 +37,19 @@ class TransferSpec:
     # Per pair, the (source, destination) regions holding a predictor's KV for the same blocks,
     # for codecs that code against it ("predictive"); None: no references.
     references: tuple[tuple[str, str], ...] | None = None
+
+    def raw_bytes(self, pairs: list[Pair]) -> int:
+        """The KV bytes it moves: its blocks of every region pair."""
+        return len(self.src_blocks) * sum(p.region.block_bytes for p in pairs)
+
+    def measured_bytes(self, pairs: list[Pair]) -> int:
+        """The bytes its time is a speed of for ``auto`` (``Policy.observe_transfer``): none where
+        a codebook is used for the first time (``Pair.fresh_book``)."""
+        return 0 if any(p.fresh_book for p in pairs) else self.raw_bytes(pairs)
+
+    def destinations(self, pairs: list[Pair]) -> tuple[list[str], list[tuple[int, ...]], str]:
+        """(destination region names, block shapes, dtype): what a lease must match."""
+        return [dst for _, dst in self.pairs], [p.region.block_shape for p in pairs], pairs[0].region.dtype
 
 
 @dataclass

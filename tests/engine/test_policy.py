@@ -162,3 +162,58 @@ def test_the_first_transfer_to_a_peer_is_not_measured():
     assert ("p", "coded", 31) in policy.measured
     policy.observe_transfer("q", "raw", 1 << 30, 0.1, now=0.0)  # another peer: its first
     assert ("q", "raw", 31) not in policy.measured
+
+
+def test_transfers_in_flight_together_learn_the_links_total_and_share_it():
+    """64 transfers on one 0.4 GB/s link each see 6 MB/s; a codec of 0.1 GB/s is faster than a
+    share of the link but slower than the link: raw, as when one transfer runs alone. The link
+    is learned as the shares' sum, and the codec's own speed is divided among the transfers."""
+    policy = _policy(0.1, 0.1, 1.3, link=12.5)
+    for _ in range(64):
+        policy.begin_stream("p")
+    for _ in range(10):
+        policy.observe_link("p", 64 * MiB, 64 * MiB / (0.4e9 / 64), sharing=64)
+    assert math.isclose(policy.link_gbps["p"], 0.4, rel_tol=0.01)
+    choice, reason = policy.choose("p", 16 * MiB, 4 * MiB)
+    assert choice == "raw" and "among 65 transfers" in reason
+    alone = _policy(0.1, 0.1, 1.3, link=12.5)
+    alone.observe_link("p", 64 * MiB, 64 * MiB / (0.4e9 / 64))  # one transfer that saw 6 MB/s
+    assert alone.choose("p", 16 * MiB, 4 * MiB)[0] == "coded"  # what a share taken for the link picks
+    faster = _policy(2.0, 2.0, 1.3, link=0.4)  # a codec faster than the whole link still wins
+    for _ in range(8):
+        faster.begin_stream("p")
+    assert faster.choose("p", 1 << 30, 4 * MiB)[0] == "coded"
+
+
+def test_streams_are_counted_per_peer_and_in_all():
+    policy = _policy()
+    assert policy.begin_stream("p") == (1, 1) and policy.begin_stream("q") == (1, 2)
+    assert policy.begin_stream("p") == (2, 3) and policy.sharing("p") == (3, 4)
+    assert policy.end_stream("p") == (2, 3) and policy.end_stream("p") == (1, 2)
+    assert policy.end_stream("q") == (1, 1) and policy.streaming == {} and policy.sharing("p") == (1, 1)
+
+
+def test_what_ran_beside_others_is_not_a_codecs_own_speed():
+    policy = _policy(300, 300)
+    policy.observe_codec("coded", "encode", 64 * MiB, 64 * MiB / 1e9, alone=False)
+    assert policy.codecs["coded"].encode_gbps == 300
+    policy.observe_transfer("p", "coded", 1 << 30, 1.0, now=0.0, alone=False)
+    assert ("p", "coded", (1 << 30).bit_length()) not in policy.measured
+    policy.observe_transfer("p", "coded", 1 << 30, 1.0, now=0.0)
+    assert ("p", "coded", (1 << 30).bit_length()) in policy.measured
+
+
+def test_a_codec_call_is_its_codecs_own_speed_only_if_it_ran_alone():
+    import torch
+
+    from kvferry.engine.pipeline import CodecRunner
+
+    runner = CodecRunner(torch.device("cpu"), _policy(), lambda direction, seconds: None)
+    first = runner._begin()
+    assert runner._end(first)  # alone
+    first = runner._begin()
+    second = runner._begin()  # began beside the first
+    assert not runner._end(second) and not runner._end(first)
+    first = runner._begin()
+    assert runner._end(runner._begin()) is False and runner._end(first) is False  # one began meanwhile
+    assert runner._end(runner._begin())
