@@ -5,8 +5,12 @@ HTTP and over gRPC in the same run, the ways taken in turn so that both see the 
   vLLM connector sends without gRPC);
 - HTTP, ``AsyncClient.submit(wait=)``: the same call from asyncio;
 - gRPC, ``GrpcClient.submit(wait=)``: one Submit that answers at the end;
+- gRPC, ``GrpcSender.send``: the same Submit from the blocking client, read on the calling thread
+  (no hop through an event loop or another thread), as ``Client.send`` is over HTTP;
+- gRPC, ``GrpcSender.start`` + ``Watched.end``: one ``SubmitAndWatch`` stream, the started record
+  then the end, read on the calling thread (what the vLLM connector does where gRPC is served);
 - gRPC, ``Submit`` + Watch: Submit answers at once and the end comes by a long-lived
-  ``Watch(mine, follow)`` stream (what the connector does where the sidecar serves gRPC).
+  ``Watch(mine, follow)`` stream read by ``GrpcClient`` on its event loop.
 
     python bench/submit_done.py [--n 500] [--json FILE]
 """
@@ -38,10 +42,11 @@ def summary(seconds: list[float]) -> dict:
 
 async def measure(n: int, rest: str, target: str, peer: str) -> dict[str, list[float]]:
     from kvferry.client import AsyncClient, Client
-    from kvferry.client.grpc import GrpcClient
+    from kvferry.client.grpc import GrpcClient, GrpcSender
 
     sync, aio = Client(rest, timeout=30), AsyncClient(rest, timeout=30)
     grpc_wait_client, watching = GrpcClient(target, timeout=30), GrpcClient(target, timeout=30)
+    sender = GrpcSender(target, timeout=30)
     ends: dict[str, asyncio.Future] = {}  # transfer id -> its end, from the watching client's stream
 
     def end_of(transfer_id: str) -> asyncio.Future:
@@ -64,12 +69,21 @@ async def measure(n: int, rest: str, target: str, peer: str) -> dict[str, list[f
     async def http_async() -> str:
         return await aio.submit("kv", [0], peer, "kv", [1], wait=10)
 
+    async def grpc_sender() -> str:
+        return sender.send("kv", [0], peer, "kv", [1], wait=10)["id"]
+
+    async def grpc_stream() -> str:
+        watched = sender.start("kv", [0], peer, "kv", [1], wait=10)
+        return watched.end()["id"]
+
     async def grpc_wait() -> str:
         return await grpc_wait_client.submit("kv", [0], peer, "kv", [1], wait=10)
 
     ways = {"HTTP, Client.send (answers at the end)": http_sync,
             "HTTP, AsyncClient.submit(wait)": http_async,
             "gRPC, GrpcClient.submit(wait)": grpc_wait,
+            "gRPC, GrpcSender.send (blocking)": grpc_sender,
+            "gRPC, SubmitAndWatch read by GrpcSender (blocking)": grpc_stream,
             "gRPC, Submit + end pushed by Watch(mine, follow)": pushed}
     watcher = asyncio.create_task(watch())
     await asyncio.sleep(0.2)  # the stream is subscribed
@@ -88,6 +102,7 @@ async def measure(n: int, rest: str, target: str, peer: str) -> dict[str, list[f
         sync.close()
         await aio.aclose()
         await grpc_wait_client.aclose()
+        sender.close()
         await watching.aclose()
     return {name: values[n // 10:] for name, values in seconds.items()}
 

@@ -42,7 +42,7 @@ class TransferEvent:
     status: TransferStatus | None
 
 
-def engine_error(exc: grpc.aio.AioRpcError) -> EngineError | None:
+def engine_error(exc: grpc.RpcError) -> EngineError | None:
     """The engine's error class the sidecar named in the trailing metadata, raised-ready; None for
     a failure of the call itself (the sidecar unreachable, a deadline)."""
     named = dict(exc.trailing_metadata() or ())
@@ -126,16 +126,7 @@ class GrpcClient(AsyncHandles):
     # ---- transfers ---------------------------------------------------------------------------
     def _submit_request(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
                         codec: str, codebook: str | None, wait: float) -> transfers_pb2.SubmitRequest:
-        regions = []
-        for pair in pairs:
-            if len(pair) not in (2, 4):
-                raise ValueError(f"a region pair is (src, dst) or (src, dst, src_reference, dst_reference), not {pair!r}")
-            regions.append(transfers_pb2.RegionPair(src=pair[0], dst=pair[1], **(
-                {"src_reference": pair[2], "dst_reference": pair[3]} if len(pair) == 4 else {})))
-        return transfers_pb2.SubmitRequest(
-            peer=peer, regions=regions, src_blocks=convert.blocks_message(blocks_json(src_blocks)),
-            dst_blocks=convert.blocks_message(blocks_json(dst_blocks)), codec=codec, codebook=codebook, wait=wait,
-            submitter=self.submitter)
+        return submit_request(self.submitter, pairs, src_blocks, peer, dst_blocks, codec, codebook, wait)
 
     async def _submit(self, request: transfers_pb2.SubmitRequest) -> dict:
         return convert.transfer_record((await self._call(self._transfers.Submit, request, request.wait)).transfer)
@@ -260,6 +251,137 @@ class GrpcClient(AsyncHandles):
 
     async def data_address(self) -> str:
         return (await self.health())["data_address"]
+
+
+def submit_request(submitter: str, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
+                    codec: str, codebook: str | None, wait: float) -> transfers_pb2.SubmitRequest:
+    """A SubmitRequest of the SDK's arguments, tagged ``submitter``."""
+    regions = []
+    for pair in pairs:
+        if len(pair) not in (2, 4):
+            raise ValueError(f"a region pair is (src, dst) or (src, dst, src_reference, dst_reference), not {pair!r}")
+        regions.append(transfers_pb2.RegionPair(src=pair[0], dst=pair[1], **(
+            {"src_reference": pair[2], "dst_reference": pair[3]} if len(pair) == 4 else {})))
+    return transfers_pb2.SubmitRequest(
+        peer=peer, regions=regions, src_blocks=convert.blocks_message(blocks_json(src_blocks)),
+        dst_blocks=convert.blocks_message(blocks_json(dst_blocks)), codec=codec, codebook=codebook, wait=wait,
+        submitter=submitter)
+
+
+class Watched:
+    """A transfer started by ``GrpcSender.start``: its record once started (``record``), its end
+    read by ``end`` on the calling thread."""
+
+    def __init__(self, call: Any, record: dict[str, Any]):
+        self._call, self.record = call, record
+        self.id: str = record["id"]
+
+    def end(self) -> dict[str, Any] | None:
+        """The transfer's record at its end; None where the stream ended first (its ``wait``
+        passed, or ``cancel``). Blocks until then, at most the call's deadline.
+
+        Raises:
+            grpc.RpcError: the stream broke (the sidecar unreachable, restarted).
+        """
+        if self.record["state"] in TERMINAL:
+            return self.record
+        for message in self._call:
+            self.record = convert.transfer_record(message.transfer)
+            if self.record["state"] in TERMINAL:
+                return self.record
+        return None
+
+    def cancel(self) -> None:
+        """Stop watching (any thread): ``end`` returns None or raises CANCELLED; the transfer goes on."""
+        self._call.cancel()
+
+
+class GrpcSender:
+    """A blocking client of one call, ``SubmitAndWatch``, for worker threads that wait for their
+    own transfers: the calling thread itself reads the stream (grpc's single-threaded server
+    streams), so a transfer's end reaches it without a hop through another thread or event loop.
+    ``token``, ``timeout``, ``retries`` and ``submitter`` as ``GrpcClient``'s."""
+
+    def __init__(self, target: str, token: str | None = None, timeout: float = 60.0, retries: int = 6,
+                 submitter: str | None = None):
+        self._channel = grpc.insecure_channel(target, options=[
+            ("SingleThreadedUnaryStream", 1),  # grpc.experimental.ChannelOptions: the caller reads the stream
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000)])
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout, self._retries = timeout, retries
+        self.submitter = submitter or uuid.uuid4().hex
+        self._transfers = transfers_pb2_grpc.TransfersServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GrpcSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
+              codec: str = "auto", codebook: str | None = None, *, wait: float,
+              references: tuple[str, str] | None = None) -> Watched:
+        """Start a transfer whose end the stream brings within ``wait`` seconds (0 to 300); tried
+        again while the sidecar answers Overloaded, as ``GrpcClient``'s calls are.
+
+        Raises:
+            EngineError (refused, as ``GrpcClient.submit`` raises), grpc.RpcError (unreachable).
+        """
+        pair = (src_region, dst_region, *(references or ()))
+        submit = submit_request(self.submitter, [pair], src_blocks, peer, dst_blocks, codec, codebook, wait)
+        request = transfers_pb2.SubmitAndWatchRequest(submit=submit)
+        delay = 0.05
+        for attempt in range(self._retries + 1):
+            call = self._transfers.SubmitAndWatch(request, metadata=self._metadata, timeout=self._timeout + wait)
+            try:
+                return Watched(call, convert.transfer_record(next(call).transfer))
+            except StopIteration:
+                raise EngineError("the sidecar ended SubmitAndWatch without the transfer's record") from None
+            except grpc.RpcError as exc:
+                error = engine_error(exc)
+                if error is None:
+                    raise
+                if not isinstance(error, Overloaded) or attempt == self._retries:
+                    raise error from None
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(2.0, delay * 2)
+        raise AssertionError("unreachable")
+
+    def send(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
+             codec: str = "auto", *, wait: float) -> dict[str, Any]:
+        """As ``Client.send``: one ``Submit`` that answers at the transfer's end, read on this
+        thread (one message: a stream's first would hold its end back until the sidecar's event
+        loop has seen it sent); the record is still queued or running where ``wait`` passed first.
+
+        Raises:
+            TransferFailed (it failed or was cancelled), EngineError (refused), grpc.RpcError.
+        """
+        request = submit_request(self.submitter, [(src_region, dst_region)], src_blocks, peer, dst_blocks, codec,
+                                 None, wait)
+        return convert.transfer_record(self._call(self._transfers.Submit, request, wait).transfer)
+
+    def _call(self, method: Any, request: Any, wait: float) -> Any:
+        """One blocking call, tried again while the sidecar answers Overloaded (as ``GrpcClient``'s)."""
+        delay = 0.05
+        for attempt in range(self._retries + 1):
+            try:
+                return method(request, metadata=self._metadata, timeout=self._timeout + wait)
+            except grpc.RpcError as exc:
+                error = engine_error(exc)
+                if error is None:
+                    raise
+                if not isinstance(error, Overloaded) or attempt == self._retries:
+                    raise error from None
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(2.0, delay * 2)
+        raise AssertionError("unreachable")
+
+
+TERMINAL = ("done", "failed", "cancelled")
 
 
 def _event(message: transfers_pb2.WatchResponse) -> TransferEvent:

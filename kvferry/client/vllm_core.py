@@ -604,6 +604,8 @@ class Consumer:
                     continue
                 if wait and record["state"] in ("failed", "cancelled"):
                     raise failure(record)  # as the HTTP call that waits for it raises
+                if time.monotonic() >= deadline:  # its last known state: not asked again and again
+                    break
             pushed = pushed and waiter is not None and waiter.record is not None
             while record["state"] in ("queued", "running"):
                 left = deadline - time.monotonic()

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvferry.client.grpc import GrpcClient
+from kvferry.client.grpc import GrpcClient, GrpcSender
 from kvferry.engine import errors
 from kvferry.demo import free_port
 from kvferry.proto.v1 import regions_pb2, regions_pb2_grpc, transfers_pb2, transfers_pb2_grpc
@@ -123,6 +123,31 @@ def test_watch_sends_the_current_state_then_each_change(sidecars):
                 await other.aclose()
 
     _run(scenario)
+
+
+def test_submit_and_watch_streams_the_start_then_the_end(sidecars):
+    """One stream per transfer: its record once started, then at its end, read by the blocking
+    client on its own thread; refusals end the call with the mapped status, as Submit's do."""
+    a, b = sidecars
+
+    async def regions() -> tuple[str, str]:
+        async with GrpcClient(a.grpc, token=TOKEN) as client, GrpcClient(b.grpc, token=TOKEN) as receiver:
+            return await _regions(client, receiver, 8)
+
+    src, dst = asyncio.run(regions())
+    with GrpcSender(a.grpc, token=TOKEN, timeout=30) as sender:
+        watched = sender.start(src, range(8), b.data, dst, range(8), codec="raw", wait=60)  # ~0.2 s on the slow link
+        assert watched.record["state"] in ("queued", "running") and watched.id
+        end = watched.end()
+        assert end["id"] == watched.id and end["state"] == "done" and end["blocks_done"] == 8
+        assert sender.send(src, [0], b.data, dst, [1], codec="raw", wait=60)["state"] == "done"
+        with pytest.raises(errors.NotFound):
+            sender.start("no-such-region", [0], b.data, dst, [0], wait=5)
+        with pytest.raises(errors.BadRequest):
+            sender.start(src, [0], b.data, dst, [0], wait=301)  # a wait is at most 300 s
+    with GrpcSender(a.grpc, timeout=5) as stranger:
+        with pytest.raises(errors.Unauthorized):
+            stranger.start(src, [0], b.data, dst, [0], wait=5)
 
 
 def test_a_watch_outlives_a_sidecar_restart(sidecars):

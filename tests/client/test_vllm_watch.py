@@ -1,5 +1,5 @@
-"""The connector's decode hears its pulls' ends from the prefill sidecar's gRPC Watch where it
-serves one, against real sidecars: the same results as over HTTP (KV in place, failures reported
+"""The connector's decode hears its pulls' ends from the prefill sidecar's gRPC streams where it
+serves gRPC, against real sidecars: the same results as over HTTP (KV in place, failures reported
 alike), no completion lost when the stream breaks or the sidecar restarts, and HTTP where gRPC is
 off, missing or refused."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -21,7 +22,8 @@ from kvferry.demo import free_port, start_sidecar, wait_ready
 from .conftest import TOKEN, Daemon, spawn, stop
 from .test_vllm_core import BLOCKS, config, pages, pump, released, vllm_layers
 
-pytest.importorskip("grpc", reason="the Watch path needs the grpc extra (pip install kvferry[grpc])")
+pytest.importorskip("grpc", reason="the gRPC path needs the grpc extra (pip install kvferry[grpc])")
+from kvferry.client.grpc import Watched  # noqa: E402 (after the skip: needs grpcio)
 
 ENV = {"KVFERRY_TRANSFER_TIMEOUT": "10"}
 
@@ -136,9 +138,19 @@ def test_a_failed_transfer_is_reported_alike():
         stop(prefill, decode)
 
 
+def lose_the_ends(monkeypatch, gate: threading.Event | None = None) -> None:
+    """Every pull's stream ends without its end read (after ``gate`` is set, where given)."""
+    def end(self):
+        if gate is not None:
+            assert gate.wait(30), "the test never opened the gate"
+        for _ in self._call:
+            pass
+        return None
+    monkeypatch.setattr(Watched, "end", end)
+
+
 def test_an_end_the_stream_never_pushed_is_asked_for(served, monkeypatch):
-    monkeypatch.setattr(vllm_watch, "RECHECK", 0.2)
-    monkeypatch.setattr(vllm_watch.Stream, "_ended", lambda self, transfer_id, record: None)  # every push lost
+    lose_the_ends(monkeypatch)
     prefill, decode = served
     p_cache, d_cache, _, _ = caches(prefill, decode, "lost")
     producer = Producer(config(prefill), p_cache)
@@ -163,10 +175,9 @@ def restartable(rest: int, data: int, grpc: int) -> Daemon:
 
 
 def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
-    """A transfer ends, its push is lost and its sidecar dies: the stream breaks, and the waiting
-    pull learns from the decode's own sidecar that the KV arrived. The stream then finds the
-    restarted sidecar, and the next pulls' ends are pushed again."""
-    monkeypatch.setattr(vllm_watch, "RECHECK", 60.0)  # only the broken stream makes the pull ask
+    """A transfer ends, its end is not read and its sidecar dies: the waiting pull learns from the
+    decode's own sidecar that the KV arrived. The channel then finds the restarted sidecar, and the
+    next pulls' ends are pushed again."""
     _, decode = served
     ports = (free_port(), free_port(), free_port())
     prefill = restartable(*ports)
@@ -174,9 +185,10 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
     producer = Producer(config(prefill), p_cache)
     consumer = Consumer(config(decode), d_cache)
     try:
-        pull_once(producer, consumer, prefill, "before", [1], [2])  # the stream is up
-        ended = vllm_watch.Stream._ended
-        monkeypatch.setattr(vllm_watch.Stream, "_ended", lambda self, transfer_id, record: None)
+        pull_once(producer, consumer, prefill, "before", [1], [2])  # the channel is up
+        ended = Watched.end
+        gate = threading.Event()
+        lose_the_ends(monkeypatch, gate)
         producer.save("lost", [3, 4])
         pull = consumer.start(LoadSpec("dec-lost", (5, 6), remote_params("lost", [3, 4], config(prefill))))
         deadline = time.monotonic() + 20
@@ -185,12 +197,13 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
             time.sleep(0.01)
         assert consumer.poll() == (set(), set())  # its end was not pushed: the pull still waits
         prefill.kill()
+        gate.set()
         assert pump(consumer) == ({"dec-lost"}, set())
         block_dim = p_cache.layout.block_dims[0]
         assert torch.equal(pages(d_layers, [5, 6], block_dim).view(torch.int16),
                            pages(p_layers, [3, 4], block_dim).view(torch.int16))
 
-        monkeypatch.setattr(vllm_watch.Stream, "_ended", ended)
+        monkeypatch.setattr(Watched, "end", ended)
         producer.close()
         p_cache.client.close()
         prefill = restartable(*ports)
@@ -207,7 +220,7 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
             time.sleep(0.5)
         assert controls[-1] == "grpc", controls
         stream = next(iter(consumer.watches._streams.values()))
-        assert stream.redials >= 1
+        assert stream.asked >= 1
     finally:
         consumer.close()
         producer.close()

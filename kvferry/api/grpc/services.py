@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from kvferry.engine.engine import Engine
 from kvferry.engine.errors import BadRequest, EngineError, Overloaded
+from kvferry.engine.transfers import Transfer
 from kvferry.proto import convert
 from kvferry.proto.v1 import (codebooks_pb2, codebooks_pb2_grpc, health_pb2, health_pb2_grpc, regions_pb2,
                               regions_pb2_grpc, transfers_pb2, transfers_pb2_grpc)
@@ -25,6 +26,7 @@ from ..models import CalibrateBody, RegionBody, TransferBody
 from .watch import Hub
 
 HEARTBEAT = 30.0  # a Watch with nothing to say looks at its stream this often
+TERMINAL = ("done", "failed", "cancelled")
 EVENT_KINDS = {"snapshot": transfers_pb2.EVENT_KIND_SNAPSHOT, "changed": transfers_pb2.EVENT_KIND_CHANGED,
                "not_found": transfers_pb2.EVENT_KIND_NOT_FOUND}
 
@@ -113,8 +115,8 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
     def __init__(self, engine: Engine, hub: Hub):
         self.engine, self.hub = engine, hub
 
-    @translated
-    async def Submit(self, request: transfers_pb2.SubmitRequest, context: Any) -> transfers_pb2.SubmitResponse:
+    def _start(self, request: transfers_pb2.SubmitRequest) -> tuple[Transfer, float]:
+        """The transfer started, tagged with its submitter, and the request's checked ``wait``."""
         pairs = [{"src": p.src, "dst": p.dst, "src_reference": _optional(p, "src_reference"),
                   "dst_reference": _optional(p, "dst_reference")} for p in request.regions]
         body = TransferBody.model_validate({
@@ -124,6 +126,11 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
         wait = ops.check_wait(request.wait)
         t = ops.start_transfer(self.engine, body)
         self.hub.tag(t, request.submitter)
+        return t, wait
+
+    @translated
+    async def Submit(self, request: transfers_pb2.SubmitRequest, context: Any) -> transfers_pb2.SubmitResponse:
+        t, wait = self._start(request)
         record, status = await ops.settle(self.engine, t, wait)
         if status != 200:
             record = t.public()
@@ -137,6 +144,19 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
     @translated
     async def Cancel(self, request: transfers_pb2.CancelRequest, context: Any) -> transfers_pb2.CancelResponse:
         return transfers_pb2.CancelResponse(transfer=convert.transfer_message(self.engine.cancel(request.id)))
+
+    @translated
+    async def SubmitAndWatch(self, request: transfers_pb2.SubmitAndWatchRequest, context: Any
+                             ) -> AsyncIterator[transfers_pb2.SubmitAndWatchResponse]:
+        """The end awaited on the transfer itself, not through the hub: it wakes this call as it
+        wakes a long-polling REST submit, before the table's listeners run."""
+        t, wait = self._start(request.submit)
+        started = t.public()
+        yield transfers_pb2.SubmitAndWatchResponse(kind=transfers_pb2.EVENT_KIND_SNAPSHOT,
+                                                   transfer=convert.transfer_message(started))
+        if started["state"] not in TERMINAL and await t.wait(wait):
+            yield transfers_pb2.SubmitAndWatchResponse(kind=transfers_pb2.EVENT_KIND_CHANGED,
+                                                       transfer=convert.transfer_message(t.public()))
 
     @translated
     async def Watch(self, request: transfers_pb2.WatchRequest, context: grpc.aio.ServicerContext

@@ -167,3 +167,17 @@ class WatchResponse(_message.Message):
     kind: EventKind
     transfer: Transfer
     def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
+
+class SubmitAndWatchRequest(_message.Message):
+    __slots__ = ("submit",)
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    submit: SubmitRequest
+    def __init__(self, submit: _Optional[_Union[SubmitRequest, _Mapping]] = ...) -> None: ...
+
+class SubmitAndWatchResponse(_message.Message):
+    __slots__ = ("kind", "transfer")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    kind: EventKind
+    transfer: Transfer
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...

@@ -56,6 +56,11 @@ class TransfersServiceStub:
                 request_serializer=kvferry_dot_v1_dot_transfers__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_transfers__pb2.WatchResponse.FromString,
                 _registered_method=True)
+        self.SubmitAndWatch = channel.unary_stream(
+                '/kvferry.v1.TransfersService/SubmitAndWatch',
+                request_serializer=kvferry_dot_v1_dot_transfers__pb2.SubmitAndWatchRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_transfers__pb2.SubmitAndWatchResponse.FromString,
+                _registered_method=True)
 
 
 class TransfersServiceServicer:
@@ -90,6 +95,14 @@ class TransfersServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitAndWatch(self, request, context):
+        """Start a transfer and stream its record: once started (SNAPSHOT), then at its end (CHANGED). One
+        call where Submit and Watch take two streams, and one a blocking client reads on its own thread.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransfersServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_TransfersServiceServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=kvferry_dot_v1_dot_transfers__pb2.WatchRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_transfers__pb2.WatchResponse.SerializeToString,
+            ),
+            'SubmitAndWatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubmitAndWatch,
+                    request_deserializer=kvferry_dot_v1_dot_transfers__pb2.SubmitAndWatchRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_transfers__pb2.SubmitAndWatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +241,33 @@ class TransfersService:
             '/kvferry.v1.TransfersService/Watch',
             kvferry_dot_v1_dot_transfers__pb2.WatchRequest.SerializeToString,
             kvferry_dot_v1_dot_transfers__pb2.WatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitAndWatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvferry.v1.TransfersService/SubmitAndWatch',
+            kvferry_dot_v1_dot_transfers__pb2.SubmitAndWatchRequest.SerializeToString,
+            kvferry_dot_v1_dot_transfers__pb2.SubmitAndWatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
