@@ -16,10 +16,12 @@ two sidecars' records: from the sender's announce to the receiver's record, the 
 time to done, and from there to the sender's done (its DONE on the way back).
 
 With ``--control http,grpc`` (the default) one run measures both ways the decode learns a
-transfer's end, request by request in turn on the same sidecars and caches: the HTTP call that
-answers at the end, and the prefill sidecar's gRPC Watch pushing it (``kvferry.client.vllm_watch``);
-each reported apart (median and p90), with "answer after the end" the time from the transfer's end
-on the prefill's sidecar to the decode's worker thread holding its record.
+transfer's end, request by request in turn on the same sidecars and caches: over HTTP, a long-poll
+of the decode's own sidecar, which records the KV arrived before the prefill's hears the DONE;
+over gRPC, the prefill's ``SubmitAndWatch`` stream (``kvferry.client.vllm_watch``). Each is
+reported apart (median and p90), with "answer after the end" the time from the transfer's end on
+the prefill's sidecar (its record: submit to DONE) to the decode's worker thread holding a record
+of the end, which may come first (negative), and apart from the receiver's done.
 
     python bench/vllm_gpu_harness.py [--tokens 4096] [--requests 20] [--codec auto] [--backend tcp]
                                      [--layout in-place|mirror] [--control http,grpc] [--device cuda|cpu]
@@ -170,17 +172,20 @@ def main() -> int:
 
 
 def row_of(stats: dict, pull, local, exact: bool, started_wall: float) -> dict:
-    """One request's times, on this host's wall clock where they cross processes."""
-    created = pull.record["created"]  # on the prefill's sidecar, this host's wall clock
-    announced = created + (pull.record["stages"] or {}).get("announced", float("nan"))
+    """One request's times, on this host's wall clock where they cross processes. The transfer's
+    time is the prefill's sidecar's record (submit to DONE), whichever record told the decode."""
+    sent = pull.client.transfer(pull.transfer_id)  # the prefill sidecar's record of it
+    created, seconds = sent["created"], sent["seconds"]  # this host's wall clock
+    announced = created + (sent["stages"] or {}).get("announced", float("nan"))
     incoming = local.transfer(pull.transfer_id)  # the decode sidecar's record of it
     received = incoming["created"] + incoming["seconds"]
-    return {**stats, "bit_exact": exact, "send_seconds": pull.asked_wall - started_wall,
-            "ask_seconds": created - pull.asked_wall,
-            "reply_seconds": pull.answered_wall - created - stats["transfer_seconds"],
-            "overhead_seconds": stats["wait_seconds"] - stats["transfer_seconds"],
+    return {**stats, "transfer_seconds": seconds, "stages": sent["stages"], "bit_exact": exact,
+            "send_seconds": pull.asked_wall - started_wall, "ask_seconds": created - pull.asked_wall,
+            "reply_seconds": pull.answered_wall - created - seconds,
+            "received_reply_seconds": pull.answered_wall - received,
+            "overhead_seconds": stats["wait_seconds"] - seconds,
             "admit_seconds": incoming["created"] - announced, "receive_seconds": incoming["seconds"],
-            "done_back_seconds": created + stats["transfer_seconds"] - received}
+            "done_back_seconds": created + seconds - received}
 
 
 def report(control: str, rows: list[dict]) -> dict:
@@ -218,6 +223,8 @@ def parts(control: str, rows: list[dict]) -> None:
           f"{median['send_seconds']:.3f}, from there to the transfer's start {median['ask_seconds']:.3f}, "
           f"from the transfer's end to its answer {median['reply_seconds']:.3f}")
     print(f"{control}: transfer stages, median ms since submit: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+    print(f"{control}: the answer after the receiver's done (the decode's own sidecar's record), median ms: "
+          f"{statistics.median(r['received_reply_seconds'] for r in rows) * 1e3:.3f}")
     print(f"{control}: the transfer's end, median ms: from its announce to the receiver's record "
           f"{median['admit_seconds']:.2f}, to the receiver's done {median['receive_seconds']:.2f}, to the sender's "
           f"done {median['done_back_seconds']:.2f}")

@@ -180,9 +180,12 @@ async def list_transfers(e: EngineDep, state: Literal["queued", "running", "done
 
 @transfers.get("/{transfer_id}")
 async def get_transfer(transfer_id: str, e: EngineDep,
-                       wait: Annotated[float, Query(ge=0, le=300)] = 0) -> dict:
-    """A transfer's state; ``wait`` long-polls up to that many seconds for a terminal state."""
-    return await transfer_record(e, transfer_id, wait)
+                       wait: Annotated[float, Query(ge=0, le=300)] = 0,
+                       appear: Annotated[float, Query(ge=0, le=300)] = 0) -> dict:
+    """A transfer's state; ``wait`` long-polls up to that many seconds for a terminal state, and
+    ``appear`` first waits up to that long (within ``wait``) for a transfer a peer is about to
+    announce here (a decode waiting on its own sidecar for the KV it asked a prefill for)."""
+    return await transfer_record(e, transfer_id, wait, appear)
 
 
 @transfers.delete("/{transfer_id}")
@@ -349,13 +352,14 @@ class Lane:
     async def __call__(self, scope, receive, send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
         if path.startswith(self.PREFIX):  # only these routes parse the query here
-            method, wait = scope["method"], _wait(scope["query_string"])
-            if wait is not None and path == self.PREFIX and method == "POST" and _json(scope):
-                await self._submit(scope, receive, send, wait)
+            method, query = scope["method"], _query(scope["query_string"])
+            if query is not None and not query[1] and path == self.PREFIX and method == "POST" and _json(scope):
+                await self._submit(scope, receive, send, query[0])
                 return
             name = path[len(self.PREFIX) + 1:] if path.startswith(self.PREFIX + "/") else ""
-            if wait is not None and name and "/" not in name and method == "GET":
-                await self._answer(scope, receive, send, transfer_record(scope["app"].state.engine, name, wait))
+            if query is not None and name and "/" not in name and method == "GET":
+                await self._answer(scope, receive, send,
+                                   transfer_record(scope["app"].state.engine, name, *query))
                 return
         await self.app(scope, receive, send)
 
@@ -381,17 +385,23 @@ class Lane:
         await JSONResponse(content, status_code=status)(scope, receive, send)
 
 
-def _wait(query: bytes) -> float | None:
-    """The ``wait`` of a query that holds nothing else, valid as the routes declare it (0 to 300
-    seconds); None for any other query (FastAPI's to answer)."""
+def _query(query: bytes) -> tuple[float, float] | None:
+    """(``wait``, ``appear``) of a query that holds nothing else, each valid as the routes
+    declare it (0 to 300 seconds, at most once); None for any other query (FastAPI's to answer)."""
+    values = {"wait": 0.0, "appear": 0.0}
     if not query:
-        return 0.0
+        return 0.0, 0.0
     try:
-        (key, value), = parse_qsl(query.decode("latin-1"), keep_blank_values=True, strict_parsing=True)
-        wait = float(value)
+        pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True, strict_parsing=True)
+        for key, value in pairs:
+            number = float(value)
+            if key not in values or len(pairs) > len({k for k, _ in pairs}) or not (math.isfinite(number)
+                                                                                    and 0 <= number <= 300):
+                return None
+            values[key] = number
     except ValueError:
         return None
-    return wait if key == "wait" and math.isfinite(wait) and 0 <= wait <= 300 else None
+    return values["wait"], values["appear"]
 
 
 def _json(scope) -> bool:

@@ -4,12 +4,14 @@ limits and errors."""
 
 from __future__ import annotations
 
+import asyncio
+
 import re
 from typing import Any
 
 from kvferry import __version__, codec
 from kvferry.engine.engine import Engine, TransferSpec
-from kvferry.engine.errors import BadRequest, TransferFailed
+from kvferry.engine.errors import BadRequest, NotFound, TransferFailed
 from kvferry.engine.regions import RegionSpec
 from kvferry.engine.transfers import Transfer
 
@@ -75,8 +77,15 @@ async def submit_transfer(e: Engine, body: TransferBody, wait: float) -> tuple[d
     return await settle(e, start_transfer(e, body), wait)
 
 
-async def transfer_record(e: Engine, transfer_id: str, wait: float) -> dict[str, Any]:
-    """Raises: NotFound."""
+async def transfer_record(e: Engine, transfer_id: str, wait: float, appear: float = 0.0) -> dict[str, Any]:
+    """The record, once terminal within ``wait`` seconds; ``appear``: first wait up to that long
+    (within ``wait``) for a transfer not here yet, one a peer is about to announce. Raises: NotFound."""
+    if appear and wait and e.transfers.find(transfer_id) is None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        if await e.transfers.arrival(transfer_id, min(appear, wait)) is None:
+            raise NotFound(f"no transfer {transfer_id} (none came within {min(appear, wait):g} s)")
+        wait = max(0.0, wait - (loop.time() - began))
     if wait:
         await e.transfers.get(transfer_id).wait(wait)
     return e.status(transfer_id)

@@ -293,13 +293,16 @@ class Client:
                                  params={"wait": wait} if wait else None, timeout=self._timeout + wait)
         return _again_while_overloaded(call, self._retries) if wait else call().json()
 
-    def transfer(self, transfer_id: str, wait: float = 0) -> dict:
+    def transfer(self, transfer_id: str, wait: float = 0, appear: float = 0) -> dict:
         """A transfer's record (never raises for its state); ``wait``: long-poll up to that many
-        seconds for its end (the read timeout stretches by as much)."""
+        seconds for its end (the read timeout stretches by as much); ``appear``: first wait up to
+        that long for a transfer a peer is about to announce to this sidecar (NotFound if none came).
+
+        Raises: NotFound."""
         if not wait:
             return self._call("GET", f"/v1/transfers/{transfer_id}").json()
-        return self._call("GET", f"/v1/transfers/{transfer_id}", params={"wait": wait},
-                          timeout=self._timeout + wait).json()
+        params = {"wait": wait, "appear": appear} if appear else {"wait": wait}
+        return self._call("GET", f"/v1/transfers/{transfer_id}", params=params, timeout=self._timeout + wait).json()
 
     def wait(self, transfer_id: str, timeout: float = 60.0) -> dict:
         """The transfer's record once done.

@@ -53,7 +53,7 @@ from . import tp
 from .sdk import Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
-from .vllm_watch import CONTROLS, Stream, Waiter, Watches, failure, overloaded
+from .vllm_watch import CONTROLS, Stream, Waiter, Watches, overloaded
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -65,6 +65,10 @@ __all__ = ["DTYPES", "FP8", "FAILURE_KINDS", "CacheLayout", "ConnectorConfig", "
 PARAMS_KEY = "kvferry"  # our part of vLLM's kv_transfer_params
 WAITERS = 16  # a decode's pulls waited on at once (more wait for a thread)
 LONG_POLL = 10.0  # seconds one long-poll of a transfer's end may take
+# Seconds the decode's own sidecar is asked to wait for a pulled transfer's announce before the
+# decode asks the prefill instead: a transfer refused before it was announced (the receiver
+# overloaded) or still queued on the prefill is learned there.
+APPEAR = 0.25
 # Seconds a decode asks again for a lease the prefill may not have taken yet (its lease thread can
 # lag seconds behind vLLM's step on a loaded host: 5 s failed one request in sixty on 2 cores).
 LEASE_GRACE = 15.0
@@ -568,8 +572,9 @@ class Consumer:
         pull.client = self.remote(url)
         stream = self.watches.stream_for(url, pull.client) if self.watches is not None else None
         records, pieces, waiters = [], self.slices(spec), {}
-        # one read answers at its end (one round trip); several are all sent first, then waited on
-        wait = min(LONG_POLL, self.config.load_timeout) if len(pieces) == 1 else 0.0
+        # Over HTTP the pulls are sent without waiting, and their ends read from this decode's own
+        # sidecar, which writes the KV and knows it arrived a DONE's trip before the prefill does.
+        wait = 0.0
         for piece in pieces:
             # The prefill takes the lease on a thread of its own, so a pull may come a moment before
             # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails,
@@ -602,8 +607,6 @@ class Consumer:
                     pull.transfer_ids[i] = record["id"]
                     waiter = waiters.get(record["id"])
                     continue
-                if wait and record["state"] in ("failed", "cancelled"):
-                    raise failure(record)  # as the HTTP call that waits for it raises
                 if time.monotonic() >= deadline:  # its last known state: not asked again and again
                     break
             pushed = pushed and waiter is not None and waiter.record is not None
@@ -611,11 +614,32 @@ class Consumer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                record = records[i] = pull.client.transfer(record["id"], wait=min(LONG_POLL, left))
+                record = records[i] = self._end_of(pull, record["id"], left)
+                if overloaded(record) and time.monotonic() + delay < deadline:
+                    time.sleep(delay * (0.5 + random.random()))  # nothing was written: sent again
+                    delay = min(2.0, delay * 2)
+                    record = records[i] = self._send(pull, url, pieces[i], src, dst, wait)
+                    pull.transfer_ids[i] = record["id"]
         pull.transfer_id = pull.transfer_ids[0]
         pull.answered, pull.answered_wall = self.clock(), time.time()
         pull.control = "grpc" if pushed else "http"
         return merge_records(records)
+
+    def _end_of(self, pull: Pull, transfer_id: str, left: float) -> dict[str, Any]:
+        """A pulled transfer's record at its end (or its state after a long-poll): this decode's
+        own sidecar's, once the prefill announced it there; while it is not announced (a same-host
+        write is announced behind its data), the prefill's as it stands, which says whether it
+        ended there before it was announced (refused, or failed)."""
+        try:
+            mine = self._local.transfer(transfer_id, wait=min(LONG_POLL, left), appear=min(APPEAR, left))
+        except NotFound:
+            return pull.client.transfer(transfer_id)
+        if mine["state"] not in ("failed", "cancelled"):
+            return mine
+        try:  # why, in the sender's words (what it was told, or what it found itself)
+            return pull.client.transfer(transfer_id, wait=min(LONG_POLL, left))
+        except (EngineError, httpx.HTTPError):
+            return mine
 
     def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
               wait: float, stream: Stream | None = None, waiters: dict[str, Waiter] | None = None) -> dict[str, Any]:

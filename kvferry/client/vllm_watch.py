@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvferry.engine.errors import EngineError, NotFound, TransferFailed
+from kvferry.engine.errors import EngineError, NotFound
 
 from .sdk import Blocks, Client
 
@@ -183,13 +183,6 @@ class Watches:
 def overloaded(record: Mapping[str, Any]) -> bool:
     """The receiver refused the transfer as overloaded (nothing written): worth sending again."""
     return record["state"] == "failed" and record.get("error_kind") == "Overloaded"
-
-
-def failure(record: Mapping[str, Any]) -> TransferFailed:
-    """A failed or cancelled transfer's record as the error a submit that waited for it raises
-    over HTTP, so a pull reports it in the same words whichever way its end came."""
-    return TransferFailed(f"transfer {record.get('id')} {record['state']}: {record.get('error_kind')}: "
-                          f"{record.get('error')}", record["state"], record.get("error_kind"))
 
 
 def asked(transfer_id: str, remote: Client, local: Client, wait: float = 0.0) -> dict[str, Any] | None:

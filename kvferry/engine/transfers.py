@@ -151,6 +151,7 @@ class TransferTable:
         # Told of each transfer added (queued) and each ended (retired by the driver, where every transfer ends), on the
         # event loop: a front end's push of transfer events (the gRPC Watch). Must not block.
         self.listeners: list[Callable[[Transfer], None]] = []
+        self._arrivals: dict[str, list[asyncio.Future]] = {}  # id -> waiters for it to be added
 
     def add(self, transfer: Transfer) -> Transfer:
         """Raises: Conflict (id taken), Overloaded (too many in progress, in all or from its peer)."""
@@ -168,8 +169,31 @@ class TransferTable:
             self._sources[source] += 1
         self._transfers[transfer.id] = self._active[transfer.id] = transfer
         self._counts[direction] += 1
+        for waiter in self._arrivals.pop(transfer.id, ()):
+            if not waiter.done():
+                waiter.set_result(transfer)
         self._tell(transfer)
         return transfer
+
+    async def arrival(self, transfer_id: str, timeout: float) -> Transfer | None:
+        """Transfer ``transfer_id`` once it is here (a peer's announce admitted it), or None after
+        ``timeout`` seconds: a decode waits on its own sidecar for a transfer it asked a prefill for."""
+        found = self._transfers.get(transfer_id)
+        if found is not None or timeout <= 0:
+            return found
+        waiter = asyncio.get_running_loop().create_future()
+        waiters = self._arrivals.setdefault(transfer_id, [])
+        waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            return None
+        finally:
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters and self._arrivals.get(transfer_id) is waiters:
+                del self._arrivals[transfer_id]
 
     def retire(self, transfer: Transfer) -> None:
         """Move a terminal transfer to the history, forgetting the oldest beyond its bound."""

@@ -610,8 +610,10 @@ def test_a_real_pull_shows_in_the_statistics(pd):
         labels = (("codec", "splitzip"), ("engine", "0"), ("model_name", "m"))
         assert samples[("vllm:kvferry_bytes_raw_total", labels)] == record["bytes_raw"] > 0
         assert samples[("vllm:kvferry_bytes_wire_total", labels)] == record["bytes_wire"] > 0
+        arrived = decode.client.transfers(direction="in")[0]  # the end is this decode's sidecar's record
+        assert arrived["id"] == record["id"] and arrived["state"] == "done"
         assert samples[("vllm:kvferry_transfer_seconds_sum", (("engine", "0"), ("model_name", "m")))] == \
-            pytest.approx(record["seconds"])
+            pytest.approx(arrived["seconds"])
     finally:
         consumer.close()
         producer.close()
