@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -17,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from kvferry.engine.errors import BY_NAME, EngineError, Overloaded, TransferFailed
+from kvferry.engine.errors import BY_NAME, EngineError, NotFound, Overloaded, TransferFailed
 from kvferry.proto import convert
 from kvferry.proto.v1 import (codebooks_pb2, codebooks_pb2_grpc, health_pb2, health_pb2_grpc, regions_pb2,
                               regions_pb2_grpc, transfers_pb2, transfers_pb2_grpc)
@@ -363,6 +364,39 @@ class GrpcSender:
         request = submit_request(self.submitter, [(src_region, dst_region)], src_blocks, peer, dst_blocks, codec,
                                  None, wait)
         return convert.transfer_record(self._call(self._transfers.Submit, request, wait).transfer)
+
+    def ended(self, transfer_id: str, wait: float, appear: float) -> dict[str, Any] | None:
+        """The record of transfer ``transfer_id`` at its end, read from a ``Watch`` of it on this
+        thread: on a receiver's sidecar, a transfer a peer is about to announce (``appear``: how
+        long to wait for it first). None where ``wait`` passed first.
+
+        Raises:
+            NotFound: it did not appear within ``appear`` seconds. grpc.RpcError: the stream broke.
+        """
+        request = transfers_pb2.WatchRequest(ids=[transfer_id], follow=True)  # follow: one not here yet is awaited
+        call = self._transfers.Watch(request, metadata=self._metadata, timeout=wait)
+        seen = threading.Event()
+        late = threading.Timer(appear, lambda: seen.is_set() or call.cancel())
+        late.start()
+        try:
+            for message in call:
+                if message.kind == transfers_pb2.EVENT_KIND_NOT_FOUND:
+                    continue
+                seen.set()
+                record = convert.transfer_record(message.transfer)
+                if record["state"] in TERMINAL:
+                    return record
+            return None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None
+            if exc.code() == grpc.StatusCode.CANCELLED and not seen.is_set():
+                raise NotFound(f"no transfer {transfer_id} (none came within {appear:g} s)") from None
+            error = engine_error(exc)
+            raise error if error is not None else exc from None
+        finally:
+            late.cancel()
+            call.cancel()
 
     def _call(self, method: Any, request: Any, wait: float) -> Any:
         """One blocking call, tried again while the sidecar answers Overloaded (as ``GrpcClient``'s)."""

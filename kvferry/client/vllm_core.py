@@ -53,7 +53,7 @@ from . import tp
 from .sdk import Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
-from .vllm_watch import CONTROLS, Stream, Waiter, Watches, overloaded
+from .vllm_watch import CONTROLS, Stream, Watches, overloaded
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -570,11 +570,11 @@ class Consumer:
             check_compat(self.compat, spec.params.get("compat"), url)
         src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
         pull.client = self.remote(url)
-        stream = self.watches.stream_for(url, pull.client) if self.watches is not None else None
-        records, pieces, waiters = [], self.slices(spec), {}
-        # Over HTTP the pulls are sent without waiting, and their ends read from this decode's own
-        # sidecar, which writes the KV and knows it arrived a DONE's trip before the prefill does.
-        wait = 0.0
+        stream = self.watches.stream_for(url, pull.client) if self.watches is not None else None  # submits
+        local = self.watches.stream_for(self.config.url, self._local) if self.watches is not None else None  # ends
+        records, pieces = [], self.slices(spec)
+        # The pulls are sent without waiting, and their ends read from this decode's own sidecar,
+        # which writes the KV and knows it arrived a DONE's trip before the prefill does.
         for piece in pieces:
             # The prefill takes the lease on a thread of its own, so a pull may come a moment before
             # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails,
@@ -583,7 +583,7 @@ class Consumer:
             grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.001
             while True:
                 try:
-                    records.append(self._send(pull, url, piece, src, dst, wait, stream, waiters))
+                    records.append(self._send(pull, url, piece, src, dst, stream))
                     break
                 except NotFound:
                     if time.monotonic() + pause > grace:
@@ -592,60 +592,55 @@ class Consumer:
                     pause = min(0.2, pause * 2)
             pull.transfer_ids.append(records[-1]["id"])
         pull.transfer_id = pull.transfer_ids[0]
-        pushed = bool(waiters)
+        pushed = local is not None
         for i, record in enumerate(records):
-            waiter = waiters.get(record["id"])
             delay = 0.05
-            while waiter is not None and record["state"] in ("queued", "running"):
-                record = records[i] = self.watches.wait(stream, waiter, deadline, pull.client, self._local)
-                if overloaded(record) and time.monotonic() + delay < deadline:
-                    # The receiver had too many incoming transfers and wrote nothing: sent again
-                    # with jittered backoff, as the HTTP path's SDK call does.
-                    time.sleep(delay * (0.5 + random.random()))
-                    delay = min(2.0, delay * 2)
-                    record = records[i] = self._send(pull, url, pieces[i], src, dst, wait, stream, waiters)
-                    pull.transfer_ids[i] = record["id"]
-                    waiter = waiters.get(record["id"])
-                    continue
-                if time.monotonic() >= deadline:  # its last known state: not asked again and again
-                    break
-            pushed = pushed and waiter is not None and waiter.record is not None
             while record["state"] in ("queued", "running"):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                record = records[i] = self._end_of(pull, record["id"], left)
+                record, by_watch = self._end_of(pull, record["id"], left, local)
+                records[i] = record
                 if overloaded(record) and time.monotonic() + delay < deadline:
-                    time.sleep(delay * (0.5 + random.random()))  # nothing was written: sent again
+                    # The receiver had too many incoming transfers and wrote nothing: sent again
+                    # with jittered backoff, as the SDK's calls are.
+                    time.sleep(delay * (0.5 + random.random()))
                     delay = min(2.0, delay * 2)
-                    record = records[i] = self._send(pull, url, pieces[i], src, dst, wait)
+                    record = records[i] = self._send(pull, url, pieces[i], src, dst, stream)
                     pull.transfer_ids[i] = record["id"]
+                elif record["state"] not in ("queued", "running"):
+                    pushed = pushed and by_watch
         pull.transfer_id = pull.transfer_ids[0]
         pull.answered, pull.answered_wall = self.clock(), time.time()
         pull.control = "grpc" if pushed else "http"
         return merge_records(records)
 
-    def _end_of(self, pull: Pull, transfer_id: str, left: float) -> dict[str, Any]:
-        """A pulled transfer's record at its end (or its state after a long-poll): this decode's
-        own sidecar's, once the prefill announced it there; while it is not announced (a same-host
+    def _end_of(self, pull: Pull, transfer_id: str, left: float, local: Stream | None
+                ) -> tuple[dict[str, Any], bool]:
+        """A pulled transfer's record at its end (or its state after a long-poll), and whether a
+        Watch brought it: this decode's own sidecar's, once the prefill announced it there (by
+        its gRPC Watch where ``local``, else a long-poll); while it is not announced (a same-host
         write is announced behind its data), the prefill's as it stands, which says whether it
         ended there before it was announced (refused, or failed)."""
+        wait, appear = min(LONG_POLL, left), min(APPEAR, left)
         try:
-            mine = self._local.transfer(transfer_id, wait=min(LONG_POLL, left), appear=min(APPEAR, left))
+            mine = self.watches.ended(local, transfer_id, wait, appear) if local is not None else None
+            by_watch = mine is not None
+            if mine is None:
+                mine = self._local.transfer(transfer_id, wait=wait, appear=appear)
         except NotFound:
-            return pull.client.transfer(transfer_id)
+            return pull.client.transfer(transfer_id), False
         if mine["state"] not in ("failed", "cancelled"):
-            return mine
+            return mine, by_watch
         try:  # why, in the sender's words (what it was told, or what it found itself)
-            return pull.client.transfer(transfer_id, wait=min(LONG_POLL, left))
+            return pull.client.transfer(transfer_id, wait=wait), by_watch
         except (EngineError, httpx.HTTPError):
-            return mine
+            return mine, by_watch
 
     def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
-              wait: float, stream: Stream | None = None, waiters: dict[str, Waiter] | None = None) -> dict[str, Any]:
-        """Check the prefill rank's blocks (first contact) and send the pull of ``piece``; its
-        record once answered. With a Watch ``stream``, submitted over gRPC and its ``Waiter`` put
-        in ``waiters``: the record answers at once."""
+              stream: Stream | None = None) -> dict[str, Any]:
+        """Check the prefill rank's blocks (first contact) and send the pull of ``piece``: its
+        record once started, submitted over gRPC where ``stream`` (the prefill's channel) takes it."""
         lease = lease_names(pull.spec.params, [piece.rank])[0]
         heads, p_tp, d_tp = tp_shape(self.compat, pull.spec.params.get("compat"))
         layout = self.cache.layout
@@ -659,14 +654,13 @@ class Consumer:
             self._data_address = self._local.data_address()
         codec = pull.spec.params.get("codec") or self.config.codec  # a request may name its codec
         pull.asked_wall = pull.asked_wall or time.time()
-        if stream is not None and waiters is not None:
-            waiter = self.watches.submit(stream, lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
+        if stream is not None:
+            record = self.watches.submit(stream, lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
                                          codec)
-            if waiter is not None:
-                waiters[waiter.id] = waiter
-                return {"id": waiter.id, "state": "queued"}
+            if record is not None:
+                return record
         answer = pull.client.send_later(lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
-                                        codec=codec, wait=wait)
+                                        codec=codec, wait=0)
         return answer.result()
 
     def poll(self) -> tuple[set[str], set[str]]:

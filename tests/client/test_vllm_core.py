@@ -659,6 +659,29 @@ def test_a_lease_of_a_view_shares_the_cache_and_holds_it(sidecars):
     decode.client.delete_region("view-dst")
 
 
+def test_the_receiver_answers_a_transfer_it_is_about_to_get(sidecars):
+    """``appear``: a decode's own sidecar waits for a transfer a prefill announces to it and
+    answers at its end there; one that does not come is NotFound after ``appear``, not ``wait``."""
+    from kvferry.engine.errors import BadRequest, NotFound
+
+    prefill, decode = sidecars
+    prefill.client.create_region("appear-src", 4, [64], "bfloat16")
+    decode.client.create_region("appear-dst", 4, [64], "bfloat16")
+    began = time.monotonic()
+    with pytest.raises(NotFound, match="none came within 0.2 s"):
+        decode.client.transfer("0123456789abcdef0123456789abcdef", wait=10, appear=0.2)
+    assert time.monotonic() - began < 5
+    with pytest.raises(BadRequest, match="422"):
+        decode.client._call("GET", "/v1/transfers/x", params={"wait": 1, "appear": -1})
+    record = prefill.client._call("POST", "/v1/transfers", params={"wait": 0}, json={
+        "src_region": "appear-src", "src_blocks": [0, 1], "dst_region": "appear-dst", "dst_blocks": [2, 3],
+        "peer": decode.client.data_address(), "codec": "raw"}).json()
+    arrived = decode.client.transfer(record["id"], wait=30, appear=10)
+    assert arrived["id"] == record["id"] and arrived["state"] == "done" and arrived["direction"] == "in"
+    for client, name in ((prefill.client, "appear-src"), (decode.client, "appear-dst")):
+        client.delete_region(name)
+
+
 def test_the_sidecars_lease_book(sidecars):
     """The API under the connector's leases: take, renew (a heartbeat names leases gone as
     missing), the TTL caps renewals, the long-poll answers when a lease ends, bad input is refused."""

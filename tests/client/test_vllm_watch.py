@@ -1,7 +1,7 @@
-"""The connector's decode hears its pulls' ends from the prefill sidecar's gRPC streams where it
-serves gRPC, against real sidecars: the same results as over HTTP (KV in place, failures reported
-alike), no completion lost when the stream breaks or the sidecar restarts, and HTTP where gRPC is
-off, missing or refused."""
+"""The connector's decode hears its pulls' ends from a gRPC Watch on its own sidecar where it
+serves gRPC (and submits them over gRPC where the prefill's does), against real sidecars: the same
+results as over HTTP (KV in place, failures reported alike), no completion lost when a stream
+loses its end or the prefill's sidecar restarts, and HTTP where gRPC is off, missing or refused."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from .conftest import TOKEN, Daemon, spawn, stop
 from .test_vllm_core import BLOCKS, config, pages, pump, released, vllm_layers
 
 pytest.importorskip("grpc", reason="the gRPC path needs the grpc extra (pip install kvferry[grpc])")
-from kvferry.client.grpc import Watched  # noqa: E402 (after the skip: needs grpcio)
+from kvferry.client.grpc import GrpcSender  # noqa: E402 (after the skip: needs grpcio)
 
 ENV = {"KVFERRY_TRANSFER_TIMEOUT": "10"}
 
@@ -139,14 +139,12 @@ def test_a_failed_transfer_is_reported_alike():
 
 
 def lose_the_ends(monkeypatch, gate: threading.Event | None = None) -> None:
-    """Every pull's stream ends without its end read (after ``gate`` is set, where given)."""
-    def end(self):
+    """Every Watch of a pull's end ends without it (after ``gate`` is set, where given)."""
+    def ended(self, transfer_id, wait, appear):
         if gate is not None:
             assert gate.wait(30), "the test never opened the gate"
-        for _ in self._call:
-            pass
         return None
-    monkeypatch.setattr(Watched, "end", end)
+    monkeypatch.setattr(GrpcSender, "ended", ended)
 
 
 def test_an_end_the_stream_never_pushed_is_asked_for(served, monkeypatch):
@@ -175,9 +173,9 @@ def restartable(rest: int, data: int, grpc: int) -> Daemon:
 
 
 def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
-    """A transfer ends, its end is not read and its sidecar dies: the waiting pull learns from the
-    decode's own sidecar that the KV arrived. The channel then finds the restarted sidecar, and the
-    next pulls' ends are pushed again."""
+    """A transfer ends, its end is not pushed and the prefill's sidecar dies: the waiting pull
+    learns from the decode's own sidecar, over HTTP, that the KV arrived. The restarted sidecar
+    takes the next pulls, and their ends are pushed again."""
     _, decode = served
     ports = (free_port(), free_port(), free_port())
     prefill = restartable(*ports)
@@ -186,7 +184,7 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
     consumer = Consumer(config(decode), d_cache)
     try:
         pull_once(producer, consumer, prefill, "before", [1], [2])  # the channel is up
-        ended = Watched.end
+        ended = GrpcSender.ended
         gate = threading.Event()
         lose_the_ends(monkeypatch, gate)
         producer.save("lost", [3, 4])
@@ -203,7 +201,7 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
         assert torch.equal(pages(d_layers, [5, 6], block_dim).view(torch.int16),
                            pages(p_layers, [3, 4], block_dim).view(torch.int16))
 
-        monkeypatch.setattr(Watched, "end", ended)
+        monkeypatch.setattr(GrpcSender, "ended", ended)
         producer.close()
         p_cache.client.close()
         prefill = restartable(*ports)
@@ -219,8 +217,7 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
                 break
             time.sleep(0.5)
         assert controls[-1] == "grpc", controls
-        stream = next(iter(consumer.watches._streams.values()))
-        assert stream.asked >= 1
+        assert sum(stream.asked for stream in consumer.watches._streams.values()) >= 1
     finally:
         consumer.close()
         producer.close()

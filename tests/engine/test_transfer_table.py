@@ -65,3 +65,25 @@ def test_limits_and_history():
         assert [t.id for t in table.query()] == ["t11", "t10", "t9"]
 
     asyncio.run(main())
+
+
+def test_a_transfer_can_be_awaited_before_it_arrives():
+    """A decode waits on its own sidecar for a transfer a prefill is about to announce: the wait
+    ends when it is added, or empty after its timeout, and leaves no waiter behind either way."""
+    async def main():
+        table = TransferTable(max_active=8, max_incoming=8)
+        waiting = asyncio.ensure_future(table.arrival("t5", 5.0))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        added = table.add(_transfer(5, "in"))
+        assert await waiting is added
+        assert await table.arrival("t5", 0) is added  # here already
+        assert await table.arrival("t6", 0.05) is None
+        assert table._arrivals == {}
+        many = [asyncio.ensure_future(table.arrival("t7", 5.0)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        many[0].cancel()
+        table.add(_transfer(7, "in"))
+        assert [await w for w in many[1:]] == [table.get("t7")] * 2 and table._arrivals == {}
+
+    asyncio.run(main())
