@@ -8,7 +8,7 @@ HTTP and over gRPC in the same run, the ways taken in turn so that both see the 
 - gRPC, ``GrpcSender.send``: the same Submit from the blocking client, read on the calling thread
   (no hop through an event loop or another thread), as ``Client.send`` is over HTTP;
 - gRPC, ``GrpcSender.start`` + ``Watched.end``: one ``SubmitAndWatch`` stream, the started record
-  then the end, read on the calling thread (what the vLLM connector does where gRPC is served);
+  then the end, read on the calling thread;
 - gRPC, ``Submit`` + Watch: Submit answers at once and the end comes by a long-lived
   ``Watch(mine, follow)`` stream read by ``GrpcClient`` on its event loop.
 
