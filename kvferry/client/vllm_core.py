@@ -22,11 +22,11 @@ heads it holds, ``kvferry.client.tp``):
 * Decode (``Consumer``): once vLLM has allocated blocks for a request, a worker thread checks the
   prefill (compatibility record, block layout: first contact), asks the *prefill's* sidecar to
   send the lease's blocks to its own sidecar's region (one transfer, pull semantics over
-  kvferry's push API) in one HTTP call that answers at the transfer's end (or, where that
-  sidecar serves gRPC, submits it there and hears its end from one Watch stream per prefill
-  sidecar: ``vllm_watch.py``); the next step copies
-  the pages into vLLM's cache, deletes the lease and reports the request received; a failure is
-  reported as such, so vLLM's ``kv_load_failure_policy`` (fail or recompute) applies.
+  kvferry's push API; over gRPC where that sidecar serves it), and learns the transfer's end
+  from its own sidecar, which wrote the KV (a long-poll, or a gRPC Watch of that transfer:
+  ``vllm_watch.py``); the next step copies the pages into vLLM's cache, deletes the lease and
+  reports the request received; a failure is reported as such, so vLLM's
+  ``kv_load_failure_policy`` (fail or recompute) applies.
 
 No HTTP call runs in vLLM's step: the step copies pages and collects what the threads found.
 """
