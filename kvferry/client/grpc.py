@@ -159,9 +159,11 @@ class GrpcClient(AsyncHandles):
         return self._handle(await self._submit(self._submit_request(pairs, src_blocks, peer, dst_blocks, codec,
                                                                     codebook, 0)))
 
-    async def transfer(self, transfer_id: str, wait: float = 0) -> dict:
-        """A transfer's record (never raises for its state); ``wait``: long-poll for its end."""
-        answer = await self._call(self._transfers.Get, transfers_pb2.GetRequest(id=transfer_id, wait=wait), wait)
+    async def transfer(self, transfer_id: str, wait: float = 0, appear: float = 0) -> dict:
+        """A transfer's record (never raises for its state); ``wait``: long-poll for its end;
+        ``appear``: first wait that long for a transfer a peer is about to announce here."""
+        request = transfers_pb2.GetRequest(id=transfer_id, wait=wait, appear=appear)
+        answer = await self._call(self._transfers.Get, request, wait)
         return convert.transfer_record(answer.transfer)
 
     async def wait(self, transfer_id: str, timeout: float = 60.0) -> dict:

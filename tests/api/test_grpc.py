@@ -150,6 +150,34 @@ def test_submit_and_watch_streams_the_start_then_the_end(sidecars):
             stranger.start(src, [0], b.data, dst, [0], wait=5)
 
 
+def test_the_receiver_watches_a_transfer_before_and_after_it_arrives(sidecars):
+    """The receiver's sidecar: ``GrpcSender.ended`` reads the end of a transfer a peer is about to
+    announce from a Watch of it (one that never comes is NotFound after ``appear``), and Get with
+    ``appear`` waits for it as REST's long-poll does."""
+    a, b = sidecars
+
+    async def regions() -> tuple[str, str]:
+        async with GrpcClient(a.grpc, token=TOKEN) as client, GrpcClient(b.grpc, token=TOKEN) as receiver:
+            return await _regions(client, receiver, 8)
+
+    src, dst = asyncio.run(regions())
+    with GrpcSender(a.grpc, token=TOKEN, timeout=30) as sender, GrpcSender(b.grpc, token=TOKEN, timeout=30) as mine:
+        started = sender.send(src, range(8), b.data, dst, range(8), codec="raw", wait=0)
+        end = mine.ended(started["id"], wait=60, appear=30)
+        assert end["id"] == started["id"] and end["state"] == "done" and end["direction"] == "in"
+        assert mine.ended(started["id"], wait=5, appear=1)["state"] == "done"  # ended already: at once
+        with pytest.raises(errors.NotFound, match="none came within 0.3 s"):
+            mine.ended(uuid.uuid4().hex, wait=30, appear=0.3)
+
+    async def get() -> None:
+        async with GrpcClient(b.grpc, token=TOKEN) as receiver:
+            with pytest.raises(errors.NotFound):
+                await receiver.transfer(uuid.uuid4().hex, wait=5, appear=0.2)
+            assert (await receiver.transfer(started["id"], wait=5, appear=1))["state"] == "done"
+
+    _run(get)
+
+
 def test_a_watch_outlives_a_sidecar_restart(sidecars):
     """The client's watch re-dials the restarted sidecar and resubscribes: it learns that the old
     transfer is gone and sees the new sidecar's transfers, in one iteration."""

@@ -138,7 +138,8 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
 
     @translated
     async def Get(self, request: transfers_pb2.GetRequest, context: Any) -> transfers_pb2.GetResponse:
-        record = await ops.transfer_record(self.engine, request.id, ops.check_wait(request.wait))
+        record = await ops.transfer_record(self.engine, request.id, ops.check_wait(request.wait),
+                                           ops.check_wait(request.appear))
         return transfers_pb2.GetResponse(transfer=convert.transfer_message(record))
 
     @translated

@@ -123,12 +123,14 @@ class SubmitResponse(_message.Message):
     def __init__(self, transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("id", "wait")
+    __slots__ = ("id", "wait", "appear")
     ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
+    APPEAR_FIELD_NUMBER: _ClassVar[int]
     id: str
     wait: float
-    def __init__(self, id: _Optional[str] = ..., wait: _Optional[float] = ...) -> None: ...
+    appear: float
+    def __init__(self, id: _Optional[str] = ..., wait: _Optional[float] = ..., appear: _Optional[float] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("transfer",)
