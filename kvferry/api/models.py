@@ -142,6 +142,9 @@ class TransferBody(BaseModel):
                        description="auto (lossless, chosen per transfer) or a registered codec; lossy codecs "
                                    "(k8v4, k4v2, lowrank) only when named")
     codebook: str | None = Field(default=None, pattern=NAME)
+    id: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$",
+                           description="the transfer's id, chosen by the submitter (32 hex digits; 409 if taken): "
+                                       "a receiver can be asked for it before this call answers")
     src_reference: str | None = Field(default=None, pattern=NAME, description=f"{REFERENCE} sender")
     dst_reference: str | None = Field(default=None, pattern=NAME, description=f"{REFERENCE} receiver")
 

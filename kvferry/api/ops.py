@@ -54,7 +54,7 @@ def start_transfer(e: Engine, body: TransferBody) -> Transfer:
     """Raises: EngineError (refused before it started)."""
     return e.submit(TransferSpec(peer=body.peer, pairs=body.pairs(), src_blocks=to_blocks(body.src_blocks),
                                  dst_blocks=to_blocks(body.dst_blocks), codec=body.codec, codebook=body.codebook,
-                                 references=body.references()))
+                                 references=body.references(), transfer_id=body.id))
 
 
 async def settle(e: Engine, t: Transfer, wait: float) -> tuple[dict[str, Any], int]:

@@ -257,7 +257,7 @@ class GrpcClient(AsyncHandles):
 
 
 def submit_request(submitter: str, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
-                    codec: str, codebook: str | None, wait: float) -> transfers_pb2.SubmitRequest:
+                    codec: str, codebook: str | None, wait: float, transfer_id: str = "") -> transfers_pb2.SubmitRequest:
     """A SubmitRequest of the SDK's arguments, tagged ``submitter``."""
     regions = []
     for pair in pairs:
@@ -268,7 +268,7 @@ def submit_request(submitter: str, pairs: Sequence[tuple[str, ...]], src_blocks:
     return transfers_pb2.SubmitRequest(
         peer=peer, regions=regions, src_blocks=convert.blocks_message(blocks_json(src_blocks)),
         dst_blocks=convert.blocks_message(blocks_json(dst_blocks)), codec=codec, codebook=codebook, wait=wait,
-        submitter=submitter)
+        submitter=submitter, id=transfer_id)
 
 
 class Watched:
@@ -296,6 +296,46 @@ class Watched:
 
     def cancel(self) -> None:
         """Stop watching (any thread): ``end`` returns None or raises CANCELLED; the transfer goes on."""
+        self._call.cancel()
+
+
+class Ending:
+    """A Watch of one transfer begun by ``GrpcSender.watch_end``, its end read by ``result``."""
+
+    def __init__(self, call: Any, transfer_id: str, appear: float):
+        self._call, self.id, self._appear = call, transfer_id, appear
+        self._seen = threading.Event()
+        self._late = threading.Timer(appear, lambda: self._seen.is_set() or call.cancel())
+        self._late.start()
+
+    def result(self) -> dict[str, Any] | None:
+        """The transfer's record at its end, on this thread; None where the call's ``wait`` passed first.
+
+        Raises:
+            NotFound: it did not appear within ``appear`` seconds. EngineError (the watch refused),
+            grpc.RpcError: the stream broke.
+        """
+        try:
+            for message in self._call:
+                if message.kind == transfers_pb2.EVENT_KIND_NOT_FOUND:
+                    continue
+                self._seen.set()
+                record = convert.transfer_record(message.transfer)
+                if record["state"] in TERMINAL:
+                    return record
+            return None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None
+            if exc.code() == grpc.StatusCode.CANCELLED and not self._seen.is_set():
+                raise NotFound(f"no transfer {self.id} (none came within {self._appear:g} s)") from None
+            error = engine_error(exc)
+            raise error if error is not None else exc from None
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        self._late.cancel()
         self._call.cancel()
 
 
@@ -355,7 +395,7 @@ class GrpcSender:
         raise AssertionError("unreachable")
 
     def send(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
-             codec: str = "auto", *, wait: float) -> dict[str, Any]:
+             codec: str = "auto", *, wait: float, transfer_id: str = "") -> dict[str, Any]:
         """As ``Client.send``: one ``Submit`` that answers at the transfer's end, read on this
         thread (one message: a stream's first would hold its end back until the sidecar's event
         loop has seen it sent); the record is still queued or running where ``wait`` passed first.
@@ -364,41 +404,21 @@ class GrpcSender:
             TransferFailed (it failed or was cancelled), EngineError (refused), grpc.RpcError.
         """
         request = submit_request(self.submitter, [(src_region, dst_region)], src_blocks, peer, dst_blocks, codec,
-                                 None, wait)
+                                 None, wait, transfer_id)
         return convert.transfer_record(self._call(self._transfers.Submit, request, wait).transfer)
 
     def ended(self, transfer_id: str, wait: float, appear: float) -> dict[str, Any] | None:
-        """The record of transfer ``transfer_id`` at its end, read from a ``Watch`` of it on this
-        thread: on a receiver's sidecar, a transfer a peer is about to announce (``appear``: how
-        long to wait for it first). None where ``wait`` passed first.
+        """``watch_end(...).result()``: the record of transfer ``transfer_id`` at its end, or None
+        where ``wait`` passed first. Raises: as ``Ending.result``."""
+        return self.watch_end(transfer_id, wait, appear).result()
 
-        Raises:
-            NotFound: it did not appear within ``appear`` seconds. grpc.RpcError: the stream broke.
-        """
+    def watch_end(self, transfer_id: str, wait: float, appear: float) -> Ending:
+        """Start a ``Watch`` of transfer ``transfer_id`` (on a receiver's sidecar, one a peer is
+        about to announce: ``appear`` is how long to wait for it first); its end is read by
+        ``Ending.result`` on the calling thread, so the watch can be asked for before the transfer
+        is submitted elsewhere."""
         request = transfers_pb2.WatchRequest(ids=[transfer_id], follow=True)  # follow: one not here yet is awaited
-        call = self._transfers.Watch(request, metadata=self._metadata, timeout=wait)
-        seen = threading.Event()
-        late = threading.Timer(appear, lambda: seen.is_set() or call.cancel())
-        late.start()
-        try:
-            for message in call:
-                if message.kind == transfers_pb2.EVENT_KIND_NOT_FOUND:
-                    continue
-                seen.set()
-                record = convert.transfer_record(message.transfer)
-                if record["state"] in TERMINAL:
-                    return record
-            return None
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return None
-            if exc.code() == grpc.StatusCode.CANCELLED and not seen.is_set():
-                raise NotFound(f"no transfer {transfer_id} (none came within {appear:g} s)") from None
-            error = engine_error(exc)
-            raise error if error is not None else exc from None
-        finally:
-            late.cancel()
-            call.cancel()
+        return Ending(self._transfers.Watch(request, metadata=self._metadata, timeout=wait), transfer_id, appear)
 
     def _call(self, method: Any, request: Any, wait: float) -> Any:
         """One blocking call, tried again while the sidecar answers Overloaded (as ``GrpcClient``'s)."""

@@ -239,17 +239,27 @@ class Client:
         return self._post(body, src_blocks, peer, dst_blocks, codec, None, wait)
 
     def send_later(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
-                   codec: str = "auto", *, wait: float) -> Answer:
+                   codec: str = "auto", *, wait: float, transfer_id: str | None = None) -> Answer:
         """``send``, split: the request leaves now, on this thread, and ``Answer.result`` reads the
         record later, on any thread. An engine's step sends its pulls without a hop to a thread,
-        whose wake-up then overlaps the transfer.
+        whose wake-up then overlaps the transfer. ``transfer_id``: the id to give it (32 hex
+        digits), so that the receiver can be asked for it at once (``transfer_later``).
 
         Raises:
             httpx.HTTPError: the request could not be sent (``result`` raises the rest).
         """
         body = _transfer_body(_pair_json((src_region, dst_region), "src_region", "dst_region"), src_blocks, peer,
                               dst_blocks, codec, None)
+        if transfer_id is not None:
+            body["id"] = transfer_id
         call = ("POST", "/v1/transfers", {"wait": wait}, body, None, None, self._timeout + wait)
+        return Answer(self, call, self._start(*call) if self._lean is not None else None)
+
+    def transfer_later(self, transfer_id: str, wait: float, appear: float = 0) -> Answer:
+        """``transfer``'s long-poll, split as ``send_later`` is: asked now, its record read later
+        (a receiver asked for a transfer before the sender's answer names it: ``appear``)."""
+        params = {"wait": wait, "appear": appear} if appear else {"wait": wait}
+        call = ("GET", f"/v1/transfers/{transfer_id}", params, None, None, None, self._timeout + wait)
         return Answer(self, call, self._start(*call) if self._lean is not None else None)
 
     def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
@@ -366,7 +376,8 @@ def _again_while_overloaded(call: Callable[[], Reply], retries: int) -> dict:
 
 
 class Answer:
-    """The record of a transfer sent with ``Client.send_later``, read once by ``result``."""
+    """The record of a transfer sent with ``Client.send_later`` (or asked for with
+    ``transfer_later``), read once by ``result``."""
 
     def __init__(self, client: Client, call: tuple, exchange: Exchange | None):
         self._client, self._call, self._exchange = client, call, exchange
@@ -395,6 +406,13 @@ class Answer:
         client = self._client
         return _again_while_overloaded(
             functools.partial(client._call, method, path, params=params, json=body, timeout=timeout), client._retries)
+
+    def cancel(self) -> None:
+        """Never read it (a long-poll no longer wanted): its connection is closed, not reused."""
+        self._read = True
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None:
+            exchange.abandon()
 
 
 def _checked(response: Reply | httpx.Response, method: str, path: str) -> Reply | httpx.Response:

@@ -168,6 +168,12 @@ class Exchange:
             self._owner._give(connection)
         return reply
 
+    def abandon(self) -> None:
+        """Never read the answer: the connection is closed, not handed back mid-answer."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._owner._drop(connection)
+
 
 def _header_lines(headers: Mapping[str, str]) -> str:
     lines = []

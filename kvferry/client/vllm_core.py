@@ -40,6 +40,7 @@ import math
 import os
 import random
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -572,41 +573,36 @@ class Consumer:
         pull.client = self.remote(url)
         stream = self.watches.stream_for(url, pull.client) if self.watches is not None else None  # submits
         local = self.watches.stream_for(self.config.url, self._local) if self.watches is not None else None  # ends
-        records, pieces = [], self.slices(spec)
-        # The pulls are sent without waiting, and their ends read from this decode's own sidecar,
-        # which writes the KV and knows it arrived a DONE's trip before the prefill does.
-        for piece in pieces:
-            # The prefill takes the lease on a thread of its own, so a pull may come a moment before
-            # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails,
-            # first after 1 ms (a lease is taken in about that: a first wait of 10 ms cost a GPU
-            # harness's pulls 11 ms each).
-            grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.001
-            while True:
-                try:
-                    records.append(self._send(pull, url, piece, src, dst, stream))
-                    break
-                except NotFound:
-                    if time.monotonic() + pause > grace:
-                        raise
-                    time.sleep(pause)
-                    pause = min(0.2, pause * 2)
-            pull.transfer_ids.append(records[-1]["id"])
+        records, pieces, pending = [], self.slices(spec), []
+        # Each pull gets its id here, so that this decode's own sidecar, which writes the KV and
+        # knows it arrived a DONE's trip before the prefill does, is asked for its end first and
+        # the two requests overlap; the prefill's answer only says it started.
+        try:
+            self._submit_pieces(pull, url, pieces, src, dst, stream, local, deadline, records, pending)
+        except BaseException:
+            for _, ending in pending:
+                ending.cancel()
+            raise
         pull.transfer_id = pull.transfer_ids[0]
         pushed = local is not None
         for i, record in enumerate(records):
-            delay = 0.05
+            delay, ending = 0.05, pending[i]
             while record["state"] in ("queued", "running"):
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if ending is not None:
+                        ending[1].cancel()
                     break
-                record, by_watch = self._end_of(pull, record["id"], left, local)
-                records[i] = record
+                record, by_watch = self._end_of(pull, record["id"], left, local, ending)
+                records[i], ending = record, None
                 if overloaded(record) and time.monotonic() + delay < deadline:
                     # The receiver had too many incoming transfers and wrote nothing: sent again
                     # with jittered backoff, as the SDK's calls are.
                     time.sleep(delay * (0.5 + random.random()))
                     delay = min(2.0, delay * 2)
-                    record = records[i] = self._send(pull, url, pieces[i], src, dst, stream)
+                    transfer_id = uuid.uuid4().hex
+                    ending = self._watch_end(transfer_id, local, deadline - time.monotonic())
+                    record = records[i] = self._send(pull, url, pieces[i], src, dst, stream, transfer_id)
                     pull.transfer_ids[i] = record["id"]
                 elif record["state"] not in ("queued", "running"):
                     pushed = pushed and by_watch
@@ -615,18 +611,53 @@ class Consumer:
         pull.control = "grpc" if pushed else "http"
         return merge_records(records)
 
-    def _end_of(self, pull: Pull, transfer_id: str, left: float, local: Stream | None
-                ) -> tuple[dict[str, Any], bool]:
+    def _submit_pieces(self, pull: Pull, url: str, pieces: list[tp.Slice], src: list[int], dst: list[int],
+                       stream: Stream | None, local: Stream | None, deadline: float, records: list[dict[str, Any]],
+                       pending: list[tuple[Stream | None, Any]]) -> None:
+        """Submit each piece under an id drawn here, its end asked of this decode's sidecar first."""
+        for piece in pieces:
+            transfer_id = uuid.uuid4().hex
+            pending.append(self._watch_end(transfer_id, local, deadline - time.monotonic()))
+            # The prefill takes the lease on a thread of its own, so a pull may come a moment before
+            # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails,
+            # first after 1 ms (a lease is taken in about that: a first wait of 10 ms cost a GPU
+            # harness's pulls 11 ms each).
+            grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.001
+            while True:
+                try:
+                    records.append(self._send(pull, url, piece, src, dst, stream, transfer_id))
+                    break
+                except NotFound:
+                    if time.monotonic() + pause > grace:
+                        raise
+                    time.sleep(pause)
+                    pause = min(0.2, pause * 2)
+            pull.transfer_ids.append(records[-1]["id"])
+
+    def _watch_end(self, transfer_id: str, local: Stream | None, left: float) -> tuple[Stream | None, Any]:
+        """Ask this decode's own sidecar for the end of ``transfer_id`` now (a gRPC Watch where
+        ``local`` serves it, else a long-poll), to be read by ``_end_of``."""
+        wait, appear = max(0.001, min(LONG_POLL, left)), max(0.001, min(APPEAR, left))
+        if local is not None:
+            try:
+                return local, local.sender.watch_end(transfer_id, wait, appear)
+            except Exception as exc:  # noqa: BLE001 (a channel that cannot start a call: long-polled instead)
+                log.info("kvferry: cannot watch transfer %s on %s (%s); over HTTP", transfer_id, local.target, exc)
+        return None, self._local.transfer_later(transfer_id, wait=wait, appear=appear)
+
+    def _end_of(self, pull: Pull, transfer_id: str, left: float, local: Stream | None,
+                pending: tuple[Stream | None, Any] | None = None) -> tuple[dict[str, Any], bool]:
         """A pulled transfer's record at its end (or its state after a long-poll), and whether a
-        Watch brought it: this decode's own sidecar's, once the prefill announced it there (by
-        its gRPC Watch where ``local``, else a long-poll); while it is not announced (a same-host
-        write is announced behind its data), the prefill's as it stands, which says whether it
-        ended there before it was announced (refused, or failed)."""
+        Watch brought it: this decode's own sidecar's, once the prefill announced it there (asked
+        by ``pending``, or now); while it is not announced (a same-host write is announced behind
+        its data), the prefill's as it stands, which says whether it ended there before it was
+        announced (refused, or failed)."""
+        stream, ending = pending if pending is not None else self._watch_end(transfer_id, local, left)
         wait, appear = min(LONG_POLL, left), min(APPEAR, left)
         try:
-            mine = self.watches.ended(local, transfer_id, wait, appear) if local is not None else None
-            by_watch = mine is not None
-            if mine is None:
+            mine = self.watches.ended(stream, ending) if stream is not None else ending.result()
+            by_watch = stream is not None and mine is not None
+            if mine is None:  # the watch broke or passed its wait
                 mine = self._local.transfer(transfer_id, wait=wait, appear=appear)
         except NotFound:
             return pull.client.transfer(transfer_id), False
@@ -638,9 +669,10 @@ class Consumer:
             return mine, by_watch
 
     def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
-              stream: Stream | None = None) -> dict[str, Any]:
-        """Check the prefill rank's blocks (first contact) and send the pull of ``piece``: its
-        record once started, submitted over gRPC where ``stream`` (the prefill's channel) takes it."""
+              stream: Stream | None, transfer_id: str) -> dict[str, Any]:
+        """Check the prefill rank's blocks (first contact) and send the pull of ``piece`` as
+        transfer ``transfer_id``: its record once started, submitted over gRPC where ``stream``
+        (the prefill's channel) takes it."""
         lease = lease_names(pull.spec.params, [piece.rank])[0]
         heads, p_tp, d_tp = tp_shape(self.compat, pull.spec.params.get("compat"))
         layout = self.cache.layout
@@ -656,11 +688,11 @@ class Consumer:
         pull.asked_wall = pull.asked_wall or time.time()
         if stream is not None:
             record = self.watches.submit(stream, lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
-                                         codec)
+                                         codec, transfer_id)
             if record is not None:
                 return record
         answer = pull.client.send_later(lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
-                                        codec=codec, wait=0)
+                                        codec=codec, wait=0, transfer_id=transfer_id)
         return answer.result()
 
     def poll(self) -> tuple[set[str], set[str]]:

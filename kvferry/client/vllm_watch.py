@@ -102,7 +102,7 @@ class Watches:
             return stream
 
     def submit(self, stream: Stream, src_region: str, src_blocks: Blocks, peer: str, dst_region: str,
-               dst_blocks: Blocks, codec: str) -> dict[str, Any] | None:
+               dst_blocks: Blocks, codec: str, transfer_id: str) -> dict[str, Any] | None:
         """Submit a pull over gRPC, on this thread: its record once started; None where the
         sidecar could not be reached that way (the caller sends it over HTTP).
 
@@ -110,30 +110,32 @@ class Watches:
         import grpc
 
         try:
-            return stream.sender.send(src_region, src_blocks, peer, dst_region, dst_blocks, codec, wait=0)
+            return stream.sender.send(src_region, src_blocks, peer, dst_region, dst_blocks, codec, wait=0,
+                                      transfer_id=transfer_id)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:  # it may have been submitted: not sent twice
                 raise
             log.warning("kvferry: gRPC submit to %s failed (%s); over HTTP", stream.target, exc.details())
             return None
 
-    def ended(self, stream: Stream, transfer_id: str, wait: float, appear: float) -> dict[str, Any] | None:
-        """A transfer's record at its end, from a Watch of it on ``stream`` (the decode's own
-        sidecar); None where the stream broke or ``wait`` passed first (ask over HTTP).
+    def ended(self, stream: Stream, ending: Any) -> dict[str, Any] | None:
+        """A transfer's record at its end, read from ``ending`` (``GrpcSender.watch_end`` on the
+        decode's own sidecar, ``stream``) on this thread; None where the stream broke or its wait
+        passed first (ask over HTTP).
 
-        Raises: NotFound (not announced there within ``appear`` seconds)."""
+        Raises: NotFound (not announced there within the watch's ``appear`` seconds)."""
         import grpc
 
         try:
-            record = stream.sender.ended(transfer_id, wait, appear)
+            record = ending.result()
         except grpc.RpcError as exc:
-            log.info("kvferry: the watch of transfer %s on %s broke (%s); asking over HTTP", transfer_id,
+            log.info("kvferry: the watch of transfer %s on %s broke (%s); asking over HTTP", ending.id,
                      stream.target, exc.code())
             record = None
         except EngineError as exc:
             if isinstance(exc, NotFound):
                 raise
-            log.info("kvferry: the watch of transfer %s on %s refused (%s); asking over HTTP", transfer_id,
+            log.info("kvferry: the watch of transfer %s on %s refused (%s); asking over HTTP", ending.id,
                      stream.target, exc)
             record = None
         stream.count(record is not None)

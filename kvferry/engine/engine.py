@@ -235,7 +235,7 @@ class Engine:
         """Validate an outgoing transfer once and start it; returns at once.
 
         Raises:
-            NotFound, InvalidBlocks, BadRequest, UnknownCodec, Overloaded.
+            NotFound, InvalidBlocks, BadRequest, UnknownCodec, Overloaded, Conflict (its id is taken).
         """
         host, port = _address(spec.peer)
         if not spec.pairs:
@@ -268,7 +268,7 @@ class Engine:
             self.ctx.bind(codecs.get(candidates[0]), entry[1] if entry else None, pairs)
         elif spec.references is not None:
             raise BadRequest("reference regions are for a codec that codes against them: name it (codec=predictive)")
-        transfer = Transfer(id=uuid.uuid4().hex, direction="out", peer=spec.peer, pairs=list(spec.pairs),
+        transfer = Transfer(id=spec.transfer_id or uuid.uuid4().hex, direction="out", peer=spec.peer, pairs=list(spec.pairs),
                             blocks=len(spec.src_blocks), codec=spec.codec,
                             references=[p.reference.name for p in pairs if p.reference is not None])
         self.transfers.add(transfer)

@@ -37,6 +37,9 @@ class TransferSpec:
     # Per pair, the (source, destination) regions holding a predictor's KV for the same blocks,
     # for codecs that code against it ("predictive"); None: no references.
     references: tuple[tuple[str, str], ...] | None = None
+    # The id, where the submitter chose it (32 hex digits: a decode that waits on its own sidecar
+    # for the transfer before the prefill's answer names it); None: one is drawn.
+    transfer_id: str | None = None
 
     def raw_bytes(self, pairs: list[Pair]) -> int:
         """The KV bytes it moves: its blocks of every region pair."""

@@ -23,7 +23,7 @@ from .conftest import TOKEN, Daemon, spawn, stop
 from .test_vllm_core import BLOCKS, config, pages, pump, released, vllm_layers
 
 pytest.importorskip("grpc", reason="the gRPC path needs the grpc extra (pip install kvferry[grpc])")
-from kvferry.client.grpc import GrpcSender  # noqa: E402 (after the skip: needs grpcio)
+from kvferry.client.grpc import Ending  # noqa: E402 (after the skip: needs grpcio)
 
 ENV = {"KVFERRY_TRANSFER_TIMEOUT": "10"}
 
@@ -140,11 +140,12 @@ def test_a_failed_transfer_is_reported_alike():
 
 def lose_the_ends(monkeypatch, gate: threading.Event | None = None) -> None:
     """Every Watch of a pull's end ends without it (after ``gate`` is set, where given)."""
-    def ended(self, transfer_id, wait, appear):
+    def result(self):
         if gate is not None:
             assert gate.wait(30), "the test never opened the gate"
+        self.cancel()
         return None
-    monkeypatch.setattr(GrpcSender, "ended", ended)
+    monkeypatch.setattr(Ending, "result", result)
 
 
 def test_an_end_the_stream_never_pushed_is_asked_for(served, monkeypatch):
@@ -184,7 +185,7 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
     consumer = Consumer(config(decode), d_cache)
     try:
         pull_once(producer, consumer, prefill, "before", [1], [2])  # the channel is up
-        ended = GrpcSender.ended
+        ended = Ending.result
         gate = threading.Event()
         lose_the_ends(monkeypatch, gate)
         producer.save("lost", [3, 4])
@@ -201,7 +202,7 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
         assert torch.equal(pages(d_layers, [5, 6], block_dim).view(torch.int16),
                            pages(p_layers, [3, 4], block_dim).view(torch.int16))
 
-        monkeypatch.setattr(GrpcSender, "ended", ended)
+        monkeypatch.setattr(Ending, "result", ended)
         producer.close()
         p_cache.client.close()
         prefill = restartable(*ports)

@@ -122,7 +122,7 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
         body = TransferBody.model_validate({
             "peer": request.peer, "regions": pairs or None, "src_blocks": convert.blocks_form(request.src_blocks),
             "dst_blocks": convert.blocks_form(request.dst_blocks), "codec": request.codec or "auto",
-            "codebook": _optional(request, "codebook")})
+            "codebook": _optional(request, "codebook"), "id": request.id or None})
         wait = ops.check_wait(request.wait)
         t = ops.start_transfer(self.engine, body)
         self.hub.tag(t, request.submitter)

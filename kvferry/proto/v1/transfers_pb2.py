@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from kvferry.proto.v1 import blocks_pb2 as kvferry_dot_v1_dot_blocks__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvferry/v1/transfers.proto\x12\nkvferry.v1\x1a\x17kvferry/v1/blocks.proto\"\x82\x01\n\nRegionPair\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x1a\n\rsrc_reference\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rdst_reference\x18\x04 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_src_referenceB\x10\n\x0e_dst_reference\"\x99\x04\n\x08Transfer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tdirection\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.kvferry.v1.TransferState\x12\x0c\n\x04peer\x18\x04 \x01(\t\x12\'\n\x07regions\x18\x05 \x03(\x0b\x32\x16.kvferry.v1.RegionPair\x12\x0e\n\x06\x62locks\x18\x06 \x01(\x04\x12\x13\n\x0b\x62locks_done\x18\x07 \x01(\x04\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x14\n\x0c\x63hosen_codec\x18\t \x01(\t\x12\x15\n\rchoice_reason\x18\n \x01(\t\x12\r\n\x05lossy\x18\x0b \x01(\x08\x12\x11\n\tbytes_raw\x18\x0c \x01(\x04\x12\x12\n\nbytes_wire\x18\r \x01(\x04\x12\x12\n\x05ratio\x18\x0e \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07seconds\x18\x0f \x01(\x01H\x01\x88\x01\x01\x12\x30\n\x06stages\x18\x10 \x03(\x0b\x32 .kvferry.v1.Transfer.StagesEntry\x12\x12\n\x05\x65rror\x18\x11 \x01(\tH\x02\x88\x01\x01\x12\x17\n\nerror_kind\x18\x12 \x01(\tH\x03\x88\x01\x01\x12\x0f\n\x07\x63reated\x18\x13 \x01(\x01\x1a-\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_ratioB\n\n\x08_secondsB\x08\n\x06_errorB\r\n\x0b_error_kind\"\xea\x01\n\rSubmitRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\'\n\x07regions\x18\x02 \x03(\x0b\x32\x16.kvferry.v1.RegionPair\x12&\n\nsrc_blocks\x18\x03 \x01(\x0b\x32\x12.kvferry.v1.Blocks\x12&\n\ndst_blocks\x18\x04 \x01(\x0b\x32\x12.kvferry.v1.Blocks\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x15\n\x08\x63odebook\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04wait\x18\x07 \x01(\x01\x12\x11\n\tsubmitter\x18\x08 \x01(\tB\x0b\n\t_codebook\"8\n\x0eSubmitResponse\x12&\n\x08transfer\x18\x01 \x01(\x0b\x32\x14.kvferry.v1.Transfer\"6\n\nGetRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04wait\x18\x02 \x01(\x01\x12\x0e\n\x06\x61ppear\x18\x03 \x01(\x01\"5\n\x0bGetResponse\x12&\n\x08transfer\x18\x01 \x01(\x0b\x32\x14.kvferry.v1.Transfer\"\x1b\n\rCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"8\n\x0e\x43\x61ncelResponse\x12&\n\x08transfer\x18\x01 \x01(\x0b\x32\x14.kvferry.v1.Transfer\"M\n\x0cWatchRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\x12\x11\n\tsubmitter\x18\x02 \x01(\t\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\r\n\x05since\x18\x04 \x01(\x01\"\\\n\rWatchResponse\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.kvferry.v1.EventKind\x12&\n\x08transfer\x18\x02 \x01(\x0b\x32\x14.kvferry.v1.Transfer\"B\n\x15SubmitAndWatchRequest\x12)\n\x06submit\x18\x01 \x01(\x0b\x32\x19.kvferry.v1.SubmitRequest\"e\n\x16SubmitAndWatchResponse\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.kvferry.v1.EventKind\x12&\n\x08transfer\x18\x02 \x01(\x0b\x32\x14.kvferry.v1.Transfer*\xb8\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_STATE_QUEUED\x10\x01\x12\x1a\n\x16TRANSFER_STATE_RUNNING\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x05*r\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_KIND_SNAPSHOT\x10\x01\x12\x16\n\x12\x45VENT_KIND_CHANGED\x10\x02\x12\x18\n\x14\x45VENT_KIND_NOT_FOUND\x10\x03\x32\xe7\x02\n\x10TransfersService\x12?\n\x06Submit\x12\x19.kvferry.v1.SubmitRequest\x1a\x1a.kvferry.v1.SubmitResponse\x12\x36\n\x03Get\x12\x16.kvferry.v1.GetRequest\x1a\x17.kvferry.v1.GetResponse\x12?\n\x06\x43\x61ncel\x12\x19.kvferry.v1.CancelRequest\x1a\x1a.kvferry.v1.CancelResponse\x12>\n\x05Watch\x12\x18.kvferry.v1.WatchRequest\x1a\x19.kvferry.v1.WatchResponse0\x01\x12Y\n\x0eSubmitAndWatch\x12!.kvferry.v1.SubmitAndWatchRequest\x1a\".kvferry.v1.SubmitAndWatchResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvferry/v1/transfers.proto\x12\nkvferry.v1\x1a\x17kvferry/v1/blocks.proto\"\x82\x01\n\nRegionPair\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x1a\n\rsrc_reference\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rdst_reference\x18\x04 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_src_referenceB\x10\n\x0e_dst_reference\"\x99\x04\n\x08Transfer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tdirection\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.kvferry.v1.TransferState\x12\x0c\n\x04peer\x18\x04 \x01(\t\x12\'\n\x07regions\x18\x05 \x03(\x0b\x32\x16.kvferry.v1.RegionPair\x12\x0e\n\x06\x62locks\x18\x06 \x01(\x04\x12\x13\n\x0b\x62locks_done\x18\x07 \x01(\x04\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x14\n\x0c\x63hosen_codec\x18\t \x01(\t\x12\x15\n\rchoice_reason\x18\n \x01(\t\x12\r\n\x05lossy\x18\x0b \x01(\x08\x12\x11\n\tbytes_raw\x18\x0c \x01(\x04\x12\x12\n\nbytes_wire\x18\r \x01(\x04\x12\x12\n\x05ratio\x18\x0e \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07seconds\x18\x0f \x01(\x01H\x01\x88\x01\x01\x12\x30\n\x06stages\x18\x10 \x03(\x0b\x32 .kvferry.v1.Transfer.StagesEntry\x12\x12\n\x05\x65rror\x18\x11 \x01(\tH\x02\x88\x01\x01\x12\x17\n\nerror_kind\x18\x12 \x01(\tH\x03\x88\x01\x01\x12\x0f\n\x07\x63reated\x18\x13 \x01(\x01\x1a-\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_ratioB\n\n\x08_secondsB\x08\n\x06_errorB\r\n\x0b_error_kind\"\xf6\x01\n\rSubmitRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\'\n\x07regions\x18\x02 \x03(\x0b\x32\x16.kvferry.v1.RegionPair\x12&\n\nsrc_blocks\x18\x03 \x01(\x0b\x32\x12.kvferry.v1.Blocks\x12&\n\ndst_blocks\x18\x04 \x01(\x0b\x32\x12.kvferry.v1.Blocks\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x15\n\x08\x63odebook\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04wait\x18\x07 \x01(\x01\x12\x11\n\tsubmitter\x18\x08 \x01(\t\x12\n\n\x02id\x18\t \x01(\tB\x0b\n\t_codebook\"8\n\x0eSubmitResponse\x12&\n\x08transfer\x18\x01 \x01(\x0b\x32\x14.kvferry.v1.Transfer\"6\n\nGetRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04wait\x18\x02 \x01(\x01\x12\x0e\n\x06\x61ppear\x18\x03 \x01(\x01\"5\n\x0bGetResponse\x12&\n\x08transfer\x18\x01 \x01(\x0b\x32\x14.kvferry.v1.Transfer\"\x1b\n\rCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"8\n\x0e\x43\x61ncelResponse\x12&\n\x08transfer\x18\x01 \x01(\x0b\x32\x14.kvferry.v1.Transfer\"M\n\x0cWatchRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\x12\x11\n\tsubmitter\x18\x02 \x01(\t\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\r\n\x05since\x18\x04 \x01(\x01\"\\\n\rWatchResponse\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.kvferry.v1.EventKind\x12&\n\x08transfer\x18\x02 \x01(\x0b\x32\x14.kvferry.v1.Transfer\"B\n\x15SubmitAndWatchRequest\x12)\n\x06submit\x18\x01 \x01(\x0b\x32\x19.kvferry.v1.SubmitRequest\"e\n\x16SubmitAndWatchResponse\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.kvferry.v1.EventKind\x12&\n\x08transfer\x18\x02 \x01(\x0b\x32\x14.kvferry.v1.Transfer*\xb8\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_STATE_QUEUED\x10\x01\x12\x1a\n\x16TRANSFER_STATE_RUNNING\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x05*r\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_KIND_SNAPSHOT\x10\x01\x12\x16\n\x12\x45VENT_KIND_CHANGED\x10\x02\x12\x18\n\x14\x45VENT_KIND_NOT_FOUND\x10\x03\x32\xe7\x02\n\x10TransfersService\x12?\n\x06Submit\x12\x19.kvferry.v1.SubmitRequest\x1a\x1a.kvferry.v1.SubmitResponse\x12\x36\n\x03Get\x12\x16.kvferry.v1.GetRequest\x1a\x17.kvferry.v1.GetResponse\x12?\n\x06\x43\x61ncel\x12\x19.kvferry.v1.CancelRequest\x1a\x1a.kvferry.v1.CancelResponse\x12>\n\x05Watch\x12\x18.kvferry.v1.WatchRequest\x1a\x19.kvferry.v1.WatchResponse0\x01\x12Y\n\x0eSubmitAndWatch\x12!.kvferry.v1.SubmitAndWatchRequest\x1a\".kvferry.v1.SubmitAndWatchResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRANSFER_STAGESENTRY']._loaded_options = None
   _globals['_TRANSFER_STAGESENTRY']._serialized_options = b'8\001'
-  _globals['_TRANSFERSTATE']._serialized_start=1578
-  _globals['_TRANSFERSTATE']._serialized_end=1762
-  _globals['_EVENTKIND']._serialized_start=1764
-  _globals['_EVENTKIND']._serialized_end=1878
+  _globals['_TRANSFERSTATE']._serialized_start=1590
+  _globals['_TRANSFERSTATE']._serialized_end=1774
+  _globals['_EVENTKIND']._serialized_start=1776
+  _globals['_EVENTKIND']._serialized_end=1890
   _globals['_REGIONPAIR']._serialized_start=68
   _globals['_REGIONPAIR']._serialized_end=198
   _globals['_TRANSFER']._serialized_start=201
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFER_STAGESENTRY']._serialized_start=646
   _globals['_TRANSFER_STAGESENTRY']._serialized_end=691
   _globals['_SUBMITREQUEST']._serialized_start=741
-  _globals['_SUBMITREQUEST']._serialized_end=975
-  _globals['_SUBMITRESPONSE']._serialized_start=977
-  _globals['_SUBMITRESPONSE']._serialized_end=1033
-  _globals['_GETREQUEST']._serialized_start=1035
-  _globals['_GETREQUEST']._serialized_end=1089
-  _globals['_GETRESPONSE']._serialized_start=1091
-  _globals['_GETRESPONSE']._serialized_end=1144
-  _globals['_CANCELREQUEST']._serialized_start=1146
-  _globals['_CANCELREQUEST']._serialized_end=1173
-  _globals['_CANCELRESPONSE']._serialized_start=1175
-  _globals['_CANCELRESPONSE']._serialized_end=1231
-  _globals['_WATCHREQUEST']._serialized_start=1233
-  _globals['_WATCHREQUEST']._serialized_end=1310
-  _globals['_WATCHRESPONSE']._serialized_start=1312
-  _globals['_WATCHRESPONSE']._serialized_end=1404
-  _globals['_SUBMITANDWATCHREQUEST']._serialized_start=1406
-  _globals['_SUBMITANDWATCHREQUEST']._serialized_end=1472
-  _globals['_SUBMITANDWATCHRESPONSE']._serialized_start=1474
-  _globals['_SUBMITANDWATCHRESPONSE']._serialized_end=1575
-  _globals['_TRANSFERSSERVICE']._serialized_start=1881
-  _globals['_TRANSFERSSERVICE']._serialized_end=2240
+  _globals['_SUBMITREQUEST']._serialized_end=987
+  _globals['_SUBMITRESPONSE']._serialized_start=989
+  _globals['_SUBMITRESPONSE']._serialized_end=1045
+  _globals['_GETREQUEST']._serialized_start=1047
+  _globals['_GETREQUEST']._serialized_end=1101
+  _globals['_GETRESPONSE']._serialized_start=1103
+  _globals['_GETRESPONSE']._serialized_end=1156
+  _globals['_CANCELREQUEST']._serialized_start=1158
+  _globals['_CANCELREQUEST']._serialized_end=1185
+  _globals['_CANCELRESPONSE']._serialized_start=1187
+  _globals['_CANCELRESPONSE']._serialized_end=1243
+  _globals['_WATCHREQUEST']._serialized_start=1245
+  _globals['_WATCHREQUEST']._serialized_end=1322
+  _globals['_WATCHRESPONSE']._serialized_start=1324
+  _globals['_WATCHRESPONSE']._serialized_end=1416
+  _globals['_SUBMITANDWATCHREQUEST']._serialized_start=1418
+  _globals['_SUBMITANDWATCHREQUEST']._serialized_end=1484
+  _globals['_SUBMITANDWATCHRESPONSE']._serialized_start=1486
+  _globals['_SUBMITANDWATCHRESPONSE']._serialized_end=1587
+  _globals['_TRANSFERSSERVICE']._serialized_start=1893
+  _globals['_TRANSFERSSERVICE']._serialized_end=2252
 # @@protoc_insertion_point(module_scope)

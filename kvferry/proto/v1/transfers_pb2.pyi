@@ -97,7 +97,7 @@ class Transfer(_message.Message):
     def __init__(self, id: _Optional[str] = ..., direction: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., peer: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[RegionPair, _Mapping]]] = ..., blocks: _Optional[int] = ..., blocks_done: _Optional[int] = ..., codec: _Optional[str] = ..., chosen_codec: _Optional[str] = ..., choice_reason: _Optional[str] = ..., lossy: _Optional[bool] = ..., bytes_raw: _Optional[int] = ..., bytes_wire: _Optional[int] = ..., ratio: _Optional[float] = ..., seconds: _Optional[float] = ..., stages: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., error_kind: _Optional[str] = ..., created: _Optional[float] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("peer", "regions", "src_blocks", "dst_blocks", "codec", "codebook", "wait", "submitter")
+    __slots__ = ("peer", "regions", "src_blocks", "dst_blocks", "codec", "codebook", "wait", "submitter", "id")
     PEER_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class SubmitRequest(_message.Message):
     CODEBOOK_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     SUBMITTER_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
     peer: str
     regions: _containers.RepeatedCompositeFieldContainer[RegionPair]
     src_blocks: _blocks_pb2.Blocks
@@ -114,7 +115,8 @@ class SubmitRequest(_message.Message):
     codebook: str
     wait: float
     submitter: str
-    def __init__(self, peer: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[RegionPair, _Mapping]]] = ..., src_blocks: _Optional[_Union[_blocks_pb2.Blocks, _Mapping]] = ..., dst_blocks: _Optional[_Union[_blocks_pb2.Blocks, _Mapping]] = ..., codec: _Optional[str] = ..., codebook: _Optional[str] = ..., wait: _Optional[float] = ..., submitter: _Optional[str] = ...) -> None: ...
+    id: str
+    def __init__(self, peer: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[RegionPair, _Mapping]]] = ..., src_blocks: _Optional[_Union[_blocks_pb2.Blocks, _Mapping]] = ..., dst_blocks: _Optional[_Union[_blocks_pb2.Blocks, _Mapping]] = ..., codec: _Optional[str] = ..., codebook: _Optional[str] = ..., wait: _Optional[float] = ..., submitter: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("transfer",)
