@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -302,24 +301,18 @@ class Watched:
 class Ending:
     """A Watch of one transfer begun by ``GrpcSender.watch_end``, its end read by ``result``."""
 
-    def __init__(self, call: Any, transfer_id: str, appear: float):
-        self._call, self.id, self._appear = call, transfer_id, appear
-        self._seen = threading.Event()
-        self._late = threading.Timer(appear, lambda: self._seen.is_set() or call.cancel())
-        self._late.start()
+    def __init__(self, call: Any, transfer_id: str):
+        self._call, self.id = call, transfer_id
 
     def result(self) -> dict[str, Any] | None:
         """The transfer's record at its end, on this thread; None where the call's ``wait`` passed first.
 
         Raises:
-            NotFound: it did not appear within ``appear`` seconds. EngineError (the watch refused),
-            grpc.RpcError: the stream broke.
+            NotFound: it did not appear within the watch's ``appear`` seconds. EngineError (the
+            watch refused), grpc.RpcError: the stream broke.
         """
         try:
             for message in self._call:
-                if message.kind == transfers_pb2.EVENT_KIND_NOT_FOUND:
-                    continue
-                self._seen.set()
                 record = convert.transfer_record(message.transfer)
                 if record["state"] in TERMINAL:
                     return record
@@ -327,15 +320,12 @@ class Ending:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return None
-            if exc.code() == grpc.StatusCode.CANCELLED and not self._seen.is_set():
-                raise NotFound(f"no transfer {self.id} (none came within {self._appear:g} s)") from None
             error = engine_error(exc)
             raise error if error is not None else exc from None
         finally:
-            self.cancel()
+            self._call.cancel()
 
     def cancel(self) -> None:
-        self._late.cancel()
         self._call.cancel()
 
 
@@ -417,8 +407,8 @@ class GrpcSender:
         about to announce: ``appear`` is how long to wait for it first); its end is read by
         ``Ending.result`` on the calling thread, so the watch can be asked for before the transfer
         is submitted elsewhere."""
-        request = transfers_pb2.WatchRequest(ids=[transfer_id], follow=True)  # follow: one not here yet is awaited
-        return Ending(self._transfers.Watch(request, metadata=self._metadata, timeout=wait), transfer_id, appear)
+        request = transfers_pb2.WatchRequest(ids=[transfer_id], follow=True, appear=appear)
+        return Ending(self._transfers.Watch(request, metadata=self._metadata, timeout=wait), transfer_id)
 
     def _call(self, method: Any, request: Any, wait: float) -> Any:
         """One blocking call, tried again while the sidecar answers Overloaded (as ``GrpcClient``'s)."""

@@ -15,7 +15,7 @@ import grpc
 from pydantic import ValidationError
 
 from kvferry.engine.engine import Engine
-from kvferry.engine.errors import BadRequest, EngineError, Overloaded
+from kvferry.engine.errors import BadRequest, EngineError, NotFound, Overloaded
 from kvferry.engine.transfers import Transfer
 from kvferry.proto import convert
 from kvferry.proto.v1 import (codebooks_pb2, codebooks_pb2_grpc, health_pb2, health_pb2_grpc, regions_pb2,
@@ -163,6 +163,10 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
     async def Watch(self, request: transfers_pb2.WatchRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[transfers_pb2.WatchResponse]:
         watcher = self.hub.subscribe(list(request.ids), request.submitter, request.follow, request.since)
+        appear = ops.check_wait(request.appear)
+        # ids not here yet, and until when they may come (then the stream ends NOT_FOUND)
+        absent = {i for i in request.ids if self.engine.transfers.find(i) is None} if appear else set()
+        until = asyncio.get_running_loop().time() + appear
         try:
             while True:
                 if watcher.closed:
@@ -170,17 +174,23 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
                 if watcher.overflowed:
                     raise Overloaded("this watcher fell too far behind: watch again for the current states")
                 for event in watcher.drain():
+                    if event.kind == "not_found" and event.id in absent:
+                        continue  # awaited for ``appear`` seconds, not reported yet
+                    absent.discard(event.id)
                     message = transfers_pb2.WatchResponse(kind=EVENT_KINDS[event.kind])
                     if event.record is None:
                         message.transfer.id = event.id
                     else:
                         message.transfer.CopyFrom(convert.transfer_message(event.record))
                     yield message
-                if watcher.finished:
+                if watcher.finished and not absent:
                     return
                 if not watcher.unread:
+                    left = until - asyncio.get_running_loop().time()
+                    if absent and left <= 0:
+                        raise NotFound(f"no transfer {sorted(absent)[0]} (none came within {appear:g} s)")
                     try:
-                        await asyncio.wait_for(watcher.wake.wait(), HEARTBEAT)
+                        await asyncio.wait_for(watcher.wake.wait(), min(HEARTBEAT, left) if absent else HEARTBEAT)
                     except TimeoutError:
                         pass
         finally:

@@ -153,16 +153,18 @@ class CancelResponse(_message.Message):
     def __init__(self, transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("ids", "submitter", "follow", "since")
+    __slots__ = ("ids", "submitter", "follow", "since", "appear")
     IDS_FIELD_NUMBER: _ClassVar[int]
     SUBMITTER_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    APPEAR_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[str]
     submitter: str
     follow: bool
     since: float
-    def __init__(self, ids: _Optional[_Iterable[str]] = ..., submitter: _Optional[str] = ..., follow: _Optional[bool] = ..., since: _Optional[float] = ...) -> None: ...
+    appear: float
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., submitter: _Optional[str] = ..., follow: _Optional[bool] = ..., since: _Optional[float] = ..., appear: _Optional[float] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
     __slots__ = ("kind", "transfer")
