@@ -397,6 +397,29 @@ class GrpcSender:
                                  None, wait, transfer_id)
         return convert.transfer_record(self._call(self._transfers.Submit, request, wait).transfer)
 
+    def send_later(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
+                   codec: str = "auto", *, transfer_id: str = "") -> Callable[[], dict[str, Any]]:
+        """``send`` without waiting for the end, split: the Submit leaves now, and the function
+        returned reads its record (once started) later, on any thread.
+
+        Raises (the function): EngineError (refused), grpc.RpcError (unreachable)."""
+        request = submit_request(self.submitter, [(src_region, dst_region)], src_blocks, peer, dst_blocks, codec,
+                                 None, 0, transfer_id)
+        future = self._transfers.Submit.future(request, metadata=self._metadata, timeout=self._timeout)
+
+        def result() -> dict[str, Any]:
+            try:
+                return convert.transfer_record(future.result().transfer)
+            except grpc.RpcError as exc:
+                error = engine_error(exc)
+                if error is None:
+                    raise
+                if not isinstance(error, Overloaded):
+                    raise error from None
+            return convert.transfer_record(self._call(self._transfers.Submit, request, 0).transfer)  # tried again
+
+        return result
+
     def ended(self, transfer_id: str, wait: float, appear: float) -> dict[str, Any] | None:
         """``watch_end(...).result()``: the record of transfer ``transfer_id`` at its end, or None
         where ``wait`` passed first. Raises: as ``Ending.result``."""

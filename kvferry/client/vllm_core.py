@@ -41,7 +41,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -600,9 +600,18 @@ class Consumer:
                     # with jittered backoff, as the SDK's calls are.
                     time.sleep(delay * (0.5 + random.random()))
                     delay = min(2.0, delay * 2)
-                    transfer_id = uuid.uuid4().hex
-                    ending = self._watch_end(transfer_id, local, deadline - time.monotonic())
-                    record = records[i] = self._send(pull, url, pieces[i], src, dst, stream, transfer_id)
+                    transfer_id, fresh = uuid.uuid4().hex, []
+
+                    def ask(transfer_id: str = transfer_id, fresh: list = fresh) -> None:
+                        if not fresh:
+                            fresh.append(self._watch_end(transfer_id, local, deadline - time.monotonic()))
+                    try:
+                        record = records[i] = self._send(pull, url, pieces[i], src, dst, stream, transfer_id, ask)
+                    except BaseException:
+                        for _, unread in fresh:
+                            unread.cancel()
+                        raise
+                    ending = fresh[0] if fresh else None
                     pull.transfer_ids[i] = record["id"]
                 elif record["state"] not in ("queued", "running"):
                     pushed = pushed and by_watch
@@ -615,9 +624,12 @@ class Consumer:
                        stream: Stream | None, local: Stream | None, deadline: float, records: list[dict[str, Any]],
                        pending: list[tuple[Stream | None, Any]]) -> None:
         """Submit each piece under an id drawn here, its end asked of this decode's sidecar first."""
-        for piece in pieces:
+        for index, piece in enumerate(pieces):
             transfer_id = uuid.uuid4().hex
-            pending.append(self._watch_end(transfer_id, local, deadline - time.monotonic()))
+
+            def ask(transfer_id: str = transfer_id, index: int = index) -> None:
+                if len(pending) == index:  # once, as the first try is sent
+                    pending.append(self._watch_end(transfer_id, local, deadline - time.monotonic()))
             # The prefill takes the lease on a thread of its own, so a pull may come a moment before
             # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails,
             # first after 1 ms (a lease is taken in about that: a first wait of 10 ms cost a GPU
@@ -625,7 +637,7 @@ class Consumer:
             grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.001
             while True:
                 try:
-                    records.append(self._send(pull, url, piece, src, dst, stream, transfer_id))
+                    records.append(self._send(pull, url, piece, src, dst, stream, transfer_id, ask))
                     break
                 except NotFound:
                     if time.monotonic() + pause > grace:
@@ -669,10 +681,11 @@ class Consumer:
             return mine, by_watch
 
     def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
-              stream: Stream | None, transfer_id: str) -> dict[str, Any]:
+              stream: Stream | None, transfer_id: str, then: Callable[[], None] | None = None) -> dict[str, Any]:
         """Check the prefill rank's blocks (first contact) and send the pull of ``piece`` as
         transfer ``transfer_id``: its record once started, submitted over gRPC where ``stream``
-        (the prefill's channel) takes it."""
+        (the prefill's channel) takes it. ``then`` runs once the request is sent, before its
+        answer is read (the decode's own sidecar asked for the end meanwhile)."""
         lease = lease_names(pull.spec.params, [piece.rank])[0]
         heads, p_tp, d_tp = tp_shape(self.compat, pull.spec.params.get("compat"))
         layout = self.cache.layout
@@ -688,11 +701,13 @@ class Consumer:
         pull.asked_wall = pull.asked_wall or time.time()
         if stream is not None:
             record = self.watches.submit(stream, lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
-                                         codec, transfer_id)
+                                         codec, transfer_id, then)
             if record is not None:
                 return record
         answer = pull.client.send_later(lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
                                         codec=codec, wait=0, transfer_id=transfer_id)
+        if then is not None:
+            then()
         return answer.result()
 
     def poll(self) -> tuple[set[str], set[str]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -102,16 +102,21 @@ class Watches:
             return stream
 
     def submit(self, stream: Stream, src_region: str, src_blocks: Blocks, peer: str, dst_region: str,
-               dst_blocks: Blocks, codec: str, transfer_id: str) -> dict[str, Any] | None:
-        """Submit a pull over gRPC, on this thread: its record once started; None where the
-        sidecar could not be reached that way (the caller sends it over HTTP).
+               dst_blocks: Blocks, codec: str, transfer_id: str,
+               then: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """Submit a pull over gRPC, on this thread (``then`` runs once it is sent, before its answer
+        is read): its record once started; None where the sidecar could not be reached that way
+        (the caller sends it over HTTP).
 
         Raises: EngineError (the sidecar refused it: as over HTTP)."""
         import grpc
 
         try:
-            return stream.sender.send(src_region, src_blocks, peer, dst_region, dst_blocks, codec, wait=0,
-                                      transfer_id=transfer_id)
+            answer = stream.sender.send_later(src_region, src_blocks, peer, dst_region, dst_blocks, codec,
+                                              transfer_id=transfer_id)
+            if then is not None:
+                then()
+            return answer()
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:  # it may have been submitted: not sent twice
                 raise
