@@ -68,8 +68,9 @@ WAITERS = 16  # a decode's pulls waited on at once (more wait for a thread)
 LONG_POLL = 10.0  # seconds one long-poll of a transfer's end may take
 # Seconds the decode's own sidecar is asked to wait for a pulled transfer's announce before the
 # decode asks the prefill instead: a transfer refused before it was announced (the receiver
-# overloaded) or still queued on the prefill is learned there.
-APPEAR = 0.25
+# overloaded) or still queued on the prefill is learned there. Long enough for a loaded host's
+# announce, and for a same-host write of a CPU cache, which is announced behind its data.
+APPEAR = 1.0
 # Seconds a decode asks again for a lease the prefill may not have taken yet (its lease thread can
 # lag seconds behind vLLM's step on a loaded host: 5 s failed one request in sixty on 2 cores).
 LEASE_GRACE = 15.0

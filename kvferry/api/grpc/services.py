@@ -162,8 +162,12 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
     @translated
     async def Watch(self, request: transfers_pb2.WatchRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[transfers_pb2.WatchResponse]:
-        watcher = self.hub.subscribe(list(request.ids), request.submitter, request.follow, request.since)
         appear = ops.check_wait(request.appear)
+        if len(request.ids) == 1 and request.follow:  # one transfer: awaited on itself, not through the hub
+            async for message in self._watch_one(request.ids[0], appear):
+                yield message
+            return
+        watcher = self.hub.subscribe(list(request.ids), request.submitter, request.follow, request.since)
         # ids not here yet, and until when they may come (then the stream ends NOT_FOUND)
         absent = {i for i in request.ids if self.engine.transfers.find(i) is None} if appear else set()
         until = asyncio.get_running_loop().time() + appear
@@ -195,6 +199,37 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
                         pass
         finally:
             self.hub.unsubscribe(watcher)
+
+
+    async def _watch_one(self, transfer_id: str, appear: float) -> AsyncIterator[transfers_pb2.WatchResponse]:
+        """A followed Watch of one transfer, as the hub's would send it (its state, then its end),
+        awaited on the transfer itself: its end wakes this call as it wakes a long-polling GET,
+        before the table's listeners (and the hub) run, the DONE to its sender sent first."""
+        table = self.engine.transfers
+        t = table.find(transfer_id)
+        if t is None and appear:
+            t = await table.arrival(transfer_id, appear)
+            if t is None:
+                raise NotFound(f"no transfer {transfer_id} (none came within {appear:g} s)")
+        if t is None:
+            yield self._event("not_found", transfer_id, None)
+            while t is None:
+                t = await table.arrival(transfer_id, HEARTBEAT)
+        yield self._event("snapshot", transfer_id, t.public())
+        while not t.state.terminal:
+            if await t.wait(HEARTBEAT):
+                yield self._event("changed", transfer_id, t.public())
+        while True:  # followed: the stream stays open until the client ends it
+            await asyncio.sleep(HEARTBEAT)
+
+    @staticmethod
+    def _event(kind: str, transfer_id: str, record: dict[str, Any] | None) -> transfers_pb2.WatchResponse:
+        message = transfers_pb2.WatchResponse(kind=EVENT_KINDS[kind])
+        if record is None:
+            message.transfer.id = transfer_id
+        else:
+            message.transfer.CopyFrom(convert.transfer_message(record))
+        return message
 
 
 class Codebooks(codebooks_pb2_grpc.CodebooksServiceServicer):
