@@ -21,5 +21,6 @@ def test_http_and_grpc_in_one_run(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 4 and {name.split(",")[0] for name in rows} == {"HTTP", "gRPC"}
+    assert len(rows) == 6 and {name.split(",")[0] for name in rows} == {"HTTP", "gRPC"}
+    assert any("SubmitAndWatch" in name for name in rows) and any("GrpcSender.send" in name for name in rows)
     assert all(row["n"] == 18 and row["p99_us"] >= row["median_us"] > 0 for row in rows.values())
