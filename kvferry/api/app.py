@@ -28,7 +28,7 @@ from . import errors, ops
 from .auth import token_ok
 from .leases import MAX_WAIT, LeaseBody, LeaseBook, RenewBody
 from .models import CODEC, ERRORS, CalibrateBody, RegionBody, TransferBody
-from .ops import submit_transfer, transfer_record
+from .ops import MAX_APPEAR, submit_transfer, transfer_record
 
 log = logging.getLogger("kvferry.api")
 
@@ -181,7 +181,7 @@ async def list_transfers(e: EngineDep, state: Literal["queued", "running", "done
 @transfers.get("/{transfer_id}")
 async def get_transfer(transfer_id: str, e: EngineDep,
                        wait: Annotated[float, Query(ge=0, le=300)] = 0,
-                       appear: Annotated[float, Query(ge=0, le=300)] = 0) -> dict:
+                       appear: Annotated[float, Query(ge=0, le=MAX_APPEAR)] = 0) -> dict:
     """A transfer's state; ``wait`` long-polls up to that many seconds for a terminal state, and
     ``appear`` first waits up to that long (within ``wait``) for a transfer a peer is about to
     announce here (a decode waiting on its own sidecar for the KV it asked a prefill for)."""
@@ -387,7 +387,8 @@ class Lane:
 
 def _query(query: bytes) -> tuple[float, float] | None:
     """(``wait``, ``appear``) of a query that holds nothing else, each valid as the routes
-    declare it (0 to 300 seconds, at most once); None for any other query (FastAPI's to answer)."""
+    declare it (0 to 300 and 0 to ``MAX_APPEAR`` seconds, at most once); None for any other query
+    (FastAPI's to answer)."""
     values = {"wait": 0.0, "appear": 0.0}
     if not query:
         return 0.0, 0.0
@@ -395,8 +396,9 @@ def _query(query: bytes) -> tuple[float, float] | None:
         pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True, strict_parsing=True)
         for key, value in pairs:
             number = float(value)
+            limit = MAX_APPEAR if key == "appear" else 300
             if key not in values or len(pairs) > len({k for k, _ in pairs}) or not (math.isfinite(number)
-                                                                                    and 0 <= number <= 300):
+                                                                                    and 0 <= number <= limit):
                 return None
             values[key] = number
     except ValueError:

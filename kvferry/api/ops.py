@@ -18,6 +18,9 @@ from kvferry.engine.transfers import Transfer
 from .models import CODEC, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
 
 MAX_WAIT = 300.0  # the longest a call may wait for a transfer's end, in seconds
+# The longest a call may wait for a transfer a peer is about to announce: one comes within moments
+# (its announce is the peer's first message); past that, ask again or ask the peer.
+MAX_APPEAR = 5.0
 
 
 def check_wait(wait: float) -> float:
@@ -25,6 +28,13 @@ def check_wait(wait: float) -> float:
     if not 0 <= wait <= MAX_WAIT:  # NaN fails too
         raise BadRequest(f"wait: {wait} is not 0 to {MAX_WAIT:g} seconds")
     return wait
+
+
+def check_appear(appear: float) -> float:
+    """Raises: BadRequest (``appear`` is not 0 to ``MAX_APPEAR`` seconds)."""
+    if not 0 <= appear <= MAX_APPEAR:  # NaN fails too
+        raise BadRequest(f"appear: {appear} is not 0 to {MAX_APPEAR:g} seconds")
+    return appear
 
 
 def health(e: Engine) -> dict[str, Any]:

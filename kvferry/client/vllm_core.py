@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from kvferry.engine.errors import EngineError, NotFound
+from kvferry.engine.errors import Conflict, EngineError, NotFound
 
 from . import tp
 from .sdk import Client
@@ -862,14 +862,18 @@ class PeerClients:
 
 def release(client: Client, lease: str) -> None:
     """Delete a prefill's lease (the prefill frees its blocks once it is gone); a lease not there
-    is asked for again for ``RELEASE_GRACE`` seconds (not taken yet, or pulled and ended already)."""
-    grace, pause = time.monotonic() + RELEASE_GRACE, 0.01
+    is asked for again for ``RELEASE_GRACE`` seconds (not taken yet, or pulled and ended already),
+    and so is one its transfer still holds: the decode's sidecar records the KV arrived before
+    the prefill's hears the DONE that ends the transfer there."""
+    grace, pause = time.monotonic() + RELEASE_GRACE, 0.001
     while True:
         try:
             client.delete_region(lease)
             return
-        except NotFound:
+        except (NotFound, Conflict) as exc:
             if time.monotonic() + pause > grace:
+                if isinstance(exc, Conflict):
+                    log.debug("kvferry: lease %s not deleted: %s", lease, exc)
                 return
             time.sleep(pause)
             pause = min(0.2, pause * 2)

@@ -163,11 +163,13 @@ def test_the_receiver_watches_a_transfer_before_and_after_it_arrives(sidecars):
     src, dst = asyncio.run(regions())
     with GrpcSender(a.grpc, token=TOKEN, timeout=30) as sender, GrpcSender(b.grpc, token=TOKEN, timeout=30) as mine:
         started = sender.send(src, range(8), b.data, dst, range(8), codec="raw", wait=0)
-        end = mine.ended(started["id"], wait=60, appear=30)
+        end = mine.ended(started["id"], wait=60, appear=5)
         assert end["id"] == started["id"] and end["state"] == "done" and end["direction"] == "in"
         assert mine.ended(started["id"], wait=5, appear=1)["state"] == "done"  # ended already: at once
         with pytest.raises(errors.NotFound, match="none came within 0.3 s"):
             mine.ended(uuid.uuid4().hex, wait=30, appear=0.3)
+        with pytest.raises(errors.BadRequest, match="appear"):
+            mine.ended(uuid.uuid4().hex, wait=30, appear=6)
 
     async def get() -> None:
         async with GrpcClient(b.grpc, token=TOKEN) as receiver:

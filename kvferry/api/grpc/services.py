@@ -139,7 +139,7 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
     @translated
     async def Get(self, request: transfers_pb2.GetRequest, context: Any) -> transfers_pb2.GetResponse:
         record = await ops.transfer_record(self.engine, request.id, ops.check_wait(request.wait),
-                                           ops.check_wait(request.appear))
+                                           ops.check_appear(request.appear))
         return transfers_pb2.GetResponse(transfer=convert.transfer_message(record))
 
     @translated
@@ -162,7 +162,7 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
     @translated
     async def Watch(self, request: transfers_pb2.WatchRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[transfers_pb2.WatchResponse]:
-        appear = ops.check_wait(request.appear)
+        appear = ops.check_appear(request.appear)
         if len(request.ids) == 1 and request.follow:  # one transfer: awaited on itself, not through the hub
             async for message in self._watch_one(request.ids[0], appear):
                 yield message
