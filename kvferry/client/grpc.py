@@ -367,22 +367,14 @@ class GrpcSender:
         pair = (src_region, dst_region, *(references or ()))
         submit = submit_request(self.submitter, [pair], src_blocks, peer, dst_blocks, codec, codebook, wait)
         request = transfers_pb2.SubmitAndWatchRequest(submit=submit)
-        delay = 0.05
-        for attempt in range(self._retries + 1):
+        def started() -> Watched:
             call = self._transfers.SubmitAndWatch(request, metadata=self._metadata, timeout=self._timeout + wait)
             try:
                 return Watched(call, convert.transfer_record(next(call).transfer))
             except StopIteration:
                 raise EngineError("the sidecar ended SubmitAndWatch without the transfer's record") from None
-            except grpc.RpcError as exc:
-                error = engine_error(exc)
-                if error is None:
-                    raise
-                if not isinstance(error, Overloaded) or attempt == self._retries:
-                    raise error from None
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(2.0, delay * 2)
-        raise AssertionError("unreachable")
+
+        return self._retried(started)
 
     def send(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
              codec: str = "auto", *, wait: float, transfer_id: str = "") -> dict[str, Any]:
@@ -435,15 +427,19 @@ class GrpcSender:
 
     def _call(self, method: Any, request: Any, wait: float) -> Any:
         """One blocking call, tried again while the sidecar answers Overloaded (as ``GrpcClient``'s)."""
+        return self._retried(lambda: method(request, metadata=self._metadata, timeout=self._timeout + wait))
+
+    def _retried(self, attempt: Callable[[], Any]) -> Any:
+        """``attempt()``, made again with jittered backoff while the sidecar answers Overloaded."""
         delay = 0.05
-        for attempt in range(self._retries + 1):
+        for tried in range(self._retries + 1):
             try:
-                return method(request, metadata=self._metadata, timeout=self._timeout + wait)
+                return attempt()
             except grpc.RpcError as exc:
                 error = engine_error(exc)
                 if error is None:
                     raise
-                if not isinstance(error, Overloaded) or attempt == self._retries:
+                if not isinstance(error, Overloaded) or tried == self._retries:
                     raise error from None
             time.sleep(delay * (0.5 + random.random()))
             delay = min(2.0, delay * 2)
