@@ -629,8 +629,14 @@ class Consumer:
             transfer_id = uuid.uuid4().hex
 
             def ask(transfer_id: str = transfer_id, index: int = index) -> None:
-                if len(pending) == index:  # once, as the first try is sent
-                    pending.append(self._watch_end(transfer_id, local, deadline - time.monotonic()))
+                """As each try is sent: the wait for its announce counts from the latest try (a
+                lease the prefill had not taken yet is asked for again, later)."""
+                watch = self._watch_end(transfer_id, local, deadline - time.monotonic())
+                if len(pending) > index:
+                    pending[index][1].cancel()
+                    pending[index] = watch
+                else:
+                    pending.append(watch)
             # The prefill takes the lease on a thread of its own, so a pull may come a moment before
             # it: a missing lease is asked for again for LEASE_GRACE seconds before the pull fails,
             # first after 1 ms (a lease is taken in about that: a first wait of 10 ms cost a GPU
