@@ -192,9 +192,10 @@ def test_request_kv_crosses_in_one_transfer(pd, codec):
     assert not pages(d_layers, others, block_dim).any()  # nothing else written
     outgoing = prefill.client.transfers(direction="out")
     assert len(outgoing) == before + 1  # one transfer for all layers of the request
-    assert outgoing[0]["chosen_codec"] == consumer.stats[-1]["codec"] and outgoing[0]["state"] == "done"
+    sent = prefill.client.wait(outgoing[0]["id"], timeout=30)  # the DONE may still be on its way
+    assert sent["chosen_codec"] == consumer.stats[-1]["codec"] and sent["state"] == "done"
     if codec != "auto":
-        assert outgoing[0]["chosen_codec"] == codec
+        assert sent["chosen_codec"] == codec
     assert consumer.stats[-1]["wait_seconds"] >= consumer.stats[-1]["transfer_seconds"] > 0
 
     # the decode deletes the lease; the prefill frees the blocks once vLLM has finished the request
@@ -603,7 +604,7 @@ def test_a_real_pull_shows_in_the_statistics(pd):
         producer.save("req-m", [1, 2, 3])
         consumer.start(LoadSpec("dec-m", (4, 5, 6), remote_params("req-m", [1, 2, 3], config(prefill))))
         assert pump(consumer) == ({"dec-m"}, set())
-        record = prefill.client.transfers(direction="out")[0]
+        record = prefill.client.wait(prefill.client.transfers(direction="out")[0]["id"], timeout=30)
         stats = consumer.interval.take()
         assert stats is not None and consumer.interval.is_empty()
         samples = exposition(stats.data)

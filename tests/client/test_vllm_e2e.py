@@ -361,6 +361,12 @@ def _failed(response: httpx.Response) -> bool:
     return choice.get("finish_reason") == "error"
 
 
+def failed_out(sidecar) -> list[dict]:
+    """The sidecar's outgoing transfers that failed, once every one of them has ended."""
+    ended = [sidecar.client.wait(t["id"], timeout=30) for t in sidecar.client.transfers(direction="out")]
+    return [t for t in ended if t["state"] == "failed"]
+
+
 def test_corrupted_kv_fails_the_request(pd, reference):
     """A byte flipped on the wire: the receiving sidecar's integrity check refuses the transfer and
     the decode request fails (kv_load_failure_policy=fail) rather than answering from bad KV."""
@@ -370,8 +376,7 @@ def test_corrupted_kv_fails_the_request(pd, reference):
     response = complete(pd["proxy"], prompts[-1], timeout=120, kv_transfer_params={"kvferry_codec": "raw"})
     assert _failed(response), response.text[:1000]
     assert time.monotonic() - start < 60
-    failed = [t for t in faulty.client.transfers(direction="out") if t["state"] == "failed"]
-    assert failed, faulty.client.transfers(direction="out")
+    assert failed_out(faulty), faulty.client.transfers(direction="out")
 
 
 def test_prefill_sidecar_killed_mid_request_fails_without_hanging(pd, reference):
@@ -437,6 +442,6 @@ def test_recompute_policy_answers_like_a_single_vllm(pd, reference, recompute_de
     received = len(stats.read_text().splitlines()) if stats.exists() else 0
     assert received == received_before, "the decode loaded the KV: nothing was recomputed"
     if fault == "corrupted":
-        assert [t for t in p_side.client.transfers(direction="out") if t["state"] == "failed"]
+        assert failed_out(p_side), p_side.client.transfers(direction="out")
     print(f"\n[recompute, {fault}] {len(prompt)}-token prompt recomputed by the decode in {elapsed:.1f} s, "
           f"answer equal to a single vLLM's")
