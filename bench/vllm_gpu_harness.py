@@ -18,13 +18,14 @@ time to done, and from there to the sender's done (its DONE on the way back).
 With ``--control http,grpc`` (the default) one run measures both ways the decode learns a
 transfer's end, request by request in turn on the same sidecars and caches: over HTTP, a long-poll
 of the decode's own sidecar, which records the KV arrived before the prefill's hears the DONE;
-over gRPC, the prefill's ``SubmitAndWatch`` stream (``kvferry.client.vllm_watch``). Each is
+over gRPC, a ``Watch`` of that one transfer on the same sidecar (``kvferry.client.vllm_watch``). Each is
 reported apart (median and p90), with "answer after the end" the time from the transfer's end on
 the prefill's sidecar (its record: submit to DONE) to the decode's worker thread holding a record
 of the end, which may come first (negative), and apart from the receiver's done.
 
     python bench/vllm_gpu_harness.py [--tokens 4096] [--requests 20] [--codec auto] [--backend tcp]
                                      [--layout in-place|mirror] [--control http,grpc] [--device cuda|cpu]
+                                     [--devices cuda:0,cuda:1]
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main() -> int:
     parser.add_argument("--codec", default="auto")
     parser.add_argument("--backend", default="tcp")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--devices", help="the prefill's and the decode's device, comma-separated (e.g. "
+                                          "cuda:0,cuda:1: a sidecar on each GPU); default: --device for both")
     parser.add_argument("--poll-ms", type=float, default=0.5, help="get_finished interval (vLLM: every step)")
     parser.add_argument("--layout", choices=("in-place", "mirror"), default="in-place",
                         help="lend vLLM's cache itself (default) or a device mirror of it")
@@ -68,6 +71,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     controls = [c.strip() for c in args.control.split(",") if c.strip()]
+    devices = [d.strip() for d in (args.devices or f"{args.device},{args.device}").split(",")]
+    if len(devices) != 2 or len({d.split(":")[0] for d in devices}) != 1:
+        parser.error(f"--devices: {args.devices!r} is not two devices of one kind (cuda:0,cuda:1)")
+    on_gpu = devices[0].startswith("cuda")
     if not controls or any(c not in CONTROLS for c in controls):
         parser.error(f"--control: {args.control!r} is not a list of {', '.join(CONTROLS)}")
 
@@ -78,25 +85,26 @@ def main() -> int:
     from kvferry.demo import free_port, start_sidecar, stop_sidecars, wait_ready
 
     def sync() -> None:
-        if args.device == "cuda":
-            torch.cuda.synchronize()
+        for device in set(devices) if on_gpu else ():
+            torch.cuda.synchronize(device)
 
     per_request = args.tokens // BLOCK_SIZE
     blocks = 2 * per_request + 16
     ports = [(free_port(), free_port()) for _ in range(2)]
     serve_grpc = "grpc" in controls  # each sidecar on a gRPC port of its own beside REST
-    processes = [start_sidecar(p, d, args.backend, device=args.device, env={"KVFERRY_TRANSFER_TIMEOUT": "60"},
-                               extra=["--grpc-port", str(free_port())] if serve_grpc else None) for p, d in ports]
+    processes = [start_sidecar(p, d, args.backend, device=device, env={"KVFERRY_TRANSFER_TIMEOUT": "60"},
+                               extra=["--grpc-port", str(free_port())] if serve_grpc else None)
+                 for (p, d), device in zip(ports, devices)]
     rows: dict[str, list[dict]] = {c: [] for c in controls}
     consumers: dict[str, Consumer] = {}
     try:
         urls = [f"http://127.0.0.1:{p}" for p, _ in ports]
         for url, process in zip(urls, processes):
             wait_ready(Client(url), process, timeout=180)
-        generator = torch.Generator(device=args.device).manual_seed(0)
+        generator = torch.Generator(device=devices[0]).manual_seed(0)
         shape = (LAYERS, 2, blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
-        p_buffer = (torch.randn(shape, generator=generator, device=args.device) * 0.7).to(torch.bfloat16)
-        d_buffer = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
+        p_buffer = (torch.randn(shape, generator=generator, device=devices[0]) * 0.7).to(torch.bfloat16)
+        d_buffer = torch.zeros(shape, dtype=torch.bfloat16, device=devices[1])
         p_layers, d_layers = list(p_buffer.unbind(0)), list(d_buffer.unbind(0))
         in_place = args.layout == "in-place"
         p_cache = KvCache(Client(urls[0]), "harness-prefill", p_layers, blocks, in_place=in_place)
@@ -135,9 +143,9 @@ def main() -> int:
                 if failed or not received:
                     raise RuntimeError(f"request {rid} did not load: {consumer.failed_blocks}")
                 sync()
-                ids_p, ids_d = torch.tensor(src, device=args.device), torch.tensor(dst, device=args.device)
+                ids_p, ids_d = torch.tensor(src, device=devices[0]), torch.tensor(dst, device=devices[1])
                 exact = torch.equal(p_buffer.index_select(2, ids_p).view(torch.int16),
-                                    d_buffer.index_select(2, ids_d).view(torch.int16))
+                                    d_buffer.index_select(2, ids_d).view(torch.int16).to(devices[0]))
                 producer.finished_sending({rid})
                 if request:
                     rows[control].append(row_of(consumer.stats[-1], pull, d_cache.client, exact, started_wall))
@@ -148,7 +156,9 @@ def main() -> int:
         d_cache.close()
     finally:
         stop_sidecars(processes)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    device = " and ".join(sorted({torch.cuda.get_device_name(d) for d in devices})) if on_gpu else "CPU"
+    if on_gpu and len(set(devices)) > 1:
+        device = f"{len(set(devices))} × {device} (prefill {devices[0]}, decode {devices[1]})"
     first = rows[controls[0]]
     print(f"vLLM connector core, {device}, {time.strftime('%Y-%m-%d')}: {args.tokens} tokens of Llama-3-8B KV "
           f"({first[0]['bytes_raw'] / 2**20:.0f} MiB, {LAYERS} layers) per request, codec {args.codec}, {args.layout}, "

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_both_control_paths_in_one_run(tmp_path):
     pytest.importorskip("grpc", reason="the grpc path needs the grpc extra")
     out = tmp_path / "harness.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_gpu_harness.py"), "--device", "cpu",
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_gpu_harness.py"), "--devices", "cpu,cpu",
                           "--tokens", "32", "--requests", "2", "--control", "http,grpc", "--json", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -30,3 +30,10 @@ def test_both_control_paths_in_one_run(tmp_path):
         for key in ("wait", "transfer", "overhead", "reply"):
             assert summary[key]["p90_ms"] >= summary[key]["median_ms"]
     assert "| grpc |" in run.stdout and "| http |" in run.stdout
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu,cuda:0", "cuda:0,cuda:1,cuda:2"])
+def test_devices_are_two_of_one_kind(devices):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_gpu_harness.py"), "--devices", devices],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "--devices" in run.stderr and "two devices of one kind" in run.stderr, run.stderr
