@@ -25,7 +25,12 @@ of the end, which may come first (negative), and apart from the receiver's done.
 
     python bench/vllm_gpu_harness.py [--tokens 4096] [--requests 20] [--codec auto] [--backend tcp]
                                      [--layout in-place|mirror] [--control http,grpc] [--device cuda|cpu]
-                                     [--devices cuda:0,cuda:1]
+                                     [--devices cuda:0,cuda:1] [--step-ms 5] [--pull-from step|worker]
+
+``--step-ms`` has the decode's thread run Python between polls, as a busy vLLM step does, instead
+of sleeping: it holds the interpreter lock, so whatever the connector leaves to its worker thread
+waits up to the interpreter's switch interval (5 ms). ``--pull-from worker`` sends every pull from
+that thread, the A/B of the connector sending it from the step where it can.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ def main() -> int:
     parser.add_argument("--devices", help="the prefill's and the decode's device, comma-separated (e.g. "
                                           "cuda:0,cuda:1: a sidecar on each GPU); default: --device for both")
     parser.add_argument("--poll-ms", type=float, default=0.5, help="get_finished interval (vLLM: every step)")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="the decode's step thread runs this long in Python after starting a pull and between "
+                             "polls, instead of sleeping (vLLM's scheduling and forward): it holds the interpreter "
+                             "lock as a busy engine does")
+    parser.add_argument("--pull-from", choices=("step", "worker"), default="step",
+                        help="step: the connector sends a pull on the step thread where it can (as shipped); "
+                             "worker: always from its worker thread (the A/B of that choice)")
     parser.add_argument("--layout", choices=("in-place", "mirror"), default="in-place",
                         help="lend vLLM's cache itself (default) or a device mirror of it")
     parser.add_argument("--control", default="http,grpc",
@@ -111,6 +123,8 @@ def main() -> int:
         d_cache = KvCache(Client(urls[1]), "harness-decode", d_layers, blocks, in_place=in_place)
         p_config = ConnectorConfig(url=urls[0], codec=args.codec)
         producer = Producer(p_config, p_cache)
+        if args.pull_from == "worker":
+            Consumer._send_early = lambda self, pull: None  # every pull sent by the worker thread
         consumers = {c: Consumer(ConnectorConfig(url=urls[1], codec=args.codec, control=CONTROLS[c]), d_cache)
                      for c in controls}
         for request in range(args.requests + 1):  # the first of each path warms up
@@ -132,6 +146,7 @@ def main() -> int:
                 lease_s = time.monotonic() - saved if lease.generation is not None else float("nan")
                 started_wall = time.time()
                 pull = consumer.start(LoadSpec(f"dec-{control}-{request}", tuple(dst), remote_params(rid, src, p_config)))
+                step(args.step_ms)
                 if pull.error:
                     raise RuntimeError(pull.error)
                 deadline = time.monotonic() + 60
@@ -139,7 +154,7 @@ def main() -> int:
                     received, failed = consumer.poll()
                     if received or failed:
                         break
-                    time.sleep(args.poll_ms / 1e3)
+                    step(args.step_ms) if args.step_ms else time.sleep(args.poll_ms / 1e3)
                 if failed or not received:
                     raise RuntimeError(f"request {rid} did not load: {consumer.failed_blocks}")
                 sync()
@@ -179,6 +194,13 @@ def main() -> int:
     if not pushed:
         print("some grpc-path requests' ends did not come by the Watch stream (see the 'ends pushed' column)")
     return 0 if ok and pushed else 1
+
+
+def step(ms: float) -> None:
+    """``ms`` of Python on this thread, never letting go of the interpreter lock of its own accord."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
 
 
 def row_of(stats: dict, pull, local, exact: bool, started_wall: float) -> dict:

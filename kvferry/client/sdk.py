@@ -21,7 +21,7 @@ import httpx
 from kvferry.engine.errors import BY_NAME, EngineError, TransferFailed
 
 from .handle import Transfer, TransferStatus, waited
-from .transport import Exchange, KeepAlive, Reply
+from .transport import Exchange, KeepAlive, NotWarm, Reply
 
 RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
 UPLOAD_BYTES = 32 << 20  # an owned region's upload: at most this much a request (and the body limit)
@@ -109,8 +109,9 @@ class Client:
         return self._start(method, path, params, body, content, headers, timeout).response()
 
     def _start(self, method: str, path: str, params: dict[str, Any] | None, body: Any, content: bytes | str | None,
-               headers: dict[str, str] | None, timeout: float | None) -> Exchange:
-        """Write a request on the lean client; the exchange reads its answer."""
+               headers: dict[str, str] | None, timeout: float | None, warm_only: bool = False) -> Exchange:
+        """Write a request on the lean client; the exchange reads its answer. ``warm_only``: as
+        ``KeepAlive.send``'s."""
         timeout = self._timeout if timeout is None else timeout
         headers = dict(headers or {})
         if body is not None:
@@ -120,7 +121,7 @@ class Client:
         target = self._prefix + quote(path, safe="/")
         if params:
             target += "?" + urlencode(params)
-        return self._lean.send(method, target, data, headers, timeout)
+        return self._lean.send(method, target, data, headers, timeout, warm_only)
 
     # ---- regions -----------------------------------------------------------------------------
     def create_region(self, name: str, num_blocks: int, block_shape: Sequence[int], dtype: str,
@@ -239,11 +240,14 @@ class Client:
         return self._post(body, src_blocks, peer, dst_blocks, codec, None, wait)
 
     def send_later(self, src_region: str, src_blocks: Blocks, peer: str, dst_region: str, dst_blocks: Blocks,
-                   codec: str = "auto", *, wait: float, transfer_id: str | None = None) -> Answer:
+                   codec: str = "auto", *, wait: float, transfer_id: str | None = None,
+                   warm_only: bool = False) -> Answer:
         """``send``, split: the request leaves now, on this thread, and ``Answer.result`` reads the
         record later, on any thread. An engine's step sends its pulls without a hop to a thread,
         whose wake-up then overlaps the transfer. ``transfer_id``: the id to give it (32 hex
         digits), so that the receiver can be asked for it at once (``transfer_later``).
+        ``warm_only``: sent only on a connection already open, at once (an engine's step), else
+        ``NotWarm`` and nothing sent.
 
         Raises:
             httpx.HTTPError: the request could not be sent (``result`` raises the rest).
@@ -253,14 +257,21 @@ class Client:
         if transfer_id is not None:
             body["id"] = transfer_id
         call = ("POST", "/v1/transfers", {"wait": wait}, body, None, None, self._timeout + wait)
-        return Answer(self, call, self._start(*call) if self._lean is not None else None)
+        return self._later(call, warm_only)
 
-    def transfer_later(self, transfer_id: str, wait: float, appear: float = 0) -> Answer:
+    def transfer_later(self, transfer_id: str, wait: float, appear: float = 0, warm_only: bool = False) -> Answer:
         """``transfer``'s long-poll, split as ``send_later`` is: asked now, its record read later
         (a receiver asked for a transfer before the sender's answer names it: ``appear``)."""
         params = {"wait": wait, "appear": appear} if appear else {"wait": wait}
         call = ("GET", f"/v1/transfers/{transfer_id}", params, None, None, None, self._timeout + wait)
-        return Answer(self, call, self._start(*call) if self._lean is not None else None)
+        return self._later(call, warm_only)
+
+    def _later(self, call: tuple, warm_only: bool) -> Answer:
+        if self._lean is None:
+            if warm_only:
+                raise NotWarm("no lean connection to keep warm (https): sent from a thread that may wait")
+            return Answer(self, call, None)
+        return Answer(self, call, self._start(*call, warm_only=warm_only))
 
     def submit_regions(self, pairs: Sequence[tuple[str, ...]], src_blocks: Blocks, peer: str, dst_blocks: Blocks,
                        codec: str = "auto", codebook: str | None = None, *, wait: float = 0) -> str:

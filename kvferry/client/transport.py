@@ -21,8 +21,13 @@ from typing import Any, BinaryIO
 import httpx
 
 MAX_LINE = 65536  # a status or header line longer than this is not from a sidecar
+WARM_WRITE = 0.005  # seconds a request sent ``warm_only`` may take to write (a few hundred bytes: at once)
 MAX_HEADERS = 100
 _NO_BODY = (204, 304)
+
+
+class NotWarm(httpx.ConnectError):
+    """``warm_only``: no idle connection to the server was open, so nothing was sent."""
 
 
 class _Malformed(Exception):
@@ -66,21 +71,25 @@ class KeepAlive:
         return self.send(method, target, body, headers, timeout).response()
 
     def send(self, method: str, target: str, body: bytes = b"", headers: Mapping[str, str] | None = None,
-             timeout: float | None = None) -> Exchange:
+             timeout: float | None = None, warm_only: bool = False) -> Exchange:
         """Write the request now; its response is read by ``Exchange.response``, on any thread
-        (the caller's work goes on while the server works)."""
+        (the caller's work goes on while the server works). ``warm_only``: for a thread that must
+        not wait (an engine's step): only on a connection already open, written within
+        ``WARM_WRITE`` seconds, else ``NotWarm`` or a write error, and the server got no whole request."""
         head = f"{method} {target} HTTP/1.1\r\n{self._head}{_header_lines(headers or {})}"
         if body or method in ("POST", "PUT", "PATCH"):
             head += f"Content-Length: {len(body)}\r\n"
         message = head.encode("latin-1") + b"\r\n"
-        connection = self._take(timeout)
+        connection = self._take(timeout, connect=not warm_only)
         try:
-            connection.sock.settimeout(timeout)
+            connection.sock.settimeout(WARM_WRITE if warm_only else timeout)
             if len(body) <= 65536:
                 connection.sock.sendall(message + body)
             else:
                 connection.sock.sendall(message)
                 connection.sock.sendall(body)
+            if warm_only:
+                connection.sock.settimeout(timeout)  # the answer's wait
         except TimeoutError as exc:
             self._drop(connection)
             raise httpx.WriteTimeout(str(exc) or "timed out sending the request") from exc
@@ -89,8 +98,8 @@ class KeepAlive:
             raise httpx.WriteError(f"{type(exc).__name__}: {exc}") from exc
         return Exchange(self, connection, method)
 
-    def _take(self, timeout: float | None) -> _Connection:
-        """An idle connection the server has not closed, or a new one."""
+    def _take(self, timeout: float | None, connect: bool = True) -> _Connection:
+        """An idle connection the server has not closed, or a new one (``connect``; else NotWarm)."""
         while True:
             with self._lock:
                 connection = self._idle.pop() if self._idle else None
@@ -99,6 +108,8 @@ class KeepAlive:
             if not _closed_by_peer(connection.sock):
                 return connection
             self._drop(connection)
+        if not connect:
+            raise NotWarm(f"no idle connection to {self.host}:{self.port}")
         try:
             sock = socket.create_connection((self.host, self.port), timeout=timeout)
         except TimeoutError as exc:

@@ -51,7 +51,7 @@ import httpx
 from kvferry.engine.errors import Conflict, EngineError, NotFound
 
 from . import tp
-from .sdk import Client
+from .sdk import Answer, Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
 from .vllm_watch import CONTROLS, Stream, Watches, overloaded
@@ -371,6 +371,8 @@ class Producer:
             try:
                 book = self._client.leases(after=generation, wait=self.config.watch_seconds)
             except (EngineError, httpx.HTTPError) as exc:
+                if self._closed.is_set():
+                    return  # closed under the read
                 failing += 1
                 if failing == 1:
                     self._silent_since = self.clock()
@@ -410,6 +412,21 @@ class Pull:
     answered_wall: float = 0.0  # sidecar's record (``created``) where both run on one host
     load_seconds: float = 0.0  # copying the pages into vLLM's cache
     control: str = "http"  # how the transfers' ends came: "grpc" (each pushed by a Watch) or "http"
+
+
+@dataclass
+class Early:
+    """A pull's request written on vLLM's step thread (``Consumer._send_early``): the prefill's
+    answer and this decode's own sidecar's long-poll of the end, both read by the worker thread."""
+
+    transfer_id: str
+    answer: Answer
+    ending: Answer | None
+
+    def cancel(self) -> None:
+        self.answer.cancel()
+        if self.ending is not None:
+            self.ending.cancel()
 
 
 def remote_params(request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], config: ConnectorConfig,
@@ -506,9 +523,10 @@ def merge_records(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class Consumer:
     """Decode worker: pulls each request's KV from its prefill's sidecar into the local cache.
 
-    vLLM's step makes no HTTP call: ``start`` hands the pull to a worker thread (the first contact
-    with a prefill's sidecar, its checks, the transfers' submission and their long-polled ends),
-    ``poll`` collects the ends at the next steps and copies the pages.
+    vLLM's step makes no call that waits: ``start`` writes a pull's request itself where that cannot
+    wait (``_send_early``) and hands the rest to a worker thread (the first contact with a
+    prefill's sidecar, its checks, the transfers' submission and their long-polled ends); ``poll``
+    collects the ends at the next steps and copies the pages.
 
     Where the prefill runs another tensor-parallel size, the pull is one transfer per prefill rank
     this rank reads (``kvferry.client.tp``): the heads it holds of that rank's lease, written
@@ -543,11 +561,46 @@ class Consumer:
             self._release_later(pull)
             return pull
         self.pulls[spec.request_id] = pull
+        early = self._send_early(pull)
         try:
-            pull.ended = self._waiters.submit(self._run, pull)
+            pull.ended = self._waiters.submit(self._run, pull, early)
         except RuntimeError as exc:  # closing
+            if early is not None:
+                early.cancel()
             pull.error, pull.kind = f"the connector is closing: {exc}", "transfer"
         return pull
+
+    def _send_early(self, pull: Pull) -> Early | None:
+        """On vLLM's step thread: the pull's request and the ask for its end, written now where
+        neither can wait (one transfer, both sidecars met before and answering over HTTP, on
+        connections already open: ``warm_only``), so the pull leaves before a worker thread wakes,
+        which a step busy in Python holds off for up to the interpreter's switch interval (5 ms);
+        None, with nothing sent, where the worker thread must send it. Never raises."""
+        spec = pull.spec
+        try:
+            url = spec.params["url"]
+            if self.watches is not None and not (self.watches.plain(url) and self.watches.plain(self.config.url)):
+                return None
+            if self.compat is not None:
+                check_compat(self.compat, spec.params.get("compat"), url)
+            pieces = self.slices(spec)
+            if len(pieces) != 1:
+                return None
+            src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
+            client = self.remote(url)
+            request = self._request(pull, url, pieces[0], src, dst, contact=False)
+            if request is None:
+                return None
+            transfer_id, asked = uuid.uuid4().hex, time.time()
+            answer = client.send_later(*request, wait=0, transfer_id=transfer_id, warm_only=True)
+        except Exception:  # noqa: BLE001 (nothing was sent: the worker thread sends it and reports what fails)
+            return None
+        pull.client, pull.asked_wall = client, asked
+        try:
+            _, ending = self._watch_end(transfer_id, None, self.config.load_timeout, warm_only=True)
+        except Exception:  # noqa: BLE001 (the worker thread asks for the end)
+            ending = None
+        return Early(transfer_id, answer, ending)
 
     def slices(self, spec: LoadSpec) -> list[tp.Slice]:
         """What this rank reads from which prefill rank (one slice of all its heads from the rank
@@ -562,25 +615,29 @@ class Consumer:
                                     "cannot be read head by head")
         return tp.plan(heads, p_tp, d_tp, self.rank)
 
-    def _run(self, pull: Pull) -> dict[str, Any]:
-        """On a worker thread: check the prefill (first contact), send the pulls, long-poll their
-        ends (at most ``LONG_POLL`` seconds a call) until they ended or ``load_timeout`` passed."""
+    def _run(self, pull: Pull, early: Early | None = None) -> dict[str, Any]:
+        """On a worker thread: check the prefill (first contact), send the pulls (the first unless
+        ``early`` did), long-poll their ends (at most ``LONG_POLL`` seconds a call) until they
+        ended or ``load_timeout`` passed."""
         deadline = time.monotonic() + self.config.load_timeout
         spec = pull.spec
         url = spec.params["url"]
-        if self.compat is not None:
-            check_compat(self.compat, spec.params.get("compat"), url)
-        src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
-        pull.client = self.remote(url)
-        stream = self.watches.stream_for(url, pull.client) if self.watches is not None else None  # submits
-        local = self.watches.stream_for(self.config.url, self._local) if self.watches is not None else None  # ends
-        records, pieces, pending = [], self.slices(spec), []
-        # Each pull gets its id here, so that this decode's own sidecar, which writes the KV and
-        # knows it arrived a DONE's trip before the prefill does, is asked for its end first and
-        # the two requests overlap; the prefill's answer only says it started.
+        records, pending = [], []
+        # Each pull gets its id before it is sent, so that this decode's own sidecar, which writes
+        # the KV and knows it arrived a DONE's trip before the prefill does, is asked for its end
+        # first and the two requests overlap; the prefill's answer only says it started.
         try:
-            self._submit_pieces(pull, url, pieces, src, dst, stream, local, deadline, records, pending)
+            if self.compat is not None:
+                check_compat(self.compat, spec.params.get("compat"), url)
+            src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
+            pull.client = self.remote(url)
+            stream = self.watches.stream_for(url, pull.client) if self.watches is not None else None  # submits
+            local = self.watches.stream_for(self.config.url, self._local) if self.watches is not None else None
+            pieces = self.slices(spec)
+            self._submit_pieces(pull, url, pieces, src, dst, stream, local, deadline, records, pending, early)
         except BaseException:
+            if early is not None and not records:
+                early.cancel()  # its answers were never read
             for _, ending in pending:
                 ending.cancel()
             raise
@@ -623,10 +680,12 @@ class Consumer:
 
     def _submit_pieces(self, pull: Pull, url: str, pieces: list[tp.Slice], src: list[int], dst: list[int],
                        stream: Stream | None, local: Stream | None, deadline: float, records: list[dict[str, Any]],
-                       pending: list[tuple[Stream | None, Any]]) -> None:
-        """Submit each piece under an id drawn here, its end asked of this decode's sidecar first."""
+                       pending: list[tuple[Stream | None, Any]], early: Early | None = None) -> None:
+        """Submit each piece under an id drawn here, its end asked of this decode's sidecar first
+        (the first piece's sent already by ``early``, if given)."""
         for index, piece in enumerate(pieces):
-            transfer_id = uuid.uuid4().hex
+            first = early if index == 0 else None
+            transfer_id = first.transfer_id if first is not None else uuid.uuid4().hex
 
             def ask(transfer_id: str = transfer_id, index: int = index) -> None:
                 """As each try is sent: the wait for its announce counts from the latest try (a
@@ -644,7 +703,15 @@ class Consumer:
             grace, pause = time.monotonic() + min(LEASE_GRACE, self.config.load_timeout), 0.001
             while True:
                 try:
-                    records.append(self._send(pull, url, piece, src, dst, stream, transfer_id, ask))
+                    if first is not None:
+                        sent, first = first, None
+                        if sent.ending is not None:
+                            pending.append((None, sent.ending))
+                        else:
+                            ask()
+                        records.append(sent.answer.result())
+                    else:
+                        records.append(self._send(pull, url, piece, src, dst, stream, transfer_id, ask))
                     break
                 except NotFound:
                     if time.monotonic() + pause > grace:
@@ -653,7 +720,8 @@ class Consumer:
                     pause = min(0.2, pause * 2)
             pull.transfer_ids.append(records[-1]["id"])
 
-    def _watch_end(self, transfer_id: str, local: Stream | None, left: float) -> tuple[Stream | None, Any]:
+    def _watch_end(self, transfer_id: str, local: Stream | None, left: float,
+                   warm_only: bool = False) -> tuple[Stream | None, Any]:
         """Ask this decode's own sidecar for the end of ``transfer_id`` now (a gRPC Watch where
         ``local`` serves it, else a long-poll), to be read by ``_end_of``."""
         wait, appear = max(0.001, min(LONG_POLL, left)), max(0.001, min(APPEAR, left))
@@ -662,7 +730,7 @@ class Consumer:
                 return local, local.sender.watch_end(transfer_id, wait, appear)
             except Exception as exc:  # noqa: BLE001 (a channel that cannot start a call: long-polled instead)
                 log.info("kvferry: cannot watch transfer %s on %s (%s); over HTTP", transfer_id, local.target, exc)
-        return None, self._local.transfer_later(transfer_id, wait=wait, appear=appear)
+        return None, self._local.transfer_later(transfer_id, wait=wait, appear=appear, warm_only=warm_only)
 
     def _end_of(self, pull: Pull, transfer_id: str, left: float, local: Stream | None,
                 pending: tuple[Stream | None, Any] | None = None) -> tuple[dict[str, Any], bool]:
@@ -687,32 +755,39 @@ class Consumer:
         except (EngineError, httpx.HTTPError):
             return mine, by_watch
 
+    def _request(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
+                 contact: bool = True) -> tuple[str, Any, str, str, Any, str] | None:
+        """The pull of ``piece`` as ``send_later``'s first arguments (lease, its blocks, this
+        sidecar's data address, this cache's region, its blocks, codec), the prefill rank's blocks
+        checked at the first contact; None where that contact is still to come and not ``contact``."""
+        lease = lease_names(pull.spec.params, [piece.rank])[0]
+        heads, p_tp, d_tp = tp_shape(self.compat, pull.spec.params.get("compat"))
+        layout = self.cache.layout
+        theirs = layout.heads if p_tp == d_tp else len(tp.rank_heads(heads, p_tp, piece.rank))
+        key = (url, f"{p_tp}:{piece.rank}")
+        if (key not in self._checked or self._data_address is None) and not contact:
+            return None
+        if key not in self._checked:
+            self._checked[key] = layout.check_peer(pull.client.region(lease), url, theirs)
+        if self._data_address is None:
+            self._data_address = self._local.data_address()
+        codec = pull.spec.params.get("codec") or self.config.codec  # a request may name its codec
+        return (lease, layout.blocks(src, self._checked[key], piece.src, piece.count, theirs), self._data_address,
+                self.cache.name, layout.blocks(dst, None, piece.dst, piece.count), codec)
+
     def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
               stream: Stream | None, transfer_id: str, then: Callable[[], None] | None = None) -> dict[str, Any]:
         """Check the prefill rank's blocks (first contact) and send the pull of ``piece`` as
         transfer ``transfer_id``: its record once started, submitted over gRPC where ``stream``
         (the prefill's channel) takes it. ``then`` runs once the request is sent, before its
         answer is read (the decode's own sidecar asked for the end meanwhile)."""
-        lease = lease_names(pull.spec.params, [piece.rank])[0]
-        heads, p_tp, d_tp = tp_shape(self.compat, pull.spec.params.get("compat"))
-        layout = self.cache.layout
-        theirs = layout.heads if p_tp == d_tp else len(tp.rank_heads(heads, p_tp, piece.rank))
-        key = (url, f"{p_tp}:{piece.rank}")
-        if key not in self._checked:
-            self._checked[key] = layout.check_peer(pull.client.region(lease), url, theirs)
-        src_blocks = layout.blocks(src, self._checked[key], piece.src, piece.count, theirs)
-        dst_blocks = layout.blocks(dst, None, piece.dst, piece.count)
-        if self._data_address is None:
-            self._data_address = self._local.data_address()
-        codec = pull.spec.params.get("codec") or self.config.codec  # a request may name its codec
+        request = self._request(pull, url, piece, src, dst)
         pull.asked_wall = pull.asked_wall or time.time()
         if stream is not None:
-            record = self.watches.submit(stream, lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
-                                         codec, transfer_id, then)
+            record = self.watches.submit(stream, *request, transfer_id, then)
             if record is not None:
                 return record
-        answer = pull.client.send_later(lease, src_blocks, self._data_address, self.cache.name, dst_blocks,
-                                        codec=codec, wait=0, transfer_id=transfer_id)
+        answer = pull.client.send_later(*request, wait=0, transfer_id=transfer_id)
         if then is not None:
             then()
         return answer.result()

@@ -83,6 +83,11 @@ class Watches:
         self._lock = threading.Lock()
         self._available = grpc_available()
 
+    def plain(self, url: str) -> bool:
+        """Whether the sidecar at ``url`` was met already and serves no gRPC (asks nobody)."""
+        with self._lock:
+            return url in self._targets and self._targets[url] is None
+
     def stream_for(self, url: str, client: Client) -> Stream | None:
         """The channel to the sidecar at ``url`` (``client``: its REST API), opened at first
         contact; None where it serves no gRPC or grpcio is missing. Raises what ``client.health`` raises."""

@@ -13,7 +13,7 @@ import pytest
 
 from kvferry.client import Client
 from kvferry.engine import errors
-from kvferry.client.transport import KeepAlive
+from kvferry.client.transport import KeepAlive, NotWarm
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -220,3 +220,37 @@ def test_a_request_sent_now_is_answered_later_on_another_thread():
             client.send_later("lease", [1], "127.0.0.1:9", "cache", [3], wait=5).result()
     assert server.connections == 1
     server.close()
+
+
+def test_warm_only_sends_on_an_open_connection_or_nothing():
+    """``warm_only`` (an engine's step) never connects: with no idle connection nothing is sent;
+    with one, the request goes on it and its answer is read later with the call's own timeout."""
+    def script(server, conn, _):
+        with conn:
+            while server.read_request(conn):
+                time.sleep(0.3)  # longer than a warm write may take: the read has its own timeout
+                conn.sendall(OK)
+
+    server = Server(script)
+    try:
+        with _client(server) as client:
+            with pytest.raises(NotWarm):
+                client.lean.send("GET", "/cold", timeout=2.0, warm_only=True)
+            assert server.connections == 0 and server.requests == []
+            assert client.get("/first").json() == {}  # opens the connection, left idle
+            exchange = client.lean.send("GET", "/warm", timeout=2.0, warm_only=True)
+            assert exchange.response().json() == {} and server.connections == 1
+            assert [r.split(b" ")[1] for r in server.requests] == [b"/first", b"/warm"]
+    finally:
+        server.close()
+
+
+def test_warm_only_over_https_is_refused_not_sent():
+    client = Client("https://127.0.0.1:9", timeout=1)
+    try:
+        with pytest.raises(NotWarm):
+            client.send_later("kv", [0], "127.0.0.1:1", "kv", [1], wait=0, warm_only=True)
+        with pytest.raises(NotWarm):
+            client.transfer_later("0" * 32, wait=1, warm_only=True)
+    finally:
+        client.close()

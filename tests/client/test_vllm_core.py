@@ -204,6 +204,50 @@ def test_request_kv_crosses_in_one_transfer(pd, codec):
     assert producer.leases == {}
 
 
+@pytest.mark.parametrize("control", ["http", "auto"])
+def test_a_pull_leaves_from_the_step_once_both_sidecars_were_met(pd, control):
+    """The first pull meets the prefill's sidecar from a worker thread; later ones are written by
+    ``start`` itself on the connections left open, so the KV crosses while every worker thread is
+    held (as a step busy in Python holds them), and the worker only reads the ends."""
+    import threading
+
+    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, control=control), d_cache)
+    gate = threading.Event()
+    try:
+        cold = LoadSpec("dec-cold", (3, 4), remote_params("req-cold", [1, 2], config(prefill)))
+        producer.save("req-cold", [1, 2])
+        leased(producer, "req-cold")
+        from kvferry.client.vllm_core import Pull
+        assert consumer._send_early(Pull(cold, 0.0)) is None  # a first contact: nothing sent from the step
+        consumer.start(cold)
+        assert pump(consumer) == ({"dec-cold"}, set())
+
+        producer.save("req-warm", [5, 6, 7])
+        leased(producer, "req-warm")
+        held = [consumer._waiters.submit(gate.wait, 30) for _ in range(64)]  # every worker thread, and a queue
+        before = {t["id"] for t in decode.client.transfers(direction="in")}
+        pull = consumer.start(LoadSpec("dec-warm", (8, 9, 10), remote_params("req-warm", [5, 6, 7], config(prefill))))
+        deadline = time.monotonic() + 20
+        while not [t for t in decode.client.transfers(direction="in") if t["id"] not in before and t["state"] == "done"]:
+            assert time.monotonic() < deadline, "the pull did not leave while the worker threads were held"
+            time.sleep(0.01)
+        assert consumer.poll() == (set(), set())  # the worker has not read the end: not reported yet
+        gate.set()
+        assert all(h.result(30) for h in held)
+        assert pump(consumer) == ({"dec-warm"}, set())
+        block_dim = p_cache.layout.block_dims[0]
+        assert torch.equal(pages(d_layers, [8, 9, 10], block_dim).view(torch.int16),
+                           pages(p_layers, [5, 6, 7], block_dim).view(torch.int16))
+        assert pull.transfer_id in {t["id"] for t in decode.client.transfers(direction="in")} - before
+        assert producer.finished_sending(set()) == set() and released(producer, "req-warm")
+    finally:
+        gate.set()
+        consumer.close()
+        producer.close()
+
+
 def test_lease_lapses_and_a_late_pull_fails(pd):
     """A lease neither pulled nor renewed ends after lease_seconds: the sidecar deletes the region
     and the prefill frees the blocks; a late pull then finds no region (never reused blocks)."""
