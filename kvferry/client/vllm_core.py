@@ -51,7 +51,7 @@ import httpx
 from kvferry.engine.errors import Conflict, EngineError, NotFound
 
 from . import tp
-from .sdk import Answer, Client
+from .sdk import Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
 from .vllm_watch import CONTROLS, Stream, Watches, overloaded
@@ -416,17 +416,20 @@ class Pull:
 
 @dataclass
 class Early:
-    """A pull's request written on vLLM's step thread (``Consumer._send_early``): the prefill's
-    answer and this decode's own sidecar's long-poll of the end, both read by the worker thread."""
+    """A pull sent from vLLM's step thread (``Consumer._send_early``), its answers read by the
+    worker thread: ``read`` the prefill's (the record once started; None: gRPC could not reach
+    it, send it over HTTP), ``ending`` the ask for its end on this decode's own sidecar (as
+    ``Consumer._watch_end`` returns it). ``abandon`` drops the prefill's answer unread."""
 
     transfer_id: str
-    answer: Answer
-    ending: Answer | None
+    read: Callable[[], dict[str, Any] | None]
+    ending: tuple[Stream | None, Any] | None
+    abandon: Callable[[], None]
 
     def cancel(self) -> None:
-        self.answer.cancel()
+        self.abandon()
         if self.ending is not None:
-            self.ending.cancel()
+            self.ending[1].cancel()
 
 
 def remote_params(request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], config: ConnectorConfig,
@@ -571,16 +574,20 @@ class Consumer:
         return pull
 
     def _send_early(self, pull: Pull) -> Early | None:
-        """On vLLM's step thread: the pull's request and the ask for its end, written now where
-        neither can wait (one transfer, both sidecars met before and answering over HTTP, on
-        connections already open: ``warm_only``), so the pull leaves before a worker thread wakes,
-        which a step busy in Python holds off for up to the interpreter's switch interval (5 ms);
-        None, with nothing sent, where the worker thread must send it. Never raises."""
+        """On vLLM's step thread: the pull and the ask for its end, sent now where neither can wait
+        (one transfer, both sidecars met before; over HTTP on connections already open,
+        ``warm_only``, or as gRPC calls, which never wait to start), so the pull leaves before a
+        worker thread wakes, which a step busy in Python holds off for up to the interpreter's
+        switch interval (5 ms); None, with nothing sent, where the worker thread must send it.
+        Never raises."""
         spec = pull.spec
         try:
             url = spec.params["url"]
-            if self.watches is not None and not (self.watches.plain(url) and self.watches.plain(self.config.url)):
-                return None
+            stream = local = None
+            if self.watches is not None:
+                (met, stream), (met_local, local) = self.watches.met(url), self.watches.met(self.config.url)
+                if not (met and met_local):
+                    return None
             if self.compat is not None:
                 check_compat(self.compat, spec.params.get("compat"), url)
             pieces = self.slices(spec)
@@ -592,15 +599,19 @@ class Consumer:
             if request is None:
                 return None
             transfer_id, asked = uuid.uuid4().hex, time.time()
-            answer = client.send_later(*request, wait=0, transfer_id=transfer_id, warm_only=True)
+            if stream is not None:
+                read, abandon = self.watches.submit_later(stream, *request, transfer_id), lambda: None
+            else:
+                answer = client.send_later(*request, wait=0, transfer_id=transfer_id, warm_only=True)
+                read, abandon = answer.result, answer.cancel
         except Exception:  # noqa: BLE001 (nothing was sent: the worker thread sends it and reports what fails)
             return None
         pull.client, pull.asked_wall = client, asked
         try:
-            _, ending = self._watch_end(transfer_id, None, self.config.load_timeout, warm_only=True)
+            ending = self._watch_end(transfer_id, local, self.config.load_timeout, warm_only=True)
         except Exception:  # noqa: BLE001 (the worker thread asks for the end)
             ending = None
-        return Early(transfer_id, answer, ending)
+        return Early(transfer_id, read, ending, abandon)
 
     def slices(self, spec: LoadSpec) -> list[tp.Slice]:
         """What this rank reads from which prefill rank (one slice of all its heads from the rank
@@ -706,10 +717,13 @@ class Consumer:
                     if first is not None:
                         sent, first = first, None
                         if sent.ending is not None:
-                            pending.append((None, sent.ending))
+                            pending.append(sent.ending)
                         else:
                             ask()
-                        records.append(sent.answer.result())
+                        record = sent.read()
+                        # gRPC could not reach the prefill's sidecar: over HTTP
+                        records.append(record if record is not None else
+                                       self._send(pull, url, piece, src, dst, None, transfer_id, ask))
                     else:
                         records.append(self._send(pull, url, piece, src, dst, stream, transfer_id, ask))
                     break

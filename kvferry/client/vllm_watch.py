@@ -83,10 +83,14 @@ class Watches:
         self._lock = threading.Lock()
         self._available = grpc_available()
 
-    def plain(self, url: str) -> bool:
-        """Whether the sidecar at ``url`` was met already and serves no gRPC (asks nobody)."""
+    def met(self, url: str) -> tuple[bool, Stream | None]:
+        """Whether the sidecar at ``url`` was met already, and its channel (None: it serves no
+        gRPC); asks nobody."""
         with self._lock:
-            return url in self._targets and self._targets[url] is None
+            if url not in self._targets:
+                return False, None
+            target = self._targets[url]
+            return True, None if target is None else self._streams.get(target)
 
     def stream_for(self, url: str, client: Client) -> Stream | None:
         """The channel to the sidecar at ``url`` (``client``: its REST API), opened at first
@@ -114,19 +118,36 @@ class Watches:
         (the caller sends it over HTTP).
 
         Raises: EngineError (the sidecar refused it: as over HTTP)."""
+        answer = self.submit_later(stream, src_region, src_blocks, peer, dst_region, dst_blocks, codec, transfer_id)
+        if then is not None:
+            then()
+        return answer()
+
+    def submit_later(self, stream: Stream, src_region: str, src_blocks: Blocks, peer: str, dst_region: str,
+                     dst_blocks: Blocks, codec: str, transfer_id: str) -> Callable[[], dict[str, Any] | None]:
+        """``submit`` split: the Submit leaves now without waiting (any thread), and the function
+        returned reads its answer, as ``submit`` returns it, on any thread."""
         import grpc
+
+        def unavailable(exc: grpc.RpcError) -> None:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:  # it may have been submitted: not sent twice
+                raise exc
+            log.warning("kvferry: gRPC submit to %s failed (%s); over HTTP", stream.target, exc.details())
 
         try:
             answer = stream.sender.send_later(src_region, src_blocks, peer, dst_region, dst_blocks, codec,
                                               transfer_id=transfer_id)
-            if then is not None:
-                then()
-            return answer()
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:  # it may have been submitted: not sent twice
-                raise
-            log.warning("kvferry: gRPC submit to %s failed (%s); over HTTP", stream.target, exc.details())
-            return None
+            unavailable(exc)
+            return lambda: None
+
+        def result() -> dict[str, Any] | None:
+            try:
+                return answer()
+            except grpc.RpcError as exc:
+                unavailable(exc)
+                return None
+        return result
 
     def ended(self, stream: Stream, ending: Any) -> dict[str, Any] | None:
         """A transfer's record at its end, read from ``ending`` (``GrpcSender.watch_end`` on the

@@ -204,31 +204,30 @@ def test_request_kv_crosses_in_one_transfer(pd, codec):
     assert producer.leases == {}
 
 
-@pytest.mark.parametrize("control", ["http", "auto"])
-def test_a_pull_leaves_from_the_step_once_both_sidecars_were_met(pd, control):
-    """The first pull meets the prefill's sidecar from a worker thread; later ones are written by
-    ``start`` itself on the connections left open, so the KV crosses while every worker thread is
-    held (as a step busy in Python holds them), and the worker only reads the ends."""
+def pull_leaves_while_workers_are_held(producer: Producer, consumer: Consumer, prefill, decode, p_cache,
+                                       p_layers, d_layers, name: str) -> None:
+    """A first pull meets the prefill's sidecar from a worker thread; a second one is sent by
+    ``start`` itself, so its KV crosses while every worker thread is held (as a step busy in
+    Python holds them), and the worker only reads the ends once let go."""
     import threading
 
-    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
-    producer = Producer(config(prefill), p_cache)
-    consumer = Consumer(config(decode, control=control), d_cache)
+    from kvferry.client.vllm_core import Pull
+
     gate = threading.Event()
     try:
-        cold = LoadSpec("dec-cold", (3, 4), remote_params("req-cold", [1, 2], config(prefill)))
-        producer.save("req-cold", [1, 2])
-        leased(producer, "req-cold")
-        from kvferry.client.vllm_core import Pull
+        cold = LoadSpec(f"dec-{name}-cold", (3, 4), remote_params(f"{name}-cold", [1, 2], config(prefill)))
+        producer.save(f"{name}-cold", [1, 2])
+        leased(producer, f"{name}-cold")
         assert consumer._send_early(Pull(cold, 0.0)) is None  # a first contact: nothing sent from the step
         consumer.start(cold)
-        assert pump(consumer) == ({"dec-cold"}, set())
+        assert pump(consumer) == ({f"dec-{name}-cold"}, set())
 
-        producer.save("req-warm", [5, 6, 7])
-        leased(producer, "req-warm")
+        producer.save(f"{name}-warm", [5, 6, 7])
+        leased(producer, f"{name}-warm")
         held = [consumer._waiters.submit(gate.wait, 30) for _ in range(64)]  # every worker thread, and a queue
         before = {t["id"] for t in decode.client.transfers(direction="in")}
-        pull = consumer.start(LoadSpec("dec-warm", (8, 9, 10), remote_params("req-warm", [5, 6, 7], config(prefill))))
+        spec = LoadSpec(f"dec-{name}-warm", (8, 9, 10), remote_params(f"{name}-warm", [5, 6, 7], config(prefill)))
+        pull = consumer.start(spec)
         deadline = time.monotonic() + 20
         while not [t for t in decode.client.transfers(direction="in") if t["id"] not in before and t["state"] == "done"]:
             assert time.monotonic() < deadline, "the pull did not leave while the worker threads were held"
@@ -236,14 +235,24 @@ def test_a_pull_leaves_from_the_step_once_both_sidecars_were_met(pd, control):
         assert consumer.poll() == (set(), set())  # the worker has not read the end: not reported yet
         gate.set()
         assert all(h.result(30) for h in held)
-        assert pump(consumer) == ({"dec-warm"}, set())
+        assert pump(consumer) == ({f"dec-{name}-warm"}, set())
         block_dim = p_cache.layout.block_dims[0]
         assert torch.equal(pages(d_layers, [8, 9, 10], block_dim).view(torch.int16),
                            pages(p_layers, [5, 6, 7], block_dim).view(torch.int16))
         assert pull.transfer_id in {t["id"] for t in decode.client.transfers(direction="in")} - before
-        assert producer.finished_sending(set()) == set() and released(producer, "req-warm")
+        assert producer.finished_sending(set()) == set() and released(producer, f"{name}-warm")
     finally:
         gate.set()
+
+
+@pytest.mark.parametrize("control", ["http", "auto"])
+def test_a_pull_leaves_from_the_step_once_both_sidecars_were_met(pd, control):
+    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, control=control), d_cache)
+    try:
+        pull_leaves_while_workers_are_held(producer, consumer, prefill, decode, p_cache, p_layers, d_layers, "early")
+    finally:
         consumer.close()
         producer.close()
 

@@ -363,7 +363,7 @@ def _failed(response: httpx.Response) -> bool:
 
 def failed_out(sidecar) -> list[dict]:
     """The sidecar's outgoing transfers that failed, once every one of them has ended."""
-    ended = [sidecar.client.wait(t["id"], timeout=30) for t in sidecar.client.transfers(direction="out")]
+    ended = [sidecar.client.transfer(t["id"], wait=30) for t in sidecar.client.transfers(direction="out")]
     return [t for t in ended if t["state"] == "failed"]
 
 

@@ -20,7 +20,7 @@ from kvferry.client.vllm_core import Consumer, KvCache, LoadSpec, Producer, remo
 from kvferry.demo import free_port, start_sidecar, wait_ready
 
 from .conftest import TOKEN, Daemon, spawn, stop
-from .test_vllm_core import BLOCKS, config, pages, pump, released, vllm_layers
+from .test_vllm_core import BLOCKS, config, pages, pull_leaves_while_workers_are_held, pump, released, vllm_layers
 
 pytest.importorskip("grpc", reason="the gRPC path needs the grpc extra (pip install kvferry[grpc])")
 from kvferry.client.grpc import Ending  # noqa: E402 (after the skip: needs grpcio)
@@ -86,6 +86,23 @@ def test_pulls_complete_by_either_control(served, control):
             assert released(producer, f"ok-{control}-{i}")
         if control == "auto":
             assert consumer.watches.pushed() == 2
+    finally:
+        consumer.close()
+        producer.close()
+        p_cache.close()
+        d_cache.close()
+
+
+def test_a_pull_over_grpc_leaves_from_the_step(served):
+    """The Submit and the Watch of a second pull start on the calling thread (gRPC calls never
+    wait to start), so the KV crosses while the worker threads are held; its end is pushed."""
+    prefill, decode = served
+    p_cache, d_cache, p_layers, d_layers = caches(prefill, decode, "early")
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, control="auto"), d_cache)
+    try:
+        pull_leaves_while_workers_are_held(producer, consumer, prefill, decode, p_cache, p_layers, d_layers, "early")
+        assert consumer.stats[-1]["control"] == "grpc" and consumer.watches.pushed() == 2
     finally:
         consumer.close()
         producer.close()
