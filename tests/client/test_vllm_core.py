@@ -417,6 +417,47 @@ def test_prefill_sidecar_killed_fails_the_load_fast():
         stop(prefill, decode)
 
 
+def test_a_prefill_sidecar_that_stops_after_a_pull_never_blocks_the_step():
+    """The prefill's sidecar was met (its connections open) and then stops answering (SIGSTOP):
+    the next pull is written from the step into a socket nobody reads, which never waits, and the
+    load fails after load_timeout as a failed load."""
+    import signal
+
+    prefill, decode = spawn("tcp"), spawn("tcp")
+    p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-st", vllm_layers(1), BLOCKS)
+    d_cache = KvCache(Client(decode.url, token=TOKEN), "d-st", vllm_layers(None), BLOCKS)
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, load_timeout=3, call_timeout=2), d_cache)
+    try:
+        producer.save("req-met", [1, 2])
+        leased(producer, "req-met")
+        consumer.start(LoadSpec("dec-met", (3, 4), remote_params("req-met", [1, 2], config(prefill))))
+        assert pump(consumer) == ({"dec-met"}, set())
+        producer.save("req-st", [5, 6])
+        leased(producer, "req-st")
+        prefill.process.send_signal(signal.SIGSTOP)
+        began = time.monotonic()
+        pull = consumer.start(LoadSpec("dec-st", (7, 8), remote_params("req-st", [5, 6], config(prefill))))
+        longest = time.monotonic() - began
+        outcome = (set(), set())
+        while outcome == (set(), set()):
+            assert time.monotonic() - began < 30, "the stalled pull never failed"
+            step = time.monotonic()
+            outcome = consumer.poll()
+            longest = max(longest, time.monotonic() - step)
+            time.sleep(0.002)
+        assert outcome == (set(), {"dec-st"}), pull.error
+        assert "ReadTimeout" in pull.error or "not done after 3 s" in pull.error
+        assert longest < 0.5, longest  # the step never waited on the stopped sidecar
+    finally:
+        prefill.process.send_signal(signal.SIGCONT)
+        consumer.close()
+        producer.close()
+        p_cache.close()
+        d_cache.close()
+        stop(prefill, decode)
+
+
 def test_leases_end_when_the_local_sidecar_dies():
     """The prefill's own sidecar dies with leases held (its regions die with it): the blocks go
     back to vLLM after lease_seconds, not after the TTL."""
