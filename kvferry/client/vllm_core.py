@@ -51,7 +51,7 @@ import httpx
 from kvferry.engine.errors import Conflict, EngineError, NotFound
 
 from . import tp
-from .sdk import Client
+from .sdk import Answer, Client
 from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
 from .vllm_watch import CONTROLS, Stream, Watches, overloaded
@@ -417,17 +417,15 @@ class Pull:
 @dataclass
 class Early:
     """A pull sent from vLLM's step thread (``Consumer._send_early``), its answers read by the
-    worker thread: ``read`` the prefill's (the record once started; None: gRPC could not reach
-    it, send it over HTTP), ``ending`` the ask for its end on this decode's own sidecar (as
-    ``Consumer._watch_end`` returns it). ``abandon`` drops the prefill's answer unread."""
+    worker thread: ``answer`` the prefill's (the record once started), ``ending`` the ask for its
+    end on this decode's own sidecar (as ``Consumer._watch_end`` returns it)."""
 
     transfer_id: str
-    read: Callable[[], dict[str, Any] | None]
+    answer: Answer
     ending: tuple[Stream | None, Any] | None
-    abandon: Callable[[], None]
 
     def cancel(self) -> None:
-        self.abandon()
+        self.answer.cancel()
         if self.ending is not None:
             self.ending[1].cancel()
 
@@ -576,17 +574,17 @@ class Consumer:
     def _send_early(self, pull: Pull) -> Early | None:
         """On vLLM's step thread: the pull and the ask for its end, sent now where neither can wait
         (one transfer, both sidecars met before; over HTTP on connections already open,
-        ``warm_only``, or as gRPC calls, which never wait to start), so the pull leaves before a
+        ``warm_only``, and a gRPC Watch, which never waits to start), so the pull leaves before a
         worker thread wakes, which a step busy in Python holds off for up to the interpreter's
         switch interval (5 ms); None, with nothing sent, where the worker thread must send it.
         Never raises."""
         spec = pull.spec
         try:
             url = spec.params["url"]
-            stream = local = None
+            local = None
             if self.watches is not None:
-                (met, stream), (met_local, local) = self.watches.met(url), self.watches.met(self.config.url)
-                if not (met and met_local):
+                met, local = self.watches.met(self.config.url)
+                if not met:
                     return None
             if self.compat is not None:
                 check_compat(self.compat, spec.params.get("compat"), url)
@@ -599,11 +597,7 @@ class Consumer:
             if request is None:
                 return None
             transfer_id, asked = uuid.uuid4().hex, time.time()
-            if stream is not None:
-                read, abandon = self.watches.submit_later(stream, *request, transfer_id), lambda: None
-            else:
-                answer = client.send_later(*request, wait=0, transfer_id=transfer_id, warm_only=True)
-                read, abandon = answer.result, answer.cancel
+            answer = client.send_later(*request, wait=0, transfer_id=transfer_id, warm_only=True)
         except Exception:  # noqa: BLE001 (nothing was sent: the worker thread sends it and reports what fails)
             return None
         pull.client, pull.asked_wall = client, asked
@@ -611,7 +605,7 @@ class Consumer:
             ending = self._watch_end(transfer_id, local, self.config.load_timeout, warm_only=True)
         except Exception:  # noqa: BLE001 (the worker thread asks for the end)
             ending = None
-        return Early(transfer_id, read, ending, abandon)
+        return Early(transfer_id, answer, ending)
 
     def slices(self, spec: LoadSpec) -> list[tp.Slice]:
         """What this rank reads from which prefill rank (one slice of all its heads from the rank
@@ -642,10 +636,9 @@ class Consumer:
                 check_compat(self.compat, spec.params.get("compat"), url)
             src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
             pull.client = self.remote(url)
-            stream = self.watches.stream_for(url, pull.client) if self.watches is not None else None  # submits
             local = self.watches.stream_for(self.config.url, self._local) if self.watches is not None else None
             pieces = self.slices(spec)
-            self._submit_pieces(pull, url, pieces, src, dst, stream, local, deadline, records, pending, early)
+            self._submit_pieces(pull, url, pieces, src, dst, local, deadline, records, pending, early)
         except BaseException:
             if early is not None and not records:
                 early.cancel()  # its answers were never read
@@ -675,7 +668,7 @@ class Consumer:
                         if not fresh:
                             fresh.append(self._watch_end(transfer_id, local, deadline - time.monotonic()))
                     try:
-                        record = records[i] = self._send(pull, url, pieces[i], src, dst, stream, transfer_id, ask)
+                        record = records[i] = self._send(pull, url, pieces[i], src, dst, transfer_id, ask)
                     except BaseException:
                         for _, unread in fresh:
                             unread.cancel()
@@ -690,7 +683,7 @@ class Consumer:
         return merge_records(records)
 
     def _submit_pieces(self, pull: Pull, url: str, pieces: list[tp.Slice], src: list[int], dst: list[int],
-                       stream: Stream | None, local: Stream | None, deadline: float, records: list[dict[str, Any]],
+                       local: Stream | None, deadline: float, records: list[dict[str, Any]],
                        pending: list[tuple[Stream | None, Any]], early: Early | None = None) -> None:
         """Submit each piece under an id drawn here, its end asked of this decode's sidecar first
         (the first piece's sent already by ``early``, if given)."""
@@ -720,12 +713,9 @@ class Consumer:
                             pending.append(sent.ending)
                         else:
                             ask()
-                        record = sent.read()
-                        # gRPC could not reach the prefill's sidecar: over HTTP
-                        records.append(record if record is not None else
-                                       self._send(pull, url, piece, src, dst, None, transfer_id, ask))
+                        records.append(sent.answer.result())
                     else:
-                        records.append(self._send(pull, url, piece, src, dst, stream, transfer_id, ask))
+                        records.append(self._send(pull, url, piece, src, dst, transfer_id, ask))
                     break
                 except NotFound:
                     if time.monotonic() + pause > grace:
@@ -789,18 +779,14 @@ class Consumer:
         return (lease, layout.blocks(src, self._checked[key], piece.src, piece.count, theirs), self._data_address,
                 self.cache.name, layout.blocks(dst, None, piece.dst, piece.count), codec)
 
-    def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
-              stream: Stream | None, transfer_id: str, then: Callable[[], None] | None = None) -> dict[str, Any]:
+    def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int], transfer_id: str,
+              then: Callable[[], None] | None = None) -> dict[str, Any]:
         """Check the prefill rank's blocks (first contact) and send the pull of ``piece`` as
-        transfer ``transfer_id``: its record once started, submitted over gRPC where ``stream``
-        (the prefill's channel) takes it. ``then`` runs once the request is sent, before its
+        transfer ``transfer_id`` (over HTTP: a gRPC Submit reached the prefill's engine 1 ms later,
+        decision 033): its record once started. ``then`` runs once the request is sent, before its
         answer is read (the decode's own sidecar asked for the end meanwhile)."""
         request = self._request(pull, url, piece, src, dst)
         pull.asked_wall = pull.asked_wall or time.time()
-        if stream is not None:
-            record = self.watches.submit(stream, *request, transfer_id, then)
-            if record is not None:
-                return record
         answer = pull.client.send_later(*request, wait=0, transfer_id=transfer_id)
         if then is not None:
             then()

@@ -5,9 +5,9 @@ the transfer done a DONE's trip before the prefill's sidecar hears of it. Where 
 gRPC (its ``/v1/health`` names a ``grpc_port``) and grpcio is installed, the worker thread that
 submitted the pull reads the end from a ``Watch`` of that one transfer on its own sidecar
 (``GrpcSender.ended``: grpc's single-threaded streams, read on the calling thread, no hop through an
-event loop or another thread); where the prefill's sidecar serves gRPC, the pull itself is
-submitted there with a unary ``Submit``. HTTP stays the fallback for each: a sidecar without gRPC,
-one that cannot be reached that way, and a stream that broke or passed its wait.
+event loop or another thread). The pull itself goes to the prefill's sidecar over HTTP, which
+reaches its engine sooner than a gRPC ``Submit`` does. HTTP stays the fallback for the end: a
+sidecar without gRPC, one that cannot be reached that way, and a stream that broke or passed its wait.
 
 No completion is lost: a transfer not announced to the decode's sidecar within a moment (refused by
 it, queued on the prefill, or a same-host write announced behind its data) is asked for at the
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvferry.engine.errors import EngineError, NotFound
 
-from .sdk import Blocks, Client
+from .sdk import Client
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -73,8 +73,8 @@ class Stream:
 
 
 class Watches:
-    """The decode's gRPC channels, one per sidecar serving gRPC (the prefills', for submits; its
-    own, for ends). Worker threads call ``stream_for``, ``submit`` and ``ended``."""
+    """The decode's gRPC channel to its own sidecar, where that serves gRPC, for the ends of its
+    pulls. Worker threads call ``stream_for`` and ``ended``; the step thread ``met``."""
 
     def __init__(self, token: str, timeout: float):
         self.token, self.timeout = token, timeout
@@ -109,45 +109,6 @@ class Watches:
                 stream = self._streams[target] = Stream(target, self.token, self.timeout)
                 log.info("kvferry: %s answers over gRPC (%s)", url, target)
             return stream
-
-    def submit(self, stream: Stream, src_region: str, src_blocks: Blocks, peer: str, dst_region: str,
-               dst_blocks: Blocks, codec: str, transfer_id: str,
-               then: Callable[[], None] | None = None) -> dict[str, Any] | None:
-        """Submit a pull over gRPC, on this thread (``then`` runs once it is sent, before its answer
-        is read): its record once started; None where the sidecar could not be reached that way
-        (the caller sends it over HTTP).
-
-        Raises: EngineError (the sidecar refused it: as over HTTP)."""
-        answer = self.submit_later(stream, src_region, src_blocks, peer, dst_region, dst_blocks, codec, transfer_id)
-        if then is not None:
-            then()
-        return answer()
-
-    def submit_later(self, stream: Stream, src_region: str, src_blocks: Blocks, peer: str, dst_region: str,
-                     dst_blocks: Blocks, codec: str, transfer_id: str) -> Callable[[], dict[str, Any] | None]:
-        """``submit`` split: the Submit leaves now without waiting (any thread), and the function
-        returned reads its answer, as ``submit`` returns it, on any thread."""
-        import grpc
-
-        def unavailable(exc: grpc.RpcError) -> None:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:  # it may have been submitted: not sent twice
-                raise exc
-            log.warning("kvferry: gRPC submit to %s failed (%s); over HTTP", stream.target, exc.details())
-
-        try:
-            answer = stream.sender.send_later(src_region, src_blocks, peer, dst_region, dst_blocks, codec,
-                                              transfer_id=transfer_id)
-        except grpc.RpcError as exc:
-            unavailable(exc)
-            return lambda: None
-
-        def result() -> dict[str, Any] | None:
-            try:
-                return answer()
-            except grpc.RpcError as exc:
-                unavailable(exc)
-                return None
-        return result
 
     def ended(self, stream: Stream, ending: Any) -> dict[str, Any] | None:
         """A transfer's record at its end, read from ``ending`` (``GrpcSender.watch_end`` on the

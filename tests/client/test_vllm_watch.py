@@ -1,5 +1,5 @@
 """The connector's decode hears its pulls' ends from a gRPC Watch on its own sidecar where it
-serves gRPC (and submits them over gRPC where the prefill's does), against real sidecars: the same
+serves gRPC (the pulls themselves go over HTTP), against real sidecars: the same
 results as over HTTP (KV in place, failures reported alike), no completion lost when a stream
 loses its end or the prefill's sidecar restarts, and HTTP where gRPC is off, missing or refused."""
 
@@ -94,8 +94,8 @@ def test_pulls_complete_by_either_control(served, control):
 
 
 def test_a_pull_over_grpc_leaves_from_the_step(served):
-    """The Submit and the Watch of a second pull start on the calling thread (gRPC calls never
-    wait to start), so the KV crosses while the worker threads are held; its end is pushed."""
+    """A second pull, and the Watch of its end (a gRPC call never waits to start), leave from the
+    calling thread, so the KV crosses while the worker threads are held; its end is pushed."""
     prefill, decode = served
     p_cache, d_cache, p_layers, d_layers = caches(prefill, decode, "early")
     producer = Producer(config(prefill), p_cache)
@@ -111,7 +111,7 @@ def test_a_pull_over_grpc_leaves_from_the_step(served):
 
 
 def test_a_missing_lease_fails_alike(served, control, monkeypatch):
-    """No lease: the gRPC Submit is refused NotFound as the HTTP one is, and reported the same."""
+    """No lease: the pull is refused NotFound, and reported the same whichever way its end would come."""
     import kvferry.client.vllm_core as core
 
     monkeypatch.setattr(core, "LEASE_GRACE", 0.3)
