@@ -23,7 +23,7 @@ parts (default: all):
   seal      message authentication on host and GPU beside a device copy (bench/seal_cost.py)
   latency   one block, submit to done, tcp and ucxx (bench/latency.py)
   peers     kvferry beside NIXL, unpaced and on emulated links (bench/peers.py)
-  harness   the vLLM connector's core between two GPU sidecars (bench/vllm_gpu_harness.py)
+  harness   the vLLM connector's core between two GPU sidecars, one per GPU where there are two (bench/vllm_gpu_harness.py)
   e2e       auto against raw across emulated links, two GPUs if present (bench/e2e.py)
 EOF
 }
@@ -78,9 +78,11 @@ for part in $parts; do
                 --repeats "${REPEATS:-8}" --links "${LINKS:-12.5,25,50}" --codecs raw,splitzip,auto \
                 --link-min-bytes 1G "${nixl[@]}" --json "$results/peers.json" ;;
         harness)
+            devices=cuda:0,cuda:0
+            [ "$gpus" -ge 2 ] && devices=cuda:0,cuda:1  # a sidecar on each GPU, as deployed
             for codec in raw auto; do
-                run "harness_$codec" python3 bench/vllm_gpu_harness.py --tokens 4096 --requests 20 --codec $codec \
-                    --layout in-place --json "$results/harness_$codec.json"
+                run "harness_$codec" python3 bench/vllm_gpu_harness.py --devices $devices --tokens 4096 \
+                    --requests 20 --codec $codec --layout in-place --json "$results/harness_$codec.json"
             done ;;
         e2e)
             devices=auto
