@@ -191,12 +191,17 @@ class Client:
         """Lease region ``name`` (the sidecar deletes it ``seconds`` from now unless renewed, and
         ``ttl`` seconds after it was taken at the latest), or extend the lease. ``of``: create
         ``name`` first as a view of region ``of`` (its memory under the lease's name)."""
+        return self.lease_later(name, seconds, ttl, of).result()
+
+    def lease_later(self, name: str, seconds: float, ttl: float | None = None, of: str | None = None,
+                    warm_only: bool = False) -> Answer:
+        """``lease``, split as ``send_later`` is: asked now, its record read later, on any thread."""
         body: dict[str, Any] = {"seconds": seconds}
         if ttl is not None:
             body["ttl"] = ttl
         if of is not None:
             body["of"] = of
-        return self._call("PUT", f"/v1/leases/{name}", json=body).json()
+        return self._later(("PUT", f"/v1/leases/{name}", None, body, None, None, self._timeout), warm_only)
 
     def renew_leases(self, names: Sequence[str], seconds: float) -> dict:
         """A heartbeat: ``{"renewed": [...], "missing": [...]}``."""
@@ -387,15 +392,15 @@ def _again_while_overloaded(call: Callable[[], Reply], retries: int) -> dict:
 
 
 class Answer:
-    """The record of a transfer sent with ``Client.send_later`` (or asked for with
-    ``transfer_later``), read once by ``result``."""
+    """The answer of a call sent now and read later (``Client.send_later``, ``transfer_later``,
+    ``lease_later``), read once by ``result``."""
 
     def __init__(self, client: Client, call: tuple, exchange: Exchange | None):
         self._client, self._call, self._exchange = client, call, exchange
         self._read = False
 
     def result(self) -> dict:
-        """The transfer's record as ``Client.send`` returns it.
+        """The answer's JSON (a transfer's record as ``Client.send`` returns it; a lease's as ``lease``).
 
         Raises:
             EngineError (its subclasses, by the sidecar's answer), httpx.HTTPError.

@@ -252,6 +252,8 @@ class Producer:
         self._finished: set[str] = set()  # ids vLLM said finished (only those may be reported sent)
         self._lock = threading.Lock()
         self._client = Client(config.url, token=config.token, timeout=config.call_timeout)
+        # the watcher's long-poll holds a connection of its own, so the lease calls' stays idle for the step
+        self._book = Client(config.url, token=config.token, timeout=config.call_timeout)
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-lease")
         self._wake, self._closed = threading.Event(), threading.Event()
         self._silent_since: float | None = None  # the local sidecar has not answered the watcher since
@@ -259,9 +261,11 @@ class Producer:
         self._watcher.start()
 
     def save(self, request_id: str, block_ids: Sequence[int]) -> Lease:
-        """Copy the request's blocks into the mirror (here, in vLLM's step) and lease them (on the
-        lease thread). A lease that cannot be taken (sidecar down) is released: the blocks go back
-        to vLLM and the decode's pull fails."""
+        """Copy the request's blocks into the mirror (here, in vLLM's step) and lease them: the
+        request written here where it cannot wait (on a connection already open, as a decode's
+        pull is: a lease thread held off by a busy step would keep the decode's pull waiting), its
+        answer read on the lease thread, which asks itself otherwise. A lease that cannot be taken
+        (sidecar down) is released: the blocks go back to vLLM and the decode's pull fails."""
         name = f"{lease_name(self.config.region, request_id, self.dp_rank)}-r{self.rank}"
         now = self.clock()
         lease = Lease(request_id, name, now + self.config.lease_ttl + self.config.call_timeout, taken=now)
@@ -273,7 +277,7 @@ class Producer:
             log.error("kvferry: cannot copy the KV of request %s (%s); the decode will not get it", request_id, exc)
             lease.held = False
             return lease
-        self._submit(self._take, lease)
+        self._submit(self._take, lease, self._lease_early(lease.region))
         return lease
 
     def abandon(self, request_ids: Iterable[str]) -> None:
@@ -307,16 +311,26 @@ class Producer:
         self._wake.set()
         self._calls.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+        self._book.close()
 
-    def _submit(self, work, lease: Lease) -> None:
+    def _submit(self, work, lease: Lease, *args: Any) -> None:
         try:
-            self._calls.submit(work, lease)
+            self._calls.submit(work, lease, *args)
         except RuntimeError:  # closing
             lease.held = False
 
-    def _take(self, lease: Lease) -> None:
+    def _lease_early(self, region: str) -> Answer | None:
+        """The lease of ``region`` asked for now, on a connection already open; None (nothing
+        sent) where there is none. Never raises."""
         try:
-            answer = self._lease(lease.region)
+            return self._client.lease_later(region, self.config.lease_seconds, ttl=self.config.lease_ttl,
+                                            of=self.cache.name, warm_only=True)
+        except Exception:  # noqa: BLE001 (the lease thread asks)
+            return None
+
+    def _take(self, lease: Lease, early: Answer | None = None) -> None:
+        try:
+            answer = self._lease(lease.region, early)
         except Exception as exc:  # noqa: BLE001 (on the lease thread: any failure frees the blocks now, logged)
             log.error("kvferry: cannot lease the KV of request %s (%s); the decode will not get it",
                       lease.request_id, exc)
@@ -326,10 +340,13 @@ class Producer:
         lease.generation = int(answer["generation"])
         self._wake.set()
 
-    def _lease(self, region: str) -> dict[str, Any]:
-        """Lease a view of the registered cache named ``region``: one call, nothing mapped again."""
+    def _lease(self, region: str, early: Answer | None = None) -> dict[str, Any]:
+        """Lease a view of the registered cache named ``region``: one call (``early``'s, where
+        it was asked already), nothing mapped again."""
         seconds, ttl = self.config.lease_seconds, self.config.lease_ttl
         try:
+            if early is not None:
+                return early.result()
             return self._client.lease(region, seconds, ttl=ttl, of=self.cache.name)
         except NotFound:  # a sidecar without views, or one that lost the cache's registration
             self.cache.alias(region)
@@ -369,7 +386,7 @@ class Producer:
                 self._wake.clear()
                 continue
             try:
-                book = self._client.leases(after=generation, wait=self.config.watch_seconds)
+                book = self._book.leases(after=generation, wait=self.config.watch_seconds)
             except (EngineError, httpx.HTTPError) as exc:
                 if self._closed.is_set():
                     return  # closed under the read

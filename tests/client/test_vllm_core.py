@@ -257,6 +257,34 @@ def test_a_pull_leaves_from_the_step_once_both_sidecars_were_met(pd, control):
         producer.close()
 
 
+def test_a_lease_is_asked_for_from_the_step_once_the_sidecar_was_met(pd):
+    """The first lease opens the connection from the lease thread; later ones are asked for by
+    ``save`` itself on it, so the sidecar holds the lease while the lease thread is held (as a
+    step busy in Python holds it), and the thread only reads the answer once let go."""
+    import threading
+
+    prefill, _, p_cache, _, _, _ = pd
+    producer = Producer(config(prefill), p_cache)
+    gate = threading.Event()
+    try:
+        producer.save("first", [1, 2])
+        leased(producer, "first")
+        held = producer._calls.submit(gate.wait, 30)  # the lease thread, busy until the gate opens
+        lease = producer.save("second", [3, 4])
+        deadline = time.monotonic() + 20
+        while lease.region not in regions_of(prefill):
+            assert time.monotonic() < deadline, "the lease was not asked for while the lease thread was held"
+            time.sleep(0.01)
+        assert lease.generation is None  # its answer is the thread's to read
+        gate.set()
+        assert held.result(30)
+        leased(producer, "second")
+        assert prefill.client.region(lease.region)["view_of"] == p_cache.name
+    finally:
+        gate.set()
+        producer.close()
+
+
 def test_lease_lapses_and_a_late_pull_fails(pd):
     """A lease neither pulled nor renewed ends after lease_seconds: the sidecar deletes the region
     and the prefill frees the blocks; a late pull then finds no region (never reused blocks)."""
