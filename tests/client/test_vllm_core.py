@@ -83,6 +83,22 @@ def leased(producer: Producer, request_id: str, timeout: float = 10.0) -> None:
     assert producer.leases[request_id].held
 
 
+def start_and_step(consumer: Consumer, spec: LoadSpec):
+    """``start`` a pull, then ``poll`` as vLLM's steps do until it ends: (the pull, what the last
+    poll reported, the longest the start or a poll took)."""
+    began = time.monotonic()
+    pull = consumer.start(spec)
+    longest = time.monotonic() - began
+    outcome = (set(), set())
+    while outcome == (set(), set()):
+        assert time.monotonic() - began < 30, "the stalled pull never failed"
+        step = time.monotonic()
+        outcome = consumer.poll()
+        longest = max(longest, time.monotonic() - step)
+        time.sleep(0.002)
+    return pull, outcome, longest
+
+
 def regions_of(daemon) -> set[str]:
     return {r["name"] for r in daemon.client.list_regions()}
 
@@ -464,16 +480,8 @@ def test_a_prefill_sidecar_that_stops_after_a_pull_never_blocks_the_step():
         producer.save("req-st", [5, 6])
         leased(producer, "req-st")
         prefill.process.send_signal(signal.SIGSTOP)
-        began = time.monotonic()
-        pull = consumer.start(LoadSpec("dec-st", (7, 8), remote_params("req-st", [5, 6], config(prefill))))
-        longest = time.monotonic() - began
-        outcome = (set(), set())
-        while outcome == (set(), set()):
-            assert time.monotonic() - began < 30, "the stalled pull never failed"
-            step = time.monotonic()
-            outcome = consumer.poll()
-            longest = max(longest, time.monotonic() - step)
-            time.sleep(0.002)
+        pull, outcome, longest = start_and_step(consumer, LoadSpec("dec-st", (7, 8), remote_params(
+            "req-st", [5, 6], config(prefill))))
         assert outcome == (set(), {"dec-st"}), pull.error
         assert "ReadTimeout" in pull.error or "not done after 3 s" in pull.error
         assert longest < 0.5, longest  # the step never waited on the stopped sidecar
@@ -580,17 +588,7 @@ def test_a_stalled_prefill_sidecar_never_blocks_the_decode_step(pd, stalled):
     _, decode, _, d_cache, _, d_layers = pd
     consumer = Consumer(config(decode, load_timeout=3, call_timeout=2), d_cache)
     params = {"url": stalled, "lease": lease_name("vllm-kv", "req-s"), "block_ids": [1, 2], "num_tokens": 64}
-    longest = 0.0
-    began = time.monotonic()
-    pull = consumer.start(LoadSpec("dec-s", (3, 4), params))
-    longest = time.monotonic() - began
-    outcome = (set(), set())
-    while outcome == (set(), set()):
-        assert time.monotonic() - began < 30, "the stalled pull never failed"
-        step = time.monotonic()
-        outcome = consumer.poll()
-        longest = max(longest, time.monotonic() - step)
-        time.sleep(0.002)
+    pull, outcome, longest = start_and_step(consumer, LoadSpec("dec-s", (3, 4), params))
     assert outcome == (set(), {"dec-s"})
     assert "ReadTimeout" in pull.error or "not done after 3 s" in pull.error  # whichever deadline came first
     assert longest < 0.5, longest  # a step never waited on the stalled sidecar (its calls wait seconds)
