@@ -4,7 +4,8 @@
 Runs a receiving process and a sending process on 127.0.0.1 and prints one line ending in GB/s
 (payload bytes / seconds from the first announcement to the last acknowledgement). With
 ``--baseline`` it first measures raw blocking sockets (sendall / recv_into) between two
-processes the same way, and the main line reports the ratio to it. ``--device cuda:N`` moves
+processes the same way, over as many streams as ``--lanes`` (a thread each), and the main line
+reports the ratio to it. ``--device cuda:N`` moves
 CUDA buffers (torch tensors) instead of host memory: GPU to GPU through UCX where it can.
 """
 
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,37 +79,52 @@ def _buffer(args: argparse.Namespace):
     return torch.ones(args.size, dtype=torch.uint8, device=args.device)
 
 
-def _raw_serve(size: int, count: int) -> None:
+def _raw_serve(size: int, count: int, streams: int) -> None:
+    """Receive ``count`` messages of ``size`` bytes over ``streams`` sockets, each message cut in
+    one equal piece per socket, a thread per socket (as the tcp backend's lanes)."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
-    server.listen(1)
+    server.listen(streams)
     print(json.dumps({"port": server.getsockname()[1]}), flush=True)
-    conn, _ = server.accept()
-    buf = memoryview(bytearray(size))
-    for _ in range(count):
-        got = 0
-        while got < size:
-            got += conn.recv_into(buf[got:])
-    conn.sendall(b"k")
-    conn.close()
+    conns = [server.accept()[0] for _ in range(streams)]
+    piece = size // streams
+
+    def receive(conn: socket.socket) -> None:
+        buf = memoryview(bytearray(piece))
+        for _ in range(count):
+            got = 0
+            while got < piece:
+                got += conn.recv_into(buf[got:], piece - got, socket.MSG_WAITALL)
+
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(receive, conns))
+    conns[0].sendall(b"k")
+    for conn in conns:
+        conn.close()
 
 
-def _raw_send(port: int, size: int, count: int) -> float:
-    sock = socket.create_connection(("127.0.0.1", port))
-    payload = memoryview(bytearray(size))
+def _raw_send(port: int, size: int, count: int, streams: int) -> float:
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+    payload = memoryview(bytearray(size // streams))
+
+    def send(sock: socket.socket) -> None:
+        for _ in range(count):
+            sock.sendall(payload)
+
     start = time.perf_counter()
-    for _ in range(count):
-        sock.sendall(payload)
-    sock.recv(1)
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(send, socks))
+    socks[0].recv(1)
     elapsed = time.perf_counter() - start
-    sock.close()
+    for sock in socks:
+        sock.close()
     return elapsed
 
 
 def _spawn(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     command = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--backend", args.backend,
                "--size", str(args.size), "--count", str(args.count), "--chunk", str(args.chunk),
-               "--window", str(args.window), "--device", args.device] + (["--encrypt"] if args.encrypt else [])
+               "--window", str(args.window), "--device", args.device, "--lanes", str(args.lanes)] + (["--encrypt"] if args.encrypt else [])
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     for line in process.stdout:  # UCX may print its own warnings on stdout first
         if line.startswith("{"):
@@ -124,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=parse_size, default=parse_size("16MiB"))
     parser.add_argument("--window", type=parse_size, default=parse_size("128MiB"))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:N for GPU buffers")
-    parser.add_argument("--baseline", action="store_true", help="also measure raw blocking sockets")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also measure raw blocking sockets, as many streams as --lanes, host memory")
     parser.add_argument("--encrypt", action="store_true", help="encrypt payloads (AES-256-GCM) as well as authenticate them")
     parser.add_argument("--lanes", type=int, default=1, help="tcp: sockets per connection (the sender dials them)")
     parser.add_argument("--role", choices=("server", "raw-server"), help=argparse.SUPPRESS)
@@ -133,15 +151,16 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_serve(args))
         return
     if args.role == "raw-server":
-        _raw_serve(args.size, args.count)
+        _raw_serve(args.size, args.count, args.lanes)
         return
     total = args.size * args.count
     raw_rate = None
     if args.baseline:
         process, port = _spawn("raw-server", args)
-        raw_rate = total / _raw_send(port, args.size, args.count) / 1e9
+        raw_rate = total / _raw_send(port, args.size, args.count, args.lanes) / 1e9
         process.wait(timeout=60)
-        print(f"raw-sockets size={args.size >> 20}MiB count={args.count} {raw_rate:.2f} GB/s", flush=True)
+        print(f"raw-sockets size={args.size >> 20}MiB count={args.count} streams={args.lanes} {raw_rate:.2f} GB/s",
+              flush=True)
     process, port = _spawn("server", args)
     rate = total / asyncio.run(_send(args, port)) / 1e9
     process.wait(timeout=60)

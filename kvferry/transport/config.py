@@ -25,7 +25,7 @@ UCX_PROGRESS_MODES = ("blocking", "thread", "polling", "thread-polling")  # ucxx
 class TransportConfig:
     """How frames move between sidecars.
 
-    ``backend`` is ``"auto"`` (ucxx where it imports, else TCP), ``"ucxx"`` or ``"tcp"``.
+    ``backend`` is ``"auto"`` (ucxx where it imports and an RDMA device opens, else TCP), ``"ucxx"`` or ``"tcp"``.
     Frames larger than ``chunk_bytes`` travel as several messages; at most
     ``max_inflight_bytes`` are sent and not yet acknowledged per connection (backpressure).
     """

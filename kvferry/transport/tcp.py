@@ -13,10 +13,10 @@ from typing import Any
 from collections.abc import Callable
 
 from .config import TransportConfig
-from .errors import ConnectError, LinkAbsorbed, PeerLost, ProtocolError, TransportClosed
+from .errors import ConnectError, LinkAbsorbed, PeerLost, ProtocolError, TransportClosed, TransportTimeout
 from . import lanes as lanes_
 from .link import Link, ListenerHandle, OnLink, Striped, log
-from .tcp_device import DeviceStaging, _recv_all, _send_all
+from .tcp_device import DeviceStaging, _recv_all, _send_all, block_in_kernel
 
 _SOCKET_BUFFER = 4 << 20
 # Reads take what the socket has, up to this much: a header and its small payload, and the
@@ -61,9 +61,11 @@ class TcpLink(Link):
         return len(self._socks)
 
     def add_lanes(self, socks: list[socket.socket]) -> None:
-        """Lanes 1... of this link (lane 0 is the socket it was made with)."""
+        """Lanes 1... of this link (lane 0 is the socket it was made with). Only worker threads
+        use them, so they block in the kernel: a slice per system call."""
         for sock in socks:
             _tune(sock)
+            block_in_kernel(sock, self._io_timeout)
             self._socks.append(sock)
             self._staged_out.append(DeviceStaging())
             self._staged_in.append(DeviceStaging())
@@ -107,6 +109,8 @@ class TcpLink(Link):
                     await self._lanes_do(self._send_lane, part, [(0, part.numel())])
                 else:
                     await self._loop.sock_sendall(self._sock, part)
+        except TransportTimeout:  # a worker thread's socket call saw no progress
+            raise
         except OSError as exc:
             raise self._lost(exc) from exc
 
@@ -117,6 +121,8 @@ class TcpLink(Link):
         try:
             await asyncio.gather(*(asyncio.to_thread(work, lane, buffer[offset:offset + size])
                                    for lane, (offset, size) in enumerate(spans) if size))
+        except TransportTimeout:  # a worker thread's socket call saw no progress
+            raise
         except OSError as exc:
             raise self._lost(exc) from exc
 

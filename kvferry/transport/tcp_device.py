@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import select
 import socket
+import struct
 import time
 from typing import Any
 
@@ -87,8 +88,9 @@ class DeviceStaging:
 
 
 def _send_all(sock: socket.socket, view: memoryview, timeout: float) -> None:
-    """``sendall`` on a non-blocking socket from a thread: wait for room with ``poll``, giving up
-    after ``timeout`` seconds without progress."""
+    """``sendall`` from a worker thread, giving up after ``timeout`` seconds without progress. A
+    blocking lane socket (``block_in_kernel``) sends a slice in one call; a non-blocking one
+    waits for room with ``poll``."""
     while view:
         try:
             view = view[sock.send(view):]
@@ -97,9 +99,12 @@ def _send_all(sock: socket.socket, view: memoryview, timeout: float) -> None:
 
 
 def _recv_all(sock: socket.socket, view: memoryview, timeout: float) -> None:
+    """Fill ``view`` from a worker thread. ``MSG_WAITALL`` lets a blocking lane socket fill a
+    whole slice in one call (one GIL round trip where a non-blocking read takes what has
+    arrived, often 64 KiB); on a non-blocking socket the flag changes nothing."""
     while view:
         try:
-            got = sock.recv_into(view)
+            got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
         except (BlockingIOError, InterruptedError):
             _wait(sock, select.POLLIN, timeout, "receive")
             continue
@@ -108,7 +113,19 @@ def _recv_all(sock: socket.socket, view: memoryview, timeout: float) -> None:
         view = view[got:]
 
 
+def block_in_kernel(sock: socket.socket, timeout: float) -> None:
+    """Make ``sock`` blocking, its calls giving up after ``timeout`` seconds in the kernel
+    (``SO_RCVTIMEO``/``SO_SNDTIMEO``): for a socket only worker threads use."""
+    sock.setblocking(True)
+    seconds = max(timeout, 0.001)
+    interval = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, option, interval)
+
+
 def _wait(sock: socket.socket, events: int, timeout: float, what: str) -> None:
+    if sock.getblocking():  # the kernel already waited ``timeout`` (``block_in_kernel``)
+        raise TransportTimeout(f"a payload {what} made no progress for {timeout:.3g} s")
     poller = select.poll()
     poller.register(sock, events)
     started = time.monotonic()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import pytest
 
 from kvferry import transport
 from kvferry.transport import lanes
+from kvferry.transport.link import Striped
 from tests.transport.conftest import config, run
 
 LINK_ID = bytes(range(16))
@@ -96,3 +98,55 @@ def test_the_gathering_bounds_waiting_links():
         assert socks[1].fileno() == -1
 
     run(main(), timeout=10)
+
+
+def _socket_pairs(n: int) -> list[tuple[socket.socket, socket.socket]]:
+    server = socket.create_server(("127.0.0.1", 0))
+    pairs = []
+    for _ in range(n):
+        near = socket.create_connection(server.getsockname())
+        pairs.append((near, server.accept()[0]))
+    server.close()
+    return pairs
+
+
+@pytest.mark.parametrize("direction", ["receive", "send"])
+def test_a_stalled_lane_times_out_instead_of_hanging(direction):
+    """Lanes 1... block in the kernel (a slice per call); a peer that stops sending or reading on
+    one of them still ends the payload after the link's idle timeout."""
+    from kvferry.transport.tcp import TcpLink
+
+    async def main():
+        pairs = _socket_pairs(2)
+        link = TcpLink(pairs[0][0], io_timeout=0.5)
+        link.add_lanes([pairs[1][0]])
+        assert not pairs[0][0].getblocking() and pairs[1][0].getblocking()
+        nbytes = 64 << 20
+        spans = lanes.stripes(nbytes, 2)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(transport.TransportTimeout):
+            if direction == "receive":  # lane 0's piece comes, lane 1's never
+                threading.Thread(target=pairs[0][1].sendall, args=(bytes(spans[0][1]),), daemon=True).start()
+                await link.recv_payload(memoryview(bytearray(nbytes)), striped=True)
+            else:  # nobody reads: the socket buffers fill and the sends stall
+                await link.send_rest([Striped(bytearray(nbytes))])
+        assert asyncio.get_running_loop().time() - started < 5
+        await link.close()
+        for _, far in pairs:
+            far.close()
+
+    run(main(), timeout=30)
+
+
+def test_auto_carries_links_over_tcp_without_an_rdma_device(tmp_path, monkeypatch):
+    """Without RDMA, UCX would carry GPU payloads over its own TCP path, slower than the tcp
+    backend's lanes: ``auto`` takes ucxx only where an RDMA device opens (and ucxx imports)."""
+    import importlib.util
+
+    from kvferry.transport import backends
+
+    monkeypatch.setattr(backends, "RDMA_DEVICES", str(tmp_path / "uverbs*"))
+    assert backends.resolve_backend(config("auto")) == "tcp"
+    (tmp_path / "uverbs0").touch()
+    assert backends.resolve_backend(config("auto")) == ("ucxx" if importlib.util.find_spec("ucxx") else "tcp")
+    assert backends.resolve_backend(config("tcp")) == "tcp"
