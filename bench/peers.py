@@ -26,7 +26,9 @@ network namespaces (``kvferry.testing.netns``) joined by a veth cable shaped to 
 (``tc ... tbf``); kvferry's sidecars run one on each host (the destination's host has a hostname of
 its own, so no same-host shortcut: every row checks its transfers crossed the wire), and NIXL's
 initiator and target (when ``nixl_cu13`` imports) enter the same two namespaces and move the same
-blocks over UCX's TCP transport on that cable. Rows give p50 and p99 (nearest rank) latency.
+blocks over UCX's TCP transport on that cable. First, plain blocking sockets (one stream and four,
+host memory) measure what the cable carries once TCP's headers and the shaper have taken theirs:
+the roofline of the rows below. Rows give p50 and p99 (nearest rank) latency.
 
 ``--gpus 2``: the source on GPU 0 and the destination on GPU 1 (each sidecar's device is its
 region's, and sees the other), NIXL's initiator on GPU 0 and its target on GPU 1; else both on one.
@@ -50,6 +52,7 @@ import math
 import multiprocessing as mp
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -436,6 +439,10 @@ def nixl_on_links(rows: list[dict], links: list[float]) -> list[dict]:
     return out
 
 
+def _exact(row: dict) -> str:
+    return "–" if row.get("bytes_unchecked") else "yes" if row["bit_exact"] else "NO"
+
+
 def _line(row: dict) -> str:
     size = row["bytes"]
     label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB"
@@ -443,9 +450,9 @@ def _line(row: dict) -> str:
     if row.get("netns_gbit"):  # a real cable: its rate in bits, and the tail as p99
         link = f"{row['netns_gbit']:g} Gbit/s veth"
         return (f"| {row['system']} | {row['how']} | {link} | {label} | {row['median_s'] * 1e3:.1f} | "
-                f"{row['p99_s'] * 1e3:.1f} | {row['gbps']:.3f} | {row['ratio']:.3f} | {'yes' if row['bit_exact'] else 'NO'} |")
+                f"{row['p99_s'] * 1e3:.1f} | {row['gbps']:.3f} | {row['ratio']:.3f} | {_exact(row)} |")
     return (f"| {row['system']} | {row['how']} | {link} | {label} | {row['median_s'] * 1e3:.3f} | {row['p90_s'] * 1e3:.3f} | "
-            f"{row['gbps']:.2f} | {row['ratio']:.3f} | {'yes' if row['bit_exact'] else 'NO'} |")
+            f"{row['gbps']:.2f} | {row['ratio']:.3f} | {_exact(row)} |")
 
 
 def run_local(args, sizes: list[int], blocks_total: int) -> list[dict]:
@@ -464,6 +471,31 @@ def run_local(args, sizes: list[int], blocks_total: int) -> list[dict]:
     return rows
 
 
+def sockets_on_cable(net, size: int, gbit: float, streams: tuple[int, ...] = (1, 4), count: int = 3) -> list[dict]:
+    """What the cable carries for plain blocking sockets, host memory (``transport_bench.py``'s raw
+    roles, a thread per stream): the rate TCP's headers and the shaper leave, beside which
+    kvferry's rows are read."""
+    bench = str(Path(__file__).resolve().parent / "transport_bench.py")
+    a, b = net.hosts["a"], net.hosts["b"]
+    rows = []
+    for n in streams:
+        common = ["--size", str(size), "--count", str(count), "--lanes", str(n), "--host", b.data_ip]
+        server = subprocess.Popen(b.command([sys.executable, bench, "--role", "raw-server", *common]),
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            port = json.loads(server.stdout.readline())["port"]
+            sent = subprocess.run(a.command([sys.executable, bench, "--role", "raw-send", "--port", str(port), *common]),
+                                  capture_output=True, text=True, timeout=600, check=True)
+            server.wait(timeout=60)
+        finally:
+            server.kill()
+        seconds = json.loads(sent.stdout.strip().splitlines()[-1])["seconds"] / count
+        rows.append(_row("sockets", f"raw TCP, {n} stream{'s' if n > 1 else ''}, host memory", max(1, size // BLOCK_BYTES),
+                         [seconds], True, 1.0, netns_gbit=gbit) | {"bytes_unchecked": True})
+        print(_line(rows[-1]), flush=True)
+    return rows
+
+
 def run_netns(args, sizes: list[int], blocks_total: int, rates: list[float]) -> list[dict]:
     """Both systems over a real cable at each rate (Gbit/s), then how ``auto`` fared against raw."""
     from kvferry.testing import netns
@@ -477,6 +509,7 @@ def run_netns(args, sizes: list[int], blocks_total: int, rates: list[float]) -> 
     for gbit in rates:
         with contextlib.closing(netns.Network(("a", "b"))) as net:
             net.shape_all(gbit * 1000)
+            rows += sockets_on_cable(net, max(sizes), gbit)
             if not args.no_kvferry:
                 rows += run_kvferry(args, sizes, blocks_total, net=net, netns_gbit=gbit)
             if nixl:

@@ -79,11 +79,11 @@ def _buffer(args: argparse.Namespace):
     return torch.ones(args.size, dtype=torch.uint8, device=args.device)
 
 
-def _raw_serve(size: int, count: int, streams: int) -> None:
+def _raw_serve(size: int, count: int, streams: int, host: str = "127.0.0.1") -> None:
     """Receive ``count`` messages of ``size`` bytes over ``streams`` sockets, each message cut in
     one equal piece per socket, a thread per socket (as the tcp backend's lanes)."""
     server = socket.socket()
-    server.bind(("127.0.0.1", 0))
+    server.bind((host, 0))
     server.listen(streams)
     print(json.dumps({"port": server.getsockname()[1]}), flush=True)
     conns = [server.accept()[0] for _ in range(streams)]
@@ -103,8 +103,8 @@ def _raw_serve(size: int, count: int, streams: int) -> None:
         conn.close()
 
 
-def _raw_send(port: int, size: int, count: int, streams: int) -> float:
-    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+def _raw_send(port: int, size: int, count: int, streams: int, host: str = "127.0.0.1") -> float:
+    socks = [socket.create_connection((host, port)) for _ in range(streams)]
     payload = memoryview(bytearray(size // streams))
 
     def send(sock: socket.socket) -> None:
@@ -145,13 +145,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="also measure raw blocking sockets, as many streams as --lanes, host memory")
     parser.add_argument("--encrypt", action="store_true", help="encrypt payloads (AES-256-GCM) as well as authenticate them")
     parser.add_argument("--lanes", type=int, default=1, help="tcp: sockets per connection (the sender dials them)")
-    parser.add_argument("--role", choices=("server", "raw-server"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("server", "raw-server", "raw-send"), help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # raw roles: the receiver's address
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "server":
         asyncio.run(_serve(args))
         return
     if args.role == "raw-server":
-        _raw_serve(args.size, args.count, args.lanes)
+        _raw_serve(args.size, args.count, args.lanes, args.host)
+        return
+    if args.role == "raw-send":
+        print(json.dumps({"seconds": _raw_send(args.port, args.size, args.count, args.lanes, args.host)}), flush=True)
         return
     total = args.size * args.count
     raw_rate = None

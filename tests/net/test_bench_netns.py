@@ -1,6 +1,7 @@
 """``bench/peers.py --netns`` end to end at a small size: kvferry's rows come from sidecars on two
 hosts joined by a shaped veth (no loopback, no pacing, no model), every transfer crossed the cable
-(the script fails otherwise) and is bit-exact, and the table says the link. It checks the
+(the script fails otherwise) and is bit-exact, plain sockets measure the cable first, and the table
+says the link. It checks the
 benchmark works, not how fast anything is."""
 
 from __future__ import annotations
@@ -33,3 +34,8 @@ def test_peers_over_a_real_link(tmp_path):
     assert raw6["median_s"] >= 0.9 * raw6["bytes"] * 8 / 0.5e9, raw6
     assert "| kvferry | raw | 0.5 Gbit/s veth | 6 MiB |" in run.stdout
     assert "modelled" not in run.stdout
+    # the cable's roofline: plain sockets, one stream and four, no faster than the shaper lets them
+    sockets = [r for r in rows if r["system"] == "sockets"]
+    assert [r["how"].split(", ")[1] for r in sockets] == ["1 stream", "4 streams"]
+    assert all(r["blocks"] == 3 and r["median_s"] >= 0.9 * r["bytes"] * 8 / 0.5e9 for r in sockets), sockets
+    assert "| sockets | raw TCP, 1 stream, host memory | 0.5 Gbit/s veth | 6 MiB |" in run.stdout
