@@ -27,8 +27,9 @@ network namespaces (``kvferry.testing.netns``) joined by a veth cable shaped to 
 its own, so no same-host shortcut: every row checks its transfers crossed the wire), and NIXL's
 initiator and target (when ``nixl_cu13`` imports) enter the same two namespaces and move the same
 blocks over UCX's TCP transport on that cable. First, plain blocking sockets (one stream and four,
-host memory) measure what the cable carries once TCP's headers and the shaper have taken theirs:
-the roofline of the rows below. Rows give p50 and p99 (nearest rank) latency.
+host memory, a thread each, the kernel's default buffers) show what a program that only writes to
+sockets moves over that cable. Rows give p50 and p99 (nearest rank) latency; the closing table
+gives raw's rate and auto's wire rate (its KV rate / its ratio) as fractions of the cable's.
 
 ``--gpus 2``: the source on GPU 0 and the destination on GPU 1 (each sidecar's device is its
 region's, and sees the other), NIXL's initiator on GPU 0 and its target on GPU 1; else both on one.
@@ -472,9 +473,8 @@ def run_local(args, sizes: list[int], blocks_total: int) -> list[dict]:
 
 
 def sockets_on_cable(net, size: int, gbit: float, streams: tuple[int, ...] = (1, 4), count: int = 3) -> list[dict]:
-    """What the cable carries for plain blocking sockets, host memory (``transport_bench.py``'s raw
-    roles, a thread per stream): the rate TCP's headers and the shaper leave, beside which
-    kvferry's rows are read."""
+    """What plain blocking sockets move over the cable, host memory (``transport_bench.py``'s raw
+    roles, a thread per stream): the program a user might write instead."""
     bench = str(Path(__file__).resolve().parent / "transport_bench.py")
     a, b = net.hosts["a"], net.hosts["b"]
     rows = []
@@ -514,7 +514,8 @@ def run_netns(args, sizes: list[int], blocks_total: int, rates: list[float]) -> 
                 rows += run_kvferry(args, sizes, blocks_total, net=net, netns_gbit=gbit)
             if nixl:
                 rows += run_nixl(args, sizes, blocks_total, net=net, netns_gbit=gbit)
-    print("\n| link | size | auto chose | auto p50 / raw p50 |\n|---|---:|---|---:|")
+    print("\n| link | size | auto chose | auto p50 / raw p50 | raw / link | auto's wire / link |\n"
+          "|---|---:|---|---:|---:|---:|")
     for gbit in rates:
         for size in sizes:
             same = [r for r in rows if r["system"] == "kvferry" and r["netns_gbit"] == gbit and r["bytes"] == max(
@@ -522,8 +523,10 @@ def run_netns(args, sizes: list[int], blocks_total: int, rates: list[float]) -> 
             raw = next((r for r in same if r["how"] == "raw"), None)
             auto = next((r for r in same if r["how"].startswith("auto")), None)
             if raw and auto:
+                link = gbit / 8
                 print(f"| {gbit:g} Gbit/s | {_line(raw).split(' | ')[3]} | {auto['how'][6:-1]} | "
-                      f"{auto['median_s'] / raw['median_s']:.3f} |")
+                      f"{auto['median_s'] / raw['median_s']:.3f} | {raw['gbps'] / link:.3f} | "
+                      f"{auto['gbps'] / auto['ratio'] / link:.3f} |")
     return rows
 
 
