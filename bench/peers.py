@@ -121,14 +121,16 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
 
     rows, keep = [], []
     if net is not None:
-        env = {"KVFERRY_TRANSFER_TIMEOUT": "300", "UCX_TLS": _network_tls(args.ucx_tls)}
+        env = {"KVFERRY_TRANSFER_TIMEOUT": "300", "UCX_TLS": _network_tls(args.ucx_tls),
+               "KVFERRY_TCP_LANES": str(args.tcp_lanes)}
         sidecars = [net.sidecar(name, env=env, backend=args.backend, device=device, ready_timeout=180)
                     for name, device in zip("ab", (args.src_device, args.dst_device))]
         processes = [s.process for s in sidecars]
         sender, receiver = (Client(s.url, token=net.token, timeout=600) for s in sidecars)
     else:
         ports = [(free_port(), free_port()) for _ in range(2)]
-        env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_EMULATED_LINK_GBPS": str(link_gbps)}
+        env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_EMULATED_LINK_GBPS": str(link_gbps),
+               "KVFERRY_TCP_LANES": str(args.tcp_lanes)}
         processes = [start_sidecar(p, d, args.backend, env=env, device=device)
                      for (p, d), device in zip(ports, (args.src_device, args.dst_device))]
     try:
@@ -536,6 +538,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="two: source and destination on two GPUs")
     parser.add_argument("--backend", default="ucxx", help="kvferry's transport: ucxx or tcp")
     parser.add_argument("--ucx-tls", default="tcp,cuda_copy,cuda_ipc")
+    parser.add_argument("--tcp-lanes", type=int, default=0, help="kvferry's sockets per link over tcp (0: its default)")
     parser.add_argument("--sizes", default="2M,64M,256M,1G,4G")
     parser.add_argument("--codecs", default="raw,splitzip,auto")
     parser.add_argument("--repeats", type=int, default=5)
