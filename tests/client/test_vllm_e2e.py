@@ -2,7 +2,8 @@
 greedy outputs token for token those of a single vLLM; one transfer per request; KV corrupted on
 the wire or the prefill's sidecar killed mid-request fails the decode request (policy ``fail``)
 instead of hanging or answering from wrong KV, and with ``kv_load_failure_policy: recompute`` the
-decode computes the prompt itself and answers like the single vLLM.
+decode computes the prompt itself and answers like the single vLLM. A request that waits in the
+decode's queue for three lease periods still finds its KV (the decode's heartbeats renew the lease).
 
 vLLM lives in its own venv (its torch and dependencies must not touch the project's). Unless
 ``E2E_VLLM_PYTHON`` names a python that imports vllm, the first run builds one (a few minutes
@@ -445,3 +446,79 @@ def test_recompute_policy_answers_like_a_single_vllm(pd, reference, recompute_de
         assert failed_out(p_side), p_side.client.transfers(direction="out")
     print(f"\n[recompute, {fault}] {len(prompt)}-token prompt recomputed by the decode in {elapsed:.1f} s, "
           f"answer equal to a single vLLM's")
+
+
+QUEUE_LEASE = 3.0  # seconds: the prefill's lease, renewed by the decode's heartbeats while it queues
+
+
+@pytest.fixture(scope="module")
+def queued_pd(vllm_python, model, tmp_path_factory):
+    """A prefill whose leases last ``QUEUE_LEASE`` unless renewed, and a decode that runs one request
+    at a time (``--max-num-seqs 1``), so a second request waits in its queue."""
+    logs = tmp_path_factory.mktemp("vllm-queue")
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "10"}
+    p_side, d_side = spawn("tcp", env), spawn("tcp", env)
+    servers = []
+    try:
+        prefill = Server(vllm_python, model, logs / "prefill.log",
+                         kv_config("kv_producer", p_side, lease_seconds=QUEUE_LEASE))
+        servers.append(prefill)
+        prefill.wait()
+        decode = Server(vllm_python, model, logs / "decode.log",
+                        kv_config("kv_consumer", d_side, lease_seconds=QUEUE_LEASE, heartbeat_seconds=0.5,
+                                  load_timeout=LOAD_TIMEOUT),
+                        extra=["--no-enable-prefix-caching", "--max-num-seqs", "1"])
+        servers.append(decode)
+        decode.wait()
+        yield {"prefill": prefill, "decode": decode, "p_side": p_side}
+    finally:
+        for server in servers:
+            server.stop()
+        stop(p_side, d_side)
+
+
+def test_a_decode_queued_past_the_lease_keeps_its_kv(queued_pd, reference):
+    """The decode's only slot is taken by a long request; a P/D request queues behind it for three
+    lease periods. Its lease is renewed by the decode's heartbeats, so the KV is still there when
+    the slot frees (the first request's client goes away), and the answer equals a single vLLM's."""
+    import threading
+
+    decode, prefill, p_side = queued_pd["decode"], queued_pd["prefill"], queued_pd["p_side"]
+    i = max(range(len(reference.prompts)), key=lambda j: -abs(len(reference.prompts[j]) - 200))
+    prompt, expected = reference.prompts[i], reference.answers[i]
+    release, running, results = threading.Event(), threading.Event(), {}
+
+    def blocker() -> None:  # streams a long answer until released, then hangs up: vLLM aborts it
+        body = {"model": "m", "prompt": reference.prompts[0], "max_tokens": 1800, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    running.set()
+                if release.is_set():
+                    return
+
+    def queued(params: dict) -> None:
+        results["queued"] = complete(decode.url, prompt, timeout=120, kv_transfer_params=params)
+
+    holder = threading.Thread(target=blocker, daemon=True)
+    holder.start()
+    assert running.wait(120), "the long request never started"
+    first = complete(prefill.url, prompt, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "kvferry_codec": "raw"})
+    leased_at = time.time()
+    params = first.json()["kv_transfer_params"]
+    assert params and params["kvferry"]["lease"]
+    waiter = threading.Thread(target=queued, args=(params,), daemon=True)
+    waiter.start()
+    time.sleep(3 * QUEUE_LEASE)
+    assert waiter.is_alive(), "the request did not queue behind the long one"
+    release.set()
+    holder.join(60)
+    waiter.join(120)
+    assert not waiter.is_alive(), "the queued request never ended"
+    assert tokens_of(results["queued"]) == expected
+    pulls = [t for t in p_side.client.transfers(direction="out") if t["state"] == "done"]
+    assert len(pulls) == 1 and pulls[0]["created"] - leased_at >= 2.5 * QUEUE_LEASE, pulls
+    print(f"\n[queued] {len(prompt)}-token prompt pulled {pulls[0]['created'] - leased_at:.1f} s after its "
+          f"{QUEUE_LEASE:g} s lease was taken; answer equal to a single vLLM's")
