@@ -124,7 +124,8 @@ def _raw_send(port: int, size: int, count: int, streams: int, host: str = "127.0
 def _spawn(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     command = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--backend", args.backend,
                "--size", str(args.size), "--count", str(args.count), "--chunk", str(args.chunk),
-               "--window", str(args.window), "--device", args.device, "--lanes", str(args.lanes)] + (["--encrypt"] if args.encrypt else [])
+               "--window", str(args.window), "--device", args.device, "--lanes", str(args.lanes),
+               *(["--encrypt"] if args.encrypt else [])]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     for line in process.stdout:  # UCX may print its own warnings on stdout first
         if line.startswith("{"):
