@@ -158,7 +158,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.load(transfer.kv_connector_extra_config or {})
         self.compat = _compat(vllm_config, kv_cache_config)
         self.vllm_config = vllm_config
-        self.dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        self.dp_rank = _dp_rank(vllm_config.parallel_config)
         self._shared: dict[str, tuple[str, list[str]]] = {}  # decode: request -> leases its ranks share
         self.heartbeats = Heartbeats(self.config) if role == KVConnectorRole.SCHEDULER and transfer.is_kv_consumer \
             else None
@@ -380,6 +380,15 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
 if KVConnectorTransferResults is None:  # pragma: no cover (older vLLM: per-block failures)
     del KvferryConnector.get_transfer_results
+
+
+
+def _dp_rank(parallel) -> int:
+    """This engine's data-parallel rank. vLLM runs the DP ranks of a dense model as independent
+    engines of DP size 1 (``data_parallel_rank`` 0 in each) and keeps the rank in
+    ``data_parallel_index``; MoE ranks keep ``data_parallel_rank``."""
+    index = getattr(parallel, "data_parallel_index", None)
+    return int(index if index is not None else getattr(parallel, "data_parallel_rank", 0) or 0)
 
 
 def _rank() -> int:

