@@ -120,9 +120,9 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
     from kvferry.demo import LLAMA_AXES, free_port, settle, start_sidecar, stop_sidecars, until_steady, wait_ready
 
     rows, keep = [], []
+    lanes = {"KVFERRY_TCP_LANES": str(args.tcp_lanes)}
     if net is not None:
-        env = {"KVFERRY_TRANSFER_TIMEOUT": "300", "UCX_TLS": _network_tls(args.ucx_tls),
-               "KVFERRY_TCP_LANES": str(args.tcp_lanes)}
+        env = {"KVFERRY_TRANSFER_TIMEOUT": "300", "UCX_TLS": _network_tls(args.ucx_tls), **lanes}
         sidecars = [net.sidecar(name, env=env, backend=args.backend, device=device, ready_timeout=180)
                     for name, device in zip("ab", (args.src_device, args.dst_device))]
         processes = [s.process for s in sidecars]
@@ -130,7 +130,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
     else:
         ports = [(free_port(), free_port()) for _ in range(2)]
         env = {"KVFERRY_TRANSFER_TIMEOUT": "120", "UCX_TLS": args.ucx_tls, "KVFERRY_EMULATED_LINK_GBPS": str(link_gbps),
-               "KVFERRY_TCP_LANES": str(args.tcp_lanes)}
+               **lanes}
         processes = [start_sidecar(p, d, args.backend, env=env, device=device)
                      for (p, d), device in zip(ports, (args.src_device, args.dst_device))]
     try:

@@ -382,7 +382,6 @@ if KVConnectorTransferResults is None:  # pragma: no cover (older vLLM: per-bloc
     del KvferryConnector.get_transfer_results
 
 
-
 def _dp_rank(parallel) -> int:
     """This engine's data-parallel rank. vLLM runs the DP ranks of a dense model as independent
     engines of DP size 1 (``data_parallel_rank`` 0 in each) and keeps the rank in

@@ -101,18 +101,16 @@ class TcpLink(Link):
         return later
 
     async def send_rest(self, parts: list[Any]) -> None:
-        try:
-            for part in parts:
-                if isinstance(part, Striped):
-                    await self._lanes_do(self._send_lane, part.payload, lanes_.stripes(_size(part.payload), self.lanes))
-                elif getattr(part, "is_cuda", False):
-                    await self._lanes_do(self._send_lane, part, [(0, part.numel())])
-                else:
+        for part in parts:
+            if isinstance(part, Striped):
+                await self._lanes_do(self._send_lane, part.payload, lanes_.stripes(_size(part.payload), self.lanes))
+            elif getattr(part, "is_cuda", False):
+                await self._lanes_do(self._send_lane, part, [(0, part.numel())])
+            else:
+                try:
                     await self._loop.sock_sendall(self._sock, part)
-        except TransportTimeout:  # a worker thread's socket call saw no progress
-            raise
-        except OSError as exc:
-            raise self._lost(exc) from exc
+                except OSError as exc:
+                    raise self._lost(exc) from exc
 
     async def _lanes_do(self, work: Callable[[int, Any], None], buffer: Any, spans: list[tuple[int, int]]) -> None:
         """``work(lane, piece)`` for each lane's piece of ``buffer``, at once, in worker threads.
