@@ -207,7 +207,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 local = tuple(blocks.get_unhashed_block_ids()) if len(blocks.blocks) == 1 else \
                     tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
             ours = dict(params[PARAMS_KEY])
-            self._meta.loads.append(LoadSpec(request.request_id, local, ours))
+            self._meta.loads.append(LoadSpec(request.request_id, local, ours, len(request.prompt_token_ids or ())))
             if local and self.heartbeats is not None:
                 shared = self.heartbeats.shared_leases(ours, self.compat)
                 if shared:
@@ -298,7 +298,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                                                               layers[0])
         self.cache = KvCache(client, name, layers, num_blocks, self.config.shm_prefix, self.config.in_place,
                              fp8=FP8.get(str(self.vllm_config.cache_config.cache_dtype)), heads=heads,
-                             head_dim=head_dim)
+                             head_dim=head_dim, block_size=self.block_size)
         layout = self.cache.layout
         log.info("kvferry: KV cache registered as %s (%d vLLM blocks as %d region blocks of %s %s, %s, %s)", name,
                  num_blocks, num_blocks * layout.planes, list(layout.block_shape), layout.dtype, self.cache.kind,

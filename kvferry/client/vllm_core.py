@@ -52,7 +52,7 @@ from kvferry.engine.errors import Conflict, EngineError, NotFound
 
 from . import tp
 from .sdk import Answer, Client
-from .vllm_cache import DTYPES, FP8, CacheLayout, IncompatibleCache, KvCache, distinct
+from .vllm_cache import DTYPES, FP8, GRANULE, CacheLayout, IncompatibleCache, KvCache, distinct
 from .vllm_stats import FAILURE_KINDS, PromMetrics, TransferStats, failure_kind
 from .vllm_watch import CONTROLS, Stream, Watches, overloaded
 
@@ -173,7 +173,7 @@ class IncompatiblePeer(IncompatibleCache):
     protocol version, model, dtype, block size, layout, parallel shape)."""
 
 
-COMPARED = ("kvferry", "peer_protocol", "model", "dtype", "kv_cache_dtype", "block_size", "kv_heads", "head_size",
+COMPARED = ("kvferry", "peer_protocol", "model", "dtype", "kv_cache_dtype", "kv_heads", "head_size",
             "layers", "layout", "groups", "pp")
 
 
@@ -184,11 +184,12 @@ def compat_record(model: str = "", dtype: str = "", kv_cache_dtype: str = "", bl
     and checked by the decode before each pull (a dict comparison, no call). ``kv_heads``: the
     model's KV heads in all (1 for MLA, whose latent every rank holds whole); ``layout``: vLLM's
     KV cache layout name (and ``mla``); ``groups``: its KV cache groups (``full``,
-    ``sliding_window:64``). Tensor-parallel sizes may differ where both split the heads
-    (``check_compat``); ``dp`` only rides along: each data-parallel rank is an engine of its own,
-    with leases of its own. The block layout (shape, dtype, in place or a mirror) is checked
-    against the prefill's region at first contact (``CacheLayout.check_peer``); the sidecars' own
-    handshake checks their wire protocol."""
+    ``sliding_window:64``). Tensor-parallel sizes may differ where both split the heads, and
+    block sizes where both are multiples of a mirror's granule (``check_compat``); ``dp`` only
+    rides along: each data-parallel rank is an engine of its own, with leases of its own. The
+    block layout (shape, dtype, in place or a mirror) is checked against the prefill's region at
+    first contact (``CacheLayout.check_peer``); the sidecars' own handshake checks their wire
+    protocol."""
     from kvferry import __version__
     from kvferry.engine import peer  # not kvferry.transport: vLLM's environment lacks its dependencies
 
@@ -206,6 +207,10 @@ def check_compat(ours: Mapping[str, Any], theirs: Mapping[str, Any] | None, wher
                                f"than this decode's ({ours.get('kvferry')})")
     differ = [f"{key}: prefill {theirs.get(key)!r}, decode {ours.get(key)!r}" for key in COMPARED
               if theirs.get(key) != ours.get(key)]
+    sizes = int(theirs.get("block_size") or 0), int(ours.get("block_size") or 0)
+    if sizes[0] != sizes[1] and (not all(sizes) or any(n % GRANULE for n in sizes)):
+        differ.append(f"block_size: prefill {sizes[0]}, decode {sizes[1]} (different block sizes are exchanged "
+                      f"in pieces of {GRANULE} tokens: both must be multiples of it)")
     p_tp, d_tp = int(theirs.get("tp", 1)), int(ours.get("tp", 1))
     if p_tp != d_tp:
         heads = int(ours.get("kv_heads") or 0)
@@ -411,6 +416,7 @@ class LoadSpec:
     request_id: str
     local_blocks: tuple[int, ...]
     params: Mapping[str, Any]  # our part of the prefill's kv_transfer_params
+    tokens: int = 0  # the prompt's length (0: as the prefill counted it), where block sizes differ
 
 
 @dataclass
@@ -514,6 +520,55 @@ def pair_groups(local: Sequence[Any], remote: Sequence[Any]) -> tuple[list[int],
     return src, dst
 
 
+@dataclass(frozen=True)
+class Pairs:
+    """What a pull reads and writes: the prefill's and this decode's vLLM blocks, pair by pair, or
+    where the two run different block sizes, their granules (``b * pieces + p``: piece ``p`` of
+    block ``b``, ``pieces`` a side: ``(prefill's, decode's)``); ``blocks``: the decode's vLLM
+    blocks either fills."""
+
+    src: list[int]
+    dst: list[int]
+    blocks: list[int]
+    pieces: tuple[int, int] | None = None
+
+
+def pair_granules(local: Sequence[Any], remote: Sequence[Any], tokens: int, block_sizes: tuple[int, int],
+                  granule: int) -> Pairs:
+    """A request's granules, group by group, where the prefill's blocks (``block_sizes[0]``
+    tokens) and the decode's (``block_sizes[1]``) differ in size: each group's blocks cover the
+    prompt's ``tokens`` from the start (the decode's fresh ones its last), so granule ``g`` holds
+    tokens ``g * granule`` onwards on both sides. Only granules holding prompt tokens are read; as
+    in ``pair_groups``, a block vLLM dropped from a window (``NULL_BLOCK``) on either side is skipped.
+
+    Raises: IncompatibleCache when a block size is not a multiple of the granule, the group counts
+    differ, or a side holds fewer tokens than the prompt."""
+    (p_size, d_size), local_groups, remote_groups = block_sizes, groups_of(local), groups_of(remote)
+    if p_size % granule or d_size % granule:
+        raise IncompatibleCache(f"block sizes {p_size} (prefill) and {d_size} (decode) are not both multiples of "
+                                f"{granule} tokens: their blocks cannot be cut in common pieces")
+    if len(local_groups) != len(remote_groups):
+        raise IncompatibleCache(f"the prefill sent {len(remote_groups)} KV cache groups, this decode has "
+                                f"{len(local_groups)}")
+    p_pieces, d_pieces = p_size // granule, d_size // granule
+    end = -(-tokens // granule)  # granules holding a prompt token
+    src, dst, blocks = [], [], []
+    for mine, theirs in zip(local_groups, remote_groups):
+        first = (-(-tokens // d_size) - len(mine)) * d_pieces  # the decode's first fresh granule
+        if first < 0 or len(theirs) * p_pieces < end:
+            raise IncompatibleCache(f"the prefill holds {len(theirs)} blocks of {p_size} tokens, the decode "
+                                    f"{len(mine)} of {d_size}: not the {tokens} tokens of the prompt")
+        for g in range(first, end):
+            a, b = theirs[g // p_pieces], mine[(g - first) // d_pieces]
+            if len(local_groups) > 1 and NULL_BLOCK in (a, b):
+                continue
+            src.append(a * p_pieces + g % p_pieces)
+            dst.append(b * d_pieces + (g - first) % d_pieces)
+            if not blocks or blocks[-1] != b:
+                blocks.append(b)
+    return Pairs(src, dst, blocks, (p_pieces, d_pieces))
+
+
 def flat_blocks(block_ids: Sequence[Any]) -> list[int]:
     return [b for g in groups_of(block_ids) for b in g]
 
@@ -559,7 +614,8 @@ class Consumer:
         self.pulls: dict[str, Pull] = {}
         self.failed_blocks: dict[str, tuple[int, ...]] = {}  # request id -> its blocks that did not load
         self._peers = PeerClients(config)
-        self._checked: dict[tuple[str, str], int] = {}  # (sidecar, lease rank) that matched ours -> its vLLM blocks
+        # (sidecar, lease rank, granules a prefill block) that fit ours -> the prefill's vLLM blocks
+        self._checked: dict[tuple[str, str, int | None], int] = {}
         self._data_address: str | None = None
         self._local = Client(config.url, token=config.token, timeout=config.call_timeout)
         self._lock = threading.Lock()
@@ -608,9 +664,9 @@ class Consumer:
             pieces = self.slices(spec)
             if len(pieces) != 1:
                 return None
-            src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
+            pairs = self.pairs(spec)
             client = self.remote(url)
-            request = self._request(pull, url, pieces[0], src, dst, contact=False)
+            request = self._request(pull, url, pieces[0], pairs, contact=False)
             if request is None:
                 return None
             transfer_id, asked = uuid.uuid4().hex, time.time()
@@ -651,11 +707,11 @@ class Consumer:
         try:
             if self.compat is not None:
                 check_compat(self.compat, spec.params.get("compat"), url)
-            src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
+            pairs = self.pairs(spec)
             pull.client = self.remote(url)
             local = self.watches.stream_for(self.config.url, self._local) if self.watches is not None else None
             pieces = self.slices(spec)
-            self._submit_pieces(pull, url, pieces, src, dst, local, deadline, records, pending, early)
+            self._submit_pieces(pull, url, pieces, pairs, local, deadline, records, pending, early)
         except BaseException:
             if early is not None and not records:
                 early.cancel()  # its answers were never read
@@ -685,7 +741,7 @@ class Consumer:
                         if not fresh:
                             fresh.append(self._watch_end(transfer_id, local, deadline - time.monotonic()))
                     try:
-                        record = records[i] = self._send(pull, url, pieces[i], src, dst, transfer_id, ask)
+                        record = records[i] = self._send(pull, url, pieces[i], pairs, transfer_id, ask)
                     except BaseException:
                         for _, unread in fresh:
                             unread.cancel()
@@ -699,7 +755,7 @@ class Consumer:
         pull.control = "grpc" if pushed else "http"
         return merge_records(records)
 
-    def _submit_pieces(self, pull: Pull, url: str, pieces: list[tp.Slice], src: list[int], dst: list[int],
+    def _submit_pieces(self, pull: Pull, url: str, pieces: list[tp.Slice], pairs: Pairs,
                        local: Stream | None, deadline: float, records: list[dict[str, Any]],
                        pending: list[tuple[Stream | None, Any]], early: Early | None = None) -> None:
         """Submit each piece under an id drawn here, its end asked of this decode's sidecar first
@@ -732,7 +788,7 @@ class Consumer:
                             ask()
                         records.append(sent.answer.result())
                     else:
-                        records.append(self._send(pull, url, piece, src, dst, transfer_id, ask))
+                        records.append(self._send(pull, url, piece, pairs, transfer_id, ask))
                     break
                 except NotFound:
                     if time.monotonic() + pause > grace:
@@ -776,7 +832,7 @@ class Consumer:
         except (EngineError, httpx.HTTPError):
             return mine, by_watch
 
-    def _request(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int],
+    def _request(self, pull: Pull, url: str, piece: tp.Slice, pairs: Pairs,
                  contact: bool = True) -> tuple[str, Any, str, str, Any, str] | None:
         """The pull of ``piece`` as ``send_later``'s first arguments (lease, its blocks, this
         sidecar's data address, this cache's region, its blocks, codec), the prefill rank's blocks
@@ -785,24 +841,28 @@ class Consumer:
         heads, p_tp, d_tp = tp_shape(self.compat, pull.spec.params.get("compat"))
         layout = self.cache.layout
         theirs = layout.heads if p_tp == d_tp else len(tp.rank_heads(heads, p_tp, piece.rank))
-        key = (url, f"{p_tp}:{piece.rank}")
+        p_pieces, d_pieces = pairs.pieces or (None, None)
+        key = (url, f"{p_tp}:{piece.rank}", p_pieces)
         if (key not in self._checked or self._data_address is None) and not contact:
             return None
         if key not in self._checked:
-            self._checked[key] = layout.check_peer(pull.client.region(lease), url, theirs)
+            self._checked[key] = layout.check_peer(pull.client.region(lease), url, theirs, p_pieces)
         if self._data_address is None:
             self._data_address = self._local.data_address()
         codec = pull.spec.params.get("codec") or self.config.codec  # a request may name its codec
-        return (lease, layout.blocks(src, self._checked[key], piece.src, piece.count, theirs), self._data_address,
-                self.cache.name, layout.blocks(dst, None, piece.dst, piece.count), codec)
+        if pairs.pieces is not None:
+            return (lease, layout.granules(pairs.src, piece.src, piece.count, theirs, p_pieces), self._data_address,
+                    self.cache.name, layout.granules(pairs.dst, piece.dst, piece.count, None, d_pieces), codec)
+        return (lease, layout.blocks(pairs.src, self._checked[key], piece.src, piece.count, theirs),
+                self._data_address, self.cache.name, layout.blocks(pairs.dst, None, piece.dst, piece.count), codec)
 
-    def _send(self, pull: Pull, url: str, piece: tp.Slice, src: list[int], dst: list[int], transfer_id: str,
+    def _send(self, pull: Pull, url: str, piece: tp.Slice, pairs: Pairs, transfer_id: str,
               then: Callable[[], None] | None = None) -> dict[str, Any]:
         """Check the prefill rank's blocks (first contact) and send the pull of ``piece`` as
         transfer ``transfer_id`` (over HTTP: a gRPC Submit reached the prefill's engine 1 ms later,
         decision 033): its record once started. ``then`` runs once the request is sent, before its
         answer is read (the decode's own sidecar asked for the end meanwhile)."""
-        request = self._request(pull, url, piece, src, dst)
+        request = self._request(pull, url, piece, pairs)
         pull.asked_wall = pull.asked_wall or time.time()
         answer = pull.client.send_later(*request, wait=0, transfer_id=transfer_id)
         if then is not None:
@@ -879,7 +939,25 @@ class Consumer:
             pass
 
     def _local_blocks(self, pull: Pull) -> list[int]:
-        return pair_groups(pull.spec.local_blocks, pull.spec.params["block_ids"])[1]
+        return self.pairs(pull.spec).blocks
+
+    def pairs(self, spec: LoadSpec) -> Pairs:
+        """What ``spec``'s pull reads and writes: block for block, or granule for granule where
+        the prefill's block size is not this decode's.
+
+        Raises: IncompatibleCache (different block sizes and a cache lent in place, or no
+        granules in common)."""
+        theirs, ours = int(spec.params.get("block_size") or 0), int((self.compat or {}).get("block_size") or 0)
+        if not theirs or not ours or theirs == ours:
+            src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
+            return Pairs(src, dst, dst)
+        granule = self.cache.layout.granule
+        if granule is None:
+            raise IncompatibleCache(f"the prefill's blocks hold {theirs} tokens, this decode's {ours}: a cache lent in "
+                                    "place (in_place) moves whole blocks; different block sizes need in_place: false "
+                                    "on both instances")
+        tokens = spec.tokens or int(spec.params.get("num_tokens") or 0)
+        return pair_granules(spec.local_blocks, spec.params["block_ids"], tokens, (theirs, ours), granule)
 
     def _leases(self, spec: LoadSpec, loaded: bool) -> list[str]:
         """The prefill leases this rank ends (``tp.releases``): its own where both run one

@@ -26,6 +26,7 @@ from kvferry.client.vllm_core import (
     compat_record,
     lease_name,
     match_blocks,
+    pair_granules,
     remote_params,
 )
 
@@ -134,7 +135,7 @@ def test_layout_finds_the_block_dimension():
     assert layout.block_shape == (LAYERS, 2, HEADS, BLOCK_SIZE, HEAD_DIM)
     with pytest.raises(IncompatibleCache, match="bf16, fp16 and fp8"):
         CacheLayout.of([torch.zeros(2, BLOCKS, 4)], BLOCKS)
-    with pytest.raises(IncompatibleCache, match="block size, head layout"):
+    with pytest.raises(IncompatibleCache, match="head layout, layer count or dtype"):
         layout.check_peer({"block_shape": [LAYERS, 2, HEADS, 16, HEAD_DIM], "dtype": "bfloat16", "num_blocks": 9}, "p:1")
 
 
@@ -426,16 +427,95 @@ def test_a_pull_of_nothing_ends_the_lease(pd):
     assert released(producer, "req-3")
 
 
-def test_different_block_size_is_refused_at_the_first_transfer(sidecars):
+def test_a_mirror_cuts_its_blocks_in_granules():
+    layout = CacheLayout.of(vllm_layers(0), BLOCKS, heads=HEADS, block_size=BLOCK_SIZE)
+    assert (layout.head_dim, layout.token_dim, layout.pieces, layout.granule) == (1, 2, 2, 16)
+    assert layout.block_shape == (LAYERS, 2, 16, HEAD_DIM) and layout.planes == HEADS * 2
+    # block 5, all heads: one run of heads x pieces; heads 1..2 of block 5: a run from head 1
+    assert layout.blocks([5]) == packed([5 * HEADS * 2], HEADS * 2, 1)
+    assert layout.blocks([5], first_head=1, count=2) == packed([(5 * HEADS + 1) * 2], 4, 1)
+    # granule 11 is piece 1 of block 5: heads 1..2 of it lie a block's pieces apart
+    assert layout.granules([11], first_head=1, count=2) == packed([(5 * HEADS + 1) * 2 + 1], 2, 2)
+    whole = CacheLayout.of(vllm_layers(0), BLOCKS, heads=HEADS)  # no block size: whole pages
+    assert (whole.pieces, whole.granule, whole.block_shape) == (1, None, (LAYERS, 2, BLOCK_SIZE, HEAD_DIM))
+    with pytest.raises(IncompatibleCache, match="in_place: false"):
+        whole.granules([1])
+
+
+def test_granules_pair_blocks_of_different_sizes():
+    # 140 tokens: the prefill's 5 blocks of 32; the decode's 2 fresh blocks of 64 after a local hit
+    # of one (its 3 blocks hold tokens 0-191): granules 4 to 8 (tokens 64-143) are read
+    pairs = pair_granules([9, 4], [7, 8, 3, 1, 2], tokens=140, block_sizes=(32, 64), granule=16)
+    assert pairs.pieces == (2, 4)
+    assert pairs.src == [3 * 2, 3 * 2 + 1, 1 * 2, 1 * 2 + 1, 2 * 2]
+    assert pairs.dst == [9 * 4, 9 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, 4 * 4] and pairs.blocks == [9, 4]
+    # the other way: 100 tokens from 2 prefill blocks of 64 into 4 decode blocks of 32
+    pairs = pair_granules([1, 2, 3, 4], [5, 6], tokens=100, block_sizes=(64, 32), granule=16)
+    assert pairs.src == [5 * 4 + g for g in range(4)] + [6 * 4 + g for g in range(3)]
+    assert pairs.dst == [b * 2 + p for b in (1, 2, 3) for p in (0, 1)] + [4 * 2] and pairs.blocks == [1, 2, 3, 4]
+    # two groups: blocks a window dropped (0) on either side are skipped
+    pairs = pair_granules([[1, 2], [0, 3]], [[5, 6], [0, 7]], tokens=64, block_sizes=(32, 32 * 1), granule=16)
+    assert pairs.dst == [2, 3, 4, 5, 6, 7] and pairs.src == [10, 11, 12, 13, 14, 15]
+    with pytest.raises(IncompatibleCache, match="not the 200 tokens"):
+        pair_granules([1, 2, 3, 4], [5, 6], tokens=200, block_sizes=(64, 64), granule=16)
+    with pytest.raises(IncompatibleCache, match="multiples of 16"):
+        pair_granules([1], [2], tokens=10, block_sizes=(24, 32), granule=16)
+
+
+def prompt_tokens(layers: list[torch.Tensor], blocks: list[int], tokens: int) -> torch.Tensor:
+    """A request's KV token by token (``[layers, 2, heads, tokens, head_dim]``) from its blocks of a
+    kv-first cache, whatever its block size."""
+    ids = torch.tensor(blocks)
+    return torch.stack([t.index_select(1, ids).movedim(1, 2).flatten(2, 3)[:, :, :tokens] for t in layers])
+
+
+@pytest.mark.parametrize("sizes", [(32, 64), (64, 16)], ids=["p32-d64", "p64-d16"])
+def test_a_prefill_of_another_block_size_feeds_the_decode_token_for_token(sidecars, sizes):
+    """The decode's blocks hold the prompt's tokens as the prefill's did, granule for granule,
+    its other blocks and the tokens past the prompt untouched."""
+    prefill, decode = sidecars
+    (p_size, d_size), tokens = sizes, 150
+    p_layers, d_layers = vllm_layers(3, block_size=p_size), vllm_layers(None, block_size=d_size)
+    p_cache = KvCache(Client(prefill.url, token=TOKEN), f"p-bs{p_size}", p_layers, BLOCKS, heads=HEADS,
+                      block_size=p_size)
+    d_cache = KvCache(Client(decode.url, token=TOKEN), f"d-bs{d_size}", d_layers, BLOCKS, heads=HEADS,
+                      block_size=d_size)
+    request = f"req-bs{p_size}"
+    try:
+        src = [17, 2, 9, 4, 11, 0, 6, 21, 13, 8][:-(-tokens // p_size)]
+        dst = [5, 14, 1, 20, 3, 12, 7, 22, 10, 15][:-(-tokens // d_size)]
+        producer = Producer(config(prefill), p_cache)
+        producer.save(request, src)
+        params = remote_params(request, src, config(prefill), num_tokens=tokens,
+                               compat=compat_record(block_size=p_size, kv_heads=HEADS))
+        params["block_size"] = p_size
+        consumer = Consumer(config(decode), d_cache, compat=compat_record(block_size=d_size, kv_heads=HEADS))
+        pull = consumer.start(LoadSpec(f"dec-bs{p_size}", tuple(dst), params, tokens))
+        assert pump(consumer) == ({f"dec-bs{p_size}"}, set()), pull.error
+        got, sent = prompt_tokens(d_layers, dst, tokens), prompt_tokens(p_layers, src, tokens)
+        assert torch.equal(got.view(torch.int16), sent.view(torch.int16))
+        assert not pages(d_layers, [b for b in range(BLOCKS) if b not in dst], 1).any()
+        granules = -(-tokens // 16) * 16
+        assert not prompt_tokens(d_layers, dst, len(dst) * d_size)[:, :, :, granules:].any()
+        assert released(producer, request)
+    finally:
+        p_cache.close()
+        d_cache.close()
+
+
+def test_different_block_sizes_are_refused_where_blocks_stay_whole(sidecars):
+    """Pages registered whole (as a cache lent in place is) cannot be cut: the pull fails by name."""
     prefill, decode = sidecars
     p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-bs", vllm_layers(1), BLOCKS)
     d_cache = KvCache(Client(decode.url, token=TOKEN), "d-bs", vllm_layers(None, block_size=16), BLOCKS)
     try:
         Producer(config(prefill), p_cache).save("req-4", [1])
-        consumer = Consumer(config(decode), d_cache)
-        pull = consumer.start(LoadSpec("dec-4", (2,), remote_params("req-4", [1], config(prefill))))
+        consumer = Consumer(config(decode), d_cache, compat=compat_record(block_size=16))
+        params = remote_params("req-4", [1], config(prefill), num_tokens=20, compat=compat_record(block_size=32))
+        params["block_size"] = 32
+        pull = consumer.start(LoadSpec("dec-4", (2, 3), params, 20))
         assert pump(consumer) == (set(), {"dec-4"})
-        assert "IncompatibleCache" in pull.error and "block size" in pull.error
+        assert "IncompatibleCache" in pull.error and "block" in pull.error and "in_place: false" in pull.error
     finally:
         p_cache.close()
         d_cache.close()
@@ -603,7 +683,8 @@ def test_a_stalled_local_sidecar_never_blocks_the_prefill_step(stalled):
     cache = KvCache.__new__(KvCache)  # the cache's registration would hang too: a mirror in memory
     cache.layout = CacheLayout.of(vllm_layers(1), BLOCKS)
     cache.layers, cache.device, cache.name = vllm_layers(1), torch.device("cpu"), "p-stalled"
-    cache.mirror = torch.zeros((BLOCKS, cache.layout.heads, *cache.layout.block_shape), dtype=torch.bfloat16)
+    cache.mirror = torch.zeros((BLOCKS, cache.layout.heads, cache.layout.pieces, *cache.layout.block_shape),
+                               dtype=torch.bfloat16)
     cache.client = Client(stalled, token=TOKEN, timeout=2)
     cache._create = lambda name: cache.client.create_region(name, BLOCKS, list(cache.layout.block_shape), "bfloat16")
     producer = Producer(ConnectorConfig(url=stalled, token=TOKEN, call_timeout=2), cache)
@@ -621,7 +702,7 @@ def test_a_stalled_local_sidecar_never_blocks_the_prefill_step(stalled):
             longest = max(longest, time.monotonic() - step)
             time.sleep(0.005)
         assert longest < 0.5, longest
-        assert torch.equal(cache.mirror[[1, 2], 0, 0], torch.stack(cache.layers)[0].movedim(1, 0)[[1, 2]])
+        assert torch.equal(cache.mirror[[1, 2], 0, 0, 0], torch.stack(cache.layers)[0].movedim(1, 0)[[1, 2]])
     finally:
         producer.close()
         cache.client.close()
@@ -630,7 +711,7 @@ def test_a_stalled_local_sidecar_never_blocks_the_prefill_step(stalled):
 def test_a_prefill_that_differs_is_refused_by_name_before_any_transfer(pd):
     prefill, decode, p_cache, d_cache, _, d_layers = pd
     theirs = compat_record(model="org/model-a", dtype="bfloat16", kv_cache_dtype="auto", block_size=32, tp=2)
-    ours = compat_record(model="org/model-b", dtype="bfloat16", kv_cache_dtype="auto", block_size=16, tp=1)
+    ours = compat_record(model="org/model-b", dtype="bfloat16", kv_cache_dtype="auto", block_size=24, tp=1)
     producer = Producer(config(prefill), p_cache)
     consumer = Consumer(config(decode), d_cache, compat=ours)
     try:
@@ -639,7 +720,7 @@ def test_a_prefill_that_differs_is_refused_by_name_before_any_transfer(pd):
         pull = consumer.start(LoadSpec("dec-c", (2,), remote_params("req-c", [1], config(prefill), compat=theirs)))
         assert pump(consumer) == (set(), {"dec-c"})
         assert "IncompatiblePeer" in pull.error
-        for differs in ("model: prefill 'org/model-a', decode 'org/model-b'", "block_size: prefill 32, decode 16",
+        for differs in ("model: prefill 'org/model-a', decode 'org/model-b'", "block_size: prefill 32, decode 24",
                         "tp: prefill 2, decode 1"):
             assert differs in pull.error
         assert "dtype" not in pull.error.replace("kv_cache_dtype", "")  # only what differs is named

@@ -80,12 +80,13 @@ def test_compatible_shapes_pass_and_others_are_named():
     base = {"model": "m", "dtype": "bfloat16", "kv_cache_dtype": "auto", "block_size": 32, "head_size": 64,
             "layers": 2, "layout": "LBHNC", "groups": ["FullAttentionSpec"]}
     check_compat(compat_record(tp=1, kv_heads=8, **base), compat_record(tp=4, kv_heads=8, **base), "p")
+    check_compat(compat_record(kv_heads=8, **base), compat_record(kv_heads=8, **{**base, "block_size": 16}), "p")
     with pytest.raises(IncompatiblePeer, match=r"tp: prefill 3, decode 2 \(8 KV heads do not split over 3"):
         check_compat(compat_record(tp=2, kv_heads=8, **base), compat_record(tp=3, kv_heads=8, **base), "p")
-    other = {**base, "layout": "LBNHC", "groups": ["SlidingWindowSpec:64", "FullAttentionSpec"], "block_size": 16}
+    other = {**base, "layout": "LBNHC", "groups": ["SlidingWindowSpec:64", "FullAttentionSpec"], "block_size": 8}
     with pytest.raises(IncompatiblePeer) as refused:
         check_compat(compat_record(kv_heads=8, **base), compat_record(kv_heads=4, **other), "p")
-    for named in ("block_size: prefill 16, decode 32", "kv_heads: prefill 4, decode 8",
+    for named in ("block_size: prefill 8, decode 32", "kv_heads: prefill 4, decode 8",
                   "layout: prefill 'LBNHC', decode 'LBHNC'", "groups: prefill"):
         assert named in str(refused.value)
 
