@@ -1,7 +1,7 @@
 """Real vLLM-CPU P/D across cache shapes the basic end-to-end test does not cover: a tensor-parallel
-size change both ways (TP=2 -> TP=1 and TP=1 -> TP=2), a sliding-window hybrid model (two KV
-cache groups), an FP8 KV cache, an MLA model (DeepSeek-V2's latent cache), an MoE model and two
-data-parallel engines a side. Each answer is compared token for token with a single vLLM's by the
+size change both ways (TP=2 -> TP=1 and TP=1 -> TP=2), a block size change both ways (32 -> 64
+and 64 -> 32 tokens), a sliding-window hybrid model (two KV cache groups), an FP8 KV cache, an MLA
+model (DeepSeek-V2's latent cache), an MoE model and two data-parallel engines a side. Each answer is compared token for token with a single vLLM's by the
 rule of ``test_vllm_e2e.py`` (the single vLLM's second answer to the prompt, its KV but the last
 token cached).
 
@@ -35,9 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 BLOCKS = [1, 2, 3, 5, 8]  # prompts of 1 + 32 k tokens: 33 to 257, past the 64-token window
 
 
-def prompts(seed: int) -> list[list[int]]:
+def prompts(seed: int, blocks: list[int] = BLOCKS) -> list[list[int]]:
     """Token-id prompts (the random models read ids, not text), n - 1 a multiple of the block size."""
-    return [[100 + (seed * 7919 + i * 104729 + j * 31) % 40000 for j in range(1 + 32 * k)] for i, k in enumerate(BLOCKS)]
+    return [[100 + (seed * 7919 + i * 104729 + j * 31) % 40000 for j in range(1 + 32 * k)] for i, k in enumerate(blocks)]
 
 
 @pytest.fixture(scope="module")
@@ -89,32 +89,37 @@ def disaggregated(prefill: Server, decode: Server, prompt: list[int], salt: str,
     return tokens_of(complete(decode.url, prompt, dp_rank=ranks[1], cache_salt=f"{salt}-d", kv_transfer_params=params))
 
 
-def run_pairs(prefill: Both, decode: Both, salt: str, seed: int, codecs: tuple[str, ...] = ("raw",)) -> list[dict]:
-    """Every prompt disaggregated from ``prefill`` to ``decode``; what the decode received."""
+def run_pairs(prefill: Both, decode: Both, salt: str, seed: int, codecs: tuple[str, ...] = ("raw",),
+              blocks: list[int] = BLOCKS) -> list[dict]:
+    """Every prompt (of 1 + 32 k tokens, k in ``blocks``) disaggregated from ``prefill`` to
+    ``decode``; what the decode received."""
     before = len(decode.received())
     mismatches, started = [], time.monotonic()
-    for i, prompt in enumerate(prompts(seed)):
+    for i, prompt in enumerate(prompts(seed, blocks)):
         expected = reference(decode.server, prompt)
         got = disaggregated(prefill.server, decode.server, prompt, salt, codecs[i % len(codecs)])
         if got != expected:
             mismatches.append((len(prompt), expected, got))
-    assert not mismatches, f"{len(mismatches)}/{len(BLOCKS)} differ, first: {mismatches[0]}"
+    assert not mismatches, f"{len(mismatches)}/{len(blocks)} differ, first: {mismatches[0]}"
     lines = decode.received()[before:]  # one line per decode rank and request
-    assert len({line["request_id"] for line in lines}) == len(BLOCKS), \
+    assert len({line["request_id"] for line in lines}) == len(blocks), \
         "a decode computed a prompt itself instead of loading its KV"
-    print(f"\n[{salt}] {len(BLOCKS)} P/D answers equal to a single vLLM's in {time.monotonic() - started:.1f} s; "
+    print(f"\n[{salt}] {len(blocks)} P/D answers equal to a single vLLM's in {time.monotonic() - started:.1f} s; "
           f"codecs {sorted({line['codec'] for line in lines})}, transfers per request "
           f"{sorted({len(line['transfers']) for line in lines})}")
     return lines
 
 
 @contextlib.contextmanager
-def pair(python: str, model_dir: Path, logs: Path, tps: tuple[int, int] = (1, 1), extra: list[str] | None = None):
-    """Two ``kv_both`` servers with a sidecar each (a sidecar cannot send to itself), started at once."""
+def pair(python: str, model_dir: Path, logs: Path, tps: tuple[int, int] = (1, 1), extra: list[str] | None = None,
+         extras: tuple[list[str], list[str]] = ([], [])):
+    """Two ``kv_both`` servers with a sidecar each (a sidecar cannot send to itself), started at once;
+    ``extra``: vLLM options of both, ``extras`` of each."""
     servers: list[Both] = []
     try:
         for i, size in enumerate(tps):
-            servers.append(Both(python, model_dir, logs / f"{i}-tp{size}.log", tp=size, extra=extra))
+            servers.append(Both(python, model_dir, logs / f"{i}-tp{size}.log", tp=size,
+                                extra=[*(extra or []), *extras[i]]))
         for both in servers:
             both.server.wait()
         yield servers
@@ -139,6 +144,18 @@ def test_prefill_tp1_feeds_a_tp2_decode(tp_pair):
     one, two = tp_pair
     lines = run_pairs(one, two, "tp1-to-tp2", 2, codecs=("raw", "splitzip"))
     assert len(lines) == 2 * len(BLOCKS)  # both decode ranks loaded every request: half the prefill's heads each
+
+
+def test_block_sizes_differ_both_ways(vllm_python, tiny, tmp_path_factory):
+    """A prefill of 32-token blocks feeds a decode of 64-token blocks, and the other way: the
+    mirrors are cut in 16-token granules and the decode pairs them by token position. Prompts of
+    1 + 64 k tokens keep n - 1 a multiple of both block sizes."""
+    sizes = (["--block-size", "32"], ["--block-size", "64"])
+    with pair(vllm_python, tiny["tp"], tmp_path_factory.mktemp("vllm-bs"), extras=sizes) as (small, large):
+        lines = run_pairs(small, large, "bs32-to-bs64", 8, codecs=("raw", "splitzip"), blocks=[2, 4, 6])
+        assert sorted(line["blocks"] for line in lines) == [2, 3, 4]  # the decode's 64-token blocks filled
+        lines = run_pairs(large, small, "bs64-to-bs32", 9, codecs=("raw", "auto"), blocks=[2, 4, 6])
+        assert sorted(line["blocks"] for line in lines) == [3, 5, 7]
 
 
 def test_sliding_window_model_with_two_kv_cache_groups(vllm_python, tiny, tmp_path_factory):
