@@ -129,12 +129,12 @@ def test_layout_finds_the_head_dimension_and_fp8_bytes():
 
 
 # ---- against real sidecars ----------------------------------------------------------------------
-def whole_cache(heads: int, dtype=torch.bfloat16, seed: int = 3) -> torch.Tensor:
+def whole_cache(heads: int, dtype=torch.bfloat16, seed: int = 3, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Every KV head of every layer, ``[layers, blocks, heads, block_size, 2 * head_size]``."""
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.uint8:
-        return torch.randint(0, 256, (LAYERS, BLOCKS, heads, BLOCK_SIZE, 2 * HEAD_SIZE), generator=g, dtype=torch.uint8)
-    return (torch.randn((LAYERS, BLOCKS, heads, BLOCK_SIZE, 2 * HEAD_SIZE), generator=g) * 0.5).to(dtype)
+        return torch.randint(0, 256, (LAYERS, BLOCKS, heads, block_size, 2 * HEAD_SIZE), generator=g, dtype=torch.uint8)
+    return (torch.randn((LAYERS, BLOCKS, heads, block_size, 2 * HEAD_SIZE), generator=g) * 0.5).to(dtype)
 
 
 def rank_layers(whole: torch.Tensor, heads: int, size: int, rank: int) -> list[torch.Tensor]:
@@ -147,16 +147,16 @@ class Instance:
     """One vLLM instance's workers (one cache each, all on one sidecar), prefill or decode."""
 
     def __init__(self, side, name: str, heads: int, size: int, whole: torch.Tensor | None, fp8: str | None = None,
-                 **settings):
+                 block_size: int = BLOCK_SIZE, **settings):
         self.side, self.size, self.heads = side, size, heads
         dtype = whole.dtype if whole is not None else (torch.uint8 if fp8 else torch.bfloat16)
         self.layers = [rank_layers(whole, heads, size, r) if whole is not None else
-                       [torch.zeros(BLOCKS, len(tp.rank_heads(heads, size, r)), BLOCK_SIZE, 2 * HEAD_SIZE,
+                       [torch.zeros(BLOCKS, len(tp.rank_heads(heads, size, r)), block_size, 2 * HEAD_SIZE,
                                     dtype=dtype) for _ in range(LAYERS)] for r in range(size)]
         self.caches = [KvCache(Client(side.url, token=TOKEN), f"{name}-r{r}", self.layers[r], BLOCKS, fp8=fp8,
-                               heads=len(tp.rank_heads(heads, size, r))) for r in range(size)]
+                               heads=len(tp.rank_heads(heads, size, r)), block_size=block_size) for r in range(size)]
         self.compat = compat_record(model="m", dtype="bfloat16", kv_cache_dtype="fp8" if fp8 else "auto",
-                                    block_size=BLOCK_SIZE, tp=size, kv_heads=heads, head_size=HEAD_SIZE, layers=LAYERS)
+                                    block_size=block_size, tp=size, kv_heads=heads, head_size=HEAD_SIZE, layers=LAYERS)
         self.settings = settings
 
     def producers(self) -> list[Producer]:
@@ -217,6 +217,44 @@ def test_heads_cross_tensor_parallel_sizes_bit_for_bit(sidecars, heads, p_tp, d_
         assert all(released(p, rid) for p in producers)
     finally:
         beats.close()
+        for worker in [*producers, *consumers]:
+            worker.close()
+        prefill.close()
+        decode.close()
+
+
+def by_token(layers: torch.Tensor, blocks: list[int], tokens: int) -> torch.Tensor:
+    """``[layers, blocks, heads, block_size, c]`` pages of ``blocks`` as ``[layers, heads, tokens, c]``."""
+    return layers[:, blocks].movedim(1, 2).flatten(2, 3)[:, :, :tokens]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,sizes", [(2, 1, (32, 64)), (1, 2, (64, 16))])
+def test_tensor_parallel_and_block_sizes_differ_at_once(sidecars, p_tp, d_tp, sizes):
+    """Heads split over other ranks and blocks of other sizes: each decode rank's blocks hold its
+    heads of the prompt's tokens, granule for granule, bit for bit."""
+    p_side, d_side = sidecars
+    heads, tokens, (p_size, d_size) = 4, 100, sizes
+    whole = whole_cache(heads, block_size=p_size)
+    tag = f"{p_tp}-{d_tp}-{p_size}-{d_size}"
+    prefill = Instance(p_side, f"tpbs-p-{tag}", heads, p_tp, whole, block_size=p_size)
+    decode = Instance(d_side, f"tpbs-d-{tag}", heads, d_tp, None, block_size=d_size)
+    producers, consumers = prefill.producers(), decode.consumers()
+    try:
+        src, dst = [3, 9, 4, 15, 0, 6, 11][:-(-tokens // p_size)], [12, 1, 2, 7, 5, 8, 13][:-(-tokens // d_size)]
+        for p in producers:
+            p.save(f"req-{tag}", src)
+        params = dict(remote_params(f"req-{tag}", src, config(p_side), num_tokens=tokens, compat=prefill.compat),
+                      block_size=p_size)
+        for c in consumers:
+            assert c.start(LoadSpec(f"dec-{tag}", tuple(dst), params, tokens)).error is None
+        for c in consumers:
+            assert pump(c) == ({f"dec-{tag}"}, set()), c.stats
+        for rank in range(d_tp):
+            held = tp.rank_heads(heads, d_tp, rank)
+            got = torch.stack(decode.layers[rank])
+            assert torch.equal(bits(by_token(got, dst, tokens)), bits(by_token(whole, src, tokens)[:, held]))
+            assert not got[:, [b for b in range(BLOCKS) if b not in dst]].any()
+    finally:
         for worker in [*producers, *consumers]:
             worker.close()
         prefill.close()
