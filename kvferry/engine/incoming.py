@@ -46,14 +46,14 @@ class Admission:
             self.ctx.metrics.errors.labels(kind).inc()
             # Chunks the sender may send before it reads the refusal are refused too; it stops at the REJECT.
             first = min(announce.inline_chunks, peer.MAX_INLINE_CHUNKS)
-            self.ctx.plane.listener.mailbox.refuse(peer.ChunkTags(transfer_id, first + window(self.ctx.settings))[first:],
+            self.ctx.plane.listener.mailbox.refuse(peer.ChunkTags(transfer_id, first + peer.EAGER_CHUNKS)[first:],
                                                    f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
         tags = peer.ChunkTags(transfer_id, len(plan))
         apply = self.ctx.driver.apply
         if announce.flags & peer.FLAG_WRITTEN:  # the blocks are in place already: done at once
-            incoming = Incoming(self.ctx, t, pairs, plan, tags, codec)
+            incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec)
             self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
             apply(t, Event(On.ADMIT_LENT))
             incoming.all_written()
@@ -62,7 +62,7 @@ class Admission:
         targets = self._lend(connection, announce, pairs)
         # Targets lent behind inline chunks are a lease for later transfers; this one rides inline.
         writes_itself = bool(targets) and not announce.inline_chunks
-        incoming = Incoming(self.ctx, t, pairs, plan, tags, codec, announce.inline_chunks, writes_itself)
+        incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, announce.inline_chunks, writes_itself)
         self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
         apply(t, Event(On.ADMIT_LENT if writes_itself else On.ADMIT))
         if incoming.now:  # decoded as its chunks are read, right behind this announce
@@ -177,18 +177,20 @@ class Admission:
 
 
 class Incoming:
-    """The receiving side of one transfer: receives posted ahead, chunks decoded in order."""
+    """The receiving side of one transfer: chunks decoded in order, each into a buffer granted
+    ahead on the announce's connection (a credit: the sender sends nothing else)."""
 
-    def __init__(self, ctx: TransferContext, t: Transfer, pairs: list[Pair], plan: peer.Plan,
-                 tags: peer.ChunkTags, codec: codecs.Codec, inline_chunks: int = 0, lent: bool = False):
-        self.ctx, self.t, self.pairs, self.plan, self.tags = ctx, t, pairs, plan, tags
+    def __init__(self, ctx: TransferContext, connection: transport.Connection, t: Transfer, pairs: list[Pair],
+                 plan: peer.Plan, tags: peer.ChunkTags, codec: codecs.Codec, inline_chunks: int = 0,
+                 lent: bool = False):
+        self.ctx, self.connection, self.t, self.pairs, self.plan, self.tags = ctx, connection, t, pairs, plan, tags
         t.cleanups.append(self.release)
         self.codec = codec
         loop = asyncio.get_running_loop()
         self.written: asyncio.Future | None = loop.create_future() if lent else None
         self.inline: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(min(inline_chunks, len(plan)))}
         self.receives: dict[int, transport.Receive] = {}
-        self.ahead = max(ctx.settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS)
+        self.ahead = credit_ahead(ctx.settings)
         self.completed = 0
         # Every chunk inline and small, into host memory: each is decoded as the reader hands it
         # over (no task, no thread hop), and the last one's DONE goes out at once.
@@ -284,8 +286,8 @@ class Incoming:
         for receive in self.receives.values():
             receive.cancel()
         self.receives.clear()
-        if self.completed < len(self.plan):  # chunks still on their way must not wait in the mailbox
-            end = min(len(self.plan), self.completed + len(self.inline) + window(self.ctx.settings))
+        if self.completed < len(self.plan):  # chunks granted and still on their way are refused by name
+            end = min(len(self.plan), self.completed + len(self.inline) + self.ahead)
             self.ctx.plane.listener.mailbox.refuse(self.tags[self.completed:end],
                                                    f"transfer {self.t.id} ended {self.t.state.value}")
 
@@ -311,16 +313,18 @@ class Incoming:
         return self.receives[i].buffer.obj[:nbytes], nbytes
 
     def post(self, i: int) -> None:
+        """Grant chunk ``i`` a buffer: the first ``EAGER_CHUNKS`` after the inline ones silently
+        (the initial credit, which the sender uses without waiting), the others by a CTS."""
         if i < len(self.plan) and i not in self.receives and i not in self.inline:
             pair_index, _, count = self.plan[i]
             region = self.pairs[pair_index].region
             capacity = self.codec.capacity((count, *region.block_shape), region.tensor.dtype)
             buffer = self.ctx.buffers.take(capacity, region.tensor.device)
-            self.receives[i] = self.ctx.plane.listener.expect(self.tags[i], buffer, defer_check=True)
+            self.receives[i] = self.connection.grant(self.tags[i], buffer, defer_check=True,
+                                                     tell=i >= len(self.inline) + peer.EAGER_CHUNKS)
 
     def post_ahead(self) -> None:
-        """Receives for the first transport chunks, before the next message is read (the sender
-        sends the first ``EAGER_CHUNKS`` of them without waiting)."""
+        """Buffers for the first transport chunks, granted before the next message is read."""
         first = len(self.inline)
         for i in range(first, first + self.ahead):
             self.post(i)
@@ -356,9 +360,10 @@ class Incoming:
             ctx.links.drop(t)
 
 
-def window(settings: Settings) -> int:
-    """How many chunks past the last one taken a sender may have announced or sent."""
-    return peer.EAGER_CHUNKS + settings.max_inflight_chunks + 1
+def credit_ahead(settings: Settings) -> int:
+    """How many chunks past the last one taken a receiver grants buffers for: the sender's
+    ``max_inflight_chunks`` and one more, within the protocol's ``CREDIT_WINDOW``."""
+    return min(max(settings.max_inflight_chunks + 1, peer.EAGER_CHUNKS), peer.CREDIT_WINDOW)
 
 
 def _frame(data: bytes | memoryview) -> torch.Tensor:

@@ -248,6 +248,29 @@ class Outgoing:
         if not offer and len(inline) < len(plan) and pairs[0].region.tensor.is_cuda:
             pair_index, start, count = plan[len(inline)]
             first = asyncio.ensure_future(self._encode_chunk(t, codec, pairs[pair_index], start, count, len(inline)))
+        # The chunks past the initial credit move on credits the receiver sends unasked as it posts
+        # their buffers: expected from before the announce (they may come right behind it), at most
+        # CREDIT_WINDOW chunks ahead; ``credits``: chunk index -> tag, of every chunk expected.
+        credits: dict[int, int] = {}
+        self._expect(connection, t, credits, range(len(inline) + peer.EAGER_CHUNKS,
+                                                   min(len(plan), len(inline) + peer.CREDIT_WINDOW)))
+        try:
+            return await self._announced(t, spec, pairs, candidates, connection, link, codec, plan, inline, offer,
+                                         tapered, book, first, credits)
+        finally:
+            connection.forget_credits(credits.values())  # those taken by their sends are gone already
+
+    @staticmethod
+    def _expect(connection: transport.Connection, t: Transfer, credits: dict[int, int], indices: range) -> None:
+        for i in indices:
+            credits[i] = peer.chunk_tag(t.id, i)
+        connection.expect_credits(credits[i] for i in indices)
+
+    async def _announced(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
+                         connection: transport.Connection, link: PeerLink, codec: codecs.Codec,
+                         plan: list[tuple[int, int, int]], inline: list, offer: bool, tapered: bool,
+                         book: tuple[str, Any, str] | None, first: asyncio.Future | None,
+                         credits: dict[int, int]) -> bool:
         try:
             await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer,
                                                          peer.FLAG_TAPERED if tapered else 0), *inline)
@@ -271,7 +294,7 @@ class Outgoing:
                 return True
             self.apply(t, Event(On.ACCEPT))
         if len(inline) < len(plan):
-            await self._stream(t, connection, link, plan, pairs, codec, len(inline), first)
+            await self._stream(t, connection, link, plan, pairs, codec, len(inline), first, credits)
             self.apply(t, Event(On.SENT_LAST))
         t.mark("last_byte")
         return False
@@ -304,11 +327,12 @@ class Outgoing:
 
     async def _stream(self, t: Transfer, connection: transport.Connection, link: PeerLink,
                       plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec, inline: int,
-                      first: asyncio.Future | None = None) -> None:
+                      first: asyncio.Future | None, credits: dict[int, int]) -> None:
         """The chunks after the inline ones, as transport transfers: each sent as soon as it is
-        encoded, the next encoded while earlier ones are on the wire, at most
+        encoded and granted, the next encoded while earlier ones are on the wire, at most
         ``max_inflight_chunks`` encoded and unacknowledged. ``first``: the first one's encode,
-        begun already."""
+        begun already; ``credits``: the chunks whose credits are expected (each one sent expects
+        the one ``CREDIT_WINDOW`` further)."""
         slots = asyncio.Semaphore(self.ctx.settings.max_inflight_chunks)
         sends: list[asyncio.Task] = []
         try:
@@ -323,8 +347,13 @@ class Outgoing:
                 else:
                     payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, index)
                 self.ctx.metrics.inflight_chunks.inc()
-                eager = index < inline + peer.EAGER_CHUNKS
-                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, payload, slots, eager)))
+                initial = index < inline + peer.EAGER_CHUNKS
+                ahead = index + peer.CREDIT_WINDOW
+                if ahead < len(plan):
+                    self._expect(connection, t, credits, range(ahead, ahead + 1))
+                tag = peer.chunk_tag(t.id, index) if initial else credits[index]
+                t.mark("first_byte")
+                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, tag, payload, slots, initial)))
                 # Let the send start (its checksum launched, its first message written) before the
                 # next chunk's encode takes the GPU: the first chunk reaches the link sooner.
                 await asyncio.sleep(0)
@@ -416,11 +445,12 @@ class Outgoing:
                     raise PeerError(f"the receiver did not confirm within {timeout:g} s") from None
         return link.reply.result()
 
-    async def _send_chunk(self, connection: transport.Connection, t: Transfer, index: int, payload: torch.Tensor,
-                          slots: asyncio.Semaphore, eager: bool) -> None:
+    async def _send_chunk(self, connection: transport.Connection, t: Transfer, index: int, tag: int,
+                          payload: torch.Tensor, slots: asyncio.Semaphore, initial: bool) -> None:
+        """Send chunk ``index`` on its credit (the initial one, or the receiver's CTS: a CREDIT event)."""
         try:
-            t.mark("first_byte")
-            await connection.send(peer.chunk_tag(t.id, index), payload, eager=eager)
+            await connection.send(tag, payload, credit=True, initial=initial,
+                                  granted=None if initial else functools.partial(self.apply, t, Event(On.CREDIT)))
         except transport.TransportError as exc:
             raise PeerError(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
         finally:

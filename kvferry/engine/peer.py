@@ -38,13 +38,16 @@ stands for b, b + stride, ..., count of them).
     REVOKED   str8 region                        sender: no write of mine into it is under way or to come
 
 A transfer's chunks are transport transfers whose tags ``chunk_tag(id, index)`` derive from it;
-the chunk plan follows from the announce (``plan_chunks``), so it is not sent. The first
-``inline chunks`` chunks are small and ride as CHUNK messages right behind the announce (one
-write, no transport handshake: what makes a one-block transfer one round trip); the others are
-transport transfers. A receiver that accepts an announce has posted the receives of its first
-``EAGER_CHUNKS`` transport chunks before it reads the next message, so the sender streams those
-without waiting for the transport's CTS. ACCEPT is sent only for transfers with transport chunks
-or a same-host offer: a transfer whose chunks all ride inline is answered by its DONE alone.
+the chunk plan follows from the announce (``plan_chunks``), so it is not sent. Every chunk moves
+on a credit, a buffer the receiver posted for it: no byte arrives without one. The first ``inline
+chunks`` chunks are small and ride as CHUNK messages right behind the announce (their credit is
+the announce itself: one write, no transport handshake, what makes a one-block transfer one round
+trip). A receiver that admits an announce grants the next ``EAGER_CHUNKS`` chunks buffers on the
+announce's connection before it reads another message (the initial credit: the sender streams
+them at once), and grants each later chunk by a transport CTS sent unasked, at most
+``CREDIT_WINDOW`` chunks past the last one it took; the sender waits for those. ACCEPT is sent
+only for transfers with transport chunks or a same-host offer: a transfer whose chunks all ride
+inline is answered by its DONE alone; memory lent in an ACCEPT is a credit for the whole transfer.
 
 Targets lent in an ACCEPT are a *standing lease* for the connection (NIXL's model: memory
 registered once): the sender may write later transfers into them at once and send their
@@ -67,12 +70,13 @@ from .errors import ProtocolViolation
 from .plan import TAPER, ChunkTags, Plan, chunk_count, chunk_tag, plan_chunks  # noqa: F401  (the protocol's chunking)
 
 MAGIC = b"KVFP"
-VERSION = 5
+VERSION = 6  # 5: chunks after the eager ones were asked for by RTS, not granted unasked
 _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
 MAX_PAIRS = 1024  # region pairs per transfer (a model's layers, K and V apart: far fewer)
 EAGER_CHUNKS = 2
+CREDIT_WINDOW = 64  # a receiver grants no chunk further than this past the last one it took
 INLINE_CHUNK_BYTES = 256 << 10  # a chunk frame at most this big may ride inline (host memory only)
 INLINE_TOTAL_BYTES = 4 << 20  # and all inline chunks of a transfer together
 MAX_IDS = 1 << 20

@@ -25,14 +25,14 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import wire
 from .buffers import Buffer
 from .config import TransportConfig
 from .errors import ProtocolError, TransferRejected, TransportClosed, TransportError, TransportTimeout
-from .flow import Digested, Pacer, SendState, Window
+from .flow import Credits, Digested, Pacer, SendState, Window
 from .handshake import Session
 from .link import Link, Striped, log
 from .mailbox import Mailbox, Receive
@@ -61,6 +61,7 @@ class Connection(Reader):
         self._window = Window(config.max_inflight_bytes)
         self._pacer = Pacer(config.pace_bytes_per_s) if config.pace_bytes_per_s > 0 else None
         self._sends: dict[int, SendState] = {}
+        self._credits = Credits()
         self._receives: dict[int, Receive] = {}
         self._control: asyncio.Queue[Message | bytes | None] = asyncio.Queue()
         self._on_message = on_message
@@ -139,10 +140,15 @@ class Connection(Reader):
         return False
 
     # ---- sending -------------------------------------------------------------------------
-    async def send(self, tag: int, payload: Any, *, timeout: float | None = None, eager: bool = False) -> None:
+    async def send(self, tag: int, payload: Any, *, timeout: float | None = None, credit: bool = False,
+                   initial: bool = False, granted: Callable[[], None] | None = None) -> None:
         """Send ``payload`` (host or CUDA buffer) as transfer ``tag``; returns once the receiver
-        has every byte in its buffer. ``eager``: the caller knows the receive is posted (the layer
-        above arranged it, in order on this connection), so DATA goes without waiting for CTS.
+        has every byte in its buffer. By rendezvous, the default (RTS; DATA once the receiver's
+        mailbox holds a receive and its CTS says so), or by credit: ``credit``, the receiver
+        grants a buffer on this connection (``grant``) and its CTS says so unasked (the sender
+        ``expect_credits`` first); ``initial`` too, it granted one the layer above knows of (in
+        order on this connection), so DATA goes at once. ``granted`` is called once the receiver's
+        CTS came (not for an initial credit).
 
         Raises:
             TransferRejected: the receiver refused it (no receive posted in time is a timeout).
@@ -153,20 +159,31 @@ class Connection(Reader):
         self._check_open()
         if tag in self._sends:
             raise ValueError(f"a send with tag {tag:#x} is already in progress on this connection")
+        credited = self._credits.take(tag) if credit and not initial else None
+        if credit and not initial and credited is None:
+            raise ValueError(f"no credit for tag {tag:#x} is expected on this connection")
         data = Buffer(payload)
         chunk = self._config.chunk_bytes
         spans = [(offset, min(chunk, data.nbytes - offset)) for offset in range(0, data.nbytes, chunk)]
+        if not spans and credit:
+            spans = [(0, 0)]  # a granted receive learns its size from DATA: an empty one still sends one
         state = self._sends[tag] = SendState()
+        if credited is not None:
+            state.accepted = credited
         try:
             # A device payload is authenticated on its GPU: its digests are launched first and
             # awaited without blocking the loop, behind the rendezvous where there is one.
             crcs = ([self._out.digest(data.region(offset, offset + n)) for offset, n in spans]
-                    if data.is_device and not self._out.encrypt else None)
-            rts = Message(MessageType.RTS, tag, total=data.nbytes, flags=wire.FLAG_EAGER if eager else 0)
-            if not eager:
-                await self._write(rts)
-                await self._await(state.accepted, timeout, f"transfer {tag:#x}: receiver did not accept")
-                rts = None
+                    if data.is_device and data.nbytes and not self._out.encrypt else None)
+            if not credit:
+                await self._write(Message(MessageType.RTS, tag, total=data.nbytes))
+            if not initial:
+                capacity = await self._await(state.accepted, timeout, f"transfer {tag:#x}: receiver did not accept")
+                if capacity < data.nbytes:
+                    raise TransferRejected(f"transfer {tag:#x} of {data.nbytes} bytes does not fit the receiver's "
+                                           f"{capacity}-byte buffer")
+                if granted is not None:
+                    granted()
             if crcs:
                 await until_ready(*crcs, timeout=timeout, what=f"transfer {tag:#x}: checksum")
             for index, (offset, n) in enumerate(spans):
@@ -179,19 +196,43 @@ class Connection(Reader):
                 if crcs:
                     header = dataclasses.replace(header, flags=wire.FLAG_DIGEST)
                     payload = Digested(payload, crcs[index]())
-                message = (header, payload)
                 started = time.monotonic()
-                await self._write_many([(rts, None), message] if rts is not None else [message])
+                await self._write(header, payload if n else None)
                 if self._pacer is not None:
                     self._pacer.wrote(n, time.monotonic() - started)
-                rts = None  # an eager RTS leaves with the first DATA, in the same write
-            if rts is not None:  # an empty eager transfer
-                await self._write(rts)
             await self._await(state.done, timeout, f"transfer {tag:#x}: receiver did not confirm")
         finally:
             del self._sends[tag]
             if state.sent > state.acked and not self.closed:
                 await self._window.release(state.sent - state.acked)
+
+    def expect_credits(self, tags: Iterable[int]) -> None:
+        """The receiver will grant these tags (``send(..., credit=True)``): its CTS for them are
+        kept until their sends begin; any other CTS it sends is dropped."""
+        self._credits.expect(tags)
+
+    def forget_credits(self, tags: Iterable[int]) -> None:
+        """Expected credits the layer above will not use (its transfer ended)."""
+        self._credits.forget(tags)
+
+    def grant(self, tag: int, buffer: Any, *, defer_check: bool = False, tell: bool = True) -> Receive:
+        """A credit: a receive of transfer ``tag`` into ``buffer`` on this connection (the sender
+        sends it with ``credit=True``), and, with ``tell``, the CTS that lets the sender send it
+        (without: the sender knows of it, ``initial``). ``defer_check`` as ``Mailbox.expect``.
+
+        Raises:
+            ValueError: a receive of ``tag`` is posted on this connection already.
+        """
+        if tag in self._receives:
+            raise ValueError(f"a receive for tag {tag:#x} is already posted on this connection")
+        receive = Receive(tag, buffer, self._mailbox, defer_check, owner=self._receives)
+        if self.closed:
+            receive.fail(self._error)
+            return receive
+        self._receives[tag] = receive
+        if tell:
+            self._post([(Message(MessageType.CTS, tag, total=receive.buffer.nbytes), None)])
+        return receive
 
     async def _room_for(self, state: SendState, n: int, timeout: float) -> None:
         """Wait for window room, but give up as soon as the receiver rejects the transfer."""
@@ -304,7 +345,7 @@ class Connection(Reader):
         receive = self._mailbox.expect(tag, buffer)
         return await receive.wait(self._config.op_timeout if timeout is None else timeout)
 
-    def _accept(self, receive: Receive, total: int, eager: bool = False) -> None:
+    def _accept(self, receive: Receive, total: int) -> None:
         if self.closed:
             receive.fail(self._error)
             return
@@ -315,8 +356,7 @@ class Connection(Reader):
             return
         receive.total = total
         self._receives[receive.tag] = receive
-        if not eager:
-            self._post([(Message(MessageType.CTS, receive.tag, total=total), None)])
+        self._post([(Message(MessageType.CTS, receive.tag, total=total), None)])
         if total == 0:
             self._complete(receive)
 
@@ -366,6 +406,7 @@ class Connection(Reader):
         self._error = exc
         for state in self._sends.values():
             state.fail(exc)
+        self._credits.fail(exc)
         for receive in list(self._receives.values()):
             receive.fail(exc)
         self._receives.clear()

@@ -1,12 +1,13 @@
-"""A sender's flow control: each transfer's state (``SendState``), the window of bytes sent and not
-yet acknowledged (``Window``), the link emulator's pacing (``Pacer``), and a device payload with
-its digest (``Digested``)."""
+"""A sender's flow control: each transfer's state (``SendState``), the credits receivers grant it
+(``Credits``), the window of bytes sent and not yet acknowledged (``Window``), the link
+emulator's pacing (``Pacer``), and a device payload with its digest (``Digested``)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import TransportTimeout
@@ -93,6 +94,45 @@ class SendState:
             if not future.done():
                 future.set_exception(exc)
                 future.exception()
+
+
+class Credits:
+    """The credits a sender expects on one connection: tags the layer above said a receiver will
+    grant (``expect``), each a future that the receiver's CTS settles with the buffer's size. A CTS
+    for a tag not expected (a transfer ended here meanwhile, or a peer granting what nobody asked
+    for) is dropped: it costs nothing."""
+
+    def __init__(self) -> None:
+        self._expected: dict[int, asyncio.Future[int]] = {}
+
+    def expect(self, tags: Iterable[int]) -> None:
+        loop = asyncio.get_running_loop()
+        for tag in tags:
+            if tag not in self._expected:
+                self._expected[tag] = loop.create_future()
+
+    def grant(self, tag: int, capacity: int) -> bool:
+        future = self._expected.get(tag)
+        if future is None or future.done():
+            return False
+        future.set_result(capacity)
+        return True
+
+    def take(self, tag: int) -> asyncio.Future[int] | None:
+        return self._expected.pop(tag, None)
+
+    def forget(self, tags: Iterable[int]) -> None:
+        for tag in tags:
+            future = self._expected.pop(tag, None)
+            if future is not None:
+                future.cancel()
+
+    def fail(self, exc: Exception) -> None:
+        for future in self._expected.values():
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()
+        self._expected.clear()
 
 
 @dataclasses.dataclass(frozen=True)

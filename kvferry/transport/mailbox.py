@@ -1,6 +1,8 @@
-"""Where received bytes go: receives posted by tag (``Receive``) in a ``Mailbox`` shared by all
-connections of a listener (the receiver does not know which connection a sender will use), and
-announcements that came before their receive. Nothing arrives that has no place to go."""
+"""Where received bytes go: receives posted by tag (``Receive``), either in a ``Mailbox`` shared
+by all connections of a listener (the receiver does not know which connection a sender will use;
+the sender's RTS finds the receive, and announcements that came before their receive wait here),
+or granted on one connection (``Connection.grant``: a credit). Nothing arrives that has no place
+to go."""
 
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ class Receive:
     ``timeout`` seconds.
     """
 
-    def __init__(self, tag: int, buffer: Any, mailbox: Mailbox, defer_check: bool = False):
+    def __init__(self, tag: int, buffer: Any, mailbox: Mailbox, defer_check: bool = False,
+                 owner: dict[int, Receive] | None = None):
         self.tag = tag
+        self._owner = owner  # the connection's receives, for one granted there: it leaves them when it ends
         self.buffer = Buffer(buffer, writable=True)
         # A device buffer's consumer may check the payload's CRCs itself, on its own stream with
         # its own work (``start_check``): the check then costs no wait of its own on the path.
@@ -93,6 +97,8 @@ class Receive:
             self._future.set_exception(exc)
             self._future.exception()  # retrieved: a receive nobody waits on must not warn
         self._mailbox._forget(self)
+        if self._owner is not None and self._owner.get(self.tag) is self:
+            del self._owner[self.tag]
 
     def _landed(self, n: int) -> None:
         self.received += n
@@ -144,22 +150,24 @@ class Mailbox:
             connection._accept(receive, total)
         return receive
 
-    def _announce(self, connection: Connection, tag: int, total: int, eager: bool = False) -> None:
+    def _announce(self, connection: Connection, tag: int, total: int) -> None:
         refused = self._refused.pop(tag, None)
         if refused is not None:
             connection._reject(tag, refused)
             return
         receive = self._expected.get(tag)
         if receive is not None and receive.total is None:
-            connection._accept(receive, total, eager)
-        elif eager:  # its DATA is already on the way and has nowhere to go: it is discarded
-            connection._reject(tag, f"no receive posted for eager transfer {tag:#x}")
+            connection._accept(receive, total)
         elif receive is not None or tag in self._early:
             connection._reject(tag, f"transfer {tag:#x} is already in progress")
         elif len(self._early) >= self._max_early:
             connection._reject(tag, "too many transfers announced without a posted receive")
         else:
             self._early[tag] = (connection, total)
+
+    def refusal(self, tag: int) -> str | None:
+        """Why transfer ``tag`` was refused (``refuse``), once."""
+        return self._refused.pop(tag, None)
 
     def _forget(self, receive: Receive) -> None:
         if self._expected.get(receive.tag) is receive:

@@ -1,6 +1,6 @@
 """The reading side of a ``Connection``: one task reads each sealed header, checks it, and
-dispatches the message (RTS to the mailbox, CTS/REJECT/ACK to the sends, DATA into its receive,
-MSG to the layer above). It never writes to the link itself: replies go through the
+dispatches the message (RTS to the mailbox, CTS/REJECT/ACK to the sends, a CTS nobody sent an RTS
+for to the credits expected, DATA into its receive, MSG to the layer above). It never writes to the link itself: replies go through the
 connection's control queue (``_post``), so two peers streaming at each other cannot deadlock."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from . import wire
 from .config import TransportConfig
 from .errors import AuthenticationFailed, CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportError
-from .flow import SendState, Window
+from .flow import Credits, SendState, Window
 from .link import Link, log
 from .mailbox import Mailbox, Receive
 from .seal import TAG_BYTES, Direction
@@ -38,6 +38,7 @@ class Reader:
     _in: Direction  # the session's receiving direction
     _mailbox: Mailbox
     _sends: dict[int, SendState]
+    _credits: Credits
     _receives: dict[int, Receive]
     _window: Window
     _on_message: OnMessage | None
@@ -64,11 +65,13 @@ class Reader:
 
     async def _dispatch(self, m: Message, seq: int, tag: bytes) -> None:
         if m.type == MessageType.RTS:
-            self._mailbox._announce(self, m.tag, m.total, bool(m.flags & wire.FLAG_EAGER))
+            self._mailbox._announce(self, m.tag, m.total)
         elif m.type == MessageType.CTS:
             state = self._sends.get(m.tag)
             if state is not None and not state.accepted.done():
                 state.accepted.set_result(m.total)
+            elif state is None:
+                self._credits.grant(m.tag, m.total)
         elif m.type == MessageType.REJECT:
             reason = await self._recv_small(m, seq, tag)
             state = self._sends.get(m.tag)
@@ -124,18 +127,30 @@ class Reader:
     async def _on_data(self, m: Message, seq: int, tag: bytes) -> None:
         receive = self._receives.get(m.tag)
         if receive is None or receive.done:
-            # Cancelled or timed out here while the sender was mid-transfer: drop its bytes,
-            # tell it once, keep the connection.
+            # Cancelled or timed out here while the sender was mid-transfer, refused by the layer
+            # above, or never granted: drop its bytes, tell it, keep the connection.
             await self.link.discard(m.length, striped=True)
             if receive is not None:
                 self._receives.pop(m.tag, None)
                 self._reject(m.tag, f"receive {m.tag:#x} was cancelled")
+            elif m.offset == 0:  # once a payload, not for each of its messages
+                self._reject(m.tag, self._mailbox.refusal(m.tag) or f"no receive posted for {m.tag:#x}")
             return
+        if receive.total is None:  # granted: its size comes with its first DATA
+            if m.total > receive.buffer.nbytes:
+                await self.link.discard(m.length, striped=True)
+                reason = f"transfer {m.tag:#x} of {m.total} bytes does not fit a {receive.buffer.nbytes}-byte buffer"
+                receive.fail(TransferRejected(reason))
+                self._reject(m.tag, reason)
+                return
+            receive.total = m.total
         if m.total != receive.total or m.offset + m.length > receive.total:
             raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
         region = receive.buffer.region(m.offset, m.offset + m.length)
         digest = bool(m.flags & wire.FLAG_DIGEST)
-        if self._in.encrypt:
+        if not m.length:  # an empty transfer's one DATA: no payload, so no payload tag
+            ok = tag == NO_TAG and not digest
+        elif self._in.encrypt:
             if digest:
                 raise ProtocolError("a device digest on an encrypted connection")
             ok = await self._recv_encrypted(region, seq, tag)

@@ -1,18 +1,19 @@
-"""The transport's wire messages (version 3): the one place that knows their byte layout.
+"""The transport's wire messages (version 4): the one place that knows their byte layout.
 
 Every message is a fixed 48-byte little-endian header, followed, for HELLO, AUTH, REJECT, DATA
 and MSG only, by ``length`` payload bytes:
 
     offset size field
          0    4 magic b"KVFT"
-         4    1 version (3; 2 had unkeyed payload CRCs and no session keys)
+         4    1 version (4; 3 had the EAGER flag on RTS, and a CTS only ever answered an RTS;
+                      2 had unkeyed payload CRCs and no session keys)
          5    1 type (MessageType)
-         6    2 flags (bit 0: DONE on ACK; bit 1: EAGER on RTS; bit 3: DIGEST on DATA: the
-                      payload tag authenticates the payload's device digest, ``seal.py``)
+         6    2 flags (bit 0: DONE on ACK; bit 3: DIGEST on DATA: the payload tag
+                      authenticates the payload's device digest, ``seal.py``)
          8    8 tag: the transfer this message belongs to
         16    8 offset: DATA: byte offset of the payload in the transfer
         24    8 length: HELLO/AUTH/REJECT/DATA/MSG: payload bytes that follow; ACK: bytes acknowledged
-        32    8 total: RTS/CTS/DATA: the transfer's size in bytes
+        32    8 total: RTS/DATA: the transfer's size in bytes; CTS: the size of the buffer posted
         40    4 reserved (0)
         44    4 CRC32C of bytes 0..43 (accidental damage is named as such, before any key is used)
 
@@ -41,12 +42,14 @@ both HELLO payloads. The session keys come from both nonces, the secret and the 
 MSG carries a small opaque message of the layer above (the engine's peer protocol), in order with
 the connection's other messages.
 
-A transfer: the sender announces it (RTS, tag, total); the receiver, once a buffer is ready,
-answers CTS (or REJECT with a UTF-8 reason). An EAGER RTS is for a receive the layer above knows
-is posted already: DATA follows at once and no CTS comes (if none is posted: REJECT, and the
-DATA is discarded); DATA chunks follow, interleaved with other
-transfers' chunks on the same connection; the receiver ACKs bytes as they land (the sender's
-window) and sets DONE when the last byte is written. GOODBYE ends a connection cleanly.
+A transfer moves on a credit: a CTS that says a buffer of ``total`` bytes is posted for ``tag``.
+By rendezvous, the sender asks with RTS (tag, total) and the receiver answers CTS once a buffer is
+ready (or REJECT with a UTF-8 reason); by credit, the receiver sends the CTS unasked when it posts
+the buffer on this connection, or the layer above agreed on it beforehand (an initial credit: no
+CTS at all). No DATA is sent without one: DATA for a tag with no buffer is discarded and
+REJECTed. DATA chunks are interleaved with other transfers' chunks on the same connection; the
+receiver ACKs bytes as they land (the sender's window) and sets DONE when the last byte is
+written. GOODBYE ends a connection cleanly.
 """
 
 from __future__ import annotations
@@ -60,9 +63,8 @@ import google_crc32c
 from .errors import ProtocolError
 
 MAGIC = b"KVFT"
-VERSION = 3
+VERSION = 4
 FLAG_DONE = 0x1  # on ACK: the last byte is written
-FLAG_EAGER = 0x2  # on RTS: DATA follows at once, without waiting for CTS (the receive must be posted)
 FLAG_DIGEST = 0x8  # on DATA: the payload tag covers the payload's device digest (``seal.device_digest``)
 _LAYOUT = struct.Struct("<4sBBHQQQQI")
 _CRC = struct.Struct("<I")
@@ -133,7 +135,7 @@ def unpack(data: bytes | bytearray | memoryview) -> Message:
         message_type = MessageType(kind)
     except ValueError:
         raise ProtocolError(f"unknown message type {kind}") from None
-    if flags & ~(FLAG_DONE | FLAG_EAGER | FLAG_DIGEST) or reserved:
+    if flags & ~(FLAG_DONE | FLAG_DIGEST) or reserved:
         raise ProtocolError("reserved bits set")
     if flags & FLAG_DIGEST and message_type != MessageType.DATA:
         raise ProtocolError(f"a device digest on {message_type.name}")

@@ -11,7 +11,7 @@ from kvferry.engine.blocks import Blocks, Range
 from kvferry.engine.errors import ProtocolViolation
 
 TID = "00112233445566778899aabbccddeeff"
-HEAD = "4b56465005{kind:02x}000000112233445566778899aabbccddeeff"
+HEAD = "4b56465006{kind:02x}000000112233445566778899aabbccddeeff"
 GOLDEN = {
     "announce": (peer.Message(TID, peer.Announce(
         "splitzip", "bfloat16", Blocks(ranges=(Range(4, 3, 2),)),
@@ -46,9 +46,9 @@ GOLDEN = {
     "accept_shm": (peer.Message(TID, peer.Accept((peer.Target(b"kvferry-d".ljust(64, b"\0"), 0, peer.HOST_MEMORY, 3),))),
                    HEAD.format(kind=2) + "0100" + b"kvferry-d".hex() + "00" * 55 + "00" * 8 + "00" * 16 + "03000000"),
     "revoke": (peer.Message(peer.LINK_ID, peer.Revoke("dst")),
-               "4b564650050900" + "00" * 17 + "03647374"),
+               "4b564650060900" + "00" * 17 + "03647374"),
     "revoked": (peer.Message(peer.LINK_ID, peer.Revoked("dst")),
-                "4b564650050a00" + "00" * 17 + "03647374"),
+                "4b564650060a00" + "00" * 17 + "03647374"),
     "reject": (peer.Message(TID, peer.Reject("NotFound", "no region named 'x'")),
                HEAD.format(kind=3) + "084e6f74466f756e6413006e6f20726567696f6e206e616d656420277827"),
     "done": (peer.Message(TID, peer.Done(3, 1024, 900)), HEAD.format(kind=4) + "0300000000040000000000008403000000000000"),

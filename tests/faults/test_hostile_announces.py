@@ -1,6 +1,7 @@
 """Announces that cost more than their bytes, and transfers that never end: a peer (buggy or
 hostile, holding the secret) announces absurd sizes, or announces and in the same write cancels,
-sends a chunk nobody announced, or eager data of the wrong size. The receiver answers at once,
+sends a chunk nobody announced, initial-credit data of the wrong size, or data it has no credit
+for. The receiver answers at once,
 every such transfer ends, its region can be deleted, and the sidecar's own transfers still run."""
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import pytest
 
 from kvferry.engine import peer
 from kvferry.engine.blocks import Blocks, Range
-from kvferry.transport import wire
 from kvferry.transport.wire import Message, MessageType
 from tests.engine.conftest import spawn, stop
 from tests.rawpeer import RawPeer
@@ -93,7 +93,7 @@ def test_a_huge_announce_is_answered_at_once_and_the_daemon_stays_responsive(rec
     receiver.client.delete_region("dst")  # nothing was left holding it
 
 
-@pytest.mark.parametrize("follow", ["cancel", "bad chunk", "eager data of the wrong size", "nothing, then the link goes"])
+@pytest.mark.parametrize("follow", ["cancel", "bad chunk", "initial-credit data of the wrong size", "nothing, then the link goes"])
 def test_a_transfer_aborted_in_the_announces_own_write_ends(receiver, follow):
     transfer_id = uuid.uuid4().hex
 
@@ -104,10 +104,9 @@ def test_a_transfer_aborted_in_the_announces_own_write_ends(receiver, follow):
             extra = _msg(raw, peer.Message(transfer_id, peer.Cancel("changed my mind")))
         elif follow == "bad chunk":
             extra = _msg(raw, peer.Message(transfer_id, peer.Chunk(7, b"junk")))
-        elif follow == "eager data of the wrong size":
+        elif follow == "initial-credit data of the wrong size":
             tag = peer.chunk_tag(transfer_id, 0)
-            extra = (raw.seal(Message(MessageType.RTS, tag, total=1 << 30, flags=wire.FLAG_EAGER))
-                     + raw.seal(Message(MessageType.DATA, tag, 0, 4, 1 << 30), b"abcd"))
+            extra = raw.seal(Message(MessageType.DATA, tag, 0, 4, 1 << 30), b"abcd")
         else:
             extra = b""
         await raw.link.send(announce + extra)
@@ -150,3 +149,44 @@ def test_silent_announces_neither_stay_running_nor_lock_out_the_sidecars_own_tra
         asyncio.run(raw.close())
     finally:
         stop(a, b)
+
+
+def test_chunks_move_only_on_credits(receiver):
+    """A receiver admitting a streamed announce grants the first two transport chunks buffers
+    silently (the initial credit) and the next ones by CTS sent unasked, one for each chunk's
+    buffer, a window past the last chunk taken; DATA for a chunk it granted nothing lands nowhere
+    and is refused by name."""
+    from kvferry.engine.incoming import credit_ahead
+    from kvferry.engine.settings import Settings
+
+    transfer_id = uuid.uuid4().hex
+    tags = [peer.chunk_tag(transfer_id, i) for i in range(8)]
+    window = credit_ahead(Settings())
+
+    async def main():
+        raw = await RawPeer.connect(receiver.data, SECRET.encode())
+        try:
+            await raw.link.send(_msg(raw, _announce(transfer_id, Blocks(ids=tuple(range(8))))))
+            credits, accepted = [], False
+            while not accepted or len(credits) < window - peer.EAGER_CHUNKS:
+                message, payload = await asyncio.wait_for(raw.recv(), 5)
+                if message.type == MessageType.CTS:
+                    credits.append(message.tag)
+                    assert message.total >= 1024  # a block's buffer, at least
+                else:
+                    assert message.type == MessageType.MSG
+                    accepted = isinstance(peer.unpack(payload).body, peer.Accept)
+            assert credits == tags[peer.EAGER_CHUNKS:window]
+            with pytest.raises(TimeoutError):  # nothing more comes unasked
+                await asyncio.wait_for(raw.recv(), 0.3)
+            await raw.send(Message(MessageType.DATA, tags[7], 0, 16, 16), b"\xff" * 16)
+            message, payload = await asyncio.wait_for(raw.recv(), 5)
+            assert message.type == MessageType.REJECT and message.tag == tags[7]
+            assert b"no receive posted" in payload
+        finally:
+            await raw.close()
+
+    asyncio.run(main())
+    record = _record(receiver.client, transfer_id)
+    assert record["state"] == "failed", record  # the sender went away mid-transfer
+    assert all(receiver.client.get_block("dst", b) == bytes(1024) for b in range(8))

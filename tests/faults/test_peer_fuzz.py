@@ -75,7 +75,7 @@ def _transport_noise(rng: random.Random, raw: RawPeer, ids: list[str]) -> bytes:
     if kind == MessageType.REJECT:
         return raw.seal(Message(kind, tag, length=3), b"why")
     return raw.seal(Message(kind, tag, total=total, length=rng.randrange(0, 1 << 20) if kind == MessageType.ACK else 0,
-                            flags=rng.choice([0, wire.FLAG_EAGER, wire.FLAG_DONE]) if kind != MessageType.CTS else 0))
+                            flags=rng.choice([0, 0x2, wire.FLAG_DONE]) if kind != MessageType.CTS else 0))
 
 
 def test_fuzzed_peer_messages_leave_the_daemon_live_and_correct():

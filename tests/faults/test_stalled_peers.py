@@ -13,7 +13,7 @@ import pytest
 
 from kvferry.engine import errors, peer
 from kvferry.engine.blocks import Blocks
-from kvferry.transport import tcp, wire
+from kvferry.transport import tcp
 from kvferry.transport.config import TransportConfig
 from kvferry.transport.wire import Message, MessageType
 from tests.engine.conftest import spawn, stop
@@ -50,8 +50,7 @@ async def _drip(address: str, transfer_id: str, block_bytes: int, stop_after: in
     every 0.5 s (each one is progress to the transport), or stop after a few."""
     link = await _announce(address, transfer_id, block_bytes // 2)
     total = block_bytes + 160
-    tag = peer.chunk_tag(transfer_id, 0)
-    await link.send(Message(MessageType.RTS, tag, total=total, flags=wire.FLAG_EAGER))
+    tag = peer.chunk_tag(transfer_id, 0)  # the initial credit's chunk: no CTS to wait for
     sent = 0
     while sent < total and (stop_after is None or sent < stop_after):
         await link.send(Message(MessageType.DATA, tag, sent, 1, total), b"\0")

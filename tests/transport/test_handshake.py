@@ -86,22 +86,36 @@ def test_receive_timeout_raises_instead_of_spinning():
     run(main())
 
 
-def test_eager_send_to_a_posted_receive_and_to_none(backend):
+def test_credits_granted_beforehand_unasked_and_none(backend):
+    """A receiver grants buffers on the connection a message came on: one the sender knows of
+    (an initial credit: DATA at once), one it tells of by CTS unasked. DATA with no buffer is
+    refused and its bytes dropped; a CTS nobody expects is dropped; the connection carries on."""
     async def main():
         cfg = config(backend)
-        listener = await transport.listen("127.0.0.1", 0, cfg)
+        granted = {}
+
+        def on_message(connection, payload):  # the layer above: "tags 1 and 2 are coming"
+            granted[1] = connection.grant(1, bytearray(3 << 20), tell=False)
+            granted[2] = connection.grant(2, bytearray(16))
+            connection.grant(9, bytearray(8))  # a CTS for a tag the sender does not expect
+
+        listener = await transport.listen("127.0.0.1", 0, cfg, on_message=on_message)
         client = await transport.connect("127.0.0.1", listener.port, cfg)
         try:
-            buffer = bytearray(3 << 20)
-            receive = listener.expect(1, buffer)
-            await client.send(1, b"\x07" * (3 << 20), eager=True)  # several DATA messages, no CTS
-            assert await receive.wait(5) == 3 << 20 and buffer == bytearray(b"\x07" * (3 << 20))
-            with pytest.raises(transport.TransferRejected, match="eager"):
-                await client.send(2, b"\x01" * (2 << 20), eager=True)  # nothing posted: refused, bytes dropped
+            client.expect_credits([2])
+            with pytest.raises(ValueError, match="no credit"):
+                await client.send(5, b"x", credit=True)
+            await client.send_message(b"go")
+            await client.send(1, b"\x07" * (3 << 20), credit=True, initial=True)  # several DATA messages, no CTS
+            assert await granted[1].wait(5) == 3 << 20 and granted[1].buffer.obj == bytearray(b"\x07" * (3 << 20))
+            await client.send(2, b"z" * 16, credit=True)  # waits for the CTS sent unasked
+            assert await granted[2].wait(5) == 16
+            with pytest.raises(transport.TransferRejected, match="no receive posted"):
+                await client.send(3, b"\x01" * (2 << 20), credit=True, initial=True)  # nothing granted: refused
             late = bytearray(16)
-            again = listener.expect(3, late)
-            await client.send(3, b"z" * 16)  # the connection carries on
-            assert await again.wait(5) == 16 and late == bytearray(b"z" * 16)
+            again = listener.expect(4, late)
+            await client.send(4, b"q" * 16)  # the connection carries on, by rendezvous too
+            assert await again.wait(5) == 16 and late == bytearray(b"q" * 16)
         finally:
             await client.close()
             await listener.close()

@@ -8,7 +8,7 @@ from kvferry.transport import ProtocolError, wire
 from kvferry.transport.wire import Message, MessageType
 
 GOLDEN = bytes.fromhex(
-    "4b56465403050100" "0700000000000000" "0010000000000000" "0004000000000000"
+    "4b56465404050100" "0700000000000000" "0010000000000000" "0004000000000000"
     "0020000000000000" "00000000")
 
 
@@ -38,8 +38,8 @@ def test_data_beyond_total_and_wrong_size():
 def test_golden_msg_and_handshake_headers():
     # MSG: type 9, length 5; AUTH: type 8, empty; HELLO: type 1, a 32-byte nonce follows.
     assert Message(MessageType.MSG, length=5).pack()[:32].hex() == (
-        "4b56465403090000" "0000000000000000" "0000000000000000" "0500000000000000")
-    assert Message(MessageType.AUTH).pack()[:8].hex() == "4b56465403080000"
+        "4b56465404090000" "0000000000000000" "0000000000000000" "0500000000000000")
+    assert Message(MessageType.AUTH).pack()[:8].hex() == "4b56465404080000"
     assert Message(MessageType.HELLO, length=32).pack()[24:32] == (32).to_bytes(8, "little")
 
 
@@ -68,7 +68,8 @@ def test_digest_flag_rules_and_an_older_version_is_named():
     assert wire.unpack(packed) == message
     with pytest.raises(ProtocolError, match="digest"):
         wire.unpack(Message(MessageType.ACK, tag=7, flags=wire.FLAG_DIGEST).pack())
-    with pytest.raises(ProtocolError, match="reserved"):  # the old payload-CRC flag
-        wire.unpack(Message(MessageType.DATA, tag=7, length=3, total=3, flags=0x4).pack())
-    with pytest.raises(wire.VersionMismatch, match="version 2, this build speaks 3"):
-        wire.unpack(Message(MessageType.HELLO, length=32).pack(version=2))
+    for retired in (0x2, 0x4):  # the old EAGER and payload-CRC flags
+        with pytest.raises(ProtocolError, match="reserved"):
+            wire.unpack(Message(MessageType.DATA, tag=7, length=3, total=3, flags=retired).pack())
+    with pytest.raises(wire.VersionMismatch, match="version 3, this build speaks 4"):
+        wire.unpack(Message(MessageType.HELLO, length=32).pack(version=3))
