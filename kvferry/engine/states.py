@@ -6,9 +6,10 @@ lookup with no sockets, tasks or clocks, so every path is testable on its own
 Flow control has one notion here, the *credit*: how many chunks the sender may put on the wire
 before the receiver has posted buffers for more. Every way into sending is a credit grant
 (``GRANTS``): chunks riding inline behind the announce and the first eager chunks are the initial
-credit the receiver is known to honour (it posts their receives before it reads another message);
-each transport CTS is one more; memory lent by the receiver (an ACCEPT's targets, a standing lease)
-is a credit for the whole transfer. No byte arrives without a posted buffer.
+credit the receiver is known to honour (it posts their buffers before it reads another message);
+each CTS the receiver sends unasked is one more (``CREDIT``); memory lent by the receiver (an
+ACCEPT's targets, a standing lease) is a credit for the whole transfer. No byte arrives without a
+posted buffer.
 
 A terminal phase absorbs every event. An event a phase does not expect is never ignored: one the
 peer caused ends the transfer as a protocol violation; one the engine caused is a bug
@@ -87,7 +88,7 @@ class On(str, Enum):
     OFFER = "offer"                      # announced with a same-host offer (nothing inline)
     ACCEPT = "accept"                    # the receiver's ACCEPT, lending nothing
     ACCEPT_LENT = "accept lent"          # the receiver's ACCEPT, lending its destination memory
-    CREDIT = "credit"                    # the receiver posted a buffer (a transport CTS)
+    CREDIT = "credit"                    # the receiver granted a chunk a buffer (its CTS, sent unasked)
     SENT_LAST = "sent last"              # the last chunk left
     WRITTEN = "written"                  # the lent memory is written, and the receiver told so
     REDIAL = "redial"                    # the pooled connection was dead before the peer said anything: start again
