@@ -1,7 +1,7 @@
-"""The sending side of one transfer: choose the codec, announce, stream the chunks (small ones
-inline behind the announce, the rest as transport transfers, encoded while earlier ones are on the
-wire) or write them straight into a receiver's lent same-host memory (at once, where a standing
-lease of it is held), and wait for the receiver's DONE."""
+"""The sending side of one transfer: choose the codec, announce, send the chunks (small ones
+inline behind the announce, the rest on their credits: ``streaming.py``) or write them straight
+into a receiver's lent same-host memory (at once, where a standing lease of it is held), and wait
+for the receiver's DONE."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import functools
 import logging
 import time
 from typing import Any
-
-import torch
 
 from kvferry import codec as codecs, transport
 
@@ -23,6 +21,7 @@ from .links import Pair, PeerLink, describe
 from .pipeline import runs_now
 from .samehost import write_blocks
 from .states import Event, On
+from .streaming import Chunks, drop, inline_count
 from .transfers import Transfer, TransferSpec
 
 log = logging.getLogger("kvferry.engine")
@@ -34,6 +33,7 @@ class Outgoing:
     def __init__(self, ctx: TransferContext):
         self.ctx = ctx
         self.apply = ctx.driver.apply
+        self.chunks = Chunks(ctx)
 
     async def run(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                   book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
@@ -67,13 +67,13 @@ class Outgoing:
             return False
         codec, book = self._choose(t, spec, pairs, candidates, book)
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs))
-        if self._inline_count(plan, pairs, codec) < len(plan):
+        if inline_count(plan, pairs, codec) < len(plan):
             return False
         self.apply(t, Event(On.DIAL))
         link = self.ctx.links.add(t, PeerLink(connection, reused=True))
         link.offer = self._offer(connection, spec, pairs, codec)  # the receiver may lend shared memory for later
         try:
-            inline = self._inline_chunks(t, plan, pairs, codec, len(plan))
+            inline = self.chunks.inline(t, plan, pairs, codec, len(plan))
             announce = self._announce(t, spec, pairs, book, len(inline), link.offer is not None)
         except Exception as exc:  # the codec's or the layout's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(exc), On.FAIL)
@@ -217,7 +217,7 @@ class Outgoing:
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs), tapered)
         link.offer = self._offer(connection, spec, pairs, codec)
         offer = link.offer is not None
-        inline = [] if offer else self._inline_chunks(t, plan, pairs, codec, self._inline_count(plan, pairs, codec))
+        inline = [] if offer else self.chunks.inline(t, plan, pairs, codec, inline_count(plan, pairs, codec))
         wire_start = time.perf_counter()
         sharing = self.ctx.policy.begin_stream(t.peer)
         try:
@@ -247,24 +247,10 @@ class Outgoing:
         first = None
         if not offer and len(inline) < len(plan) and pairs[0].region.tensor.is_cuda:
             pair_index, start, count = plan[len(inline)]
-            first = asyncio.ensure_future(self._encode_chunk(t, codec, pairs[pair_index], start, count, len(inline)))
-        # The chunks past the initial credit move on credits the receiver sends unasked as it posts
-        # their buffers: expected from before the announce (they may come right behind it), at most
-        # CREDIT_WINDOW chunks ahead; ``credits``: chunk index -> tag, of every chunk expected.
-        credits: dict[int, int] = {}
-        self._expect(connection, t, credits, range(len(inline) + peer.EAGER_CHUNKS,
-                                                   min(len(plan), len(inline) + peer.CREDIT_WINDOW)))
-        try:
+            first = asyncio.ensure_future(self.chunks.encode(t, codec, pairs[pair_index], start, count, len(inline)))
+        with self.chunks.credits(connection, t, len(inline), len(plan)) as credits:
             return await self._announced(t, spec, pairs, candidates, connection, link, codec, plan, inline, offer,
                                          tapered, book, first, credits)
-        finally:
-            connection.forget_credits(credits.values())  # those taken by their sends are gone already
-
-    @staticmethod
-    def _expect(connection: transport.Connection, t: Transfer, credits: dict[int, int], indices: range) -> None:
-        for i in indices:
-            credits[i] = peer.chunk_tag(t.id, i)
-        connection.expect_credits(credits[i] for i in indices)
 
     async def _announced(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                          connection: transport.Connection, link: PeerLink, codec: codecs.Codec,
@@ -275,7 +261,7 @@ class Outgoing:
             await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer,
                                                          peer.FLAG_TAPERED if tapered else 0), *inline)
         except BaseException:
-            _drop(first)
+            drop(first)
             raise
         self.apply(t, Event(On.OFFER if offer else On.ANNOUNCE_ALL if len(inline) == len(plan) else On.ANNOUNCE))
         t.mark("announced")
@@ -294,74 +280,10 @@ class Outgoing:
                 return True
             self.apply(t, Event(On.ACCEPT))
         if len(inline) < len(plan):
-            await self._stream(t, connection, link, plan, pairs, codec, len(inline), first, credits)
+            await self.chunks.stream(t, connection, link, plan, pairs, codec, len(inline), first, credits)
             self.apply(t, Event(On.SENT_LAST))
         t.mark("last_byte")
         return False
-
-    @staticmethod
-    def _inline_count(plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec) -> int:
-        """How many leading chunks of ``plan`` may ride inline (host memory, each and all small)."""
-        total = 0
-        for index, (pair_index, _, blocks) in enumerate(plan):
-            region = pairs[pair_index].region
-            size = codec.capacity((blocks, *region.block_shape), region.tensor.dtype)
-            total += size
-            if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total > peer.INLINE_TOTAL_BYTES:
-                return index
-        return len(plan)
-
-    def _inline_chunks(self, t: Transfer, plan: list[tuple[int, int, int]], pairs: list[Pair],
-                       codec: codecs.Codec, count: int) -> list[bytes]:
-        """The first ``count`` chunks (small, of host memory: see ``_inline_count``), encoded on
-        the event loop as CHUNK messages for the announce's write."""
-        inline = []
-        for index, (pair_index, start, blocks) in enumerate(plan[:count]):
-            pair = pairs[pair_index]
-            nbytes = blocks * pair.region.block_bytes
-            frame = self.ctx.codec.encode_now(codec, pair.region.tensor, pair.ids[start:start + blocks], pair.bound,
-                                              nbytes)
-            frame = self._account_chunk(t, frame, nbytes, index)
-            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, memoryview(frame.numpy())))))
-        return inline
-
-    async def _stream(self, t: Transfer, connection: transport.Connection, link: PeerLink,
-                      plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec, inline: int,
-                      first: asyncio.Future | None, credits: dict[int, int]) -> None:
-        """The chunks after the inline ones, as transport transfers: each sent as soon as it is
-        encoded and granted, the next encoded while earlier ones are on the wire, at most
-        ``max_inflight_chunks`` encoded and unacknowledged. ``first``: the first one's encode,
-        begun already; ``credits``: the chunks whose credits are expected (each one sent expects
-        the one ``CREDIT_WINDOW`` further)."""
-        slots = asyncio.Semaphore(self.ctx.settings.max_inflight_chunks)
-        sends: list[asyncio.Task] = []
-        try:
-            for index, (pair_index, start, count) in enumerate(plan):
-                if index < inline:
-                    continue
-                await slots.acquire()
-                if link.reply.done() or any(task.done() and task.exception() for task in sends):
-                    break
-                if index == inline and first is not None:
-                    payload = await first
-                else:
-                    payload = await self._encode_chunk(t, codec, pairs[pair_index], start, count, index)
-                self.ctx.metrics.inflight_chunks.inc()
-                initial = index < inline + peer.EAGER_CHUNKS
-                ahead = index + peer.CREDIT_WINDOW
-                if ahead < len(plan):
-                    self._expect(connection, t, credits, range(ahead, ahead + 1))
-                tag = peer.chunk_tag(t.id, index) if initial else credits[index]
-                t.mark("first_byte")
-                sends.append(asyncio.create_task(self._send_chunk(connection, t, index, tag, payload, slots, initial)))
-                # Let the send start (its checksum launched, its first message written) before the
-                # next chunk's encode takes the GPU: the first chunk reaches the link sooner.
-                await asyncio.sleep(0)
-            await self._first(link, asyncio.gather(*sends))
-        finally:
-            _drop(first)
-            for task in sends:
-                task.cancel()
 
     async def _accepted(self, link: PeerLink) -> peer.Accept:
         """The receiver's ACCEPT (or its refusal, raised)."""
@@ -413,28 +335,6 @@ class Outgoing:
         t.choice_reason = "same host: written straight into the receiver's memory (CUDA IPC or shared memory)"
         t.lossy = False
 
-    async def _encode_chunk(self, t: Transfer, codec: codecs.Codec, pair: Pair, start: int, count: int,
-                            index: int) -> torch.Tensor:
-        nbytes = count * pair.region.block_bytes
-        payload = await self.ctx.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], pair.bound,
-                                              nbytes)
-        return self._account_chunk(t, payload, nbytes, index)
-
-    def _account_chunk(self, t: Transfer, payload: torch.Tensor, nbytes: int, index: int) -> torch.Tensor:
-        t.bytes_raw += nbytes
-        t.bytes_wire += payload.numel()
-        self.ctx.metrics.chunks.labels("out").inc()
-        return payload
-
-    async def _first(self, link: PeerLink, work: asyncio.Future) -> None:
-        """Await ``work``, but stop at once with the peer's refusal if that comes first."""
-        await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
-        if link.reply.done() and link.reply.exception() is not None:
-            work.cancel()  # the peer's own word says more than a chunk it refused
-            raise link.reply.exception()
-        # DONE can be read before the sends wake up to their acknowledgements, which precede it.
-        await work
-
     async def _reply(self, link: PeerLink, timeout: float) -> peer.Done:
         if not link.reply.done():
             try:
@@ -445,28 +345,6 @@ class Outgoing:
                     raise PeerError(f"the receiver did not confirm within {timeout:g} s") from None
         return link.reply.result()
 
-    async def _send_chunk(self, connection: transport.Connection, t: Transfer, index: int, tag: int,
-                          payload: torch.Tensor, slots: asyncio.Semaphore, initial: bool) -> None:
-        """Send chunk ``index`` on its credit (the initial one, or the receiver's CTS: a CREDIT event)."""
-        try:
-            await connection.send(tag, payload, credit=True, initial=initial,
-                                  granted=None if initial else functools.partial(self.apply, t, Event(On.CREDIT)))
-        except transport.TransportError as exc:
-            raise PeerError(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self.ctx.metrics.inflight_chunks.dec()
-            slots.release()
-
-
-def _drop(work: asyncio.Future | None) -> None:
-    """Cancel ``work`` if it is still running, and take any error it ended with (reported otherwise)."""
-    if work is None:
-        return
-    if work.done():
-        if not work.cancelled():
-            work.exception()
-    else:
-        work.cancel()
 
 
 def _failed(exc: Exception) -> asyncio.Future:

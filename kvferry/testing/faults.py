@@ -23,9 +23,9 @@ def corrupt_chunk(index: int) -> None:
     The sidecar also stands for one on another host (a host id of its own), so that no transfer
     takes the same-host shortcut around the wire, as the peer of a remote sender could not.
     """
-    from kvferry.engine import ipc, outgoing
+    from kvferry.engine import ipc, streaming
 
-    account = outgoing.Outgoing._account_chunk
+    account = streaming.Chunks._account
 
     def corrupting(self, t, payload, nbytes, chunk):
         if chunk == index:
@@ -33,7 +33,7 @@ def corrupt_chunk(index: int) -> None:
             payload[20] ^= 0xFF  # inside the frame's header
         return account(self, t, payload, nbytes, chunk)
 
-    outgoing.Outgoing._account_chunk = corrupting
+    streaming.Chunks._account = corrupting
     host = os.urandom(16)
     ipc.host_id = lambda: host
 

@@ -1,7 +1,8 @@
 """The reading side of a ``Connection``: one task reads each sealed header, checks it, and
 dispatches the message (RTS to the mailbox, CTS/REJECT/ACK to the sends, a CTS nobody sent an RTS
-for to the credits expected, DATA into its receive, MSG to the layer above). It never writes to the link itself: replies go through the
-connection's control queue (``_post``), so two peers streaming at each other cannot deadlock."""
+for to the credits expected, DATA into its receive, MSG to the layer above). It never writes to
+the link itself: replies go through the connection's control queue (``_post``), so two peers
+streaming at each other cannot deadlock."""
 
 from __future__ import annotations
 

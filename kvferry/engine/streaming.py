@@ -1,0 +1,161 @@
+"""A sender's chunks: the small ones encoded inline for the announce's own write, the others
+encoded while earlier ones are on the wire and each sent on its credit (the initial one, or the
+receiver's CTS, expected a window ahead: ``peer.CREDIT_WINDOW``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+from kvferry import codec as codecs, transport
+
+from . import peer
+from .context import TransferContext
+from .errors import PeerError
+from .links import Pair, PeerLink
+from .states import Event, On
+from .transfers import Transfer
+
+
+def inline_count(plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec) -> int:
+    """How many leading chunks of ``plan`` may ride inline (host memory, each and all small)."""
+    total = 0
+    for index, (pair_index, _, blocks) in enumerate(plan):
+        region = pairs[pair_index].region
+        size = codec.capacity((blocks, *region.block_shape), region.tensor.dtype)
+        total += size
+        if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total > peer.INLINE_TOTAL_BYTES:
+            return index
+    return len(plan)
+
+
+class Chunks:
+    """Encodes and sends the chunks of outgoing transfers, with the services of ``ctx``."""
+
+    def __init__(self, ctx: TransferContext):
+        self.ctx = ctx
+
+    def inline(self, t: Transfer, plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec,
+               count: int) -> list[bytes]:
+        """The first ``count`` chunks (small, of host memory: see ``inline_count``), encoded on
+        the event loop as CHUNK messages for the announce's write."""
+        inline = []
+        for index, (pair_index, start, blocks) in enumerate(plan[:count]):
+            pair = pairs[pair_index]
+            nbytes = blocks * pair.region.block_bytes
+            frame = self.ctx.codec.encode_now(codec, pair.region.tensor, pair.ids[start:start + blocks], pair.bound,
+                                              nbytes)
+            frame = self._account(t, frame, nbytes, index)
+            inline.append(peer.pack(peer.Message(t.id, peer.Chunk(index, memoryview(frame.numpy())))))
+        return inline
+
+    async def encode(self, t: Transfer, codec: codecs.Codec, pair: Pair, start: int, count: int,
+                     index: int) -> torch.Tensor:
+        """Chunk ``index`` (``count`` blocks of ``pair`` from ``start``), encoded by the codec runner."""
+        nbytes = count * pair.region.block_bytes
+        payload = await self.ctx.codec.encode(codec, pair.region.tensor, pair.ids[start:start + count], pair.bound,
+                                              nbytes)
+        return self._account(t, payload, nbytes, index)
+
+    def _account(self, t: Transfer, payload: torch.Tensor, nbytes: int, index: int) -> torch.Tensor:
+        """Count chunk ``index``'s bytes (the one place every encoded frame passes)."""
+        t.bytes_raw += nbytes
+        t.bytes_wire += payload.numel()
+        self.ctx.metrics.chunks.labels("out").inc()
+        return payload
+
+    @contextlib.contextmanager
+    def credits(self, connection: transport.Connection, t: Transfer, inline: int,
+                chunks: int) -> Iterator[dict[int, int]]:
+        """The credits of ``t``'s transport chunks past the initial credit, which the receiver
+        sends unasked as it posts their buffers: expected from before the announce (they may come
+        right behind it), ``CREDIT_WINDOW`` chunks ahead; yields chunk index -> tag of every chunk
+        expected, and forgets those still expected when the transfer is done with them."""
+        credits: dict[int, int] = {}
+        _expect(connection, t, credits, range(inline + peer.EAGER_CHUNKS, min(chunks, inline + peer.CREDIT_WINDOW)))
+        try:
+            yield credits
+        finally:
+            connection.forget_credits(credits.values())  # those taken by their sends are gone already
+
+    async def stream(self, t: Transfer, connection: transport.Connection, link: PeerLink,
+                     plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec, inline: int,
+                     first: asyncio.Future | None, credits: dict[int, int]) -> None:
+        """The chunks after the inline ones, as transport transfers: each sent as soon as it is
+        encoded and granted, the next encoded while earlier ones are on the wire, at most
+        ``max_inflight_chunks`` encoded and unacknowledged. ``first``: the first one's encode,
+        begun already; ``credits``: the chunks whose credits are expected (``credits``; each one
+        sent expects the one ``CREDIT_WINDOW`` further)."""
+        slots = asyncio.Semaphore(self.ctx.settings.max_inflight_chunks)
+        sends: list[asyncio.Task] = []
+        try:
+            for index, (pair_index, start, count) in enumerate(plan):
+                if index < inline:
+                    continue
+                await slots.acquire()
+                if link.reply.done() or any(task.done() and task.exception() for task in sends):
+                    break
+                if index == inline and first is not None:
+                    payload = await first
+                else:
+                    payload = await self.encode(t, codec, pairs[pair_index], start, count, index)
+                self.ctx.metrics.inflight_chunks.inc()
+                initial = index < inline + peer.EAGER_CHUNKS
+                ahead = index + peer.CREDIT_WINDOW
+                if ahead < len(plan):
+                    _expect(connection, t, credits, range(ahead, ahead + 1))
+                tag = peer.chunk_tag(t.id, index) if initial else credits[index]
+                t.mark("first_byte")
+                sends.append(asyncio.create_task(self._send(connection, t, index, tag, payload, slots, initial)))
+                # Let the send start (its checksum launched, its first message written) before the
+                # next chunk's encode takes the GPU: the first chunk reaches the link sooner.
+                await asyncio.sleep(0)
+            await _unless_refused(link, asyncio.gather(*sends))
+        finally:
+            drop(first)
+            for task in sends:
+                task.cancel()
+
+    async def _send(self, connection: transport.Connection, t: Transfer, index: int, tag: int,
+                    payload: torch.Tensor, slots: asyncio.Semaphore, initial: bool) -> None:
+        """Send chunk ``index`` on its credit (the initial one, or the receiver's CTS: a CREDIT event)."""
+        try:
+            await connection.send(tag, payload, credit=True, initial=initial,
+                                  granted=None if initial else functools.partial(self.ctx.driver.apply, t,
+                                                                                 Event(On.CREDIT)))
+        except transport.TransportError as exc:
+            raise PeerError(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.ctx.metrics.inflight_chunks.dec()
+            slots.release()
+
+
+def _expect(connection: transport.Connection, t: Transfer, credits: dict[int, int], indices: range) -> None:
+    for i in indices:
+        credits[i] = peer.chunk_tag(t.id, i)
+    connection.expect_credits(credits[i] for i in indices)
+
+
+async def _unless_refused(link: PeerLink, work: asyncio.Future) -> None:
+    """Await ``work``, but stop at once with the peer's refusal if that comes first."""
+    await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
+    if link.reply.done() and link.reply.exception() is not None:
+        work.cancel()  # the peer's own word says more than a chunk it refused
+        raise link.reply.exception()
+    # DONE can be read before the sends wake up to their acknowledgements, which precede it.
+    await work
+
+
+def drop(work: asyncio.Future | None) -> None:
+    """Cancel ``work`` if it is still running, and take any error it ended with (reported otherwise)."""
+    if work is None:
+        return
+    if work.done():
+        if not work.cancelled():
+            work.exception()
+    else:
+        work.cancel()
