@@ -68,7 +68,13 @@ def test_the_sidecar_names_its_grpc_port(served):
     assert vllm_watch.grpc_target(prefill.url, {"grpc_port": 0}) is None
 
 
-def test_pulls_complete_by_either_control(served, control):
+def test_pulls_complete_by_either_control(served, control, monkeypatch):
+    """Each pull's end comes by the Watch (auto) or the long-poll (http). Under auto a Watch that
+    misses an end (its transfer announced late on a loaded machine) rightly falls back to asking
+    over HTTP, so each pull may say either, but the ends come over the decode's gRPC channel."""
+    from kvferry.client import vllm_core as core
+
+    monkeypatch.setattr(core, "APPEAR", 5.0)  # the API's longest wait for the announce
     prefill, decode = served
     p_cache, d_cache, p_layers, d_layers = caches(prefill, decode, f"ok-{control}")
     producer = Producer(config(prefill), p_cache)
@@ -81,11 +87,12 @@ def test_pulls_complete_by_either_control(served, control):
             assert torch.equal(pages(d_layers, dst, block_dim).view(torch.int16),
                                pages(p_layers, src, block_dim).view(torch.int16))
             entry = consumer.stats[-1]
-            assert entry["control"] == ("grpc" if control == "auto" else "http")
+            assert entry["control"] in (("grpc", "http") if control == "auto" else ("http",))
             assert entry["wait_seconds"] >= entry["transfer_seconds"] > 0 and entry["bytes_raw"] > 0
             assert released(producer, f"ok-{control}-{i}")
         if control == "auto":
-            assert consumer.watches.pushed() == 2
+            assert len(consumer.watches._streams) == 1 and consumer.watches.pushed() >= 1
+            assert consumer.watches.pushed() == sum(e["control"] == "grpc" for e in consumer.stats)
     finally:
         consumer.close()
         producer.close()
