@@ -363,7 +363,27 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
         "receiver_cpu_s_per_gb": cpu("receiver") / gb if gb else None,
         "rss_start": {k: v["private"] for k, v in rss0.items()}, "rss_end": {k: v["private"] for k, v in rss1.items()},
         "rss_series": rss_series,
+        "rss_trend_mib_per_1k": _rss_trend(rss_series, len(latencies) / wall),
     }
+
+
+def _rss_trend(series: list[tuple[float, dict]], per_second: float) -> dict[str, float]:
+    """Each sidecar's RSS growth in MiB per 1,000 transfers: the least-squares slope over the samples
+    after the first (the heap is still filling to its working size until then), so that a leak
+    shows as a steady slope and an allocator's swings around a level do not."""
+    points = series[1:]
+    if len(points) < 3 or per_second <= 0:
+        return {}
+    times = [t for t, _ in points]
+    mean_t = statistics.fmean(times)
+    spread = sum((t - mean_t) ** 2 for t in times)
+    trend = {}
+    for name in points[0][1]:
+        values = [sample[name] for _, sample in points]
+        mean_v = statistics.fmean(values)
+        slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values)) / spread  # bytes per second
+        trend[name] = round(slope / per_second * 1000 / 2**20, 2)
+    return trend
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -476,13 +496,14 @@ def main() -> int:
 def _line(args, shape: Shape, row: dict) -> str:
     mb = shape.request_bytes / 2**20
     rss = "; ".join(f"{k} {row['rss_start'][k] / 2**20:.0f}->{row['rss_end'][k] / 2**20:.0f}" for k in row["rss_end"])
+    trend = ", ".join(f"{k} {v:+.1f}" for k, v in row.get("rss_trend_mib_per_1k", {}).items()) or "too few samples"
     return (f"{args.senders}->{args.receivers} inflight {args.inflight} {row['codec']} {mb:.0f} MiB/request: "
             f"{row['done']} done {row['failed']} failed {row['refused_429']} x429 "
             f"{row['checked']} checked {row['mismatched']} wrong | {row['transfers_per_s']:.1f}/s "
             f"{row['gb_per_s']:.3f} GB/s p50 {row['p50_ms']:.0f} p99 {row['p99_ms']:.0f} ms "
             f"(sidecar {row['sidecar_p50_ms']:.0f}/{row['sidecar_p99_ms']:.0f}) | cpu s/GB send "
             f"{row['sender_cpu_s_per_gb'] or 0:.2f} recv {row['receiver_cpu_s_per_gb'] or 0:.2f} | "
-            f"rss MiB {rss} | chose {row['chosen']}")
+            f"rss MiB {rss} (per 1k transfers: {trend}) | chose {row['chosen']}")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,8 @@ class TransferTable:
                 if not self._sources[source]:
                     del self._sources[source]
             self._finished[transfer.id] = None
+            # The history keeps the record, not what could restart it (its spec's block lists).
+            transfer.redial = transfer.deadline = None
             while len(self._finished) > self._history:
                 old, _ = self._finished.popitem(last=False)
                 self._transfers.pop(old, None)

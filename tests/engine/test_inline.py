@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import weakref
 
 import torch
 
@@ -55,6 +57,23 @@ def test_inline_transfers_are_task_free_and_exact():
         assert not a.links and not b.links and not a.transfers.active() and not b.transfers.active()
         await a.delete_region("src")  # nothing holds it
         await b.delete_region("dst")
+
+    _run(body)
+
+
+def test_an_ended_transfer_keeps_its_record_not_its_block_lists():
+    """The history holds thousands of ended transfers: each keeps what ``GET /v1/transfers`` shows,
+    not the spec it was started from (its block lists), inline or streamed."""
+    async def body(a, b):
+        for blocks in ([0], [0, 1, 2, 3]):
+            spec = _spec(b, blocks, blocks)
+            t = a.submit(spec)
+            assert (await a.wait(t.id, 5))["state"] == "done"
+            gone = weakref.ref(spec)
+            del spec
+            gc.collect()
+            assert gone() is None, gc.get_referrers(gone())
+            assert a.transfers.get(t.id).public()["blocks"] == len(blocks)
 
     _run(body)
 
