@@ -79,18 +79,24 @@ def settle(client: Client, region: str, timeout: float = 30.0) -> None:
     raise RuntimeError(f"the codebooks of region {region!r} did not settle in {timeout:.0f} s")
 
 
-def until_steady(run: Callable[[], dict], limit: int = 6) -> None:
+def until_steady(run: Callable[[], dict], limit: int = 10) -> None:
     """Call ``run`` (one ``auto`` transfer, returning its record) until ``auto``'s choice is
-    steady: not a try of a close candidate, and the same codec twice running; at most ``limit``
-    times. A sidecar tries those once per peer, size and ``Policy.measured_ttl_s``: a benchmark
-    of a few repeats would report its tries, where a sidecar that has run a while makes none."""
-    last = None
+    steady: made from measurements (every close candidate tried), or the same codec three times
+    running without a try where none is close; at most ``limit`` times. A sidecar tries close
+    candidates once per peer, size and ``Policy.measured_ttl_s``, and only after its first choice
+    has been measured (not on a peer's first transfer, nor a codebook's first use), so a choice
+    can repeat before the tries begin: a benchmark timing then would report the tries, where a
+    sidecar that has run a while makes none."""
+    last, streak = None, 0
     for _ in range(limit):
         record = run()
-        chosen = record.get("chosen_codec")
-        if not (record.get("choice_reason") or "").startswith("trying") and chosen == last:
+        reason, chosen = record.get("choice_reason") or "", record.get("chosen_codec")
+        if reason.startswith("measured"):
             return
+        streak = 0 if reason.startswith("trying") else streak + 1 if chosen == last else 1
         last = chosen
+        if streak >= 3:
+            return
 
 
 def load_kv(path: Path):

@@ -14,15 +14,25 @@ def _runs(records: list[dict]):
     return run, calls
 
 
-def test_tries_are_waited_out_until_the_same_codec_comes_twice():
+def test_a_repeated_first_choice_is_not_steady_before_the_tries():
+    """A sidecar's first choices are unmeasured (a peer's first transfer, a codebook's first use):
+    the same codec twice, then the tries, then the measured choice."""
     records = [{"chosen_codec": "entropy", "choice_reason": "predicted ..."},
+               {"chosen_codec": "entropy", "choice_reason": "predicted ..."},
+               {"chosen_codec": "raw", "choice_reason": "trying raw: ..."},
                {"chosen_codec": "tca-tbe", "choice_reason": "trying tca-tbe: ..."},
-               {"chosen_codec": "entropy", "choice_reason": "measured ..."},
                {"chosen_codec": "entropy", "choice_reason": "measured ..."},
                {"chosen_codec": "entropy", "choice_reason": "measured ..."}]
     run, calls = _runs(records)
     until_steady(run)
-    assert len(calls) == 4
+    assert len(calls) == 5
+
+
+def test_a_choice_with_nothing_to_try_is_steady_after_three():
+    records = [{"chosen_codec": "raw", "choice_reason": "predicted ..."}] * 6
+    run, calls = _runs(records)
+    until_steady(run)
+    assert len(calls) == 3
 
 
 def test_a_choice_that_never_settles_stops_at_the_limit():
