@@ -368,11 +368,14 @@ def run_phase(args, shape: Shape, workers: list[Worker], src: dict, dst: dict, s
 
 
 def _rss_trend(series: list[tuple[float, dict]], per_second: float) -> dict[str, float]:
-    """Each sidecar's RSS growth in MiB per 1,000 transfers: the least-squares slope over the samples
-    after the first (the heap is still filling to its working size until then), so that a leak
-    shows as a steady slope and an allocator's swings around a level do not."""
-    points = series[1:]
-    if len(points) < 3 or per_second <= 0:
+    """Each sidecar's RSS growth in MiB per 1,000 transfers over the run's second half: the
+    least-squares slope of its samples there. A heap fills to its working size over the first
+    minutes (16 MiB frames in several threads' arenas); a leak goes on growing after that, an
+    allocator's swings around a level do not."""
+    if not series or per_second <= 0:
+        return {}
+    points = [(t, sample) for t, sample in series if t >= series[-1][0] / 2]
+    if len(points) < 3:
         return {}
     times = [t for t, _ in points]
     mean_t = statistics.fmean(times)
@@ -503,7 +506,7 @@ def _line(args, shape: Shape, row: dict) -> str:
             f"{row['gb_per_s']:.3f} GB/s p50 {row['p50_ms']:.0f} p99 {row['p99_ms']:.0f} ms "
             f"(sidecar {row['sidecar_p50_ms']:.0f}/{row['sidecar_p99_ms']:.0f}) | cpu s/GB send "
             f"{row['sender_cpu_s_per_gb'] or 0:.2f} recv {row['receiver_cpu_s_per_gb'] or 0:.2f} | "
-            f"rss MiB {rss} (per 1k transfers: {trend}) | chose {row['chosen']}")
+            f"rss MiB {rss} (second half, per 1k transfers: {trend}) | chose {row['chosen']}")
 
 
 if __name__ == "__main__":

@@ -435,6 +435,7 @@ class Pull:
     answered_wall: float = 0.0  # sidecar's record (``created``) where both run on one host
     load_seconds: float = 0.0  # copying the pages into vLLM's cache
     control: str = "http"  # how the transfers' ends came: "grpc" (each pushed by a Watch) or "http"
+    pairs: Pairs | None = None  # what it reads and writes (``Consumer.pairs``), worked out once
 
 
 @dataclass
@@ -664,7 +665,7 @@ class Consumer:
             pieces = self.slices(spec)
             if len(pieces) != 1:
                 return None
-            pairs = self.pairs(spec)
+            pairs = self._pairs(pull)
             client = self.remote(url)
             request = self._request(pull, url, pieces[0], pairs, contact=False)
             if request is None:
@@ -707,7 +708,7 @@ class Consumer:
         try:
             if self.compat is not None:
                 check_compat(self.compat, spec.params.get("compat"), url)
-            pairs = self.pairs(spec)
+            pairs = self._pairs(pull)
             pull.client = self.remote(url)
             local = self.watches.stream_for(self.config.url, self._local) if self.watches is not None else None
             pieces = self.slices(spec)
@@ -939,7 +940,12 @@ class Consumer:
             pass
 
     def _local_blocks(self, pull: Pull) -> list[int]:
-        return self.pairs(pull.spec).blocks
+        return self._pairs(pull).blocks
+
+    def _pairs(self, pull: Pull) -> Pairs:
+        if pull.pairs is None:
+            pull.pairs = self.pairs(pull.spec)
+        return pull.pairs
 
     def pairs(self, spec: LoadSpec) -> Pairs:
         """What ``spec``'s pull reads and writes: block for block, or granule for granule where

@@ -124,7 +124,8 @@ class Chunks:
                     payload: torch.Tensor, slots: asyncio.Semaphore, initial: bool) -> None:
         """Send chunk ``index`` on its credit (the initial one, or the receiver's CTS: a CREDIT event)."""
         try:
-            await connection.send(tag, payload, credit=True, initial=initial,
+            await connection.send(tag, payload,
+                                  clearance=transport.Clearance.INITIAL if initial else transport.Clearance.CREDIT,
                                   granted=None if initial else functools.partial(self.ctx.driver.apply, t,
                                                                                  Event(On.CREDIT)))
         except transport.TransportError as exc:

@@ -15,6 +15,7 @@ from .endpoint import Listener, Pool, connect, listen
 from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, IncompatiblePeer, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
 from .link import RateLimitedLog
+from .flow import Clearance
 from .mailbox import Mailbox, Receive
 from .waiting import until_ready
 
@@ -22,6 +23,6 @@ __all__ = [
     "TransportConfig", "DEFAULT_UCX_OPTIONS", "UCX_PROGRESS_MODES", "listen", "connect", "Listener", "Connection", "Pool",
     "Mailbox", "Receive", "resolve_backend", "shutdown_backends", "TransportError", "ConnectError", "TransportTimeout",
     "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected", "AuthenticationFailed", "CorruptPayload",
-    "IncompatiblePeer",
+    "IncompatiblePeer", "Clearance",
     "until_ready", "RateLimitedLog",
 ]

@@ -32,7 +32,7 @@ from . import wire
 from .buffers import Buffer
 from .config import TransportConfig
 from .errors import ProtocolError, TransferRejected, TransportClosed, TransportError, TransportTimeout
-from .flow import Credits, Digested, Pacer, SendState, Window
+from .flow import Clearance, Credits, Digested, Pacer, SendState, Window
 from .handshake import Session
 from .link import Link, Striped, log
 from .mailbox import Mailbox, Receive
@@ -140,15 +140,14 @@ class Connection(Reader):
         return False
 
     # ---- sending -------------------------------------------------------------------------
-    async def send(self, tag: int, payload: Any, *, timeout: float | None = None, credit: bool = False,
-                   initial: bool = False, granted: Callable[[], None] | None = None) -> None:
+    async def send(self, tag: int, payload: Any, *, timeout: float | None = None,
+                   clearance: Clearance = Clearance.RENDEZVOUS, granted: Callable[[], None] | None = None) -> None:
         """Send ``payload`` (host or CUDA buffer) as transfer ``tag``; returns once the receiver
-        has every byte in its buffer. By rendezvous, the default (RTS; DATA once the receiver's
-        mailbox holds a receive and its CTS says so), or by credit: ``credit``, the receiver
-        grants a buffer on this connection (``grant``) and its CTS says so unasked (the sender
-        ``expect_credits`` first); ``initial`` too, it granted one the layer above knows of (in
-        order on this connection), so DATA goes at once. ``granted`` is called once the receiver's
-        CTS came (not for an initial credit).
+        has every byte in its buffer. ``clearance``: by rendezvous, the default (RTS; DATA once the
+        receiver's mailbox holds a receive and its CTS says so), or on a buffer the receiver grants
+        on this connection (``grant``): its CTS unasked (``CREDIT``), or none, the grant being
+        one the layer above knows of (``INITIAL``). ``granted`` is called once the receiver's CTS
+        came.
 
         Raises:
             TransferRejected: the receiver refused it (no receive posted in time is a timeout).
@@ -159,8 +158,9 @@ class Connection(Reader):
         self._check_open()
         if tag in self._sends:
             raise ValueError(f"a send with tag {tag:#x} is already in progress on this connection")
-        credited = self._credits.take(tag) if credit and not initial else None
-        if credit and not initial and credited is None:
+        credit, initial = clearance is not Clearance.RENDEZVOUS, clearance is Clearance.INITIAL
+        credited = self._credits.take(tag) if clearance is Clearance.CREDIT else None
+        if clearance is Clearance.CREDIT and credited is None:
             raise ValueError(f"no credit for tag {tag:#x} is expected on this connection")
         data = Buffer(payload)
         chunk = self._config.chunk_bytes
@@ -207,8 +207,8 @@ class Connection(Reader):
                 await self._window.release(state.sent - state.acked)
 
     def expect_credits(self, tags: Iterable[int]) -> None:
-        """The receiver will grant these tags (``send(..., credit=True)``): its CTS for them are
-        kept until their sends begin; any other CTS it sends is dropped."""
+        """The receiver will grant these tags (sent with ``Clearance.CREDIT``): its CTS for them
+        are kept until their sends begin; any other CTS it sends is dropped."""
         self._credits.expect(tags)
 
     def forget_credits(self, tags: Iterable[int]) -> None:
@@ -216,9 +216,9 @@ class Connection(Reader):
         self._credits.forget(tags)
 
     def grant(self, tag: int, buffer: Any, *, defer_check: bool = False, tell: bool = True) -> Receive:
-        """A credit: a receive of transfer ``tag`` into ``buffer`` on this connection (the sender
-        sends it with ``credit=True``), and, with ``tell``, the CTS that lets the sender send it
-        (without: the sender knows of it, ``initial``). ``defer_check`` as ``Mailbox.expect``.
+        """A credit: a receive of transfer ``tag`` into ``buffer`` on this connection, and, with
+        ``tell``, the CTS that lets the sender send it (``Clearance.CREDIT``; without, the sender
+        knows of it: ``Clearance.INITIAL``). ``defer_check`` as ``Mailbox.expect``.
 
         Raises:
             ValueError: a receive of ``tag`` is posted on this connection already.

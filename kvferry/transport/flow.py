@@ -1,16 +1,26 @@
-"""A sender's flow control: each transfer's state (``SendState``), the credits receivers grant it
-(``Credits``), the window of bytes sent and not yet acknowledged (``Window``), the link
-emulator's pacing (``Pacer``), and a device payload with its digest (``Digested``)."""
+"""A sender's flow control: how a send learns the receiver has room (``Clearance``), each
+transfer's state (``SendState``), the credits receivers grant it (``Credits``), the window of
+bytes sent and not yet acknowledged (``Window``), the link emulator's pacing (``Pacer``), and a
+device payload with its digest (``Digested``)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from .errors import TransportTimeout
+
+
+class Clearance(enum.Enum):
+    """How a send learns that the receiver has a buffer for it."""
+
+    RENDEZVOUS = "rendezvous"  # it asks (RTS) and waits for the receiver's CTS
+    CREDIT = "credit"  # the receiver's CTS comes unasked as it grants the buffer (``expect_credits`` first)
+    INITIAL = "initial"  # granted already, in order on this connection (the protocol's initial credit): DATA at once
 
 
 class Window:

@@ -104,14 +104,14 @@ def test_credits_granted_beforehand_unasked_and_none(backend):
         try:
             client.expect_credits([2])
             with pytest.raises(ValueError, match="no credit"):
-                await client.send(5, b"x", credit=True)
+                await client.send(5, b"x", clearance=transport.Clearance.CREDIT)
             await client.send_message(b"go")
-            await client.send(1, b"\x07" * (3 << 20), credit=True, initial=True)  # several DATA messages, no CTS
+            await client.send(1, b"\x07" * (3 << 20), clearance=transport.Clearance.INITIAL)  # DATA messages, no CTS
             assert await granted[1].wait(5) == 3 << 20 and granted[1].buffer.obj == bytearray(b"\x07" * (3 << 20))
-            await client.send(2, b"z" * 16, credit=True)  # waits for the CTS sent unasked
+            await client.send(2, b"z" * 16, clearance=transport.Clearance.CREDIT)  # waits for the CTS sent unasked
             assert await granted[2].wait(5) == 16
             with pytest.raises(transport.TransferRejected, match="no receive posted"):
-                await client.send(3, b"\x01" * (2 << 20), credit=True, initial=True)  # nothing granted: refused
+                await client.send(3, b"\x01" * (2 << 20), clearance=transport.Clearance.INITIAL)  # none granted
             late = bytearray(16)
             again = listener.expect(4, late)
             await client.send(4, b"q" * 16)  # the connection carries on, by rendezvous too
