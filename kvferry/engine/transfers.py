@@ -209,6 +209,8 @@ class TransferTable:
                     del self._sources[source]
             self._finished[transfer.id] = None
             # The history keeps the record, not what could restart it (its spec's block lists).
+            if transfer.deadline is not None:
+                transfer.deadline.cancel()
             transfer.redial = transfer.deadline = None
             while len(self._finished) > self._history:
                 old, _ = self._finished.popitem(last=False)
