@@ -15,10 +15,35 @@ from pathlib import Path
 from kvferry.client import Client, TransferFailed
 
 
+_handed: set[int] = set()  # ports this process has handed out
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a child to bind: taken below the kernel's ephemeral range
+    where there is one, so that no outgoing connection (which takes its local port from that
+    range) can hold it by the time the child binds it, and never one handed out before."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = 10000 + secrets.randbelow(max(1, low - 10000)) if low > 11000 else 0
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed:
+            _handed.add(port)
+            return port
+    raise RuntimeError("no free loopback port found")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 # The sidecars one process starts are one deployment: they share a peer secret, made here.
