@@ -14,8 +14,8 @@ from .connection import Connection
 from .endpoint import Listener, Pool, connect, listen
 from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, IncompatiblePeer, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
-from .link import RateLimitedLog
 from .flow import Clearance
+from .link import RateLimitedLog
 from .mailbox import Mailbox, Receive
 from .waiting import until_ready
 

@@ -158,14 +158,13 @@ class Connection(Reader):
         self._check_open()
         if tag in self._sends:
             raise ValueError(f"a send with tag {tag:#x} is already in progress on this connection")
-        credit, initial = clearance is not Clearance.RENDEZVOUS, clearance is Clearance.INITIAL
         credited = self._credits.take(tag) if clearance is Clearance.CREDIT else None
         if clearance is Clearance.CREDIT and credited is None:
             raise ValueError(f"no credit for tag {tag:#x} is expected on this connection")
         data = Buffer(payload)
         chunk = self._config.chunk_bytes
         spans = [(offset, min(chunk, data.nbytes - offset)) for offset in range(0, data.nbytes, chunk)]
-        if not spans and credit:
+        if not spans and clearance is not Clearance.RENDEZVOUS:
             spans = [(0, 0)]  # a granted receive learns its size from DATA: an empty one still sends one
         state = self._sends[tag] = SendState()
         if credited is not None:
@@ -175,9 +174,9 @@ class Connection(Reader):
             # awaited without blocking the loop, behind the rendezvous where there is one.
             crcs = ([self._out.digest(data.region(offset, offset + n)) for offset, n in spans]
                     if data.is_device and data.nbytes and not self._out.encrypt else None)
-            if not credit:
+            if clearance is Clearance.RENDEZVOUS:
                 await self._write(Message(MessageType.RTS, tag, total=data.nbytes))
-            if not initial:
+            if clearance is not Clearance.INITIAL:
                 capacity = await self._await(state.accepted, timeout, f"transfer {tag:#x}: receiver did not accept")
                 if capacity < data.nbytes:
                     raise TransferRejected(f"transfer {tag:#x} of {data.nbytes} bytes does not fit the receiver's "
