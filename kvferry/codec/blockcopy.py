@@ -99,21 +99,26 @@ def spread(ids: torch.Tensor, count: int, stride: int) -> torch.Tensor:
     return (ids[:, None] + torch.arange(count, dtype=torch.int64, device=ids.device)[None, :] * stride).reshape(-1)
 
 
-def copy_listed(src: torch.Tensor, src_ids: tuple[int, ...], dst: torch.Tensor, dst_ids: tuple[int, ...]) -> None:
-    """``copy_blocks`` of a few blocks named by Python ints (checked already), one by one on the
-    caller's current stream: on a GPU one ``cudaMemcpyAsync`` each (torch's indexing and
-    ``copy_`` cost ~40 µs a block on the hosts measured, a one-block transfer's largest step)."""
+def copy_listed(src: torch.Tensor, src_ids: tuple[int, ...], dst: torch.Tensor, dst_ids: tuple[int, ...],
+                stream: torch.cuda.Stream | None = None) -> None:
+    """``copy_blocks`` of a few blocks named by Python ints (checked already), one by one on
+    ``stream`` (None: the caller's current one): on a GPU one ``cudaMemcpyAsync`` each (torch's
+    indexing and ``copy_`` cost ~40 µs a block on the hosts measured, a one-block transfer's
+    largest step), launched on the stream's handle without making it torch's current one."""
     if _kernel_fits(src, dst):
-        nbytes, stream = _block_bytes(src), current_stream(src.device)
+        nbytes = _block_bytes(src)
+        handle = current_stream(src.device) if stream is None else stream.cuda_stream
         copy = optional_cupy().cuda.runtime.memcpyAsync
+        source, destination = src.data_ptr(), dst.data_ptr()
         for s, d in zip(src_ids, dst_ids):
-            copy(dst.data_ptr() + d * nbytes, src.data_ptr() + s * nbytes, nbytes, _MEMCPY_DEFAULT, stream)
+            copy(destination + d * nbytes, source + s * nbytes, nbytes, _MEMCPY_DEFAULT, handle)
         return
     bits = layout_for(src.dtype).int_dtype
     source, destination = src.view(bits), dst.view(bits)
-    for s, d in zip(src_ids, dst_ids):
-        destination[d].copy_(source[s], non_blocking=True)
-    _joined(src, dst)
+    with torch.cuda.stream(stream):  # a no-op for None
+        for s, d in zip(src_ids, dst_ids):
+            destination[d].copy_(source[s], non_blocking=True)
+        _joined(src, dst)
 
 
 def _joined(src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -15,11 +15,13 @@ from .links import Pair
 FEW_BLOCKS = 4  # a same-host write of at most this many listed blocks copies them one by one
 
 
-def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: list[Pair], helds: list[Held]) -> None:
+def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: list[Pair], helds: list[Held],
+                 stream: torch.cuda.Stream | None = None) -> None:
     """The gather-scatter of every pair's blocks into the receiver's memory (one kernel each on
-    a GPU); a few blocks are copied one by one, which costs fewer driver calls than building
-    index tensors; spreads go as their ids, which the kernel spreads (listing 16,384 ids of
-    each side and copying them to the GPU took ~0.3 ms on an H100 host)."""
+    a GPU), on ``stream`` (None: the current one); a few blocks are copied one by one, which
+    costs fewer driver calls than building index tensors; spreads go as their ids, which the
+    kernel spreads (listing 16,384 ids of each side and copying them to the GPU took ~0.3 ms on an
+    H100 host)."""
     resolved: dict[int, Ids] = {}
     few = src_blocks.listed is not None and dst_blocks.listed is not None and len(src_blocks) <= FEW_BLOCKS
     for pair, held in zip(pairs, helds):
@@ -29,12 +31,14 @@ def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: 
         if target.num_blocks not in resolved:  # checked on the host
             resolved[target.num_blocks] = Ids.of(dst_blocks, target.num_blocks)
         if few:
-            blockcopy.copy_listed(region.tensor, src_blocks.listed, remote, dst_blocks.listed)
+            blockcopy.copy_listed(region.tensor, src_blocks.listed, remote, dst_blocks.listed, stream)
             continue
-        src, dst = pair.index.spread, resolved[target.num_blocks].spread
-        if src is not None and dst is not None and src[1] == dst[1]:
-            ids = torch.tensor(src[0] + dst[0], dtype=torch.int64).to(region.tensor.device)  # one small copy
-            blockcopy.copy_spread(region.tensor, ids[:len(src[0])], remote, ids[len(src[0]):], src[1], src[2], dst[2])
-            continue
-        src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], region.tensor.device)
-        blockcopy.copy_blocks(region.tensor, src_ids, remote, dst_ids)
+        with torch.cuda.stream(stream):  # a no-op for None
+            src, dst = pair.index.spread, resolved[target.num_blocks].spread
+            if src is not None and dst is not None and src[1] == dst[1]:
+                ids = torch.tensor(src[0] + dst[0], dtype=torch.int64).to(region.tensor.device)  # one small copy
+                blockcopy.copy_spread(region.tensor, ids[:len(src[0])], remote, ids[len(src[0]):], src[1], src[2],
+                                      dst[2])
+                continue
+            src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], region.tensor.device)
+            blockcopy.copy_blocks(region.tensor, src_ids, remote, dst_ids)

@@ -199,7 +199,8 @@ def step(side: Side, phase: Phase, event: Event) -> tuple[Phase, tuple[Action, .
         after = MOVES[(side, phase, On.VIOLATION)]
     if not after.terminal:
         return after, ()
-    return after, (Release(), *_tell(side, event), Finish(after, event.kind, event.reason))
+    # The peer hears first: it waits on that word, and releasing and finishing are this side's own.
+    return after, (*_tell(side, event), Release(), Finish(after, event.kind, event.reason))
 
 
 def _tell(side: Side, event: Event) -> tuple[Tell, ...]:
