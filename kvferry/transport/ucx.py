@@ -26,6 +26,8 @@ import numpy as np
 # taken for host memory and handed to send(2): transfers fail with "Input/output error".
 os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 import ucxx  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402  (what ucxx's own sends wrap a buffer in, and their tag)
+from ucxx.types import Tag  # noqa: E402
 from ucxx.exceptions import UCXCanceled, UCXCloseError, UCXError
 
 from .config import TransportConfig
@@ -35,6 +37,9 @@ from .link import Link, ListenerHandle, OnLink, log
 
 _started = False
 _HANDLER_DRAIN_S = 2.0
+# Host parts up to this size (headers, peer messages) are posted at once by ``send_now``: copied,
+# so the caller may reuse its buffer, and not awaited, so a message leaves without a turn of the loop.
+_POST_NOW_BYTES = 64 << 10
 
 
 @functools.cache
@@ -72,10 +77,61 @@ def _ensure(config: TransportConfig) -> None:
 
 class UcxLink(Link):
     streams = False
-    def __init__(self, endpoint: Any, peer: str):
+    def __init__(self, endpoint: Any, peer: str, post_now: bool = True):
+        """``post_now``: ``send_now`` posts small parts and progresses the worker itself; only
+        where the loop's thread owns the worker (ucxx's blocking and polling modes, not its
+        thread modes, whose progress thread would race it)."""
         self._ep = endpoint
         self.peer = peer
         self._closed = False
+        self._post_now = post_now
+        self._posted: list[tuple[Any, Any]] = []  # (request, buffer) of sends posted and not yet seen complete
+        self._tag: Any = None  # the tag ``send`` would use, made once
+
+    def send_now(self, parts: list[Any]) -> list[Any]:
+        """Post small host parts as UCX sends here and now, in order, without awaiting them (UCX
+        sends of one endpoint go out in the order posted; each buffer is a copy, held until its
+        send completes); stops at the first device or large part, which ``send_rest`` awaits.
+
+        Raises:
+            PeerLost: a send posted earlier failed, or the endpoint is closed or broken.
+        """
+        if not self._post_now:
+            return parts
+        self._reap()
+        posted = 0
+        for part in parts:
+            if not isinstance(part, (bytes, bytearray, memoryview)) or memoryview(part).nbytes > _POST_NOW_BYTES:
+                break
+            buffer = np.frombuffer(bytes(part), dtype=np.uint8)
+            try:
+                if self._tag is None:
+                    self._tag = Tag(self._ep._tags["msg_send"])
+                self._ep._ep.raise_on_error()
+                request = self._ep._ep.tag_send(Array(buffer), self._tag)
+            except (UCXError, UCXCanceled, UCXCloseError, AttributeError) as exc:
+                raise self._lost(exc) from exc
+            self._posted.append((request, buffer))
+            posted += 1
+        if posted:
+            self._ep._ctx.worker.progress()  # out now: nothing else progresses the worker before its next event
+        return parts[posted:]
+
+    def _reap(self) -> None:
+        """Forget posted sends that completed; raise for one that failed."""
+        if not self._posted:
+            return
+        pending = []
+        for request, buffer in self._posted:
+            if not request.completed:
+                pending.append((request, buffer))
+                continue
+            try:
+                request.check_error()
+            except (UCXError, UCXCanceled, UCXCloseError) as exc:
+                self._posted = []
+                raise self._lost(exc) from exc
+        self._posted = pending
 
     async def send(self, header: bytes, payload: Any = None) -> None:
         try:
@@ -150,7 +206,7 @@ async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig)
     _ensure(config)
 
     async def handler(endpoint: Any) -> None:
-        await on_link(UcxLink(endpoint, "ucx-peer"))
+        await on_link(UcxLink(endpoint, "ucx-peer", _owns_worker(config)))
 
     deadline = asyncio.get_running_loop().time() + (config.connect_timeout if port else 0.0)
     while True:
@@ -175,4 +231,9 @@ async def connect(host: str, port: int, config: TransportConfig) -> UcxLink:
         )
     except (UCXError, OSError, asyncio.TimeoutError, TimeoutError) as exc:
         raise ConnectError(f"cannot connect to {host}:{port} over UCX: {type(exc).__name__}: {exc}") from exc
-    return UcxLink(endpoint, f"{host}:{port}")
+    return UcxLink(endpoint, f"{host}:{port}", _owns_worker(config))
+
+
+def _owns_worker(config: TransportConfig) -> bool:
+    """Whether the event loop's thread progresses the worker (no progress thread of ucxx's)."""
+    return not config.ucx_progress_mode.startswith("thread")
