@@ -40,6 +40,8 @@ _HANDLER_DRAIN_S = 2.0
 # Host parts up to this size (headers, peer messages) are posted at once by ``send_now``: copied,
 # so the caller may reuse its buffer, and not awaited, so a message leaves without a turn of the loop.
 _POST_NOW_BYTES = 64 << 10
+# At most this many posted sends uncompleted (a peer that stops reading): later parts are awaited.
+_POST_NOW_PENDING = 256
 
 
 @functools.cache
@@ -91,7 +93,8 @@ class UcxLink(Link):
     def send_now(self, parts: list[Any]) -> list[Any]:
         """Post small host parts as UCX sends here and now, in order, without awaiting them (UCX
         sends of one endpoint go out in the order posted; each buffer is a copy, held until its
-        send completes); stops at the first device or large part, which ``send_rest`` awaits.
+        send completes); stops at the first device or large part, or once ``_POST_NOW_PENDING``
+        sends are uncompleted, and ``send_rest`` awaits the rest (the backpressure there was).
 
         Raises:
             PeerLost: a send posted earlier failed, or the endpoint is closed or broken.
@@ -101,7 +104,8 @@ class UcxLink(Link):
         self._reap()
         posted = 0
         for part in parts:
-            if not isinstance(part, (bytes, bytearray, memoryview)) or memoryview(part).nbytes > _POST_NOW_BYTES:
+            if not isinstance(part, (bytes, bytearray, memoryview)) or memoryview(part).nbytes > _POST_NOW_BYTES \
+                    or len(self._posted) >= _POST_NOW_PENDING:
                 break
             buffer = np.frombuffer(bytes(part), dtype=np.uint8)
             try:

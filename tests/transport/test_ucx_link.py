@@ -47,6 +47,36 @@ def test_small_parts_are_posted_at_once_in_order_as_copies():
     run(body())
 
 
+def test_a_peer_that_stops_reading_gets_awaited_sends_not_a_growing_backlog(monkeypatch):
+    monkeypatch.setattr(ucx, "_POST_NOW_PENDING", 2)
+
+    class Request:
+        completed = False
+
+    class Endpoint:  # a UCX endpoint whose sends never complete (the peer reads nothing)
+        _tags = {"msg_send": 7}
+
+        class _ep:
+            @staticmethod
+            def raise_on_error():
+                pass
+
+            @staticmethod
+            def tag_send(buffer, tag):
+                return Request()
+
+        class _ctx:
+            class worker:
+                @staticmethod
+                def progress():
+                    pass
+
+    link = ucx.UcxLink(Endpoint(), "p")
+    parts = [b"a" * 80, b"b" * 80, b"c" * 80]
+    assert link.send_now(parts) == parts[2:]
+    assert link.send_now([b"d" * 80]) == [b"d" * 80]  # still two uncompleted: nothing more is posted
+
+
 def test_a_progress_thread_s_worker_is_never_progressed_from_the_loop():
     assert ucx._owns_worker(config("ucxx", ucx_progress_mode="blocking"))
     assert not ucx._owns_worker(config("ucxx", ucx_progress_mode="thread"))
