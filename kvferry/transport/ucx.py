@@ -42,6 +42,7 @@ _HANDLER_DRAIN_S = 2.0
 _POST_NOW_BYTES = 64 << 10
 # At most this many posted sends uncompleted (a peer that stops reading): later parts are awaited.
 _POST_NOW_PENDING = 256
+_FLUSH_S = 0.2  # what a closing link waits at most for its posted sends
 
 
 @functools.cache
@@ -137,6 +138,19 @@ class UcxLink(Link):
                 raise self._lost(exc) from exc
         self._posted = pending
 
+    async def _flush_posted(self) -> None:
+        """Give sends posted at once (a GOODBYE last of all) up to ``_FLUSH_S`` to leave before the
+        endpoint closes, which would cancel them."""
+        deadline = asyncio.get_running_loop().time() + _FLUSH_S
+        while any(not request.completed for request, _ in self._posted) \
+                and asyncio.get_running_loop().time() < deadline:
+            try:
+                self._ep._ctx.worker.progress()
+            except (UCXError, UCXCanceled, UCXCloseError, AttributeError):
+                break
+            await asyncio.sleep(0.001)
+        self._posted = []
+
     async def send(self, header: bytes, payload: Any = None) -> None:
         try:
             await self._ep.send(np.frombuffer(header, dtype=np.uint8))
@@ -180,6 +194,7 @@ class UcxLink(Link):
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
+            await self._flush_posted()
             try:
                 await self._ep.close()
             except (UCXError, UCXCanceled, UCXCloseError, asyncio.CancelledError):
