@@ -24,16 +24,17 @@ def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: 
     H100 host)."""
     resolved: dict[int, Ids] = {}
     few = src_blocks.listed is not None and dst_blocks.listed is not None and len(src_blocks) <= FEW_BLOCKS
-    for pair, held in zip(pairs, helds):
-        region, target = pair.region, held.target
-        remote = mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype,
-                               region.tensor.device)
-        if target.num_blocks not in resolved:  # checked on the host
-            resolved[target.num_blocks] = Ids.of(dst_blocks, target.num_blocks)
-        if few:
-            blockcopy.copy_listed(region.tensor, src_blocks.listed, remote, dst_blocks.listed, stream)
-            continue
-        with torch.cuda.stream(stream):  # a no-op for None
+    # Kernels read torch's current stream, so it is switched once; a listed copy is given the stream.
+    with torch.cuda.stream(None if few else stream):
+        for pair, held in zip(pairs, helds):
+            region, target = pair.region, held.target
+            remote = mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype,
+                                   region.tensor.device)
+            if target.num_blocks not in resolved:  # checked on the host
+                resolved[target.num_blocks] = Ids.of(dst_blocks, target.num_blocks)
+            if few:
+                blockcopy.copy_listed(region.tensor, src_blocks.listed, remote, dst_blocks.listed, stream)
+                continue
             src, dst = pair.index.spread, resolved[target.num_blocks].spread
             if src is not None and dst is not None and src[1] == dst[1]:
                 ids = torch.tensor(src[0] + dst[0], dtype=torch.int64).to(region.tensor.device)  # one small copy

@@ -208,9 +208,8 @@ class TransferTable:
                 if not self._sources[source]:
                     del self._sources[source]
             self._finished[transfer.id] = None
-            # The history keeps the record, not what could restart it (its spec's block lists).
-            if transfer.deadline is not None:
-                transfer.deadline.cancel()
+            # The history keeps the record, not what could restart it (its spec's block lists);
+            # its deadline was cancelled when it was released.
             transfer.redial = transfer.deadline = None
             while len(self._finished) > self._history:
                 old, _ = self._finished.popitem(last=False)

@@ -89,7 +89,7 @@ class UcxLink(Link):
         self._closed = False
         self._post_now = post_now
         self._posted: list[tuple[Any, Any]] = []  # (request, buffer) of sends posted and not yet seen complete
-        self._tag: Any = None  # the tag ``send`` would use, made once
+        self._tag = Tag(endpoint._tags["msg_send"]) if post_now else None  # the tag ``send`` uses
 
     def send_now(self, parts: list[Any]) -> list[Any]:
         """Post small host parts as UCX sends here and now, in order, without awaiting them (UCX
@@ -110,8 +110,6 @@ class UcxLink(Link):
                 break
             buffer = np.frombuffer(bytes(part), dtype=np.uint8)
             try:
-                if self._tag is None:
-                    self._tag = Tag(self._ep._tags["msg_send"])
                 self._ep._ep.raise_on_error()
                 request = self._ep._ep.tag_send(Array(buffer), self._tag)
             except (UCXError, UCXCanceled, UCXCloseError, AttributeError) as exc:
