@@ -3,10 +3,20 @@
 One TCP stream tops out where one core copies (3-4 GB/s), far below a 100-400 Gbit/s NIC. A
 link dialled with ``tcp_lanes`` > 1 opens that many sockets. The first lane carries everything
 it carries alone (the handshake, every header, small payloads), so a single-lane link is the
-plain stream it always was. A large DATA payload is cut into one piece per lane
-(``stripes``) and the pieces move at once, one worker thread per lane. Both ends cut the same
-way from the payload's length and the lane count, and every lane carries its pieces in message
-order, so no piece needs a header of its own.
+plain stream it always was. A large DATA payload (``dealt``) moves as slices that the sender's
+lanes take from one cursor as each becomes free (``Dealer``), one worker thread per lane: TCP
+streams that share a bottleneck get unequal, shifting shares of it, and a lane given a fixed
+piece would leave the others idle until it ends. Slices shrink towards the payload's end so that
+the lanes finish together. Each slice travels behind its own header; a lane ends its part of the
+payload with an empty slice, so each receiving lane knows where the payload ends on it::
+
+    offset size field
+    0      8    offset of the slice in the payload (little-endian)
+    8      4    its length; 0 = no more of this payload on this lane
+
+The receiver (``Tally``) takes a slice only inside the payload, of at least ``MIN_SLICE`` bytes
+unless it ends the payload, and never more bytes than the payload has; once every lane has ended,
+the slices must tile the payload exactly.
 
 Lanes are not authenticated by themselves: their bytes are payload bytes, which the message's
 authenticated header covers (tag or device digest), wherever they arrived from.
@@ -15,7 +25,7 @@ Each lane opens with a preamble (before the handshake, which then runs on lane 0
 
     offset size field
     0      4    magic b"KVFL"
-    4      1    version (1)
+    4      1    version (2)
     5      1    this lane's index (0 ... count-1)
     6      1    lane count (2 ... 16)
     7      1    reserved, 0
@@ -27,17 +37,21 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 import time
+from collections.abc import Callable
 
 from .errors import ProtocolError
 
 MAGIC = b"KVFL"
-VERSION = 1
+VERSION = 2
 MAX_LANES = 16
 PREAMBLE = struct.Struct("<4sBBBx16s")
 # A DATA payload below this stays whole on lane 0: a piece per lane costs a thread hop each.
 STRIPE_MIN = 4 << 20
-_PIECE_ALIGN = 64 << 10
+SLICE = 16 << 20  # the largest slice a sender deals from host memory; the receiver takes any size
+MIN_SLICE = 64 << 10  # the smallest a receiver takes, but for the payload's last
+SLICE_HEADER = struct.Struct("<QI")
 
 
 def pack_preamble(index: int, count: int, link_id: bytes) -> bytes:
@@ -58,14 +72,91 @@ def unpack_preamble(data: bytes) -> tuple[int, int, bytes]:
     return index, count, link_id
 
 
-def stripes(nbytes: int, lanes: int) -> list[tuple[int, int]]:
-    """(offset, size) of each lane's piece of an ``nbytes`` payload, lane 0 first; fewer than
-    ``lanes`` pieces where the payload is small (one, below ``STRIPE_MIN``)."""
-    if lanes <= 1 or nbytes < STRIPE_MIN:
-        return [(0, nbytes)]
-    piece = -(-nbytes // lanes)
-    piece = -(-piece // _PIECE_ALIGN) * _PIECE_ALIGN
-    return [(offset, min(piece, nbytes - offset)) for offset in range(0, nbytes, piece)]
+def dealt(nbytes: int, lanes: int) -> bool:
+    """Whether a DATA payload of ``nbytes`` is dealt over the lanes (else it stays on lane 0)."""
+    return lanes > 1 and nbytes >= STRIPE_MIN
+
+
+def slice_header(offset: int, size: int) -> bytes:
+    return SLICE_HEADER.pack(offset, size)
+
+
+def read_slice(read: Callable[[memoryview], None]) -> tuple[int, int] | None:
+    """The next slice's (offset, size) on a lane whose bytes ``read`` fills views from; None at
+    the lane's end of the payload."""
+    header = bytearray(SLICE_HEADER.size)
+    read(memoryview(header))
+    offset, size = SLICE_HEADER.unpack(header)
+    return (offset, size) if size else None
+
+
+class Dealer:
+    """The sender's cursor over one payload: each lane takes the next slice when it is free, so
+    a lane the link favours carries more and none waits on a fixed share."""
+
+    def __init__(self, nbytes: int, lanes: int, largest: int | None = None):
+        self._nbytes = nbytes
+        self._lanes = lanes
+        self._largest = largest or SLICE
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[int, int] | None:
+        """(offset, size) of the next slice, or None once the payload is dealt. Near the end a
+        slice is about a (2 × lanes)th of what is left (at least ``MIN_SLICE``), so lanes end
+        within a small slice of each other."""
+        with self._lock:
+            left = self._nbytes - self._next
+            if left <= 0:
+                return None
+            size = min(self._largest, max(MIN_SLICE, -(-left // (2 * self._lanes))))
+            size = min(left, -(-size // MIN_SLICE) * MIN_SLICE)
+            offset = self._next
+            self._next += size
+            return offset, size
+
+
+class Tally:
+    """The receiver's account of one dealt payload: what a peer may send, and whether it sent
+    exactly the payload. Shared by the receiving lanes' threads."""
+
+    def __init__(self, nbytes: int):
+        self._nbytes = nbytes
+        self._got = 0
+        self._slices: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    def take(self, offset: int, size: int) -> None:
+        """Admit a slice before its bytes are read.
+
+        Raises:
+            ProtocolError: outside the payload, too small, or more bytes than the payload has.
+        """
+        end = offset + size
+        if end > self._nbytes:
+            raise ProtocolError(f"a slice [{offset}, {end}) outside a {self._nbytes}-byte payload")
+        if size < MIN_SLICE and end != self._nbytes:
+            raise ProtocolError(f"a {size}-byte slice inside a payload (slices are at least {MIN_SLICE})")
+        with self._lock:
+            self._got += size
+            if self._got > self._nbytes:
+                raise ProtocolError(f"more slices than a {self._nbytes}-byte payload holds")
+            self._slices.append((offset, size))
+
+    def check_whole(self) -> None:
+        """Once every lane has ended: the slices tile the payload, each byte once.
+
+        Raises:
+            ProtocolError: a gap or an overlap.
+        """
+        end = 0
+        for offset, size in sorted(self._slices):
+            if offset != end:
+                raise ProtocolError(f"a dealt payload's slices {'overlap' if offset < end else 'leave a gap'} "
+                                    f"at byte {min(offset, end)}")
+            end += size
+        if end != self._nbytes:
+            raise ProtocolError(f"a dealt payload ended at byte {end} of {self._nbytes}")
 
 
 class Gathering:

@@ -6,6 +6,7 @@ sockets where the link has lanes (``lanes``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 from typing import Any
@@ -16,7 +17,7 @@ from .config import TransportConfig
 from .errors import ConnectError, LinkAbsorbed, PeerLost, ProtocolError, TransportClosed, TransportTimeout
 from . import lanes as lanes_
 from .link import Link, ListenerHandle, OnLink, Striped, log
-from .tcp_device import DeviceStaging, _recv_all, _send_all, block_in_kernel
+from .tcp_device import SLICE_BYTES, DeviceStaging, _recv_all, _send_parts, block_in_kernel
 
 _SOCKET_BUFFER = 4 << 20
 # Reads take what the socket has, up to this much: a header and its small payload, and the
@@ -102,39 +103,77 @@ class TcpLink(Link):
 
     async def send_rest(self, parts: list[Any]) -> None:
         for part in parts:
-            if isinstance(part, Striped):
-                await self._lanes_do(self._send_lane, part.payload, lanes_.stripes(_size(part.payload), self.lanes))
-            elif getattr(part, "is_cuda", False):
-                await self._lanes_do(self._send_lane, part, [(0, part.numel())])
+            if isinstance(part, Striped) and lanes_.dealt(_size(part.payload), self.lanes):
+                # Device slices fit a pinned staging buffer; host slices need no staging.
+                largest = SLICE_BYTES if getattr(part.payload, "is_cuda", False) else lanes_.SLICE
+                dealer = lanes_.Dealer(_size(part.payload), self.lanes, largest)
+                await self._in_threads([functools.partial(self._send_lane, lane, part.payload, dealer.take)
+                                        for lane in range(self.lanes)])
+            elif isinstance(part, Striped) or getattr(part, "is_cuda", False):
+                await self._in_threads([functools.partial(self._send_lane, 0, getattr(part, "payload", part), None)])
             else:
                 try:
                     await self._loop.sock_sendall(self._sock, part)
                 except OSError as exc:
                     raise self._lost(exc) from exc
 
-    async def _lanes_do(self, work: Callable[[int, Any], None], buffer: Any, spans: list[tuple[int, int]]) -> None:
-        """``work(lane, piece)`` for each lane's piece of ``buffer``, at once, in worker threads.
-        The first failure is raised at once; the link is then failed and closed by its
-        connection, which ends the other lanes' calls."""
+    async def _in_threads(self, calls: list[Callable[[], None]]) -> None:
+        """Each call at once in a worker thread (a lane's socket calls). The first failure is
+        raised at once; the link is then failed and closed by its connection, which ends the
+        other lanes' calls."""
         try:
-            await asyncio.gather(*(asyncio.to_thread(work, lane, buffer[offset:offset + size])
-                                   for lane, (offset, size) in enumerate(spans) if size))
+            await asyncio.gather(*(asyncio.to_thread(call) for call in calls))
         except TransportTimeout:  # a worker thread's socket call saw no progress
             raise
         except OSError as exc:
             raise self._lost(exc) from exc
 
-    def _send_lane(self, lane: int, piece: Any) -> None:
-        if getattr(piece, "is_cuda", False):
-            self._staged_out[lane].send(self._socks[lane], piece, self._io_timeout)
-        else:
-            _send_all(self._socks[lane], memoryview(piece).cast("B"), self._io_timeout)
+    def _send_lane(self, lane: int, payload: Any, deal: Callable[[], tuple[int, int] | None] | None) -> None:
+        """Send ``payload`` whole on ``lane``, or with ``deal`` the slices this lane takes from it."""
+        sock, timeout = self._socks[lane], self._io_timeout
 
-    def _recv_lane(self, lane: int, piece: Any) -> None:
-        if getattr(piece, "is_cuda", False):
-            self._staged_in[lane].recv(self._socks[lane], piece, self._io_timeout)
-        else:
-            _recv_all(self._socks[lane], piece, self._io_timeout)
+        def write(parts: list[Any]) -> None:
+            _send_parts(sock, parts, timeout)
+
+        if getattr(payload, "is_cuda", False):
+            self._staged_out[lane].send(write, payload, deal)
+            return
+        view = memoryview(payload).cast("B")
+        if deal is None:
+            write([view])
+            return
+        while (span := deal()) is not None:
+            write([memoryview(lanes_.slice_header(*span)), view[span[0]:span[0] + span[1]]])
+        write([memoryview(lanes_.slice_header(0, 0))])
+
+    def _reader(self, lane: int) -> Callable[[memoryview], None]:
+        """Fills a view from ``lane`` in a worker thread; lane 0's read-ahead first."""
+        sock, timeout = self._socks[lane], self._io_timeout
+
+        def read(view: memoryview) -> None:
+            got = self._take(view) if lane == 0 else 0
+            if got < len(view):
+                _recv_all(sock, view[got:], timeout)
+
+        return read
+
+    def _recv_lane(self, lane: int, region: Any, tally: lanes_.Tally | None, nbytes: int) -> None:
+        """Fill ``region`` (None: drop ``nbytes``) from ``lane``: whole, or with ``tally`` the
+        slices this lane carries."""
+        read = self._reader(lane)
+        if getattr(region, "is_cuda", False):
+            self._staged_in[lane].recv(read, region, tally)
+            return
+        scratch = memoryview(bytearray(1 << 20)) if region is None else None
+        spans = iter([(0, nbytes)]) if tally is None else None
+        while (span := (next(spans, None) if tally is None else lanes_.read_slice(read))) is not None:
+            if tally is not None:
+                tally.take(*span)
+            if scratch is None:
+                read(region[span[0]:span[0] + span[1]])
+                continue
+            for offset in range(0, span[1], len(scratch)):
+                read(scratch[:min(len(scratch), span[1] - offset)])
 
     async def recv_header(self, size: int) -> bytes:
         if self._gathering is not None:
@@ -150,57 +189,46 @@ class TcpLink(Link):
 
     async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None,
                            striped: bool = False) -> bool:
-        spans = lanes_.stripes(_size(region), self.lanes) if striped else [(0, _size(region))]
         on_device = getattr(region, "is_cuda", False)
         if on_device and not (check is None or getattr(check, "on_device", False)):
             # A host-checked payload is checked before it reaches the device.
             staging = bytearray(region.numel())
-            await self._recv_spans(memoryview(staging), spans)
+            await self._land(memoryview(staging), striped)
             if check is not None and not check(staging):
                 return False
             import torch
 
             region.copy_(torch.frombuffer(staging, dtype=torch.uint8))
             return True
-        await self._recv_spans(region, spans)  # a device payload is checked on its GPU, once landed
+        await self._land(region, striped)  # a device payload is checked on its GPU, once landed
         return check is None or check(region)
 
-    async def _recv_spans(self, region: Any, spans: list[tuple[int, int]]) -> None:
-        """Fill ``region``, lane by lane's piece: host bytes of one lane on the loop; device bytes
-        and several lanes' pieces by worker threads, after what lane 0 read ahead."""
-        if len(spans) == 1 and not getattr(region, "is_cuda", False):
+    async def _land(self, region: Any, striped: bool) -> None:
+        """Fill ``region``: host bytes of one lane on the loop; device bytes and dealt payloads by
+        worker threads (lane 0's read-ahead first)."""
+        nbytes = _size(region)
+        if striped and lanes_.dealt(nbytes, self.lanes):
+            await self._recv_dealt(region, nbytes)
+        elif getattr(region, "is_cuda", False):
+            await self._in_threads([functools.partial(self._recv_lane, 0, region, None, nbytes)])
+        else:
             await self._recv_exactly(region)
-            return
-        ahead = min(spans[0][1], self._tail - self._head)
-        if ahead:
-            if getattr(region, "is_cuda", False):
-                import torch
 
-                region[:ahead].copy_(torch.frombuffer(self._ahead, dtype=torch.uint8, count=ahead, offset=self._head))
-                self._head += ahead
-            else:
-                self._take(region[:ahead])
-        spans = [(spans[0][0] + ahead, spans[0][1] - ahead), *spans[1:]]
-        await self._lanes_do(self._recv_lane, region, spans)
+    async def _recv_dealt(self, region: Any, nbytes: int) -> None:
+        tally = lanes_.Tally(nbytes)
+        await self._in_threads([functools.partial(self._recv_lane, lane, region, tally, nbytes)
+                                for lane in range(self.lanes)])
+        tally.check_whole()
 
     async def discard(self, nbytes: int, striped: bool = False) -> None:
         """Read and drop a payload of ``nbytes`` (a cancelled receive's), a bounded scratch at a time."""
-        spans = lanes_.stripes(nbytes, self.lanes) if striped else [(0, nbytes)]
-        ahead = min(spans[0][1], self._tail - self._head)
-        self._head += ahead
-        spans = [(0, spans[0][1] - ahead), *spans[1:]]
-
-        def drain(lane: int, size: int) -> None:
-            scratch = memoryview(bytearray(min(size, 1 << 20)))
-            while size:
-                piece = min(size, len(scratch))
-                _recv_all(self._socks[lane], scratch[:piece], self._io_timeout)
-                size -= piece
-
-        try:
-            await asyncio.gather(*(asyncio.to_thread(drain, lane, size) for lane, (_, size) in enumerate(spans) if size))
-        except OSError as exc:
-            raise self._lost(exc) from exc
+        if striped and lanes_.dealt(nbytes, self.lanes):
+            await self._recv_dealt(None, nbytes)
+            return
+        dropped = min(nbytes, self._tail - self._head)
+        self._head += dropped
+        if nbytes > dropped:
+            await self._in_threads([functools.partial(self._recv_lane, 0, None, None, nbytes - dropped)])
 
     async def _recv_exactly(self, view: memoryview) -> None:
         """Fill ``view``: from what was read ahead, then small rests through the read-ahead buffer

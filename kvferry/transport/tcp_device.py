@@ -18,9 +18,15 @@ import struct
 import time
 from typing import Any
 
+from collections.abc import Callable
+
+from . import lanes
 from .errors import PeerLost, TransportTimeout
 
 SLICE_BYTES = 4 << 20  # one pinned staging buffer; two per direction per link
+Read = Callable[[memoryview], None]  # fills the view from a lane, or raises
+Write = Callable[[list], None]  # sends the buffers, in order, on a lane, or raises
+Deal = Callable[[], "tuple[int, int] | None"]  # the next (offset, size) this lane carries
 
 
 class DeviceStaging:
@@ -44,47 +50,86 @@ class DeviceStaging:
             self._buffers = [torch.empty(SLICE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             self._events = [torch.cuda.Event() for _ in range(2)]
 
-    def send(self, sock: socket.socket, payload: Any, timeout: float) -> None:
+    def send(self, write: Write, payload: Any, deal: Deal | None = None) -> None:
         """Send the uint8 CUDA tensor ``payload`` (its bytes ready): device → pinned slices →
-        socket, the copy of each slice launched while the one before it is sent. Runs in a
-        worker thread."""
+        ``write``, the copy of each slice launched while the one before it is sent. With
+        ``deal`` (a lane's share of a dealt payload), the slices are the ones it deals, each
+        behind its header, and an empty one ends them. Runs in a worker thread."""
         import torch
 
         self._ready_for(payload.device)
-        n = payload.numel()
-        spans = [(offset, min(SLICE_BYTES, n - offset)) for offset in range(0, n, SLICE_BYTES)]
+        if deal is None:
+            n = payload.numel()
+            spans = iter([(offset, min(SLICE_BYTES, n - offset)) for offset in range(0, n, SLICE_BYTES)])
+            take = lambda: next(spans, None)  # noqa: E731
+        else:
+            take = deal
         with torch.cuda.device(payload.device), torch.cuda.stream(self._stream):
-            self._copy_out(payload, spans, 0)
-            for k, (_, size) in enumerate(spans):
-                if k + 1 < len(spans):
-                    self._copy_out(payload, spans, k + 1)
+            k, span = 0, take()
+            if span is not None:
+                self._copy_out(payload, span, 0)
+            while span is not None:
+                following = take()
+                if following is not None:
+                    self._copy_out(payload, following, (k + 1) % 2)
                 self._events[k % 2].synchronize()
-                _send_all(sock, memoryview(self._buffers[k % 2].numpy())[:size], timeout)
+                body = memoryview(self._buffers[k % 2].numpy())[:span[1]]
+                write([lanes.slice_header(*span), body] if deal is not None else [body])
+                k, span = k + 1, following
+            if deal is not None:
+                write([lanes.slice_header(0, 0)])
 
-    def _copy_out(self, payload: Any, spans: list[tuple[int, int]], k: int) -> None:
-        offset, size = spans[k]
-        self._buffers[k % 2][:size].copy_(payload[offset:offset + size], non_blocking=True)
-        self._events[k % 2].record(self._stream)
+    def _copy_out(self, payload: Any, span: tuple[int, int], b: int) -> None:
+        offset, size = span
+        if size > SLICE_BYTES:
+            raise ValueError(f"a {size}-byte slice does not fit a {SLICE_BYTES}-byte staging buffer")
+        self._buffers[b][:size].copy_(payload[offset:offset + size], non_blocking=True)
+        self._events[b].record(self._stream)
 
-    def recv(self, sock: socket.socket, region: Any, timeout: float) -> None:
-        """Fill the uint8 CUDA tensor ``region`` from the socket: socket → pinned slice → device,
-        the copy of each slice running while the next one is read. Returns once every byte is
-        in ``region``. Runs in a worker thread."""
+    def recv(self, read: Read, region: Any, tally: lanes.Tally | None = None) -> None:
+        """Fill the uint8 CUDA tensor ``region`` from ``read``: read → pinned slice → device, the
+        copy of each slice running while the next one is read. With ``tally`` (a lane's share of
+        a dealt payload), slices come behind their headers until an empty one, each admitted by
+        the tally first. Returns once every byte read is in ``region``. Runs in a worker thread."""
         import torch
 
         self._ready_for(region.device)
-        n = region.numel()
+        if tally is None:
+            spans = iter([(0, region.numel())])
         pending = [False, False]
+        k = 0
         with torch.cuda.device(region.device), torch.cuda.stream(self._stream):
-            for k, offset in enumerate(range(0, n, SLICE_BYTES)):
-                size, b = min(SLICE_BYTES, n - offset), k % 2
-                if pending[b]:
-                    self._events[b].synchronize()  # its previous slice has left the buffer
-                _recv_all(sock, memoryview(self._buffers[b].numpy())[:size], timeout)
-                region[offset:offset + size].copy_(self._buffers[b][:size], non_blocking=True)
-                self._events[b].record(self._stream)
-                pending[b] = True
+            while (span := (next(spans, None) if tally is None else lanes.read_slice(read))) is not None:
+                if tally is not None:
+                    tally.take(*span)
+                start, end = span[0], span[0] + span[1]
+                for offset in range(start, end, SLICE_BYTES):  # a peer's slice may be any size
+                    size, b = min(SLICE_BYTES, end - offset), k % 2
+                    if pending[b]:
+                        self._events[b].synchronize()  # its previous slice has left the buffer
+                    read(memoryview(self._buffers[b].numpy())[:size])
+                    region[offset:offset + size].copy_(self._buffers[b][:size], non_blocking=True)
+                    self._events[b].record(self._stream)
+                    pending[b] = True
+                    k += 1
             self._stream.synchronize()
+
+
+def _send_parts(sock: socket.socket, parts: list[memoryview], timeout: float) -> None:
+    """Send ``parts`` in order with as few ``sendmsg`` calls as the socket takes them in (a
+    slice's header and its bytes leave in one segment train), giving up after ``timeout``
+    seconds without progress."""
+    parts = [part.cast("B") if part.format != "B" else part for part in parts]
+    while parts:
+        try:
+            sent = sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            _wait(sock, select.POLLOUT, timeout, "send")
+            continue
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts.pop(0))
+        if sent:
+            parts[0] = parts[0][sent:]
 
 
 def _send_all(sock: socket.socket, view: memoryview, timeout: float) -> None:

@@ -4,6 +4,8 @@ make a link (real listener, real sockets)."""
 from __future__ import annotations
 
 import asyncio
+import io
+import random
 import socket
 import threading
 
@@ -19,31 +21,67 @@ LINK_ID = bytes(range(16))
 
 def test_preamble_golden_bytes():
     data = lanes.pack_preamble(2, 4, LINK_ID)
-    assert data == b"KVFL" + bytes([1, 2, 4, 0]) + LINK_ID
+    assert data == b"KVFL" + bytes([2, 2, 4, 0]) + LINK_ID
     assert lanes.unpack_preamble(data) == (2, 4, LINK_ID)
 
 
 @pytest.mark.parametrize("data", [
-    b"KVFX" + bytes([1, 0, 2, 0]) + LINK_ID,  # magic
-    b"KVFL" + bytes([2, 0, 2, 0]) + LINK_ID,  # version
-    b"KVFL" + bytes([1, 0, 1, 0]) + LINK_ID,  # one lane is no lanes
-    b"KVFL" + bytes([1, 0, 17, 0]) + LINK_ID,  # too many
-    b"KVFL" + bytes([1, 3, 3, 0]) + LINK_ID,  # index past the count
+    b"KVFX" + bytes([2, 0, 2, 0]) + LINK_ID,  # magic
+    b"KVFL" + bytes([1, 0, 2, 0]) + LINK_ID,  # version: lanes that split payloads in fixed pieces
+    b"KVFL" + bytes([2, 0, 1, 0]) + LINK_ID,  # one lane is no lanes
+    b"KVFL" + bytes([2, 0, 17, 0]) + LINK_ID,  # too many
+    b"KVFL" + bytes([2, 3, 3, 0]) + LINK_ID,  # index past the count
 ])
 def test_bad_preambles_are_refused(data):
     with pytest.raises(transport.ProtocolError):
         lanes.unpack_preamble(data)
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, lanes.STRIPE_MIN - 1, lanes.STRIPE_MIN, 256 << 20, (256 << 20) + 12345])
-@pytest.mark.parametrize("count", [1, 2, 3, 8])
-def test_stripes_cover_the_payload_in_order(nbytes, count):
-    spans = lanes.stripes(nbytes, count)
-    assert 1 <= len(spans) <= count
-    assert spans[0][0] == 0 and sum(size for _, size in spans) == nbytes
-    assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
-    if nbytes < lanes.STRIPE_MIN or count == 1:
-        assert spans == [(0, nbytes)]
+def test_slice_header_golden_bytes():
+    assert lanes.slice_header(0x0102030405, 0x10000) == bytes([5, 4, 3, 2, 1, 0, 0, 0, 0, 0, 1, 0])
+    assert lanes.slice_header(0, 0) == bytes(12)
+    stream = io.BytesIO(lanes.slice_header(3 << 20, 1 << 20) + lanes.slice_header(0, 0))
+    read = lambda view: view.__setitem__(slice(None), stream.read(len(view)))  # noqa: E731
+    assert lanes.read_slice(read) == (3 << 20, 1 << 20)
+    assert lanes.read_slice(read) is None
+
+
+@pytest.mark.parametrize("nbytes", [lanes.STRIPE_MIN, 256 << 20, (256 << 20) + 12345])
+@pytest.mark.parametrize("count", [2, 3, 8])
+def test_a_dealer_tiles_the_payload_and_its_slices_shrink_towards_the_end(nbytes, count):
+    dealer = lanes.Dealer(nbytes, count)
+    spans = list(iter(dealer.take, None))
+    tally = lanes.Tally(nbytes)
+    for span in spans:
+        tally.take(*span)
+    tally.check_whole()
+    assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+    assert max(size for _, size in spans) <= lanes.SLICE
+    assert all(size % lanes.MIN_SLICE == 0 for _, size in spans[:-1])
+    # the last few slices are small: the lanes end close together
+    assert sum(size for _, size in spans[-count:]) <= max(nbytes // count, count * lanes.MIN_SLICE)
+    assert dealer.take() is None
+
+
+def test_dealt_is_for_large_payloads_on_several_lanes():
+    assert not lanes.dealt(lanes.STRIPE_MIN - 1, 4) and not lanes.dealt(1 << 30, 1)
+    assert lanes.dealt(lanes.STRIPE_MIN, 2)
+
+
+@pytest.mark.parametrize("slices, why", [
+    ([(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 1)], "outside"),  # past the end
+    ([(0, 4096)], "at least"),  # a tiny slice inside the payload: a header per few bytes
+    ([(0, 1 << 20), (0, 1 << 20), (1 << 20, 1 << 20)], "more slices"),  # the same bytes twice, then more
+    ([(0, 1 << 20), (0, 1 << 20)], "overlap"),  # the same bytes twice
+    ([(0, 1 << 20)], "ended at"),  # lanes ended early
+    ([(1 << 20, 1 << 20)], "gap"),  # nothing for the start
+])
+def test_a_tally_refuses_what_a_payload_cannot_be(slices, why):
+    tally = lanes.Tally(2 << 20)
+    with pytest.raises(transport.ProtocolError, match=why):
+        for span in slices:
+            tally.take(*span)
+        tally.check_whole()
 
 
 def test_a_link_whose_lanes_never_come_fails_in_time_and_the_listener_serves_on():
@@ -122,11 +160,11 @@ def test_a_stalled_lane_times_out_instead_of_hanging(direction):
         link.add_lanes([pairs[1][0]])
         assert not pairs[0][0].getblocking() and pairs[1][0].getblocking()
         nbytes = 64 << 20
-        spans = lanes.stripes(nbytes, 2)
         started = asyncio.get_running_loop().time()
         with pytest.raises(transport.TransportTimeout):
-            if direction == "receive":  # lane 0's piece comes, lane 1's never
-                threading.Thread(target=pairs[0][1].sendall, args=(bytes(spans[0][1]),), daemon=True).start()
+            if direction == "receive":  # lane 0 carries half and ends; lane 1 never sends its half
+                half = lanes.slice_header(0, nbytes // 2) + bytes(nbytes // 2) + lanes.slice_header(0, 0)
+                threading.Thread(target=pairs[0][1].sendall, args=(half,), daemon=True).start()
                 await link.recv_payload(memoryview(bytearray(nbytes)), striped=True)
             else:  # nobody reads: the socket buffers fill and the sends stall
                 await link.send_rest([Striped(bytearray(nbytes))])
@@ -150,3 +188,109 @@ def test_auto_carries_links_over_tcp_without_an_rdma_device(tmp_path, monkeypatc
     (tmp_path / "uverbs0").touch()
     assert backends.resolve_backend(config("auto")) == ("ucxx" if importlib.util.find_spec("ucxx") else "tcp")
     assert backends.resolve_backend(config("tcp")) == "tcp"
+
+
+def _linked(lane_count: int, io_timeout: float = 5.0):
+    """A TcpLink with ``lane_count`` lanes and the raw far ends of its sockets."""
+    from kvferry.transport.tcp import TcpLink
+
+    pairs = _socket_pairs(lane_count)
+    link = TcpLink(pairs[0][0], io_timeout=io_timeout)
+    link.add_lanes([near for near, _ in pairs[1:]])
+    return link, [far for _, far in pairs]
+
+
+def _read_slices(sock: socket.socket, into: bytearray) -> int:
+    """A receiving lane written by hand: slices into ``into`` until the lane's end; its bytes."""
+    carried = 0
+    while True:
+        header = sock.recv(lanes.SLICE_HEADER.size, socket.MSG_WAITALL)
+        offset, size = lanes.SLICE_HEADER.unpack(header)
+        if not size:
+            return carried
+        view = memoryview(into)[offset:offset + size]
+        while view:
+            view = view[sock.recv_into(view):]
+        carried += size
+
+
+def test_a_lane_that_stops_draining_hands_its_share_to_the_others():
+    """Lane 1's reader waits until lane 0 has ended: with fixed halves the payload could not end
+    until lane 1 drained; dealt slices go to lane 0 while lane 1's buffers are full."""
+    async def main():
+        link, far = _linked(2)
+        nbytes = 96 << 20
+        payload = bytes(random.Random(5).getrandbits(8) for _ in range(4096)) * (nbytes // 4096)
+        got = bytearray(nbytes)
+        carried = {}
+        lane0_done = threading.Event()
+
+        def lane(index: int) -> None:
+            if index:
+                lane0_done.wait(30)
+            carried[index] = _read_slices(far[index], got)
+            if not index:
+                lane0_done.set()
+
+        readers = [threading.Thread(target=lane, args=(i,)) for i in range(2)]
+        for reader in readers:
+            reader.start()
+        await link.send_rest([Striped(payload)])
+        for reader in readers:
+            reader.join(30)
+        assert got == payload
+        assert carried[0] + carried[1] == nbytes and carried[1] < nbytes // 3, carried
+        await link.close()
+
+    run(main(), timeout=60)
+
+
+@pytest.mark.parametrize("lane_slices, why", [
+    ([[(0, 2 << 20), (0, 2 << 20)], []], "overlap"),  # lane 0 sends its slice twice, none the rest
+    ([[(0, 2 << 20)], []], "ended at"),  # both lanes end with half the payload missing
+    ([[(0, 2 << 20), (2 << 20, 2 << 20), (4 << 20, 1 << 20)], []], "outside"),  # past the end
+    ([[(0, 1000), (1000, (4 << 20) - 1000)], []], "at least"),  # a header every few bytes
+])
+def test_a_peer_that_deals_a_payload_wrong_fails_it_in_time(lane_slices, why):
+    async def main():
+        link, far = _linked(2, io_timeout=2.0)
+        nbytes = 4 << 20
+
+        def send(index: int) -> None:
+            stream = b"".join(lanes.slice_header(o, n) + bytes(n) for o, n in lane_slices[index])
+            far[index].sendall(stream + lanes.slice_header(0, 0))
+
+        for index in range(2):
+            threading.Thread(target=send, args=(index,), daemon=True).start()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(transport.ProtocolError, match=why):
+            await link.recv_payload(memoryview(bytearray(nbytes)), striped=True)
+        assert asyncio.get_running_loop().time() - started < 5
+        await link.close()
+
+    run(main(), timeout=30)
+
+
+def test_a_dealt_payload_lands_whole_after_read_ahead_and_is_discarded_whole():
+    """Lane 0's first bytes may already sit in the link's read-ahead with the header before
+    them; a dealt payload, and a discarded one, leave the next message's bytes where they were."""
+    async def main():
+        link, far = _linked(3)
+        nbytes = 6 << 20
+        payload = random.Random(7).randbytes(nbytes)
+        for index in range(3):
+            spans = [(o, min(1 << 20, nbytes - o)) for o in range(index << 20, nbytes, 3 << 20)]
+            stream = b"".join(lanes.slice_header(o, n) + payload[o:o + n] for o, n in spans)
+            far[index].sendall(stream + lanes.slice_header(0, 0) + (b"next" if index == 0 else b""))
+        got = bytearray(nbytes)
+        assert await link.recv_payload(memoryview(got), striped=True)
+        assert got == payload and await link.recv_header(4) == b"next"
+        for index in range(3):  # the same again, dropped
+            spans = [(o, min(1 << 20, nbytes - o)) for o in range(index << 20, nbytes, 3 << 20)]
+            stream = b"".join(lanes.slice_header(o, n) + payload[o:o + n] for o, n in spans)
+            far[index].sendall(stream + lanes.slice_header(0, 0) + (b"last" if index == 0 else b""))
+        await link.discard(nbytes, striped=True)
+        assert await link.recv_header(4) == b"last"
+        await link.close()
+
+    run(main(), timeout=30)
