@@ -51,6 +51,7 @@ PREAMBLE = struct.Struct("<4sBBBx16s")
 STRIPE_MIN = 4 << 20
 SLICE = 16 << 20  # the largest slice a sender deals from host memory; the receiver takes any size
 MIN_SLICE = 64 << 10  # the smallest a receiver takes, but for the payload's last
+DEALT_FLOOR = 1 << 20  # the smallest a sender deals, but for the payload's last
 SLICE_HEADER = struct.Struct("<QI")
 
 
@@ -103,13 +104,14 @@ class Dealer:
 
     def take(self) -> tuple[int, int] | None:
         """(offset, size) of the next slice, or None once the payload is dealt. Near the end a
-        slice is about a (2 × lanes)th of what is left (at least ``MIN_SLICE``), so lanes end
-        within a small slice of each other."""
+        slice is about a lane's share of what is left (at least ``DEALT_FLOOR``), so lanes end
+        within a small slice of each other; smaller slices would cost more per byte than the
+        lanes' difference (each is a header, a lock and, from a GPU, a staged copy)."""
         with self._lock:
             left = self._nbytes - self._next
             if left <= 0:
                 return None
-            size = min(self._largest, max(MIN_SLICE, -(-left // (2 * self._lanes))))
+            size = min(self._largest, max(DEALT_FLOOR, -(-left // self._lanes)))
             size = min(left, -(-size // MIN_SLICE) * MIN_SLICE)
             offset = self._next
             self._next += size

@@ -143,8 +143,8 @@ class TcpLink(Link):
             write([view])
             return
         while (span := deal()) is not None:
-            write([memoryview(lanes_.slice_header(*span)), view[span[0]:span[0] + span[1]]])
-        write([memoryview(lanes_.slice_header(0, 0))])
+            write([lanes_.slice_header(*span), view[span[0]:span[0] + span[1]]])
+        write([lanes_.slice_header(0, 0)])
 
     def _reader(self, lane: int) -> Callable[[memoryview], None]:
         """Fills a view from ``lane`` in a worker thread; lane 0's read-ahead first."""

@@ -37,6 +37,7 @@ class DeviceStaging:
         self._device: Any = None
         self._buffers: list[Any] = []
         self._events: list[Any] = []
+        self._views: list[memoryview] = []
         self._stream: Any = None
 
     def _ready_for(self, device: Any) -> None:
@@ -49,6 +50,7 @@ class DeviceStaging:
             self._stream = torch.cuda.Stream(device)
             self._buffers = [torch.empty(SLICE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             self._events = [torch.cuda.Event() for _ in range(2)]
+            self._views = [memoryview(buffer.numpy()) for buffer in self._buffers]
 
     def send(self, write: Write, payload: Any, deal: Deal | None = None) -> None:
         """Send the uint8 CUDA tensor ``payload`` (its bytes ready): device → pinned slices →
@@ -73,7 +75,7 @@ class DeviceStaging:
                 if following is not None:
                     self._copy_out(payload, following, (k + 1) % 2)
                 self._events[k % 2].synchronize()
-                body = memoryview(self._buffers[k % 2].numpy())[:span[1]]
+                body = self._views[k % 2][:span[1]]
                 write([lanes.slice_header(*span), body] if deal is not None else [body])
                 k, span = k + 1, following
             if deal is not None:
@@ -107,7 +109,7 @@ class DeviceStaging:
                     size, b = min(SLICE_BYTES, end - offset), k % 2
                     if pending[b]:
                         self._events[b].synchronize()  # its previous slice has left the buffer
-                    read(memoryview(self._buffers[b].numpy())[:size])
+                    read(self._views[b][:size])
                     region[offset:offset + size].copy_(self._buffers[b][:size], non_blocking=True)
                     self._events[b].record(self._stream)
                     pending[b] = True
@@ -115,11 +117,11 @@ class DeviceStaging:
             self._stream.synchronize()
 
 
-def _send_parts(sock: socket.socket, parts: list[memoryview], timeout: float) -> None:
+def _send_parts(sock: socket.socket, parts: list[Any], timeout: float) -> None:
     """Send ``parts`` in order with as few ``sendmsg`` calls as the socket takes them in (a
     slice's header and its bytes leave in one segment train), giving up after ``timeout``
     seconds without progress."""
-    parts = [part.cast("B") if part.format != "B" else part for part in parts]
+    parts = [memoryview(part).cast("B") for part in parts]
     while parts:
         try:
             sent = sock.sendmsg(parts)

@@ -59,7 +59,7 @@ def test_a_dealer_tiles_the_payload_and_its_slices_shrink_towards_the_end(nbytes
     assert max(size for _, size in spans) <= lanes.SLICE
     assert all(size % lanes.MIN_SLICE == 0 for _, size in spans[:-1])
     # the last few slices are small: the lanes end close together
-    assert sum(size for _, size in spans[-count:]) <= max(nbytes // count, count * lanes.MIN_SLICE)
+    assert sum(size for _, size in spans[-count:]) <= max(nbytes // count, count * lanes.DEALT_FLOOR)
     assert dealer.take() is None
 
 
