@@ -134,17 +134,6 @@ def _send_parts(sock: socket.socket, parts: list[Any], timeout: float) -> None:
             parts[0] = parts[0][sent:]
 
 
-def _send_all(sock: socket.socket, view: memoryview, timeout: float) -> None:
-    """``sendall`` from a worker thread, giving up after ``timeout`` seconds without progress. A
-    blocking lane socket (``block_in_kernel``) sends a slice in one call; a non-blocking one
-    waits for room with ``poll``."""
-    while view:
-        try:
-            view = view[sock.send(view):]
-        except (BlockingIOError, InterruptedError):
-            _wait(sock, select.POLLOUT, timeout, "send")
-
-
 def _recv_all(sock: socket.socket, view: memoryview, timeout: float) -> None:
     """Fill ``view`` from a worker thread. ``MSG_WAITALL`` lets a blocking lane socket fill a
     whole slice in one call (one GIL round trip where a non-blocking read takes what has

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from kvferry.transport import PeerLost, TransportTimeout
-from kvferry.transport.tcp_device import _recv_all, _send_all
+from kvferry.transport.tcp_device import _recv_all, _send_parts
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:
@@ -20,11 +20,11 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-def test_send_all_and_recv_all_move_more_than_the_socket_buffer():
+def test_send_parts_and_recv_all_move_more_than_the_socket_buffer():
     a, b = _pair()
     data = os.urandom(8 << 20)
     got = bytearray(len(data))
-    sender = threading.Thread(target=_send_all, args=(a, memoryview(data), 10.0))
+    sender = threading.Thread(target=_send_parts, args=(a, [data[:5], memoryview(data)[5:]], 10.0))
     sender.start()
     _recv_all(b, memoryview(got), 10.0)
     sender.join()
@@ -38,10 +38,10 @@ def test_recv_all_gives_up_after_its_timeout_without_progress():
         _recv_all(b, memoryview(bytearray(10)), 0.2)
 
 
-def test_send_all_gives_up_when_the_peer_reads_nothing():
+def test_send_parts_gives_up_when_the_peer_reads_nothing():
     a, _b = _pair()
     with pytest.raises(TransportTimeout):
-        _send_all(a, memoryview(bytes(64 << 20)), 0.2)
+        _send_parts(a, [bytes(64 << 20)], 0.2)
 
 
 def test_recv_all_reports_a_peer_that_closed():
