@@ -8,10 +8,10 @@ import contextlib
 import time
 from collections import Counter
 
-from . import handshake
+from . import handshake, lanes
 from .config import TransportConfig
 from .connection import Connection, OnMessage
-from .errors import LinkAbsorbed, TransportClosed, TransportError
+from .errors import ConnectError, LinkAbsorbed, PeerLost, TransportClosed, TransportError
 from .backends import backend_module, resolve_backend
 from .link import Link, RateLimitedLog, log
 from .mailbox import Mailbox
@@ -171,7 +171,14 @@ async def connect(host: str, port: int, config: TransportConfig, *, backend: str
     """
     name = backend or resolve_backend(config)
     link = await backend_module(name).connect(host, port, config)
-    session = await handshake.connector(link, config.secret, config.connect_timeout, offer_of(config))
+    try:
+        session = await handshake.connector(link, config.secret, config.connect_timeout, offer_of(config))
+    except PeerLost as exc:  # the link is closed already
+        if link.lanes > 1:  # a listener refuses lanes it does not speak by closing them, before any handshake
+            raise ConnectError(f"{host}:{port} closed a link of {link.lanes} lanes before its handshake: {exc}. "
+                               f"A peer of another lanes version (this side speaks {lanes.VERSION}) does that; "
+                               "run one version on both sides, or one lane (tcp_lanes 1)") from exc
+        raise
     return Connection(link, config, mailbox or Mailbox(), session, on_message)
 
 

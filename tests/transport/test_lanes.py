@@ -294,3 +294,26 @@ def test_a_dealt_payload_lands_whole_after_read_ahead_and_is_discarded_whole():
         await link.close()
 
     run(main(), timeout=30)
+
+
+def test_a_listener_of_another_lanes_version_is_named_as_the_likely_cause():
+    """A listener that does not speak this side's lanes closes them before the handshake (as one
+    of lanes version 1 does): the dialer says so, rather than only that the peer hung up."""
+    async def main():
+        server = socket.create_server(("127.0.0.1", 0))
+        server.setblocking(False)
+        loop = asyncio.get_running_loop()
+
+        async def refuse_lanes():
+            for _ in range(3):
+                sock, _ = await loop.sock_accept(server)
+                await loop.sock_recv(sock, lanes.PREAMBLE.size)
+                sock.close()
+
+        refusing = asyncio.ensure_future(refuse_lanes())
+        with pytest.raises(transport.ConnectError, match="lanes version"):
+            await transport.connect("127.0.0.1", server.getsockname()[1], config("tcp", secret=b"s", tcp_lanes=3))
+        refusing.cancel()
+        server.close()
+
+    run(main(), timeout=30)
