@@ -39,7 +39,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .errors import ProtocolError
 
@@ -89,6 +89,18 @@ def read_slice(read: Callable[[memoryview], None]) -> tuple[int, int] | None:
     read(memoryview(header))
     offset, size = SLICE_HEADER.unpack(header)
     return (offset, size) if size else None
+
+
+def arriving(read: Callable[[memoryview], None], tally: Tally | None, nbytes: int) -> Iterator[tuple[int, int]]:
+    """The (offset, size) spans a receiving lane fills, in order: the whole ``nbytes`` payload
+    where it is not dealt (no ``tally``), else each slice the lane carries, admitted by the tally
+    before its bytes are read."""
+    if tally is None:
+        yield 0, nbytes
+        return
+    while (span := read_slice(read)) is not None:
+        tally.take(*span)
+        yield span
 
 
 class Dealer:

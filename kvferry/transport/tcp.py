@@ -103,10 +103,11 @@ class TcpLink(Link):
 
     async def send_rest(self, parts: list[Any]) -> None:
         for part in parts:
-            if isinstance(part, Striped) and lanes_.dealt(_size(part.payload), self.lanes):
+            nbytes = _size(part.payload) if isinstance(part, Striped) else 0
+            if nbytes and lanes_.dealt(nbytes, self.lanes):
                 # Device slices fit a pinned staging buffer; host slices need no staging.
                 largest = SLICE_BYTES if getattr(part.payload, "is_cuda", False) else lanes_.SLICE
-                dealer = lanes_.Dealer(_size(part.payload), self.lanes, largest)
+                dealer = lanes_.Dealer(nbytes, self.lanes, largest)
                 await self._in_threads([functools.partial(self._send_lane, lane, part.payload, dealer.take)
                                         for lane in range(self.lanes)])
             elif isinstance(part, Striped) or getattr(part, "is_cuda", False):
@@ -165,15 +166,12 @@ class TcpLink(Link):
             self._staged_in[lane].recv(read, region, tally)
             return
         scratch = memoryview(bytearray(1 << 20)) if region is None else None
-        spans = iter([(0, nbytes)]) if tally is None else None
-        while (span := (next(spans, None) if tally is None else lanes_.read_slice(read))) is not None:
-            if tally is not None:
-                tally.take(*span)
+        for start, size in lanes_.arriving(read, tally, nbytes):
             if scratch is None:
-                read(region[span[0]:span[0] + span[1]])
+                read(region[start:start + size])
                 continue
-            for offset in range(0, span[1], len(scratch)):
-                read(scratch[:min(len(scratch), span[1] - offset)])
+            for offset in range(0, size, len(scratch)):
+                read(scratch[:min(len(scratch), size - offset)])
 
     async def recv_header(self, size: int) -> bytes:
         if self._gathering is not None:

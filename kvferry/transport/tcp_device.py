@@ -96,21 +96,16 @@ class DeviceStaging:
         import torch
 
         self._ready_for(region.device)
-        if tally is None:
-            spans = iter([(0, region.numel())])
         pending = [False, False]
         k = 0
         with torch.cuda.device(region.device), torch.cuda.stream(self._stream):
-            while (span := (next(spans, None) if tally is None else lanes.read_slice(read))) is not None:
-                if tally is not None:
-                    tally.take(*span)
-                start, end = span[0], span[0] + span[1]
-                for offset in range(start, end, SLICE_BYTES):  # a peer's slice may be any size
-                    size, b = min(SLICE_BYTES, end - offset), k % 2
+            for start, size in lanes.arriving(read, tally, region.numel()):
+                for offset in range(start, start + size, SLICE_BYTES):  # a peer's slice may be any size
+                    piece, b = min(SLICE_BYTES, start + size - offset), k % 2
                     if pending[b]:
                         self._events[b].synchronize()  # its previous slice has left the buffer
-                    read(self._views[b][:size])
-                    region[offset:offset + size].copy_(self._buffers[b][:size], non_blocking=True)
+                    read(self._views[b][:piece])
+                    region[offset:offset + piece].copy_(self._buffers[b][:piece], non_blocking=True)
                     self._events[b].record(self._stream)
                     pending[b] = True
                     k += 1
