@@ -45,8 +45,8 @@ class Link(ABC):
             PeerLost, TransportClosed.
         """
 
-    # Backends that move device payloads through host memory (TCP) say so: each payload is then
-    # checked as it lands (host-checked ones before they reach the device), never deferred.
+    # Backends that move device payloads through host memory (TCP) say so: a host-checked payload
+    # is then checked before it reaches the device, never deferred (a device digest still may be).
     stages_device_payloads = False
     # A byte stream (TCP) can be read a piece at a time; a message backend (UCX) delivers each
     # payload whole, into one buffer of its size.

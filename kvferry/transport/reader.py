@@ -155,7 +155,8 @@ class Reader:
             if digest:
                 raise ProtocolError("a device digest on an encrypted connection")
             ok = await self._recv_encrypted(region, seq, tag)
-        elif receive.defer_check and not self.link.stages_device_payloads:
+        elif receive.defer_check and (digest or not self.link.stages_device_payloads):
+            # Checked later on the GPU, beside its decode: the reader goes on to the next message.
             receive._checks.append((m.offset, m.length, self._in, seq, tag, digest))
             ok = await self.link.recv_payload(region, striped=True)
         else:

@@ -56,35 +56,41 @@ def test_between_host_and_device_bit_exact(backend, size, src, dst):
     run(main(), timeout=60)
 
 
+async def _relay(listen_port: int, flip_at: int):
+    """A TCP relay to ``listen_port`` that flips one bit of the byte at ``flip_at`` of the first
+    connection it relays (counted from that connection's first byte)."""
+    import asyncio
+
+    flips = [flip_at]
+
+    async def pipe(reader, writer, flip):
+        seen = 0
+        while data := await reader.read(1 << 20):
+            if flip and seen <= flip_at < seen + len(data):
+                data = bytearray(data)
+                data[flip_at - seen] ^= 0x01
+                flip = False
+            seen += len(data)
+            writer.write(bytes(data))
+            await writer.drain()
+        writer.close()
+
+    async def handle(reader, writer):
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", listen_port)
+        flip = bool(flips)
+        flips.clear()
+        await asyncio.gather(pipe(reader, up_writer, flip), pipe(up_reader, writer, False), return_exceptions=True)
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
 def test_a_device_payload_damaged_on_the_wire_fails_that_transfer_only():
     """A relay flips one byte of a staged device payload over TCP: its digest fails on the GPU,
     that transfer fails, and the next one on the same connection lands bit-exact."""
-    import asyncio
-
-    async def relay(listen_port: int, flip_at: int):
-        async def pipe(reader, writer, flip):
-            seen = 0
-            while data := await reader.read(1 << 20):
-                if flip and seen <= flip_at < seen + len(data):
-                    data = bytearray(data)
-                    data[flip_at - seen] ^= 0x01
-                    flip = False
-                seen += len(data)
-                writer.write(bytes(data))
-                await writer.drain()
-            writer.close()
-
-        async def handle(reader, writer):
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", listen_port)
-            await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
-                                 return_exceptions=True)
-
-        return await asyncio.start_server(handle, "127.0.0.1", 0)
-
     async def main():
         cfg = config("tcp", chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
         listener = await transport.listen("127.0.0.1", 0, cfg)
-        server = await relay(listener.port, flip_at=6 << 20)  # inside the first payload, past the handshake
+        server = await _relay(listener.port, flip_at=6 << 20)  # inside the first payload, past the handshake
         connection = await transport.connect("127.0.0.1", server.sockets[0].getsockname()[1], cfg)
         payload = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, device="cuda")
         target = torch.zeros_like(payload)
@@ -96,6 +102,36 @@ def test_a_device_payload_damaged_on_the_wire_fails_that_transfer_only():
         receive = listener.expect(2, target)
         await connection.send(2, payload)
         await receive.wait(cfg.op_timeout)
+        torch.cuda.synchronize()
+        assert torch.equal(target, payload)
+        await connection.close()
+        await listener.close()
+        server.close()
+
+    run(main(), timeout=60)
+
+
+def test_a_deferred_device_digest_over_tcp_is_checked_after_the_bytes_land():
+    """A streamed chunk's receive defers its check (``defer_check``): over TCP the damaged device
+    payload lands unverified, the reader goes on, and the check launched afterwards
+    (``start_check``, beside the decode) fails it; the next payload's check passes."""
+    async def main():
+        cfg = config("tcp", chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        server = await _relay(listener.port, flip_at=6 << 20)
+        connection = await transport.connect("127.0.0.1", server.sockets[0].getsockname()[1], cfg)
+        payload = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, device="cuda")
+        target = torch.zeros_like(payload)
+        receive = listener.expect(1, target, defer_check=True)
+        await connection.send(1, payload)
+        await receive.wait(cfg.op_timeout)
+        verdict = receive.start_check()
+        with pytest.raises(transport.CorruptPayload):
+            verdict()
+        receive = listener.expect(2, target, defer_check=True)
+        await connection.send(2, payload)
+        await receive.wait(cfg.op_timeout)
+        receive.start_check()()
         torch.cuda.synchronize()
         assert torch.equal(target, payload)
         await connection.close()
