@@ -8,9 +8,6 @@ from pathlib import Path
 
 # The real KV sample: package data, so the demo works from a plain install too.
 DEFAULT_SAMPLE = Path(__file__).resolve().parent / "data" / "kv_smollm2_gpl3_small.npz"  # ships in the wheel
-# How long a thread waiting for the GIL lets the holder run before it asks for a switch (the
-# daemon's; Python's default is 5 ms).
-GIL_SWITCH_SECONDS = 0.0005
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,10 +117,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvferry").info("settings: %s", json.dumps(settings.public()))
-    # The event loop polls GPU work and busy-polls after activity while TCP lanes' worker threads
-    # wait for the GIL between their system calls: a waiter forces a switch after this long
-    # (Python's default, 5 ms, left lanes idle; docs/decisions/040-receiver-reads-on.md).
-    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     logging.getLogger("kvferry").info("UCX environment: %s", ucx_env)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
