@@ -3,6 +3,9 @@ TCP stages it through the host. Skipped without a CUDA device."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import pytest
 import torch
 
@@ -56,12 +59,11 @@ def test_between_host_and_device_bit_exact(backend, size, src, dst):
     run(main(), timeout=60)
 
 
-async def _relay(listen_port: int, flip_at: int):
-    """A TCP relay to ``listen_port`` that flips one bit of the byte at ``flip_at`` of the first
-    connection it relays (counted from that connection's first byte)."""
-    import asyncio
-
-    flips = [flip_at]
+@contextlib.asynccontextmanager
+async def _damaging_link(flip_at: int):
+    """A TCP listener and a connection to it through a relay that flips one bit of the byte at
+    ``flip_at`` of what the connection sends, and a 12 MiB device payload with its zeroed target."""
+    unflipped = [True]  # only the first connection the relay carries is damaged
 
     async def pipe(reader, writer, flip):
         seen = 0
@@ -76,37 +78,39 @@ async def _relay(listen_port: int, flip_at: int):
         writer.close()
 
     async def handle(reader, writer):
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", listen_port)
-        flip = bool(flips)
-        flips.clear()
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", listener.port)
+        flip, unflipped[0] = unflipped[0], False
         await asyncio.gather(pipe(reader, up_writer, flip), pipe(up_reader, writer, False), return_exceptions=True)
 
-    return await asyncio.start_server(handle, "127.0.0.1", 0)
+    cfg = config("tcp", chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
+    listener = await transport.listen("127.0.0.1", 0, cfg)
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    connection = await transport.connect("127.0.0.1", server.sockets[0].getsockname()[1], cfg)
+    payload = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, device="cuda")
+    try:
+        yield cfg, listener, connection, payload, torch.zeros_like(payload)
+    finally:
+        await connection.close()
+        await listener.close()
+        server.close()
 
 
 def test_a_device_payload_damaged_on_the_wire_fails_that_transfer_only():
     """A relay flips one byte of a staged device payload over TCP: its digest fails on the GPU,
     that transfer fails, and the next one on the same connection lands bit-exact."""
     async def main():
-        cfg = config("tcp", chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
-        listener = await transport.listen("127.0.0.1", 0, cfg)
-        server = await _relay(listener.port, flip_at=6 << 20)  # inside the first payload, past the handshake
-        connection = await transport.connect("127.0.0.1", server.sockets[0].getsockname()[1], cfg)
-        payload = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, device="cuda")
-        target = torch.zeros_like(payload)
-        receive = listener.expect(1, target)
-        with pytest.raises(transport.TransportError):
-            await connection.send(1, payload)
-        with pytest.raises(transport.CorruptPayload):
+        # 6 MiB: inside the first payload, past the handshake
+        async with _damaging_link(flip_at=6 << 20) as (cfg, listener, connection, payload, target):
+            receive = listener.expect(1, target)
+            with pytest.raises(transport.TransportError):
+                await connection.send(1, payload)
+            with pytest.raises(transport.CorruptPayload):
+                await receive.wait(cfg.op_timeout)
+            receive = listener.expect(2, target)
+            await connection.send(2, payload)
             await receive.wait(cfg.op_timeout)
-        receive = listener.expect(2, target)
-        await connection.send(2, payload)
-        await receive.wait(cfg.op_timeout)
-        torch.cuda.synchronize()
-        assert torch.equal(target, payload)
-        await connection.close()
-        await listener.close()
-        server.close()
+            torch.cuda.synchronize()
+            assert torch.equal(target, payload)
 
     run(main(), timeout=60)
 
@@ -116,26 +120,18 @@ def test_a_deferred_device_digest_over_tcp_is_checked_after_the_bytes_land():
     payload lands unverified, the reader goes on, and the check launched afterwards
     (``start_check``, beside the decode) fails it; the next payload's check passes."""
     async def main():
-        cfg = config("tcp", chunk_bytes=16 << 20, max_inflight_bytes=64 << 20)
-        listener = await transport.listen("127.0.0.1", 0, cfg)
-        server = await _relay(listener.port, flip_at=6 << 20)
-        connection = await transport.connect("127.0.0.1", server.sockets[0].getsockname()[1], cfg)
-        payload = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, device="cuda")
-        target = torch.zeros_like(payload)
-        receive = listener.expect(1, target, defer_check=True)
-        await connection.send(1, payload)
-        await receive.wait(cfg.op_timeout)
-        verdict = receive.start_check()
-        with pytest.raises(transport.CorruptPayload):
-            verdict()
-        receive = listener.expect(2, target, defer_check=True)
-        await connection.send(2, payload)
-        await receive.wait(cfg.op_timeout)
-        receive.start_check()()
-        torch.cuda.synchronize()
-        assert torch.equal(target, payload)
-        await connection.close()
-        await listener.close()
-        server.close()
+        async with _damaging_link(flip_at=6 << 20) as (cfg, listener, connection, payload, target):
+            receive = listener.expect(1, target, defer_check=True)
+            await connection.send(1, payload)
+            await receive.wait(cfg.op_timeout)
+            verdict = receive.start_check()
+            with pytest.raises(transport.CorruptPayload):
+                verdict()
+            receive = listener.expect(2, target, defer_check=True)
+            await connection.send(2, payload)
+            await receive.wait(cfg.op_timeout)
+            receive.start_check()()
+            torch.cuda.synchronize()
+            assert torch.equal(target, payload)
 
     run(main(), timeout=60)
