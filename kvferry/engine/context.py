@@ -15,7 +15,7 @@ from .blocks import Blocks
 from .codebooks import Codebooks, Learner
 from .driver import Driver
 from .errors import BadRequest
-from .ipc import Mapper
+from .ipc import Mapper, WriteEvents
 from .leases import Leases
 from .links import LinkTable, Pair
 from .metrics import Metrics
@@ -56,6 +56,7 @@ class TransferContext:
     buffers: BufferPool  # receive buffers of streamed chunks
     leases: Leases  # standing same-host leases, held and lent
     mapper: Mapper  # receivers' lent memory, opened once (same-host writes)
+    events: WriteEvents  # the events that end same-host writes announced while they run, both sides'
     metrics: Metrics
     spinner: Spinner  # busy-polls after a peer message (dispatch touches it)
     peer_log: transport.RateLimitedLog  # warnings a peer causes, rate-limited

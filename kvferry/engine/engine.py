@@ -91,12 +91,13 @@ class Engine:
         self.driver = Driver(self.transfers, self.links, self.metrics, self.regions)  # every change of phase
         self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all)  # receivers' memory lent to us, opened once
         self.leases = Leases()  # standing leases of same-host memory, held and lent
+        self.events = ipc.WriteEvents()  # the events of same-host writes announced while they run
         # What the sender, the receiver and the dispatch of peer messages work with: never this engine.
         self.ctx = TransferContext(
             settings=settings, chunk_bytes=self.chunk_bytes, plane=self.plane, driver=self.driver, links=self.links,
             transfers=self.transfers, regions=self.regions, codebooks=self.codebooks, learner=self.learner,
             policy=self.policy, codec=self.codec, buffers=self.buffers, leases=self.leases, mapper=self.mapper,
-            metrics=self.metrics, spinner=self.spinner, peer_log=transport.RateLimitedLog(log))
+            events=self.events, metrics=self.metrics, spinner=self.spinner, peer_log=transport.RateLimitedLog(log))
         self.outgoing = Outgoing(self.ctx)
         self.admission = Admission(self.ctx)
         self.on_message = functools.partial(dispatch.on_message, self.ctx, self.admission)  # a peer message, from a reader
@@ -154,6 +155,7 @@ class Engine:
         if self.listener is not None:
             await self.listener.close()
         self.mapper.close()
+        self.events.close()
         self.regions.close()
         await self.spinner.close()
         transport.shutdown_backends()

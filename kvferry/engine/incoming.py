@@ -38,7 +38,7 @@ class Admission:
             self._check_sizes(announce)
             plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
                                     bool(announce.flags & peer.FLAG_TAPERED))
-            if announce.flags & peer.FLAG_WRITTEN:
+            if announce.flags & (peer.FLAG_WRITTEN | peer.FLAG_WRITING):
                 self._check_lease(connection, announce)
             t, pairs, codec = self._check(connection, transfer_id, announce)
         except EngineError as exc:
@@ -58,6 +58,15 @@ class Admission:
             apply(t, Event(On.ADMIT_LENT))
             incoming.all_written()
             self.ctx.links.drop(t)
+            return
+        if announce.flags & peer.FLAG_WRITING:  # being written: done once the sender's event is reached
+            end = self.ctx.events.open(announce.event, announce.event_gpu)
+            incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, lent=True, end=end)
+            self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
+            apply(t, Event(On.ADMIT_LENT))
+            if end is None:  # the sender's GPU is not reachable from here: its WRITTEN says when
+                connection.post_message(peer.pack(peer.Message(t.id, peer.Accept())))
+            t.task = asyncio.create_task(incoming.run())
             return
         targets = self._lend(connection, announce, pairs)
         # Targets lent behind inline chunks are a lease for later transfers; this one rides inline.
@@ -93,8 +102,8 @@ class Admission:
             raise ProtocolViolation(f"{a.inline_chunks} inline chunks announced for {chunks} chunks")
 
     def _check_lease(self, connection: transport.Connection, a: peer.Announce) -> None:
-        """A transfer written before its announce must be raw, whole, into regions lent to this
-        connection (and not taken back since).
+        """A transfer written before (or while) it is announced must be raw, whole, into regions
+        lent to this connection (and not taken back since).
 
         Raises: ProtocolViolation.
         """
@@ -182,12 +191,15 @@ class Incoming:
 
     def __init__(self, ctx: TransferContext, connection: transport.Connection, t: Transfer, pairs: list[Pair],
                  plan: peer.Plan, tags: peer.ChunkTags, codec: codecs.Codec, inline_chunks: int = 0,
-                 lent: bool = False):
+                 lent: bool = False, end: ipc.WriteEnd | None = None):
+        """``lent``: the sender writes the blocks itself, and its WRITTEN says when it is finished,
+        or, given, the sender's event ``end`` is reached."""
         self.ctx, self.connection, self.t, self.pairs, self.plan, self.tags = ctx, connection, t, pairs, plan, tags
         t.cleanups.append(self.release)
         self.codec = codec
         loop = asyncio.get_running_loop()
         self.written: asyncio.Future | None = loop.create_future() if lent else None
+        self.end = end
         self.inline: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(min(inline_chunks, len(plan)))}
         self.receives: dict[int, transport.Receive] = {}
         self.ahead = credit_ahead(ctx.settings)
@@ -198,18 +210,25 @@ class Incoming:
                     and not any(p.region.tensor.is_cuda for p in pairs))
 
     def written_by_peer(self, written: peer.Written) -> bool:
-        if self.written is None or self.written.done() or written.blocks != self.t.blocks:
+        """The sender's WRITTEN; False where none is expected (only its event says so, or it came
+        already) or it counts other blocks."""
+        if self.written is None or self.end is not None or self.written.done() or written.blocks != self.t.blocks:
             return False
         self.written.set_result(written.blocks)
         return True
 
     async def _lent(self, timeout: float) -> None:
-        """The sender writes our lent memory itself: wait for its WRITTEN."""
+        """The sender writes our lent memory itself: wait for its WRITTEN, or its event."""
         try:
-            async with asyncio.timeout(timeout):
-                await self.written
-        except TimeoutError:
+            if self.end is not None:
+                await transport.until_ready(self.end, timeout=timeout, what="the sender's write")
+            else:
+                async with asyncio.timeout(timeout):
+                    await self.written
+        except (TimeoutError, transport.TransportTimeout):
             raise PeerError(f"the sender did not write within {timeout:g} s") from None
+        except RuntimeError as exc:  # the driver's word on the sender's event
+            raise PeerError(f"the sender's write failed: {exc}") from None
         self._count_written()
 
     def _count_written(self) -> None:

@@ -7,6 +7,10 @@ outruns any codec, so this path moves blocks as they are. Regions in host shared
 
 Handles are per allocation (``cuMemGetAddressRange`` finds its base), opened once and cached by
 the sender, and meaningful only on this host: a peer elsewhere never gets one (``HOST_ID``).
+
+A large write is announced while it runs (``WriteEvents``): the sender records an interprocess
+CUDA event behind it and sends the event's handle; the receiver opens it and says DONE once it
+is reached.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 import os
 import socket
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -253,6 +257,77 @@ class Mapper:
             with cupy.cuda.Device(opened.device):
                 cupy.cuda.runtime.ipcCloseMemHandle(opened.base)
         self._open.clear()
+
+
+@dataclass(frozen=True)
+class WriteEnd:
+    """An interprocess event recorded behind a same-host write: where the write ends."""
+
+    event: torch.cuda.Event
+    handle: bytes  # its CUDA IPC handle (``peer.EVENT_BYTES``)
+    gpu: bytes  # the UUID of its GPU
+
+    def ready(self) -> bool:
+        """Whether the write is finished (``transport.until_ready``'s question).
+
+        Raises:
+            RuntimeError: the GPU work before the event failed.
+        """
+        return self.event.query()
+
+
+class WriteEvents:
+    """Both sides of a write announced while it runs. The sender's interprocess events, reused:
+    each goes back once its own write is seen finished, and is recorded again only after
+    ``RING - 1`` others, so a receiver still polling an old write is not kept waiting for a new
+    one. The receiver's events opened from peers' handles (opening costs a driver call; a sender
+    reuses few), at most ``OPEN_LIMIT``, the least recently used closed first."""
+
+    RING = 8
+    OPEN_LIMIT = 64
+
+    def __init__(self) -> None:
+        self._free: dict[int, deque[WriteEnd]] = {}
+        self._opened: OrderedDict[bytes, WriteEnd] = OrderedDict()
+
+    def record(self, stream: torch.cuda.Stream) -> WriteEnd:
+        """An event recorded on ``stream`` now, behind the work launched on it."""
+        free = self._free.setdefault(stream.device.index, deque())
+        if len(free) >= self.RING:
+            end = free.popleft()
+        else:
+            event = torch.cuda.Event(interprocess=True)
+            event.record(stream)
+            return WriteEnd(event, bytes(event.ipc_handle()), device_uuid(stream.device.index))
+        end.event.record(stream)
+        return end
+
+    def give(self, end: WriteEnd) -> None:
+        """``end`` was reached (its write is finished): it may be recorded again."""
+        self._free.setdefault(_local_index(end.gpu), deque()).append(end)
+
+    def open(self, handle: bytes, gpu: bytes) -> WriteEnd | None:
+        """A peer's event, to wait on here; None where it cannot be (no CUDA or CuPy here, its GPU
+        not visible to this process, the driver refuses the handle): the receiver then asks for
+        WRITTEN instead."""
+        end = self._opened.get(handle)
+        if end is not None and end.gpu == gpu:
+            self._opened.move_to_end(handle)
+            return end
+        if not available():
+            return None
+        try:
+            event = torch.cuda.Event.from_ipc_handle(_local_index(gpu), handle)
+        except RuntimeError:
+            return None
+        end = self._opened[handle] = WriteEnd(event, handle, gpu)
+        while len(self._opened) > self.OPEN_LIMIT:
+            self._opened.popitem(last=False)
+        return end
+
+    def close(self) -> None:
+        self._free.clear()
+        self._opened.clear()
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class Leases:
     def __init__(self) -> None:
         self._held: dict[transport.Connection, dict[str, Held]] = {}
         self._declined: dict[transport.Connection, set[str]] = {}  # regions the receiver cannot lend
+        self._no_events: set[transport.Connection] = set()  # receivers that cannot wait on our events
         self._lent: dict[str, set[transport.Connection]] = {}
         self._revoking: dict[tuple[transport.Connection, str], asyncio.Future] = {}
 
@@ -78,6 +79,15 @@ class Leases:
     def offer_wanted(self, connection: transport.Connection, names: list[str]) -> bool:
         declined = self._declined.get(connection)
         return not declined or declined.isdisjoint(names)
+
+    def refuse_events(self, connection: transport.Connection) -> None:
+        """The receiver cannot open this sidecar's CUDA events (it asked for WRITTEN instead):
+        writes on ``connection`` are announced once finished from now on."""
+        if not connection.closed:
+            self._no_events.add(connection)
+
+    def waits_on_events(self, connection: transport.Connection) -> bool:
+        return connection not in self._no_events
 
     @contextlib.contextmanager
     def writing(self, connection: transport.Connection, helds: list[Held]) -> Iterator[None]:
@@ -155,6 +165,7 @@ class Leases:
         """A connection is gone: its leases with it (a closed connection carries no more writes)."""
         self._held.pop(connection, None)
         self._declined.pop(connection, None)
+        self._no_events.discard(connection)
         for holders in self._lent.values():
             holders.discard(connection)
         for (c, _), future in list(self._revoking.items()):

@@ -6,10 +6,13 @@ for the receiver's DONE."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
 from typing import Any
+
+import torch
 
 from kvferry import codec as codecs, transport
 
@@ -25,6 +28,10 @@ from .streaming import Chunks, drop, inline_count
 from .transfers import Transfer, TransferSpec
 
 log = logging.getLogger("kvferry.engine")
+
+# A same-host GPU write of at least this many bytes is announced as soon as it is launched: its
+# copy (~50 µs on NVLink) outlasts the announce's way to the receiver.
+ANNOUNCE_AT_LAUNCH_BYTES = 16 << 20
 
 
 class Outgoing:
@@ -102,24 +109,65 @@ class Outgoing:
         self.apply(t, Event(On.LEASE))
         link = self.ctx.links.add(t, PeerLink(connection, reused=True))
         self._same_host(t)
+        raw, device = spec.raw_bytes(pairs), pairs[0].region.tensor.device
+        end = None
         try:
             announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
             with self.ctx.leases.writing(connection, helds):
-                self.ctx.codec.call_now("encode", pairs[0].region.tensor.device,
-                                        self._write(spec, pairs, helds))
+                if self._announces_at_launch(connection, device, raw):
+                    stream = self.ctx.codec.stream("encode")
+                    try:
+                        end = self._launch(spec, pairs, helds, stream)
+                        connection.post_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING,
+                                                               end))
+                        t.mark("announced")
+                    finally:
+                        stream.synchronize()  # the lease is not let go while the copy may still write
+                else:
+                    self.ctx.codec.call_now("encode", device, self._write(spec, pairs, helds))
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
                                         if isinstance(exc, RuntimeError) else exc), On.FAIL)
             return True
-        t.bytes_raw = spec.raw_bytes(pairs)
+        t.bytes_raw = raw
         for stage in ("first_byte", "last_byte"):
             t.mark(stage)
-        connection.post_message(announce)
+        if end is None:
+            connection.post_message(announce)
+            t.mark("announced")
         self.apply(t, Event(On.WRITTEN))
-        t.mark("announced")
         self._deadline(t)
         link.settle = functools.partial(self._replied, t, 0)  # not a link speed: a same-host copy
+        if end is not None:
+            self._written(t, link, spec, end)
         return True
+
+    def _announces_at_launch(self, connection: transport.Connection, device: torch.device, raw_bytes: int) -> bool:
+        """Whether a same-host write is announced as soon as it is launched (WRITING): a GPU copy
+        long enough for the announce's way to the receiver and its admission to hide behind it,
+        to a receiver that has not said it cannot wait on this sidecar's events."""
+        return (device.type == "cuda" and raw_bytes >= ANNOUNCE_AT_LAUNCH_BYTES
+                and self.ctx.leases.waits_on_events(connection))
+
+    def _launch(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held],
+                stream: torch.cuda.Stream) -> ipc.WriteEnd:
+        """Launch the write on ``stream`` and record the event that ends it."""
+        self._write(spec, pairs, helds)(stream)
+        return self.ctx.events.record(stream)
+
+    def _written(self, t: Transfer, link: PeerLink, spec: TransferSpec, end: ipc.WriteEnd) -> None:
+        """The write announced at launch is finished here: its event may be recorded again, and a
+        receiver that could not wait on it (its empty ACCEPT, now or later) is told WRITTEN, and
+        is sent no more events."""
+        self.ctx.events.give(end)
+
+        def asked(accepted: asyncio.Future) -> None:
+            if accepted.cancelled() or t.state.terminal:
+                return
+            link.connection.post_message(peer.pack(peer.Message(t.id, peer.Written(len(spec.dst_blocks)))))
+            self.ctx.leases.refuse_events(link.connection)
+
+        link.accepted.add_done_callback(asked)
 
     def _leases(self, connection: transport.Connection, spec: TransferSpec, pairs: list[Pair],
                 candidates: list[str]) -> list[Held] | None:
@@ -187,13 +235,14 @@ class Outgoing:
         return codec, book
 
     def _announce(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], book: tuple[str, Any, str] | None,
-                  inline: int, offer: bool, flags: int = 0) -> bytes:
+                  inline: int, offer: bool, flags: int = 0, end: ipc.WriteEnd | None = None) -> bytes:
         announce = peer.Announce(
             codec=t.chosen_codec, dtype=pairs[0].region.dtype, dst_blocks=spec.dst_blocks,
             pairs=tuple(peer.PairLayout(dst, p.region.block_shape, p.blocks_per_chunk, ref)
                         for (_, dst), p, (_, ref) in zip(spec.pairs, pairs, spec.references or [("", "")] * len(pairs))),
             codebook=spec.codebook or "", codebook_digest=peer.codebook_digest(book[2]) if book else bytes(8),
-            inline_chunks=inline, host=ipc.host_id() if offer else bytes(16), flags=flags)
+            inline_chunks=inline, host=ipc.host_id() if offer else bytes(16), flags=flags,
+            event=end.handle if end is not None else b"", event_gpu=end.gpu if end is not None else b"")
         return peer.pack(peer.Message(t.id, announce))
 
     async def _send(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
@@ -308,15 +357,21 @@ class Outgoing:
         self._same_host(t)
         announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN) if leased else None
         device = pairs[0].region.tensor.device
+        end = None
         try:
             with self.ctx.leases.writing(link.connection, helds):
-                await self.ctx.codec.call("encode", device, raw, self._write(spec, pairs, helds))
-        except (RuntimeError, EngineError) as exc:
+                if leased and self._announces_at_launch(link.connection, device, raw):
+                    end = await self._write_announced(t, spec, pairs, helds, link)
+                else:
+                    await self.ctx.codec.call("encode", device, raw, self._write(spec, pairs, helds))
+        except (RuntimeError, EngineError, transport.TransportTimeout) as exc:
             raise PeerError(f"cannot write into the receiver's memory: {exc}") from exc
         t.bytes_raw = raw
         t.mark("first_byte")
         t.mark("last_byte")
-        if announce is not None:
+        if end is not None:
+            self._written(t, link, spec, end)
+        elif announce is not None:
             await link.connection.send_message(announce)
             t.mark("announced")
         else:
@@ -325,6 +380,24 @@ class Outgoing:
         done = await self._reply(link, self.ctx.settings.transfer_timeout)
         t.blocks_done = done.blocks
         self.apply(t, Event(On.PEER_DONE))
+
+    async def _write_announced(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], helds: list[Held],
+                               link: PeerLink) -> ipc.WriteEnd:
+        """Launch the write, announce it (WRITING) while it runs, and wait for it, the loop polling
+        meanwhile. However this ends, the copy is over before the lease's write is."""
+        stream = self.ctx.codec.stream("encode")
+        end = self._launch(spec, pairs, helds, stream)
+        finished = False
+        try:
+            await link.connection.send_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING, end))
+            t.mark("announced")
+            await transport.until_ready(end, timeout=self.ctx.settings.transfer_timeout, what="a same-host write")
+            finished = True
+        finally:
+            if not finished:
+                with contextlib.suppress(RuntimeError):
+                    stream.synchronize()
+        return end
 
     def _write(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> functools.partial:
         return functools.partial(write_blocks, self.ctx.mapper, spec.src_blocks, spec.dst_blocks, pairs, helds)

@@ -1,4 +1,4 @@
-"""The peer protocol between sidecars (version 5): the one place that knows its byte layout.
+"""The peer protocol between sidecars (version 7): the one place that knows its byte layout.
 
 Peer messages ride as MSG payloads on the authenticated transport connection (``transport/wire.py``),
 in order with the chunks they describe; sidecars never call each other over HTTP. All integers are
@@ -6,8 +6,9 @@ little-endian. Every message starts with a 24-byte header:
 
     offset size field
          0    4 magic b"KVFP"
-         4    1 version (5; 4 had no tapered chunk plans, 3 no spread block lists, 2 no
-                    standing leases, 1 no reference regions)
+         4    1 version (7; 6 had no WRITING announce, 5 granted every chunk unasked, 4 had
+                    no tapered chunk plans, 3 no spread block lists, 2 no standing leases, 1 no
+                    reference regions)
          5    1 type (Kind)
          6    2 reserved (0)
          8   16 transfer id (the 16 bytes of its 32-hex-digit id; all 0 for REVOKE and REVOKED,
@@ -24,7 +25,10 @@ stands for b, b + stride, ..., count of them).
               region of predictor KV for the same blocks); then u32 inline chunks, 16 bytes host id
               (all 0: no same-host write offered), u8 flags (bit 0 WRITTEN: the sender already wrote
               every block into memory this connection holds a standing lease on; bit 1 TAPERED: the
-              chunk plan's first and last chunks are split, ``plan_chunks``)
+              chunk plan's first and last chunks are split, ``plan_chunks``; bit 2 WRITING: the
+              sender is writing every block into such memory now, and its write ends when the CUDA
+              event that follows is reached; at most one of WRITTEN and WRITING); with WRITING only:
+              64 bytes CUDA IPC event handle, 16 bytes UUID of the GPU the event belongs to
     CHUNK     u32 chunk index, then the chunk's frame (the rest of the message)
     ACCEPT    u16 targets (0, or one per pair: the receiver takes the same-host write offer), per
               target: 64 bytes handle (CUDA IPC handle; for host shared memory its name, NUL-padded),
@@ -51,7 +55,12 @@ inline is answered by its DONE alone; memory lent in an ACCEPT is a credit for t
 
 Targets lent in an ACCEPT are a *standing lease* for the connection (NIXL's model: memory
 registered once): the sender may write later transfers into them at once and send their
-ANNOUNCE with the WRITTEN flag behind the data, one message, answered by DONE. A receiver lets a
+ANNOUNCE with the WRITTEN flag behind the data, one message, answered by DONE. A large write on
+a GPU is announced as soon as it is launched, flagged WRITING with an interprocess event recorded
+behind it: the receiver admits the transfer while the copy runs and says DONE once the event is
+reached, so the announce's round trip overlaps the copy. A receiver that cannot open the event
+(the sender's GPU is not visible to it) answers with an empty ACCEPT, and the sender then sends
+WRITTEN once its write has finished. A receiver lets a
 region go only after REVOKE has been answered by REVOKED (or the connection is gone).
 """
 
@@ -70,7 +79,7 @@ from .errors import ProtocolViolation
 from .plan import TAPER, ChunkTags, Plan, chunk_count, chunk_tag, plan_chunks  # noqa: F401  (the protocol's chunking)
 
 MAGIC = b"KVFP"
-VERSION = 6  # 5: chunks after the eager ones were asked for by RTS, not granted unasked
+VERSION = 7  # 6: no WRITING announce (a write announced while its copy runs)
 _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
@@ -100,6 +109,8 @@ class Kind(IntEnum):
 LINK_ID = "0" * 32  # the transfer id of messages about the connection, not a transfer
 FLAG_WRITTEN = 1  # ANNOUNCE: every block is already written under a standing lease
 FLAG_TAPERED = 2  # ANNOUNCE: the chunk plan is tapered (``plan_chunks``)
+FLAG_WRITING = 4  # ANNOUNCE: every block is being written under a standing lease; ends at ``event``
+EVENT_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 HOST_MEMORY = bytes(16)  # a Target's device UUID for host shared memory
 
 
@@ -124,6 +135,8 @@ class Announce:
     inline_chunks: int = 0
     host: bytes = bytes(16)
     flags: int = 0
+    event: bytes = b""  # WRITING: the CUDA IPC handle of the event that ends the sender's write
+    event_gpu: bytes = b""  # WRITING: the UUID of the GPU that event belongs to
 
 
 @dataclass(frozen=True)
@@ -234,6 +247,12 @@ def pack(message: Message) -> bytes:
             if len(body.host) != 16:
                 raise ProtocolViolation("a host id is 16 bytes")
             out += [struct.pack("<I", body.inline_chunks), bytes(body.host), struct.pack("<B", body.flags)]
+            if body.flags & FLAG_WRITING:
+                if len(body.event) != EVENT_BYTES or len(body.event_gpu) != 16:
+                    raise ProtocolViolation("a WRITING announce carries a 64-byte event handle and a 16-byte GPU UUID")
+                out += [bytes(body.event), bytes(body.event_gpu)]
+            elif body.event or body.event_gpu:
+                raise ProtocolViolation("only a WRITING announce carries an event")
         elif isinstance(body, Accept):
             out.append(struct.pack("<H", len(body.targets)))
             for target in body.targets:
@@ -383,9 +402,13 @@ def unpack(data: bytes | bytearray) -> Message:
         (inline,) = r.unpack("I")
         host = r.take(16)
         (flags,) = r.unpack("B")
-        if flags & ~(FLAG_WRITTEN | FLAG_TAPERED):
+        if flags & ~(FLAG_WRITTEN | FLAG_TAPERED | FLAG_WRITING):
             raise ProtocolViolation(f"unknown announce flags {flags:#x}")
-        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, host, flags)
+        if flags & FLAG_WRITTEN and flags & FLAG_WRITING:
+            raise ProtocolViolation("an announce flagged both WRITTEN and WRITING")
+        event, event_gpu = (r.take(EVENT_BYTES), r.take(16)) if flags & FLAG_WRITING else (b"", b"")
+        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, host, flags, event,
+                        event_gpu)
     elif kind == Kind.CHUNK:
         (index,) = r.unpack("I")
         body = Chunk(index, memoryview(data)[r.at:])

@@ -100,6 +100,10 @@ class CodecRunner:
             return self.call_now(direction, device, work)
         return await self._in_thread(self.call_now, direction, device, work)
 
+    def stream(self, direction: str) -> torch.cuda.Stream | None:
+        """The direction's stream (None on the host), for work launched now and awaited later."""
+        return self._streams.get(direction)
+
     def call_now(self, direction: str, device: torch.device, work: Callable[[torch.cuda.Stream | None], Any]) -> Any:
         """``call`` on the caller's thread. ``work`` is given the stream (None on the host) and
         launches on it itself: switching torch's current stream costs more than a one-block copy

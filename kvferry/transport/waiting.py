@@ -1,6 +1,7 @@
 """Awaiting GPU work from the event loop. A stream or event synchronize would hold the whole loop
 (UCX's progress, every other transfer's messages) for the GPU's time; polling once per turn of
-the loop lets them run meanwhile."""
+the loop lets them run meanwhile; a wait past ``SPIN_S`` polls every ``SLOW_POLL_S`` instead
+(no longer latency-bound, and a peer's stalled event must not hold a core for its whole timeout)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import time
 from typing import Protocol
 
 from .errors import TransportTimeout
+
+SPIN_S = 0.05
+SLOW_POLL_S = 0.0005
 
 
 class Launched(Protocol):
@@ -25,8 +29,10 @@ async def until_ready(*launched: Launched, timeout: float, what: str) -> None:
     """
     if all(work.ready() for work in launched):
         return
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     while not all(work.ready() for work in launched):
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TransportTimeout(f"{what}: the GPU did not finish within {timeout:g} s")
-        await asyncio.sleep(0)
+        await asyncio.sleep(0 if now - start < SPIN_S else SLOW_POLL_S)

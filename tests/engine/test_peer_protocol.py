@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from kvferry.engine.blocks import Blocks, Range
 from kvferry.engine.errors import ProtocolViolation
 
 TID = "00112233445566778899aabbccddeeff"
-HEAD = "4b56465006{kind:02x}000000112233445566778899aabbccddeeff"
+HEAD = "4b56465007{kind:02x}000000112233445566778899aabbccddeeff"
 GOLDEN = {
     "announce": (peer.Message(TID, peer.Announce(
         "splitzip", "bfloat16", Blocks(ranges=(Range(4, 3, 2),)),
@@ -29,6 +30,13 @@ GOLDEN = {
                                                           flags=peer.FLAG_WRITTEN)),
                          HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "00" + "0100000002000000"
                          "0100" "0164" "01" "04000000" "01000000" "00" "00000000" "000102030405060708090a0b0c0d0e0f" "01"),
+    "announce_writing": (peer.Message(TID, peer.Announce("raw", "bfloat16", Blocks(ids=(2,)),
+                                                          (peer.PairLayout("d", (4,), 1),), host=bytes(range(16)),
+                                                          flags=peer.FLAG_WRITING, event=bytes(range(64)),
+                                                          event_gpu=bytes([9] * 16))),
+                         HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "00" + "0100000002000000"
+                         "0100" "0164" "01" "04000000" "01000000" "00" "00000000" "000102030405060708090a0b0c0d0e0f" "04"
+                         + bytes(range(64)).hex() + "09" * 16),
     "announce_spread": (peer.Message(TID, peer.Announce("raw", "bfloat16", Blocks(ids=(3, 1), spread=(64, 300)),
                                                          (peer.PairLayout("d", (4,), 1),))),
                         HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "02" "02000000" "03000000"
@@ -46,9 +54,9 @@ GOLDEN = {
     "accept_shm": (peer.Message(TID, peer.Accept((peer.Target(b"kvferry-d".ljust(64, b"\0"), 0, peer.HOST_MEMORY, 3),))),
                    HEAD.format(kind=2) + "0100" + b"kvferry-d".hex() + "00" * 55 + "00" * 8 + "00" * 16 + "03000000"),
     "revoke": (peer.Message(peer.LINK_ID, peer.Revoke("dst")),
-               "4b564650060900" + "00" * 17 + "03647374"),
+               "4b564650070900" + "00" * 17 + "03647374"),
     "revoked": (peer.Message(peer.LINK_ID, peer.Revoked("dst")),
-                "4b564650060a00" + "00" * 17 + "03647374"),
+                "4b564650070a00" + "00" * 17 + "03647374"),
     "reject": (peer.Message(TID, peer.Reject("NotFound", "no region named 'x'")),
                HEAD.format(kind=3) + "084e6f74466f756e6413006e6f20726567696f6e206e616d656420277827"),
     "done": (peer.Message(TID, peer.Done(3, 1024, 900)), HEAD.format(kind=4) + "0300000000040000000000008403000000000000"),
@@ -145,6 +153,26 @@ def test_messages_parse_the_same_from_the_transports_bytearray():
 
 def test_unknown_announce_flags_are_refused():
     raw = bytearray.fromhex(GOLDEN["announce_written"][1])
-    raw[-1] = 0x04
+    raw[-1] = 0x08
     with pytest.raises(ProtocolViolation, match="flags"):
         peer.unpack(bytes(raw))
+
+
+def test_an_announce_is_written_or_being_written_and_only_a_writing_one_carries_an_event():
+    writing = bytearray.fromhex(GOLDEN["announce_writing"][1])
+    flags_at = len(writing) - peer.EVENT_BYTES - 16 - 1
+    assert writing[flags_at] == peer.FLAG_WRITING
+    both = bytearray(writing)
+    both[flags_at] = peer.FLAG_WRITING | peer.FLAG_WRITTEN
+    with pytest.raises(ProtocolViolation, match="both"):
+        peer.unpack(bytes(both))
+    with pytest.raises(ProtocolViolation, match="truncated"):
+        peer.unpack(bytes(writing[:-1]))  # an event cut short
+    with pytest.raises(ProtocolViolation, match="after"):
+        peer.unpack(bytes.fromhex(GOLDEN["announce_written"][1]) + bytes(80))  # an event it does not flag
+    message = GOLDEN["announce_writing"][0]
+    for body in (dataclasses.replace(message.body, event=b"short"),
+                 dataclasses.replace(message.body, flags=0),
+                 dataclasses.replace(message.body, event_gpu=b"")):
+        with pytest.raises(ProtocolViolation, match="event"):
+            peer.pack(peer.Message(TID, body))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvferry.client import packed
+from kvferry.client.memory import cuda_ipc_handle
 from kvferry.engine import Blocks, Engine, RegionSpec, Settings, TransferSpec, ipc, peer
 from kvferry.engine.errors import TransferFailed
 from kvferry.engine.leases import Held
@@ -102,7 +103,6 @@ def test_a_lent_handle_that_lies_fails_one_transfer_and_the_next_works(kv):
 
     receiver = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "60"}, device="cuda:1")
     shape = tuple(kv.shape[1:])
-    block_bytes = kv[0].numel() * kv.element_size()
     try:
         receiver.client.create_region("d", BLOCKS, list(shape), "bfloat16")
 
@@ -144,6 +144,77 @@ def test_a_lent_handle_that_lies_fails_one_transfer_and_the_next_works(kv):
                         torch.cuda.synchronize(0)  # the sender's context is alive
                         a.leases.hold(connection, held)
                         await honest([src_ids[0] + 1, 7], [17, 3])
+            finally:
+                await a.close()
+
+        asyncio.run(asyncio.wait_for(main(), 300))
+    finally:
+        stop(receiver)
+
+
+def test_a_junk_event_handle_is_not_opened_and_leaves_the_gpu_working():
+    events = ipc.WriteEvents()
+    assert events.open(bytes(64), ipc.device_uuid(0)) is None
+    assert events.open(bytes(range(64)), bytes(16)) is None  # no such GPU here
+    torch.ones(4, device="cuda:0").sum().item()  # the context is alive
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["both-gpus-visible", "sender-gpu-hidden-from-receiver"])
+def test_large_writes_are_announced_while_they_run(hidden):
+    """A write of at least ``ANNOUNCE_AT_LAUNCH_BYTES`` under a lease is announced as soon as it is
+    launched, with the event that ends it: on the event loop (32 MiB) and past the loop's bound
+    (over 1 GiB), bit-exact, nothing else touched. A receiver that cannot see the sender's GPU
+    (``CUDA_VISIBLE_DEVICES``) cannot open the event: it asks for WRITTEN, the transfer still
+    lands, and later writes on that connection are announced once finished."""
+    from kvferry.demo import _PEER_SECRET
+    from kvferry.engine.outgoing import ANNOUNCE_AT_LAUNCH_BYTES
+
+    shape, blocks = (4096, 1024), 160  # 8 MiB blocks, 1.25 GiB a cache
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "60", **({"CUDA_VISIBLE_DEVICES": "1"} if hidden else {})}
+    receiver = spawn("tcp", env, device="cuda:0" if hidden else "cuda:1")
+    dst = torch.empty((blocks, *shape), dtype=torch.bfloat16, device="cuda:1")
+    dst.view(torch.int16).random_(-32768, 32767)
+    try:
+        lent = cuda_ipc_handle(dst)
+        if hidden:
+            lent["device"] = 0  # the receiver's only GPU
+        receiver.client.create_region("d", blocks, list(shape), "bfloat16", kind="cuda_ipc", **lent)
+
+        async def main():
+            a = Engine(Settings(data_port=0, device="cuda:0", transport_backend="tcp", transfer_timeout=60,
+                                peer_secret=_PEER_SECRET))
+            await a.start()
+            try:
+                src = await a.register_region(RegionSpec("s", blocks, shape, "bfloat16"))
+                src.tensor.view(torch.int16).random_(-32768, 32767)  # every bit pattern: NaNs, -0, subnormals
+
+                async def send(src_ids: list[int], dst_ids: list[int]) -> dict:
+                    before = dst.clone()
+                    spec = TransferSpec(peer=receiver.data, pairs=(("s", "d"),), src_blocks=Blocks.of(src_ids),
+                                        dst_blocks=Blocks.of(dst_ids), codec="raw")
+                    record = await a.wait(a.submit(spec).id, 60)
+                    assert record["state"] == "done" and "same host" in record["choice_reason"], record
+                    torch.cuda.synchronize(1)
+                    assert bits_equal(dst[dst_ids].cpu(), src.tensor[src_ids].cpu())
+                    others = sorted(set(range(blocks)) - set(dst_ids))
+                    assert bits_equal(dst[others].cpu(), before[others].cpu())
+                    incoming = receiver.client.transfer(record["id"])
+                    assert incoming["state"] == "done" and incoming["blocks_done"] == len(dst_ids), incoming
+                    return record["stages"]
+
+                await send(list(range(4)), [150, 3, 77, 9])  # the first: offered, lent, written, WRITTEN
+                host, port = receiver.data.rsplit(":", 1)
+                connection = a.pool.ready(host, int(port))
+                assert a.leases.held(connection, ["d"], [shape], "bfloat16") is not None
+                assert 4 * 8 << 20 >= ANNOUNCE_AT_LAUNCH_BYTES
+                stages = await send([10, 11, 12, 13], [20, 140, 21, 5])  # on the loop, announced at launch
+                assert stages["announced"] <= stages["last_byte"], stages
+                assert a.leases.waits_on_events(connection) is not hidden
+                big = list(range(136))  # 1.06 GiB: past the loop's bound, awaited by polling
+                stages = await send(big, [blocks - 1 - i for i in big])
+                assert (stages["announced"] <= stages["last_byte"]) is not hidden, stages
+                stages = await send([100, 101, 102, 103], [0, 1, 2, 159])
+                assert (stages["announced"] <= stages["last_byte"]) is not hidden, stages
             finally:
                 await a.close()
 

@@ -1,0 +1,137 @@
+"""A same-host write announced while it runs (an ANNOUNCE flagged WRITING, with the CUDA event that
+ends it), from the receiver's side, driven by hand: a receiver that cannot open the event (here:
+no GPU; on a host, the sender's GPU hidden from it) answers with an empty ACCEPT and is done only
+once the sender's WRITTEN comes; a sender that never says it fails the transfer in time; and such
+an announce is refused without a lease, or for a codec other than raw. Host shared memory stands
+in for the lent GPU memory (the receiver's path is the same past the event)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from multiprocessing import shared_memory
+
+import pytest
+import torch
+
+from kvferry.engine import Engine, RegionSpec, Settings, ipc, peer
+from kvferry.engine.blocks import Blocks
+from kvferry.transport.wire import MessageType
+from tests.rawpeer import RawPeer
+
+SECRET = "writing-announce"
+BLOCK = (8192,)  # bf16: 16 KiB a block
+BLOCKS = 400  # more than rides inline: the first transfer offers to write itself
+
+
+def _announce(transfer_id: str, ids: list[int], flags: int = 0, codec: str = "raw") -> peer.Message:
+    writing = flags & peer.FLAG_WRITING
+    return peer.Message(transfer_id, peer.Announce(
+        codec, "bfloat16", Blocks(ids=tuple(ids)), (peer.PairLayout("dst", BLOCK, 64),), host=ipc.host_id(),
+        flags=flags, event=bytes(range(64)) if writing else b"", event_gpu=bytes([7] * 16) if writing else b""))
+
+
+async def _reply(raw: RawPeer, timeout: float = 5) -> peer.Message:
+    """The next peer message (CTS and other transport messages skipped)."""
+    while True:
+        message, payload = await asyncio.wait_for(raw.recv(), timeout)
+        if message.type == MessageType.MSG:
+            return peer.unpack(payload)
+
+
+def _run(body, transfer_timeout: float = 10):
+    async def main():
+        engine = Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", peer_secret=SECRET,
+                                 transfer_timeout=transfer_timeout))
+        await engine.start()
+        segment = shared_memory.SharedMemory(name=f"kvferry-w{uuid.uuid4().hex[:12]}", create=True,
+                                             size=BLOCKS * BLOCK[0] * 2)
+        raw = None
+        try:
+            await engine.register_region(RegionSpec("dst", BLOCKS, BLOCK, "bfloat16", kind="shm",
+                                                    shm_name=segment.name))
+            view = torch.frombuffer(segment.buf, dtype=torch.int16).view(BLOCKS, *BLOCK)
+            raw = await RawPeer.connect(engine.data_address, SECRET.encode())
+            await body(engine, raw, view)
+        finally:
+            if raw is not None:
+                await raw.close()
+            await engine.close()
+            del view
+            segment.close()
+            segment.unlink()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+async def _lease(raw: RawPeer, view: torch.Tensor) -> None:
+    """Take the lease as a sender does: offer to write, be lent the region, write, say WRITTEN."""
+    first = uuid.uuid4().hex
+    await raw.send_peer(_announce(first, list(range(300))))
+    accept = await _reply(raw)
+    assert isinstance(accept.body, peer.Accept) and accept.body.targets, accept
+    assert accept.body.targets[0].device_uuid == peer.HOST_MEMORY
+    view[:300] = 1
+    await raw.send_peer(peer.Message(first, peer.Written(300)))
+    done = await _reply(raw)
+    assert isinstance(done.body, peer.Done) and done.transfer_id == first
+
+
+async def _state(engine: Engine, transfer_id: str, timeout: float = 5) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        record = engine.status(transfer_id)
+        if record["state"] != "running" or time.monotonic() > deadline:
+            return record
+        await asyncio.sleep(0.01)
+
+
+def test_a_receiver_that_cannot_open_the_event_asks_for_written_and_is_done_only_then():
+    async def body(engine, raw, view):
+        await _lease(raw, view)
+        transfer_id, ids = uuid.uuid4().hex, [5, 9, 100]
+        await raw.send_peer(_announce(transfer_id, ids, peer.FLAG_WRITING))
+        asked = await _reply(raw)
+        assert asked.transfer_id == transfer_id and asked.body == peer.Accept(), asked  # no targets: say WRITTEN
+        await asyncio.sleep(0.2)
+        assert engine.status(transfer_id)["state"] == "running"  # the event alone does not end it here
+        view[ids] = 3
+        await raw.send_peer(peer.Message(transfer_id, peer.Written(len(ids))))
+        done = await _reply(raw)
+        assert isinstance(done.body, peer.Done) and done.transfer_id == transfer_id and done.body.blocks == len(ids)
+        record = await _state(engine, transfer_id)
+        assert record["state"] == "done" and record["blocks_done"] == len(ids), record
+
+    _run(body)
+
+
+def test_a_sender_that_never_says_written_fails_the_transfer_in_time():
+    async def body(engine, raw, view):
+        await _lease(raw, view)
+        transfer_id = uuid.uuid4().hex
+        started = time.monotonic()
+        await raw.send_peer(_announce(transfer_id, [1, 2], peer.FLAG_WRITING))
+        assert (await _reply(raw)).body == peer.Accept()
+        error = await _reply(raw, timeout=10)
+        assert isinstance(error.body, peer.Error) and "did not write" in error.body.reason, error
+        assert time.monotonic() - started < 5
+        assert (await _state(engine, transfer_id))["state"] == "failed"
+        assert not engine.links and not engine.transfers.active()
+
+    _run(body, transfer_timeout=1.5)
+
+
+@pytest.mark.parametrize("case", ["no lease", "not raw"])
+def test_a_writing_announce_is_refused_without_a_lease_or_for_a_codec(case):
+    async def body(engine, raw, view):
+        if case == "not raw":
+            await _lease(raw, view)
+        transfer_id = uuid.uuid4().hex
+        await raw.send_peer(_announce(transfer_id, [1], peer.FLAG_WRITING,
+                                      codec="splitzip" if case == "not raw" else "raw"))
+        reply = await _reply(raw)
+        assert isinstance(reply.body, peer.Reject) and reply.body.error == "ProtocolViolation", reply
+        assert engine.transfers.find(transfer_id) is None
+
+    _run(body)
