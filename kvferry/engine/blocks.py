@@ -248,12 +248,25 @@ class Ids:
         return ids
 
     def with_(self, other: Ids, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(these ids, ``other``'s) on ``device``, with at most one copy for both."""
+        """(these ids, ``other``'s) on ``device``, with at most one copy for both, queued on the
+        device's current stream (``to_stream``): use them on that stream."""
         if device.type == "cpu" or device in self._devices or device in other._devices:
             return self.on(device), other.on(device)
-        both = torch.cat((self.host, other.host)).to(device)
+        both = to_stream(torch.cat((self.host, other.host)), device)
         self._devices[device], other._devices[device] = both[:len(self)], both[len(self):]
         return self._devices[device], other._devices[device]
+
+
+def to_stream(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``ids`` (on the host) copied to ``device`` on its current stream, staged through pinned
+    memory: a copy from pageable memory waits for the GPU, ~0.33 ms for 2 KiB of ids in a sidecar
+    on an H200 host, a third of a 256 MiB same-host write's time before its kernel. Torch's
+    pinned allocator reuses the staging buffer only once the copy is done."""
+    if torch.device(device).type != "cuda":
+        return ids.to(device)
+    staged = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    staged.copy_(ids)
+    return staged.to(device, non_blocking=True)
 
 
 def _outer(starts: Sequence[int], count: int, stride: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -96,8 +96,9 @@ class Outgoing:
     def start_leased(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                      address: tuple[str, int]) -> bool:
         """Write a small transfer, here and now, into memory the receiver lent this sidecar's open
-        connection (a standing lease), then announce it behind the data: one message, ended by the
-        receiver's DONE. False, with nothing done, if it does not qualify."""
+        connection (a standing lease), then announce it behind the data (a large GPU write: as soon
+        as it is launched): one message, ended by the receiver's DONE. False, with nothing done, if
+        it does not qualify."""
         connection = self.ctx.plane.pool.ready(*address)
         if connection is None or not self.ctx.leases.holding(connection) \
                 or not runs_now(pairs[0].region.tensor.device, spec.raw_bytes(pairs)):
@@ -110,11 +111,11 @@ class Outgoing:
         link = self.ctx.links.add(t, PeerLink(connection, reused=True))
         self._same_host(t)
         raw, device = spec.raw_bytes(pairs), pairs[0].region.tensor.device
-        end = None
+        end, at_launch = None, self._announces_at_launch(connection, device, raw)
         try:
-            announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
+            announce = None if at_launch else self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
             with self.ctx.leases.writing(connection, helds):
-                if self._announces_at_launch(connection, device, raw):
+                if at_launch:
                     stream = self.ctx.codec.stream("encode")
                     try:
                         end = self._launch(spec, pairs, helds, stream)
@@ -132,7 +133,7 @@ class Outgoing:
         t.bytes_raw = raw
         for stage in ("first_byte", "last_byte"):
             t.mark(stage)
-        if end is None:
+        if announce is not None:
             connection.post_message(announce)
             t.mark("announced")
         self.apply(t, Event(On.WRITTEN))

@@ -7,7 +7,7 @@ import torch
 
 from kvferry.codec import blockcopy
 
-from .blocks import Blocks, Ids
+from .blocks import Blocks, Ids, to_stream
 from .ipc import Mapper
 from .leases import Held
 from .links import Pair
@@ -37,7 +37,7 @@ def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: 
                 continue
             src, dst = pair.index.spread, resolved[target.num_blocks].spread
             if src is not None and dst is not None and src[1] == dst[1]:
-                ids = torch.tensor(src[0] + dst[0], dtype=torch.int64).to(region.tensor.device)  # one small copy
+                ids = to_stream(torch.tensor(src[0] + dst[0], dtype=torch.int64), region.tensor.device)
                 blockcopy.copy_spread(region.tensor, ids[:len(src[0])], remote, ids[len(src[0]):], src[1], src[2],
                                       dst[2])
                 continue

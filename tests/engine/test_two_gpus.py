@@ -162,62 +162,52 @@ def test_a_junk_event_handle_is_not_opened_and_leaves_the_gpu_working():
 @pytest.mark.parametrize("hidden", [False, True], ids=["both-gpus-visible", "sender-gpu-hidden-from-receiver"])
 def test_large_writes_are_announced_while_they_run(hidden):
     """A write of at least ``ANNOUNCE_AT_LAUNCH_BYTES`` under a lease is announced as soon as it is
-    launched, with the event that ends it: on the event loop (32 MiB) and past the loop's bound
-    (over 1 GiB), bit-exact, nothing else touched. A receiver that cannot see the sender's GPU
-    (``CUDA_VISIBLE_DEVICES``) cannot open the event: it asks for WRITTEN, the transfer still
-    lands, and later writes on that connection are announced once finished."""
-    from kvferry.demo import _PEER_SECRET
+    launched, with the event that ends it (the sender's record: announced before its last byte):
+    on the event loop (32 MiB) and past the loop's bound (over 1 GiB), bit-exact, nothing else
+    touched. A receiver that cannot see the sender's GPU (``CUDA_VISIBLE_DEVICES``) cannot open
+    the event: it asks for WRITTEN, the transfer still lands, and later writes on that connection
+    are announced once finished."""
     from kvferry.engine.outgoing import ANNOUNCE_AT_LAUNCH_BYTES
 
     shape, blocks = (4096, 1024), 160  # 8 MiB blocks, 1.25 GiB a cache
-    env = {"KVFERRY_TRANSFER_TIMEOUT": "60", **({"CUDA_VISIBLE_DEVICES": "1"} if hidden else {})}
-    receiver = spawn("tcp", env, device="cuda:0" if hidden else "cuda:1")
+    env = {"KVFERRY_TRANSFER_TIMEOUT": "60"}
+    sender = spawn("tcp", env, device="cuda:0")
+    receiver = spawn("tcp", {**env, **({"CUDA_VISIBLE_DEVICES": "1"} if hidden else {})},
+                     device="cuda:0" if hidden else "cuda:1")
+    src = torch.empty((blocks, *shape), dtype=torch.bfloat16, device="cuda:0")
     dst = torch.empty((blocks, *shape), dtype=torch.bfloat16, device="cuda:1")
-    dst.view(torch.int16).random_(-32768, 32767)
+    for t in (src, dst):
+        t.view(torch.int16).random_(-32768, 32767)  # every bit pattern: NaNs, -0, subnormals
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
     try:
+        sender.client.region_from_tensor("s", src, kind="cuda_ipc")
         lent = cuda_ipc_handle(dst)
         if hidden:
             lent["device"] = 0  # the receiver's only GPU
         receiver.client.create_region("d", blocks, list(shape), "bfloat16", kind="cuda_ipc", **lent)
 
-        async def main():
-            a = Engine(Settings(data_port=0, device="cuda:0", transport_backend="tcp", transfer_timeout=60,
-                                peer_secret=_PEER_SECRET))
-            await a.start()
-            try:
-                src = await a.register_region(RegionSpec("s", blocks, shape, "bfloat16"))
-                src.tensor.view(torch.int16).random_(-32768, 32767)  # every bit pattern: NaNs, -0, subnormals
+        def send(src_ids: list[int], dst_ids: list[int]) -> dict:
+            before = dst.clone()
+            torch.cuda.synchronize(1)
+            record = sender.client.wait(sender.client.submit("s", src_ids, receiver.data, "d", dst_ids, codec="raw"),
+                                        timeout=120)
+            assert record["state"] == "done" and "same host" in record["choice_reason"], record
+            assert bits_equal(dst[dst_ids].cpu(), src[src_ids].cpu())
+            others = sorted(set(range(blocks)) - set(dst_ids))
+            assert bits_equal(dst[others].cpu(), before[others].cpu())
+            incoming = receiver.client.transfer(record["id"])
+            assert incoming["state"] == "done" and incoming["blocks_done"] == len(dst_ids), incoming
+            return record["stages"]
 
-                async def send(src_ids: list[int], dst_ids: list[int]) -> dict:
-                    before = dst.clone()
-                    spec = TransferSpec(peer=receiver.data, pairs=(("s", "d"),), src_blocks=Blocks.of(src_ids),
-                                        dst_blocks=Blocks.of(dst_ids), codec="raw")
-                    record = await a.wait(a.submit(spec).id, 60)
-                    assert record["state"] == "done" and "same host" in record["choice_reason"], record
-                    torch.cuda.synchronize(1)
-                    assert bits_equal(dst[dst_ids].cpu(), src.tensor[src_ids].cpu())
-                    others = sorted(set(range(blocks)) - set(dst_ids))
-                    assert bits_equal(dst[others].cpu(), before[others].cpu())
-                    incoming = receiver.client.transfer(record["id"])
-                    assert incoming["state"] == "done" and incoming["blocks_done"] == len(dst_ids), incoming
-                    return record["stages"]
-
-                await send(list(range(4)), [150, 3, 77, 9])  # the first: offered, lent, written, WRITTEN
-                host, port = receiver.data.rsplit(":", 1)
-                connection = a.pool.ready(host, int(port))
-                assert a.leases.held(connection, ["d"], [shape], "bfloat16") is not None
-                assert 4 * 8 << 20 >= ANNOUNCE_AT_LAUNCH_BYTES
-                stages = await send([10, 11, 12, 13], [20, 140, 21, 5])  # on the loop, announced at launch
-                assert stages["announced"] <= stages["last_byte"], stages
-                assert a.leases.waits_on_events(connection) is not hidden
-                big = list(range(136))  # 1.06 GiB: past the loop's bound, awaited by polling
-                stages = await send(big, [blocks - 1 - i for i in big])
-                assert (stages["announced"] <= stages["last_byte"]) is not hidden, stages
-                stages = await send([100, 101, 102, 103], [0, 1, 2, 159])
-                assert (stages["announced"] <= stages["last_byte"]) is not hidden, stages
-            finally:
-                await a.close()
-
-        asyncio.run(asyncio.wait_for(main(), 300))
+        send(list(range(4)), [150, 3, 77, 9])  # the first: offered, lent, written, WRITTEN
+        assert 4 * 8 << 20 >= ANNOUNCE_AT_LAUNCH_BYTES
+        stages = send([10, 11, 12, 13], [20, 140, 21, 5])  # on the loop; announced at launch
+        assert stages["announced"] <= stages["last_byte"], stages
+        big = list(range(136))  # 1.06 GiB: past the loop's bound, awaited by polling
+        stages = send(big, [blocks - 1 - i for i in big])
+        assert (stages["announced"] <= stages["last_byte"]) is not hidden, stages
+        stages = send([100, 101, 102, 103], [0, 1, 2, 159])
+        assert (stages["announced"] <= stages["last_byte"]) is not hidden, stages
     finally:
-        stop(receiver)
+        stop(sender, receiver)
