@@ -36,7 +36,7 @@ what they speak; nothing else is read before it completes):
                        tag 1: the two ends are incompatible, the reason names both)
 
 An offer is u8 security mode (0: authenticated, 1: authenticated and encrypted), u8 n and n
-bytes naming the protocol the layer above speaks (e.g. ``kvferry-peer/6``); the transcript is
+bytes naming the protocol the layer above speaks (e.g. ``kvferry-peer/7``); the transcript is
 both HELLO payloads. The session keys come from both nonces, the secret and the transcript.
 
 MSG carries a small opaque message of the layer above (the engine's peer protocol), in order with
