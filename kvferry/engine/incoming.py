@@ -64,6 +64,10 @@ class Admission:
             incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, lent=True, end=end)
             self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
             apply(t, Event(On.ADMIT_LENT))
+            if end is not None and _reached(end):  # the copy finished before its announce was read
+                incoming.all_written()
+                self.ctx.links.drop(t)
+                return
             if end is None:  # the sender's GPU is not reachable from here: its WRITTEN says when
                 connection.post_message(peer.pack(peer.Message(t.id, peer.Accept())))
             t.task = asyncio.create_task(incoming.run())
@@ -377,6 +381,15 @@ class Incoming:
             self._failed(exc)
         finally:
             ctx.links.drop(t)
+
+
+def _reached(end: ipc.WriteEnd) -> bool:
+    """Whether the sender's event is reached already; a failed one is left to the wait, which
+    fails the transfer with the driver's word."""
+    try:
+        return end.ready()
+    except RuntimeError:
+        return False
 
 
 def credit_ahead(settings: Settings) -> int:
