@@ -352,16 +352,19 @@ class Outgoing:
     async def _write_same_host(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], helds: list[Held],
                                leased: bool = False) -> None:
         """Write the blocks into the receiver's lent memory, then tell it and wait for its DONE:
-        WRITTEN after an ACCEPT, or (``leased``: under a standing lease) the announce itself."""
+        WRITTEN after an ACCEPT, or (``leased``: under a standing lease) the announce itself, which
+        a large GPU write sends as soon as it is launched (``_write_announced``)."""
         link = self.ctx.links[t.id]
         raw = spec.raw_bytes(pairs)
         self._same_host(t)
-        announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN) if leased else None
         device = pairs[0].region.tensor.device
+        at_launch = leased and self._announces_at_launch(link.connection, device, raw)
+        announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN) if leased and not at_launch \
+            else None
         end = None
         try:
             with self.ctx.leases.writing(link.connection, helds):
-                if leased and self._announces_at_launch(link.connection, device, raw):
+                if at_launch:
                     end = await self._write_announced(t, spec, pairs, helds, link)
                 else:
                     await self.ctx.codec.call("encode", device, raw, self._write(spec, pairs, helds))
