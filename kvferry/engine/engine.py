@@ -303,6 +303,7 @@ class Engine:
     # ---- peer links ---------------------------------------------------------------------------
     def _connection_lost(self, connection: transport.Connection, exc: Exception) -> None:
         self.leases.lost(connection)
+        self.events.forget(connection)
         for t, link in self.links.lost(connection):
             self.driver.lost(t, link, exc)
 

@@ -60,7 +60,7 @@ class Admission:
             self.ctx.links.drop(t)
             return
         if announce.flags & peer.FLAG_WRITING:  # being written: done once the sender's event is reached
-            end = self.ctx.events.open(announce.event, announce.event_gpu)
+            end = self.ctx.events.open(announce.event, announce.event_gpu, connection)
             incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, lent=True, end=end)
             self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
             apply(t, Event(On.ADMIT_LENT))

@@ -23,7 +23,7 @@ import os
 import socket
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,14 +281,15 @@ class WriteEvents:
     each goes back once its own write is seen finished, and is recorded again only after
     ``RING - 1`` others, so a receiver still polling an old write is not kept waiting for a new
     one. The receiver's events opened from peers' handles (opening costs a driver call; a sender
-    reuses few), at most ``OPEN_LIMIT``, the least recently used closed first."""
+    reuses few), at most ``OPEN_LIMIT``, the least recently used closed first, and a peer's all
+    once its connection is gone (an event its sender destroyed must not be queried)."""
 
     RING = 8
     OPEN_LIMIT = 64
 
     def __init__(self) -> None:
         self._free: dict[int, deque[WriteEnd]] = {}
-        self._opened: OrderedDict[bytes, WriteEnd] = OrderedDict()
+        self._opened: OrderedDict[bytes, tuple[WriteEnd, Hashable]] = OrderedDict()
 
     def record(self, stream: torch.cuda.Stream) -> WriteEnd:
         """An event recorded on ``stream`` now, behind the work launched on it."""
@@ -306,24 +307,31 @@ class WriteEvents:
         """``end`` was reached (its write is finished): it may be recorded again."""
         self._free.setdefault(_local_index(end.gpu), deque()).append(end)
 
-    def open(self, handle: bytes, gpu: bytes) -> WriteEnd | None:
-        """A peer's event, to wait on here; None where it cannot be (no CUDA or CuPy here, its GPU
-        not visible to this process, the driver refuses the handle): the receiver then asks for
-        WRITTEN instead."""
-        end = self._opened.get(handle)
-        if end is not None and end.gpu == gpu:
+    def open(self, handle: bytes, gpu: bytes, owner: Hashable = None) -> WriteEnd | None:
+        """A peer's event, to wait on here, kept for ``owner`` (its connection); None where it
+        cannot be (no CUDA or CuPy here, its GPU not visible to this process, the driver refuses
+        the handle, no context can be made on that GPU): the receiver then asks for WRITTEN."""
+        kept = self._opened.get(handle)
+        if kept is not None and kept[0].gpu == gpu and kept[1] == owner:
             self._opened.move_to_end(handle)
-            return end
+            return kept[0]
         if not available():
             return None
         try:
             event = torch.cuda.Event.from_ipc_handle(_local_index(gpu), handle)
         except RuntimeError:
             return None
-        end = self._opened[handle] = WriteEnd(event, handle, gpu)
+        end = WriteEnd(event, handle, gpu)
+        self._opened[handle] = (end, owner)
+        self._opened.move_to_end(handle)
         while len(self._opened) > self.OPEN_LIMIT:
             self._opened.popitem(last=False)
         return end
+
+    def forget(self, owner: Hashable) -> None:
+        """``owner``'s connection is gone: the events opened for it are let go."""
+        for handle in [h for h, (_, o) in self._opened.items() if o == owner]:
+            del self._opened[handle]
 
     def close(self) -> None:
         self._free.clear()

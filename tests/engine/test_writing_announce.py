@@ -135,3 +135,33 @@ def test_a_writing_announce_is_refused_without_a_lease_or_for_a_codec(case):
         assert engine.transfers.find(transfer_id) is None
 
     _run(body)
+
+
+def test_opened_events_are_kept_per_connection_bounded_and_let_go_with_it(monkeypatch):
+    """The receiver's cache of opened events, with the driver's open stood in for (no GPU here):
+    a handle is opened once per connection, at most ``OPEN_LIMIT`` are kept, and a connection's
+    are let go when it is."""
+    opened = []
+
+    class Opened:
+        def __init__(self, handle: bytes):
+            self.handle = handle
+
+        def query(self) -> bool:
+            return True
+
+    monkeypatch.setattr(ipc, "available", lambda: True)
+    monkeypatch.setattr(ipc, "_local_index", lambda gpu: 0)
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle",
+                        classmethod(lambda cls, device, handle: opened.append(handle) or Opened(handle)))
+    events, gpu = ipc.WriteEvents(), bytes(16)
+    a, b = object(), object()
+    first = events.open(b"h1", gpu, a)
+    assert first is not None and first.ready() and events.open(b"h1", gpu, a) is first and opened == [b"h1"]
+    assert events.open(b"h1", gpu, b) is not first and opened == [b"h1", b"h1"]  # another connection's
+    for i in range(events.OPEN_LIMIT):
+        events.open(b"n%d" % i, gpu, b)
+    assert len(events._opened) == events.OPEN_LIMIT and b"h1" not in events._opened  # the oldest went
+    events.open(b"mine", gpu, a)
+    events.forget(b)
+    assert list(events._opened) == [b"mine"]
