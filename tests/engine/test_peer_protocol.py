@@ -35,8 +35,8 @@ GOLDEN = {
                                                           flags=peer.FLAG_WRITING, event=bytes(range(64)),
                                                           event_gpu=bytes([9] * 16))),
                          HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "00" + "0100000002000000"
-                         "0100" "0164" "01" "04000000" "01000000" "00" "00000000" "000102030405060708090a0b0c0d0e0f" "04"
-                         + bytes(range(64)).hex() + "09" * 16),
+                         "0100" "0164" "01" "04000000" "01000000" "00" "00000000"
+                         "000102030405060708090a0b0c0d0e0f" "04" + bytes(range(64)).hex() + "09" * 16),
     "announce_spread": (peer.Message(TID, peer.Announce("raw", "bfloat16", Blocks(ids=(3, 1), spread=(64, 300)),
                                                          (peer.PairLayout("d", (4,), 1),))),
                         HEAD.format(kind=1) + "037261770862666c6f6174313600" + "00" * 8 + "02" "02000000" "03000000"
