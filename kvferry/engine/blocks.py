@@ -206,6 +206,7 @@ class Ids:
                  spread: tuple[int, int] | None = None):
         self._host, self._listed, self._spread = host, listed, spread
         self._devices: dict[torch.device, torch.Tensor] = {}
+        self._staged: dict[torch.device, torch.Tensor] = {}  # copied without a wait (``with_``)
 
     @classmethod
     def of(cls, blocks: Blocks, num_blocks: int) -> Ids:
@@ -248,13 +249,23 @@ class Ids:
         return ids
 
     def with_(self, other: Ids, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(these ids, ``other``'s) on ``device``, with at most one copy for both, queued on the
-        device's current stream (``to_stream``): use them on that stream."""
-        if device.type == "cpu" or device in self._devices or device in other._devices:
-            return self.on(device), other.on(device)
-        both = to_stream(torch.cat((self.host, other.host)), device)
-        self._devices[device], other._devices[device] = both[:len(self)], both[len(self):]
-        return self._devices[device], other._devices[device]
+        """(these ids, ``other``'s) on ``device``, with at most one copy for both. On a GPU the
+        copy is queued on the current stream (``to_stream``) and kept apart from ``on``'s: only
+        work on that stream may read them (a same-host write's, on its sidecar's encode stream)."""
+        if device.type != "cuda":
+            if device in self._devices or device in other._devices:
+                return self.on(device), other.on(device)
+            both = torch.cat((self.host, other.host)).to(device)
+            self._devices[device], other._devices[device] = both[:len(self)], both[len(self):]
+            return self._devices[device], other._devices[device]
+        mine, theirs = self._staged.get(device), other._staged.get(device)
+        if mine is None and theirs is None:
+            both = to_stream(torch.cat((self.host, other.host)), device)
+            mine, theirs = both[:len(self)], both[len(self):]
+        mine = to_stream(self.host, device) if mine is None else mine
+        theirs = to_stream(other.host, device) if theirs is None else theirs
+        self._staged[device], other._staged[device] = mine, theirs
+        return mine, theirs
 
 
 def to_stream(ids: torch.Tensor, device: torch.device) -> torch.Tensor:

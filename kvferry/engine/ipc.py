@@ -290,9 +290,12 @@ class WriteEvents:
     def __init__(self) -> None:
         self._free: dict[int, deque[WriteEnd]] = {}
         self._opened: OrderedDict[bytes, tuple[WriteEnd, Hashable]] = OrderedDict()
+        self._refused: set[tuple[Hashable, bytes]] = set()  # (connection, GPU) whose events do not open here
 
     def record(self, stream: torch.cuda.Stream) -> WriteEnd:
-        """An event recorded on ``stream`` now, behind the work launched on it."""
+        """An event recorded on ``stream`` now, behind the work launched on it. Every same-host
+        write of a sidecar goes on its one encode stream, so an event recorded again is reached
+        only after the write it ended before: a receiver still polling it waits longer, never less."""
         free = self._free.setdefault(stream.device.index, deque())
         if len(free) >= self.RING:
             end = free.popleft()
@@ -315,11 +318,12 @@ class WriteEvents:
         if kept is not None and kept[0].gpu == gpu and kept[1] == owner:
             self._opened.move_to_end(handle)
             return kept[0]
-        if not available():
+        if not available() or (owner, gpu) in self._refused:
             return None
         try:
             event = torch.cuda.Event.from_ipc_handle(_local_index(gpu), handle)
         except RuntimeError:
+            self._refused.add((owner, gpu))  # not tried again for this peer: each try is a driver call
             return None
         end = WriteEnd(event, handle, gpu)
         self._opened[handle] = (end, owner)
@@ -332,10 +336,12 @@ class WriteEvents:
         """``owner``'s connection is gone: the events opened for it are let go."""
         for handle in [h for h, (_, o) in self._opened.items() if o == owner]:
             del self._opened[handle]
+        self._refused = {(o, gpu) for o, gpu in self._refused if o != owner}
 
     def close(self) -> None:
         self._free.clear()
         self._opened.clear()
+        self._refused.clear()
 
 
 @dataclass(frozen=True)

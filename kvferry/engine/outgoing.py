@@ -127,6 +127,8 @@ class Outgoing:
                 else:
                     self.ctx.codec.call_now("encode", device, self._write(spec, pairs, helds))
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
+            if end is not None:  # kept alive: the receiver may still query it (``WriteEvents``)
+                self.ctx.events.give(end)
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
                                         if isinstance(exc, RuntimeError) else exc), On.FAIL)
             return True
@@ -390,9 +392,9 @@ class Outgoing:
         """Launch the write, announce it (WRITING) while it runs, and wait for it, the loop polling
         meanwhile. However this ends, the copy is over before the lease's write is."""
         stream = self.ctx.codec.stream("encode")
-        end = self._launch(spec, pairs, helds, stream)
-        finished = False
+        end, finished = None, False
         try:
+            end = self._launch(spec, pairs, helds, stream)
             await link.connection.send_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING, end))
             t.mark("announced")
             await transport.until_ready(end, timeout=self.ctx.settings.transfer_timeout, what="a same-host write")
@@ -401,6 +403,8 @@ class Outgoing:
             if not finished:
                 with contextlib.suppress(RuntimeError):
                     stream.synchronize()
+                if end is not None:  # kept alive: the receiver may still query it (``WriteEvents``)
+                    self.ctx.events.give(end)
         return end
 
     def _write(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> functools.partial:

@@ -109,7 +109,13 @@ class CodecRunner:
         launches on it itself: switching torch's current stream costs more than a one-block copy
         (~50 µs in a sidecar on an H200 host, where the copy's own call took about as much)."""
         stream = self._streams.get(direction) if device.type == "cuda" else None
-        result = work(stream)
+        try:
+            result = work(stream)
+        except BaseException:
+            if stream is not None:  # what it launched before it failed is over before this returns
+                with contextlib.suppress(RuntimeError):
+                    stream.synchronize()
+            raise
         if stream is not None:
             stream.synchronize()
         return result

@@ -12,7 +12,7 @@ from typing import Protocol
 from .errors import TransportTimeout
 
 SPIN_S = 0.05
-SLOW_POLL_S = 0.0005
+SLOW_POLL_S = 0.001  # the loop's own timer resolution
 
 
 class Launched(Protocol):

@@ -1,13 +1,16 @@
 """A same-host write announced while it runs (an ANNOUNCE flagged WRITING, with the CUDA event that
-ends it), from the receiver's side, driven by hand: a receiver that cannot open the event (here:
-no GPU; on a host, the sender's GPU hidden from it) answers with an empty ACCEPT and is done only
-once the sender's WRITTEN comes; a sender that never says it fails the transfer in time; and such
-an announce is refused without a lease, or for a codec other than raw. Host shared memory stands
-in for the lent GPU memory (the receiver's path is the same past the event)."""
+ends it), from the receiver's side, driven by hand over a real connection: a receiver that cannot
+open the event (here: no GPU; on a host, the sender's GPU hidden from it) answers with an empty
+ACCEPT and is done only once the sender's WRITTEN comes; a sender that never says it fails the
+transfer in time; such an announce is refused without a lease, or for a codec other than raw. With
+the driver's event stood in for: the receiver says DONE only once the event is reached, takes no
+WRITTEN meanwhile, and does not retry a handle the driver refused for that peer. Host shared
+memory stands in for the lent GPU memory (the receiver's path is the same past the event)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from multiprocessing import shared_memory
@@ -137,27 +140,95 @@ def test_a_writing_announce_is_refused_without_a_lease_or_for_a_codec(case):
     _run(body)
 
 
-def test_opened_events_are_kept_per_connection_bounded_and_let_go_with_it(monkeypatch):
-    """The receiver's cache of opened events, with the driver's open stood in for (no GPU here):
-    a handle is opened once per connection, at most ``OPEN_LIMIT`` are kept, and a connection's
-    are let go when it is."""
-    opened = []
+class _Opened:
+    """The driver's view of a peer's event, stood in for (no GPU here): reached when told."""
 
-    class Opened:
-        def __init__(self, handle: bytes):
-            self.handle = handle
+    reached = False
 
-        def query(self) -> bool:
-            return True
+    def __init__(self, handle: bytes):
+        self.handle = handle
 
+    def query(self) -> bool:
+        return _Opened.reached
+
+
+@pytest.fixture
+def stand_in_events(monkeypatch) -> list[bytes]:
+    """Peers' events open here as ``_Opened`` (the handles opened are listed); a handle of all
+    0xff bytes is refused, as the driver refuses a junk one."""
+    opened: list[bytes] = []
+
+    def from_ipc_handle(cls, device, handle):
+        if handle == b"\xff" * 64:
+            raise RuntimeError("invalid resource handle")
+        opened.append(handle)
+        return _Opened(handle)
+
+    _Opened.reached = False
     monkeypatch.setattr(ipc, "available", lambda: True)
     monkeypatch.setattr(ipc, "_local_index", lambda gpu: 0)
-    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle",
-                        classmethod(lambda cls, device, handle: opened.append(handle) or Opened(handle)))
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", classmethod(from_ipc_handle))
+    return opened
+
+
+def test_a_receiver_says_done_only_once_the_senders_event_is_reached(stand_in_events):
+    async def body(engine, raw, view):
+        await _lease(raw, view)
+        transfer_id = uuid.uuid4().hex
+        await raw.send_peer(_announce(transfer_id, [4, 8], peer.FLAG_WRITING))
+        with pytest.raises(TimeoutError):  # no ACCEPT (it waits on the event), and no DONE yet
+            await _reply(raw, timeout=0.5)
+        assert stand_in_events == [bytes(range(64))] and engine.status(transfer_id)["state"] == "running"
+        _Opened.reached = True
+        done = await _reply(raw)
+        assert isinstance(done.body, peer.Done) and done.transfer_id == transfer_id and done.body.blocks == 2
+        assert (await _state(engine, transfer_id))["state"] == "done"
+        reached = uuid.uuid4().hex  # reached before its announce is read: done at once, the event kept
+        await raw.send_peer(_announce(reached, [3], peer.FLAG_WRITING))
+        done = await _reply(raw)
+        assert isinstance(done.body, peer.Done) and done.transfer_id == reached
+        assert stand_in_events == [bytes(range(64))] and not engine.links
+
+    _run(body)
+
+
+def test_a_written_for_a_transfer_that_waits_on_its_event_breaks_the_protocol(stand_in_events):
+    async def body(engine, raw, view):
+        await _lease(raw, view)
+        transfer_id = uuid.uuid4().hex
+        await raw.send_peer(_announce(transfer_id, [4], peer.FLAG_WRITING))
+        await raw.send_peer(peer.Message(transfer_id, peer.Written(1)))  # only the event may say so
+        error = await _reply(raw)
+        assert isinstance(error.body, peer.Error) and error.body.error == "ProtocolViolation", error
+        assert (await _state(engine, transfer_id))["state"] == "failed"
+
+    _run(body)
+
+
+def test_a_refused_event_handle_is_not_tried_again_for_that_peer(stand_in_events):
+    async def body(engine, raw, view):
+        await _lease(raw, view)
+        for i in range(3):
+            transfer_id = uuid.uuid4().hex
+            announce = _announce(transfer_id, [i], peer.FLAG_WRITING)
+            junk = peer.Message(transfer_id, dataclasses.replace(announce.body, event=b"\xff" * 64))
+            await raw.send_peer(junk if i == 0 else announce)  # later ones open, but not for this peer
+            assert (await _reply(raw)).body == peer.Accept()  # say WRITTEN
+            await raw.send_peer(peer.Message(transfer_id, peer.Written(1)))
+            assert isinstance((await _reply(raw)).body, peer.Done)
+        assert stand_in_events == []
+
+    _run(body)
+
+
+def test_opened_events_are_kept_per_connection_bounded_and_let_go_with_it(stand_in_events):
+    """The receiver's cache of opened events: a handle is opened once per connection, at most
+    ``OPEN_LIMIT`` are kept, and a connection's are let go when it is."""
+    opened = stand_in_events
     events, gpu = ipc.WriteEvents(), bytes(16)
     a, b = object(), object()
     first = events.open(b"h1", gpu, a)
-    assert first is not None and first.ready() and events.open(b"h1", gpu, a) is first and opened == [b"h1"]
+    assert first is not None and not first.ready() and events.open(b"h1", gpu, a) is first and opened == [b"h1"]
     assert events.open(b"h1", gpu, b) is not first and opened == [b"h1", b"h1"]  # another connection's
     for i in range(events.OPEN_LIMIT):
         events.open(b"n%d" % i, gpu, b)
