@@ -275,9 +275,7 @@ def to_stream(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     pinned allocator reuses the staging buffer only once the copy is done."""
     if torch.device(device).type != "cuda":
         return ids.to(device)
-    staged = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-    staged.copy_(ids)
-    return staged.to(device, non_blocking=True)
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 def _outer(starts: Sequence[int], count: int, stride: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -52,19 +52,14 @@ class Admission:
             return
         tags = peer.ChunkTags(transfer_id, len(plan))
         apply = self.ctx.driver.apply
-        if announce.flags & peer.FLAG_WRITTEN:  # the blocks are in place already: done at once
-            incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec)
+        if announce.flags & (peer.FLAG_WRITTEN | peer.FLAG_WRITING):  # written, or being written
+            writing = bool(announce.flags & peer.FLAG_WRITING)
+            end = self.ctx.events.open(announce.event, announce.event_gpu, connection) if writing else None
+            incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, lent=writing, end=end)
             self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
             apply(t, Event(On.ADMIT_LENT))
-            incoming.all_written()
-            self.ctx.links.drop(t)
-            return
-        if announce.flags & peer.FLAG_WRITING:  # being written: done once the sender's event is reached
-            end = self.ctx.events.open(announce.event, announce.event_gpu, connection)
-            incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, lent=True, end=end)
-            self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
-            apply(t, Event(On.ADMIT_LENT))
-            if end is not None and _reached(end):  # the copy finished before its announce was read
+            # In place already (a copy may have finished before its announce was read): done at once.
+            if not writing or end is not None and _reached(end):
                 incoming.all_written()
                 self.ctx.links.drop(t)
                 return

@@ -6,7 +6,6 @@ for the receiver's DONE."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -116,14 +115,12 @@ class Outgoing:
             announce = None if at_launch else self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
             with self.ctx.leases.writing(connection, helds):
                 if at_launch:
-                    stream = self.ctx.codec.stream("encode")
-                    try:
+                    with self.ctx.codec.launching("encode", device) as stream:
                         end = self._launch(spec, pairs, helds, stream)
                         connection.post_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING,
                                                                end))
                         t.mark("announced")
-                    finally:
-                        stream.synchronize()  # the lease is not let go while the copy may still write
+                    stream.synchronize()  # the lease is not let go while the copy may still write
                 else:
                     self.ctx.codec.call_now("encode", device, self._write(spec, pairs, helds))
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
@@ -391,20 +388,18 @@ class Outgoing:
                                link: PeerLink) -> ipc.WriteEnd:
         """Launch the write, announce it (WRITING) while it runs, and wait for it, the loop polling
         meanwhile. However this ends, the copy is over before the lease's write is."""
-        stream = self.ctx.codec.stream("encode")
-        end, finished = None, False
+        end = None
         try:
-            end = self._launch(spec, pairs, helds, stream)
-            await link.connection.send_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING, end))
-            t.mark("announced")
-            await transport.until_ready(end, timeout=self.ctx.settings.transfer_timeout, what="a same-host write")
-            finished = True
-        finally:
-            if not finished:
-                with contextlib.suppress(RuntimeError):
-                    stream.synchronize()
-                if end is not None:  # kept alive: the receiver may still query it (``WriteEvents``)
-                    self.ctx.events.give(end)
+            with self.ctx.codec.launching("encode", pairs[0].region.tensor.device) as stream:
+                end = self._launch(spec, pairs, helds, stream)
+                await link.connection.send_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING,
+                                                                  end))
+                t.mark("announced")
+                await transport.until_ready(end, timeout=self.ctx.settings.transfer_timeout, what="a same-host write")
+        except BaseException:
+            if end is not None:  # kept alive: the receiver may still query it (``WriteEvents``)
+                self.ctx.events.give(end)
+            raise
         return end
 
     def _write(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> functools.partial:

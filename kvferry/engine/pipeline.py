@@ -13,7 +13,7 @@ import contextlib
 import functools
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import torch
 
@@ -100,22 +100,26 @@ class CodecRunner:
             return self.call_now(direction, device, work)
         return await self._in_thread(self.call_now, direction, device, work)
 
-    def stream(self, direction: str) -> torch.cuda.Stream | None:
-        """The direction's stream (None on the host), for work launched now and awaited later."""
-        return self._streams.get(direction)
+    @contextlib.contextmanager
+    def launching(self, direction: str, device: torch.device) -> Iterator[torch.cuda.Stream | None]:
+        """The direction's stream (None on the host) for work launched in the block and awaited
+        later; if the block raises, what it launched is over before the error goes on (a
+        same-host write's lease must outlive its copy)."""
+        stream = self._streams.get(direction) if device.type == "cuda" else None
+        try:
+            yield stream
+        except BaseException:
+            if stream is not None:
+                with contextlib.suppress(RuntimeError):
+                    stream.synchronize()
+            raise
 
     def call_now(self, direction: str, device: torch.device, work: Callable[[torch.cuda.Stream | None], Any]) -> Any:
         """``call`` on the caller's thread. ``work`` is given the stream (None on the host) and
         launches on it itself: switching torch's current stream costs more than a one-block copy
         (~50 µs in a sidecar on an H200 host, where the copy's own call took about as much)."""
-        stream = self._streams.get(direction) if device.type == "cuda" else None
-        try:
+        with self.launching(direction, device) as stream:
             result = work(stream)
-        except BaseException:
-            if stream is not None:  # what it launched before it failed is over before this returns
-                with contextlib.suppress(RuntimeError):
-                    stream.synchronize()
-            raise
         if stream is not None:
             stream.synchronize()
         return result
