@@ -54,7 +54,8 @@ class Admission:
         apply = self.ctx.driver.apply
         if announce.flags & (peer.FLAG_WRITTEN | peer.FLAG_WRITING):  # written, or being written
             writing = bool(announce.flags & peer.FLAG_WRITING)
-            end = self.ctx.events.open(announce.event, announce.event_gpu, connection) if writing else None
+            end = self.ctx.events.open(announce.event, announce.event_gpu,
+                                       ipc.event_device(pairs[0].region.tensor.device), connection) if writing else None
             incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, lent=writing, end=end)
             self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
             apply(t, Event(On.ADMIT_LENT))
@@ -63,7 +64,7 @@ class Admission:
                 incoming.all_written()
                 self.ctx.links.drop(t)
                 return
-            if end is None:  # the sender's GPU is not reachable from here: its WRITTEN says when
+            if end is None:  # its event does not open here: the sender's WRITTEN says when
                 connection.post_message(peer.pack(peer.Message(t.id, peer.Accept())))
             t.task = asyncio.create_task(incoming.run())
             return

@@ -276,13 +276,20 @@ class WriteEnd:
         return self.event.query()
 
 
+def event_device(memory: torch.device) -> int | None:
+    """The GPU whose context opens a peer's event for a write into ``memory``: the GPU the write
+    lands on (``WriteEvents.open``); None for host memory, which no GPU event ends."""
+    return memory.index if memory.type == "cuda" else None
+
+
 class WriteEvents:
     """Both sides of a write announced while it runs. The sender's interprocess events, reused:
     each goes back once its own write is seen finished, and is recorded again only after
     ``RING - 1`` others, so a receiver still polling an old write is not kept waiting for a new
     one. The receiver's events opened from peers' handles (opening costs a driver call; a sender
-    reuses few), at most ``OPEN_LIMIT``, the least recently used closed first, and a peer's all
-    once its connection is gone (an event its sender destroyed must not be queried)."""
+    reuses few), each in the context of the GPU its write lands on, at most ``OPEN_LIMIT``, the
+    least recently used closed first, and a peer's all once its connection is gone (an event its
+    sender destroyed must not be queried)."""
 
     RING = 8
     OPEN_LIMIT = 64
@@ -310,18 +317,21 @@ class WriteEvents:
         """``end`` was reached (its write is finished): it may be recorded again."""
         self._free.setdefault(_local_index(end.gpu), deque()).append(end)
 
-    def open(self, handle: bytes, gpu: bytes, owner: Hashable = None) -> WriteEnd | None:
-        """A peer's event, to wait on here, kept for ``owner`` (its connection); None where it
-        cannot be (no CUDA or CuPy here, its GPU not visible to this process, the driver refuses
-        the handle, no context can be made on that GPU): the receiver then asks for WRITTEN."""
+    def open(self, handle: bytes, gpu: bytes, device: int | None, owner: Hashable = None) -> WriteEnd | None:
+        """A peer's event from GPU ``gpu``, to wait on here, kept for ``owner`` (its connection).
+        It is opened in this process's context on ``device``, the GPU its write lands on: an
+        interprocess event is queried from another GPU's context as from its own (measured on
+        two H200s), so no context is made on the sender's GPU, which need not even be visible
+        here. None where it cannot be (no CUDA or CuPy here, memory not on a GPU, the driver
+        refuses the handle): the receiver then asks for WRITTEN."""
         kept = self._opened.get(handle)
         if kept is not None and kept[0].gpu == gpu and kept[1] == owner:
             self._opened.move_to_end(handle)
             return kept[0]
-        if not available() or (owner, gpu) in self._refused:
+        if device is None or not available() or (owner, gpu) in self._refused:
             return None
         try:
-            event = torch.cuda.Event.from_ipc_handle(_local_index(gpu), handle)
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
         except RuntimeError:
             self._refused.add((owner, gpu))  # not tried again for this peer: each try is a driver call
             return None

@@ -58,8 +58,8 @@ registered once): the sender may write later transfers into them at once and sen
 ANNOUNCE with the WRITTEN flag behind the data, one message, answered by DONE. A large write on
 a GPU is announced as soon as it is launched, flagged WRITING with an interprocess event recorded
 behind it: the receiver admits the transfer while the copy runs and says DONE once the event is
-reached, so the announce's round trip overlaps the copy. A receiver that cannot open the event
-(the sender's GPU is not visible to it) answers with an empty ACCEPT, and the sender then sends
+reached (the event opened on the GPU the write lands on), so the announce's round trip overlaps
+the copy. A receiver that cannot open the event answers with an empty ACCEPT, and the sender then sends
 WRITTEN once its write has finished. A receiver lets a
 region go only after REVOKE has been answered by REVOKED (or the connection is gone).
 """

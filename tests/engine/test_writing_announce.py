@@ -1,7 +1,7 @@
 """A same-host write announced while it runs (an ANNOUNCE flagged WRITING, with the CUDA event that
 ends it), from the receiver's side, driven by hand over a real connection: a receiver that cannot
-open the event (here: no GPU; on a host, the sender's GPU hidden from it) answers with an empty
-ACCEPT and is done only once the sender's WRITTEN comes; a sender that never says it fails the
+open the event (here: host memory, which no GPU event ends; on a host, a handle the driver
+refuses) answers with an empty ACCEPT and is done only once the sender's WRITTEN comes; a sender that never says it fails the
 transfer in time; such an announce is refused without a lease, or for a codec other than raw. With
 the driver's event stood in for: the receiver says DONE only once the event is reached, takes no
 WRITTEN meanwhile, and does not retry a handle the driver refused for that peer. Host shared
@@ -144,6 +144,7 @@ class _Opened:
     """The driver's view of a peer's event, stood in for (no GPU here): reached when told."""
 
     reached = False
+    devices: list[int] = []  # where each was opened
 
     def __init__(self, handle: bytes):
         self.handle = handle
@@ -162,11 +163,13 @@ def stand_in_events(monkeypatch) -> list[bytes]:
         if handle == b"\xff" * 64:
             raise RuntimeError("invalid resource handle")
         opened.append(handle)
+        _Opened.devices.append(device)
         return _Opened(handle)
 
-    _Opened.reached = False
+    _Opened.reached, _Opened.devices = False, []
     monkeypatch.setattr(ipc, "available", lambda: True)
-    monkeypatch.setattr(ipc, "_local_index", lambda gpu: 0)
+    # The shared memory stands for GPU 5's: the event is opened where the write lands.
+    monkeypatch.setattr(ipc, "event_device", lambda memory: 5 if memory.type == "cpu" else None)
     monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", classmethod(from_ipc_handle))
     return opened
 
@@ -179,6 +182,7 @@ def test_a_receiver_says_done_only_once_the_senders_event_is_reached(stand_in_ev
         with pytest.raises(TimeoutError):  # no ACCEPT (it waits on the event), and no DONE yet
             await _reply(raw, timeout=0.5)
         assert stand_in_events == [bytes(range(64))] and engine.status(transfer_id)["state"] == "running"
+        assert _Opened.devices == [5]  # in the context of the GPU the write lands on, not the sender's
         _Opened.reached = True
         done = await _reply(raw)
         assert isinstance(done.body, peer.Done) and done.transfer_id == transfer_id and done.body.blocks == 2
@@ -227,12 +231,12 @@ def test_opened_events_are_kept_per_connection_bounded_and_let_go_with_it(stand_
     opened = stand_in_events
     events, gpu = ipc.WriteEvents(), bytes(16)
     a, b = object(), object()
-    first = events.open(b"h1", gpu, a)
-    assert first is not None and not first.ready() and events.open(b"h1", gpu, a) is first and opened == [b"h1"]
-    assert events.open(b"h1", gpu, b) is not first and opened == [b"h1", b"h1"]  # another connection's
+    first = events.open(b"h1", gpu, 0, a)
+    assert first is not None and not first.ready() and events.open(b"h1", gpu, 0, a) is first and opened == [b"h1"]
+    assert events.open(b"h1", gpu, 0, b) is not first and opened == [b"h1", b"h1"]  # another connection's
     for i in range(events.OPEN_LIMIT):
-        events.open(b"n%d" % i, gpu, b)
+        events.open(b"n%d" % i, gpu, 0, b)
     assert len(events._opened) == events.OPEN_LIMIT and b"h1" not in events._opened  # the oldest went
-    events.open(b"mine", gpu, a)
+    events.open(b"mine", gpu, 0, a)
     events.forget(b)
     assert list(events._opened) == [b"mine"]
