@@ -29,11 +29,14 @@ from dataclasses import dataclass, field
 
 
 # A chunk plan is tapered (its first and last chunks split, ``peer.plan_chunks``) where a chunk
-# spends this long on the link and its coding (encode and decode) this long: the two messages
-# the taper adds cost ~0.25 ms each on the GPU hosts measured, and it saves seven eighths of the
-# first chunk's encode and of the last one's decode. SplitZip's 256 MiB chunk codes in ~0.5 ms
-# (the taper measured level: docs/decisions/004-tapered-chunk-plans.md), entropy's in ~1.2 ms.
-TAPER_WIRE_SECONDS = 3e-3
+# spends this long on the link and its coding (encode and decode) this long. The taper saves seven
+# eighths of the first chunk's encode and of the last one's decode, but each end piece spends only
+# an eighth of a chunk's time on the link, and the call beside it must cover its fixed cost (in
+# the pipeline on an H200 ~0.5 ms an encode, ~0.8 ms a decode) in that time, or the link idles:
+# 8 x 0.75 ms. At 3.5 ms a chunk (entropy at 50 GB/s) the taper cost 1.5-2.3 ms a 2 GiB transfer;
+# at 7 ms (25 GB/s) it saved 0.7-1.1 ms (docs/decisions/043-taper-where-end-pieces-cover-a-call.md).
+# SplitZip's 256 MiB chunk codes in ~0.5 ms (the taper measured level: decision 004).
+TAPER_WIRE_SECONDS = 6e-3
 TAPER_CODING_SECONDS = 0.8e-3
 # A codec predicted at most this much slower than the model's best is worth a measured transfer
 # (per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
@@ -143,9 +146,9 @@ class Policy:
     def tapers(self, peer: str, chunk_bytes: int, codec: str) -> bool:
         """Whether a transfer to ``peer`` should taper its chunk plan (``peer.plan_chunks``): a
         full chunk spends at least ``TAPER_WIRE_SECONDS`` on the link and ``TAPER_CODING_SECONDS``
-        being coded, so that the two messages the taper adds cost less than what it saves at
-        both ends (seven eighths of a chunk's encode before the first byte leaves, and of its
-        decode after the last arrives)."""
+        being coded, so that the two messages the taper adds, and the codec calls beside its end
+        pieces, cost less than what it saves at both ends (seven eighths of a chunk's encode
+        before the first byte leaves, and of its decode after the last arrives)."""
         speed = self.codecs.get(codec)
         if speed is None or speed.encode_gbps <= 0 or speed.decode_gbps <= 0:
             return False
