@@ -12,7 +12,9 @@ lives in this process and is shared with the senders by CUDA IPC (shared memory 
 machine), as a serving engine shares it; the decode side's cache is an ``owned`` region of the
 receiving sidecar. One receiver on the second GPU (the first when only one is visible) and one
 sender per link speed on the first GPU, each pacing its outgoing data to that speed
-(``KVFERRY_EMULATED_LINK_GBPS``; ``max`` = unpaced, the stack's own ceiling).
+(``KVFERRY_EMULATED_LINK_GBPS``; ``max`` = unpaced, the stack's own ceiling). Between GPUs the
+links run over ucxx (UCX's CUDA IPC, the one transport here faster than the links it stands for),
+on a CPU machine over tcp; ``--backend`` names another.
 
 Per point: seconds (the sender's, submit to the receiver's last block written), effective GB/s
 of raw KV, speedup over raw, wire ratio, and the model max(S/Ce, S/(r*B), S/Cd) with Ce/Cd the
@@ -23,6 +25,7 @@ are zeroed before and byte-compared after every transfer.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -174,8 +177,21 @@ def run_point(rig: Rig, link: str, tokens: int, codec_name: str, expected: dict[
     return result, exact
 
 
+def link_backend(requested: str, device: str) -> str:
+    """The transport under the emulated links: the one asked for, else (``auto``) ucxx between
+    GPUs where it imports, tcp otherwise. Links of 50 GB/s and more need UCX's CUDA IPC between
+    the GPUs of this host; the sidecars' own ``auto`` takes TCP lanes where no RDMA device is
+    open to them, which carry ~10 GB/s between two H200s."""
+    if requested != "auto":
+        return requested
+    if device.startswith("cuda") and importlib.util.find_spec("ucxx") is not None:
+        return "ucxx"
+    return "tcp"
+
+
 def sweep(args) -> dict:
     sender_device, receiver_device = pick_devices(args.devices)
+    args.backend = link_backend(args.backend, sender_device)
     max_blocks = max(args.tokens) // BLOCK_TOKENS
     cache = fill_cache(max_blocks, args.layers, sender_device)
     block_shape = list(cache.shape[1:])
@@ -422,7 +438,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=32, help="fewer for a quick run on a CPU")
     parser.add_argument("--devices", default="auto", help="sender[,receiver], e.g. cuda:0,cuda:1")
-    parser.add_argument("--backend", default="auto", help="transport: auto, ucxx, tcp")
+    parser.add_argument("--backend", default="auto",
+                        help="transport: ucxx, tcp, or auto (ucxx between GPUs where it imports, else tcp)")
     parser.add_argument("--ucx-tls", default="", help="UCX_TLS for the sidecars (default: tcp + CUDA on a GPU)")
     parser.add_argument("--chunk-mib", type=int, default=0, help="pipeline chunk; 0 = the daemon's default")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="stop sweeping after this long")

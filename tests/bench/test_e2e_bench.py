@@ -59,3 +59,16 @@ def test_analysis_speedup_model_and_targets():
     expected = max(gib / 400e9, gib / (1.33 * 100e9), gib / 400e9)
     assert abs(rows["splitzip"]["model_s"] - expected) / expected < 1e-3
     assert rows["raw"]["model_s"] == gib / 100e9
+
+
+def test_emulated_links_run_over_a_transport_faster_than_them(monkeypatch):
+    """Between GPUs ``auto`` puts the links on ucxx (CUDA IPC), not the sidecars' own choice
+    without RDMA (TCP lanes, slower than the links emulated); a named backend is kept."""
+    bench = _load_bench()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "ucxx" else real(name, *a))
+    assert bench.link_backend("auto", "cuda:0") == "ucxx"
+    assert bench.link_backend("auto", "cpu") == "tcp"
+    assert bench.link_backend("tcp", "cuda:0") == "tcp"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ucxx" else real(name, *a))
+    assert bench.link_backend("auto", "cuda:0") == "tcp"
