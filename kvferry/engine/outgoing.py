@@ -262,7 +262,7 @@ class Outgoing:
         codec, book = self._choose(t, spec, pairs, candidates, book)
         # On a slow link the plan is tapered: the first bytes leave, and the last are decoded, sooner.
         tapered = self.ctx.policy.tapers(t.peer, pairs[0].blocks_per_chunk * pairs[0].region.block_bytes,
-                                         t.chosen_codec)
+                                         t.chosen_codec, pairs[0].region.tensor.is_cuda)
         plan = peer.plan_chunks(len(spec.src_blocks), tuple(p.blocks_per_chunk for p in pairs), tapered)
         link.offer = self._offer(connection, spec, pairs, codec)
         offer = link.offer is not None

@@ -31,12 +31,15 @@ from dataclasses import dataclass, field
 # A chunk plan is tapered (its first and last chunks split, ``peer.plan_chunks``) where a chunk
 # spends this long on the link and its coding (encode and decode) this long. The taper saves seven
 # eighths of the first chunk's encode and of the last one's decode, but each end piece spends only
-# an eighth of a chunk's time on the link, and the call beside it must cover its fixed cost (in
-# the pipeline on an H200 ~0.5 ms an encode, ~0.8 ms a decode) in that time, or the link idles:
-# 8 x 0.75 ms. At 3.5 ms a chunk (entropy at 50 GB/s) the taper cost 1.5-2.3 ms a 2 GiB transfer;
-# at 7 ms (25 GB/s) it saved 0.7-1.1 ms (docs/decisions/043-taper-where-end-pieces-cover-a-call.md).
-# SplitZip's 256 MiB chunk codes in ~0.5 ms (the taper measured level: decision 004).
-TAPER_WIRE_SECONDS = 6e-3
+# an eighth of a chunk's time on the link, and the codec call beside it must cover its fixed cost
+# in that time, or the link idles. On a GPU that cost is ~0.5 ms an encode and ~0.8 ms a decode (in
+# the pipeline, H200): 8 x 0.75 ms. There, at 3.5 ms a chunk (entropy at 50 GB/s), the taper cost
+# 1.5-2.3 ms a 2 GiB transfer; at 7 ms (25 GB/s) it saved 0.7-1.1 ms
+# (docs/decisions/043-taper-where-end-pieces-cover-a-call.md). A host codec's fixed cost is small
+# against its cost per byte. SplitZip's 256 MiB chunk codes in ~0.5 ms on a GPU (the taper measured
+# level: decision 004).
+TAPER_WIRE_SECONDS = 3e-3
+TAPER_GPU_WIRE_SECONDS = 6e-3
 TAPER_CODING_SECONDS = 0.8e-3
 # A codec predicted at most this much slower than the model's best is worth a measured transfer
 # (per peer, size class and ``measured_ttl_s``): the model missed entropy's cost per transfer by
@@ -143,18 +146,20 @@ class Policy:
         return best, (f"predicted {predicted} (link {link:.2f} GB/s{'' if peer in self.link_gbps else ' assumed'}; "
                       f"{detail})")
 
-    def tapers(self, peer: str, chunk_bytes: int, codec: str) -> bool:
+    def tapers(self, peer: str, chunk_bytes: int, codec: str, on_gpu: bool = False) -> bool:
         """Whether a transfer to ``peer`` should taper its chunk plan (``peer.plan_chunks``): a
-        full chunk spends at least ``TAPER_WIRE_SECONDS`` on the link and ``TAPER_CODING_SECONDS``
-        being coded, so that the two messages the taper adds, and the codec calls beside its end
-        pieces, cost less than what it saves at both ends (seven eighths of a chunk's encode
-        before the first byte leaves, and of its decode after the last arrives)."""
+        full chunk spends at least ``TAPER_WIRE_SECONDS`` on the link (``TAPER_GPU_WIRE_SECONDS``
+        coded ``on_gpu``) and ``TAPER_CODING_SECONDS`` being coded, so that the two messages the
+        taper adds, and the codec calls beside its end pieces, cost less than what it saves at
+        both ends (seven eighths of a chunk's encode before the first byte leaves, and of its
+        decode after the last arrives)."""
         speed = self.codecs.get(codec)
         if speed is None or speed.encode_gbps <= 0 or speed.decode_gbps <= 0:
             return False
         link = self.link_gbps.get(peer, self.assumed_link_gbps) * 1e9
         coding = chunk_bytes / (speed.encode_gbps * 1e9) + chunk_bytes / (speed.decode_gbps * 1e9)
-        return chunk_bytes / max(speed.ratio, 1.0) / link >= TAPER_WIRE_SECONDS and coding >= TAPER_CODING_SECONDS
+        wire = TAPER_GPU_WIRE_SECONDS if on_gpu else TAPER_WIRE_SECONDS
+        return chunk_bytes / max(speed.ratio, 1.0) / link >= wire and coding >= TAPER_CODING_SECONDS
 
     def observe_transfer(self, peer: str, codec: str, raw_bytes: int, seconds: float, now: float | None = None,
                          alone: bool = True) -> None:

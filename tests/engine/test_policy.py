@@ -116,10 +116,11 @@ def test_one_slow_transfer_does_not_turn_auto_away_from_the_faster_codec():
 
 def test_a_plan_is_tapered_only_where_a_chunk_spends_long_on_the_link_and_in_its_codec():
     slow = _policy(450, 450, 1.53, link=25)  # entropy's speeds: a 256 MiB chunk codes in 1.2 ms
-    assert slow.tapers("p", 256 * MiB, "coded")  # ~7 ms of a 25 GB/s link per chunk
+    assert slow.tapers("p", 256 * MiB, "coded", on_gpu=True)  # ~7 ms of a 25 GB/s link per chunk
     assert not slow.tapers("p", 4 * MiB, "coded")  # a CPU chunk: ~0.1 ms on the link
-    faster = _policy(450, 450, 1.53, link=50)  # ~3.5 ms: an end piece's 0.44 ms cannot cover a call's fixed cost
-    assert not faster.tapers("p", 256 * MiB, "coded")
+    faster = _policy(450, 450, 1.53, link=50)  # ~3.5 ms a chunk, 0.44 ms an end piece
+    assert not faster.tapers("p", 256 * MiB, "coded", on_gpu=True)  # less than a GPU call's fixed cost
+    assert faster.tapers("p", 256 * MiB, "coded", on_gpu=False)  # a host call's is small
     slow.observe_link("p", 1 << 30, (1 << 30) / 200e9)  # this peer's link turned out fast
     assert not slow.tapers("p", 256 * MiB, "coded")
     assert slow.tapers("other", 256 * MiB, "coded")  # an unmeasured peer: the assumed link
