@@ -6,9 +6,11 @@ for the receiver's DONE."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -115,17 +117,14 @@ class Outgoing:
             announce = None if at_launch else self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
             with self.ctx.leases.writing(connection, helds):
                 if at_launch:
-                    with self.ctx.codec.launching("encode", device) as stream:
-                        end = self._launch(spec, pairs, helds, stream)
+                    with self._launched(spec, pairs, helds) as (stream, end):
                         connection.post_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING,
                                                                end))
                         t.mark("announced")
-                    stream.synchronize()  # the lease is not let go while the copy may still write
+                        stream.synchronize()  # the lease is not let go while the copy may still write
                 else:
                     self.ctx.codec.call_now("encode", device, self._write(spec, pairs, helds))
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
-            if end is not None:  # kept alive: the receiver may still query it (``WriteEvents``)
-                self.ctx.events.give(end)
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
                                         if isinstance(exc, RuntimeError) else exc), On.FAIL)
             return True
@@ -149,11 +148,22 @@ class Outgoing:
         return (device.type == "cuda" and raw_bytes >= ANNOUNCE_AT_LAUNCH_BYTES
                 and self.ctx.leases.waits_on_events(connection))
 
-    def _launch(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held],
-                stream: torch.cuda.Stream) -> ipc.WriteEnd:
-        """Launch the write on ``stream`` and record the event that ends it."""
-        self._write(spec, pairs, helds)(stream)
-        return self.ctx.events.record(stream)
+    @contextlib.contextmanager
+    def _launched(self, spec: TransferSpec, pairs: list[Pair],
+                  helds: list[Held]) -> Iterator[tuple[torch.cuda.Stream, ipc.WriteEnd]]:
+        """The write launched on the encode stream, and the event recorded behind it. If the
+        block raises, the copy is over (``CodecRunner.launching``) and the event goes back to the
+        ring, kept alive: the receiver may still query it (``WriteEvents``)."""
+        end = None
+        try:
+            with self.ctx.codec.launching("encode", pairs[0].region.tensor.device) as stream:
+                self._write(spec, pairs, helds)(stream)
+                end = self.ctx.events.record(stream)
+                yield stream, end
+        except BaseException:
+            if end is not None:
+                self.ctx.events.give(end)
+            raise
 
     def _written(self, t: Transfer, link: PeerLink, spec: TransferSpec, end: ipc.WriteEnd) -> None:
         """The write announced at launch is finished here: its event may be recorded again, and a
@@ -388,18 +398,10 @@ class Outgoing:
                                link: PeerLink) -> ipc.WriteEnd:
         """Launch the write, announce it (WRITING) while it runs, and wait for it, the loop polling
         meanwhile. However this ends, the copy is over before the lease's write is."""
-        end = None
-        try:
-            with self.ctx.codec.launching("encode", pairs[0].region.tensor.device) as stream:
-                end = self._launch(spec, pairs, helds, stream)
-                await link.connection.send_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING,
-                                                                  end))
-                t.mark("announced")
-                await transport.until_ready(end, timeout=self.ctx.settings.transfer_timeout, what="a same-host write")
-        except BaseException:
-            if end is not None:  # kept alive: the receiver may still query it (``WriteEvents``)
-                self.ctx.events.give(end)
-            raise
+        with self._launched(spec, pairs, helds) as (_, end):
+            await link.connection.send_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING, end))
+            t.mark("announced")
+            await transport.until_ready(end, timeout=self.ctx.settings.transfer_timeout, what="a same-host write")
         return end
 
     def _write(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> functools.partial:
