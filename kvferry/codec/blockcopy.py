@@ -16,7 +16,7 @@ import torch
 
 from .dtypes import layout_for
 from .launch import in_context, kernel_parameters
-from .staging import current_stream, optional_cupy
+from .staging import current_stream, on_stream, optional_cupy
 
 _SOURCE = r"""
 // dst block dst_ids[b] = src block src_ids[b]: grid rows take blocks, grid columns pieces of a
@@ -115,7 +115,7 @@ def copy_listed(src: torch.Tensor, src_ids: tuple[int, ...], dst: torch.Tensor, 
         return
     bits = layout_for(src.dtype).int_dtype
     source, destination = src.view(bits), dst.view(bits)
-    with torch.cuda.stream(stream):  # a no-op for None
+    with on_stream(stream):
         for s, d in zip(src_ids, dst_ids):
             destination[d].copy_(source[s], non_blocking=True)
         _joined(src, dst)

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Iterator
 import torch
 
 from kvferry import codec as codecs, transport
+from kvferry.codec.staging import on_stream
 
 from .policy import CodecSpeed, Policy
 
@@ -164,7 +165,7 @@ class CodecRunner:
         started, alone = time.perf_counter(), self._begin()
         stream = self._streams.get(direction) if cache.is_cuda else None
         try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with on_stream(stream):
                 verdict = check() if check is not None else None
                 try:
                     result = work(*args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvferry.codec import blockcopy
+from kvferry.codec.staging import on_stream
 
 from .blocks import Blocks, Ids, to_stream
 from .ipc import Mapper
@@ -25,7 +26,7 @@ def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: 
     resolved: dict[int, Ids] = {}
     few = src_blocks.listed is not None and dst_blocks.listed is not None and len(src_blocks) <= FEW_BLOCKS
     # Kernels read torch's current stream, so it is switched once; a listed copy is given the stream.
-    with torch.cuda.stream(None if few else stream):
+    with on_stream(None if few else stream):
         for pair, held in zip(pairs, helds):
             region, target = pair.region, held.target
             remote = mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype,
