@@ -110,10 +110,10 @@ class Chunks:
                     _expect(connection, t, credits, range(ahead, ahead + 1))
                 tag = peer.chunk_tag(t.id, index) if initial else credits[index]
                 t.mark("first_byte")
-                sends.append(asyncio.create_task(self._send(connection, t, index, tag, payload, slots, initial)))
-                # Let the send start (its checksum launched, its first message written) before the
-                # next chunk's encode takes the GPU: the first chunk reaches the link sooner.
-                await asyncio.sleep(0)
+                writing = asyncio.get_running_loop().create_future() if index == inline else None
+                sends.append(asyncio.create_task(self._send(connection, t, index, tag, payload, slots, initial,
+                                                            writing)))
+                await _handed_on(sends[-1], writing)
             await _unless_refused(link, asyncio.gather(*sends))
         finally:
             drop(first)
@@ -121,18 +121,37 @@ class Chunks:
                 task.cancel()
 
     async def _send(self, connection: transport.Connection, t: Transfer, index: int, tag: int,
-                    payload: torch.Tensor, slots: asyncio.Semaphore, initial: bool) -> None:
+                    payload: torch.Tensor, slots: asyncio.Semaphore, initial: bool,
+                    writing: asyncio.Future | None = None) -> None:
         """Send chunk ``index`` on its credit (the initial one, or the receiver's CTS: a CREDIT event)."""
         try:
             await connection.send(tag, payload,
                                   clearance=transport.Clearance.INITIAL if initial else transport.Clearance.CREDIT,
                                   granted=None if initial else functools.partial(self.ctx.driver.apply, t,
-                                                                                 Event(On.CREDIT)))
+                                                                                 Event(On.CREDIT)),
+                                  writing=writing)
         except transport.TransportError as exc:
             raise PeerError(f"chunk {index}: {type(exc).__name__}: {exc}") from exc
         finally:
             self.ctx.metrics.inflight_chunks.dec()
             slots.release()
+
+
+# Loop turns from a DATA write's start to its payload in the link's hands (the write's task,
+# then its send's, whose worker threads are submitted at once).
+_HAND_ON_TURNS = 2
+
+
+async def _handed_on(send: asyncio.Task, writing: asyncio.Future | None) -> None:
+    """Before the next chunk's encode takes the GPU: the first streamed chunk's send is let run
+    until its payload is in the link's hands (its checksum on the GPU, its header written), or
+    ends; a later one, a turn of the loop to launch its checksum. On a link slower than the GPU
+    the first chunk's bytes are the fill of the whole pipeline."""
+    if writing is not None:
+        await asyncio.wait({send, writing}, return_when=asyncio.FIRST_COMPLETED)
+        for _ in range(_HAND_ON_TURNS - 1):
+            await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def _expect(connection: transport.Connection, t: Transfer, credits: dict[int, int], indices: range) -> None:

@@ -141,13 +141,15 @@ class Connection(Reader):
 
     # ---- sending -------------------------------------------------------------------------
     async def send(self, tag: int, payload: Any, *, timeout: float | None = None,
-                   clearance: Clearance = Clearance.RENDEZVOUS, granted: Callable[[], None] | None = None) -> None:
+                   clearance: Clearance = Clearance.RENDEZVOUS, granted: Callable[[], None] | None = None,
+                   writing: asyncio.Future | None = None) -> None:
         """Send ``payload`` (host or CUDA buffer) as transfer ``tag``; returns once the receiver
         has every byte in its buffer. ``clearance``: by rendezvous, the default (RTS; DATA once the
         receiver's mailbox holds a receive and its CTS says so), or on a buffer the receiver grants
         on this connection (``grant``): its CTS unasked (``CREDIT``), or none, the grant being
         one the layer above knows of (``INITIAL``). ``granted`` is called once the receiver's CTS
-        came.
+        came. ``writing`` is set once the first DATA is being written (its clearance and checks
+        done): a caller about to launch more GPU work can let this payload reach the link first.
 
         Raises:
             TransferRejected: the receiver refused it (no receive posted in time is a timeout).
@@ -196,6 +198,8 @@ class Connection(Reader):
                     header = dataclasses.replace(header, flags=wire.FLAG_DIGEST)
                     payload = Digested(payload, crcs[index]())
                 started = time.monotonic()
+                if writing is not None and not writing.done():
+                    writing.set_result(None)
                 await self._write(header, payload if n else None)
                 if self._pacer is not None:
                     self._pacer.wrote(n, time.monotonic() - started)

@@ -123,7 +123,9 @@ class TcpLink(Link):
         raised at once; the link is then failed and closed by its connection, which ends the
         other lanes' calls."""
         try:
-            await asyncio.gather(*(asyncio.to_thread(call) for call in calls))
+            # Submitted here and now, not a loop turn later: a GPU call launched by the next
+            # task must not hold a payload back from its lanes.
+            await asyncio.gather(*(self._loop.run_in_executor(None, call) for call in calls))
         except TransportTimeout:  # a worker thread's socket call saw no progress
             raise
         except OSError as exc:
