@@ -80,7 +80,7 @@ def current_stream(device: torch.device) -> int:
 
 def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     """``torch.cuda.stream(stream)``, or nothing for None: torch's context costs a device look-up
-    even for None (~20 µs a call on a host without CUDA), which a one-block write pays twice."""
+    even for None (~10 µs a call on a host without CUDA), which a one-block write paid twice."""
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
