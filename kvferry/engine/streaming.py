@@ -147,11 +147,12 @@ async def _handed_on(send: asyncio.Task, writing: asyncio.Future | None) -> None
     until its payload is in the link's hands (its checksum on the GPU, its header written), or
     ends; a later one, a turn of the loop to launch its checksum. On a link slower than the GPU
     the first chunk's bytes are the fill of the whole pipeline."""
+    turns = 1
     if writing is not None:
         await asyncio.wait({send, writing}, return_when=asyncio.FIRST_COMPLETED)
-        for _ in range(_HAND_ON_TURNS - 1):
-            await asyncio.sleep(0)
-    await asyncio.sleep(0)
+        turns = _HAND_ON_TURNS
+    for _ in range(turns):
+        await asyncio.sleep(0)
 
 
 def _expect(connection: transport.Connection, t: Transfer, credits: dict[int, int], indices: range) -> None:
