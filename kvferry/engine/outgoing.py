@@ -99,7 +99,11 @@ class Outgoing:
         """Write a small transfer, here and now, into memory the receiver lent this sidecar's open
         connection (a standing lease), then announce it behind the data (a large GPU write: as soon
         as it is launched): one message, ended by the receiver's DONE. False, with nothing done, if
-        it does not qualify."""
+        it does not qualify.
+
+        The announce goes out before the transfer's own bookkeeping (its moves, link and deadline):
+        the receiver's work starts that much sooner, and nothing can read the bookkeeping before
+        this returns to the loop."""
         connection = self.ctx.plane.pool.ready(*address)
         if connection is None or not self.ctx.leases.holding(connection) \
                 or not runs_now(pairs[0].region.tensor.device, spec.raw_bytes(pairs)):
@@ -107,14 +111,10 @@ class Outgoing:
         helds = self._leases(connection, spec, pairs, candidates)
         if helds is None:
             return False
-        self.apply(t, Event(On.DIAL))
-        self.apply(t, Event(On.LEASE))
-        link = self.ctx.links.add(t, PeerLink(connection, reused=True))
         self._same_host(t)
         raw, device = spec.raw_bytes(pairs), pairs[0].region.tensor.device
         end, at_launch = None, self._announces_at_launch(connection, device, raw)
         try:
-            announce = None if at_launch else self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)
             with self.ctx.leases.writing(connection, helds):
                 if at_launch:
                     with self._launched(spec, pairs, helds) as (stream, end):
@@ -123,17 +123,24 @@ class Outgoing:
                         t.mark("announced")
                         stream.synchronize()  # the lease is not let go while the copy may still write
                 else:
-                    self.ctx.codec.call_now("encode", device, self._write(spec, pairs, helds))
+                    with self.ctx.codec.launching("encode", device) as stream:
+                        self._write(spec, pairs, helds)(stream)
+                        announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)  # as it copies
+                        if stream is not None:
+                            stream.synchronize()
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
                                         if isinstance(exc, RuntimeError) else exc), On.FAIL)
             return True
-        t.bytes_raw = raw
         for stage in ("first_byte", "last_byte"):
             t.mark(stage)
-        if announce is not None:
+        if not at_launch:
             connection.post_message(announce)
             t.mark("announced")
+        t.bytes_raw = raw
+        self.apply(t, Event(On.DIAL))
+        self.apply(t, Event(On.LEASE))
+        link = self.ctx.links.add(t, PeerLink(connection, reused=True))
         self.apply(t, Event(On.WRITTEN))
         self._deadline(t)
         link.settle = functools.partial(self._replied, t, 0)  # not a link speed: a same-host copy

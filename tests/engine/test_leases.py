@@ -111,6 +111,33 @@ def test_the_first_transfer_leases_the_region_and_later_ones_are_written_at_once
     _run(body)
 
 
+def test_a_leased_write_is_announced_before_the_senders_own_bookkeeping():
+    """The receiver's work starts as soon as the blocks are in its memory: the announce leaves
+    while the transfer has not moved yet, and the moves, link and deadline follow it."""
+
+    async def body(a, b, segments):
+        first = list(range(300))
+        await a.wait(a.submit(_spec(b, first, first, codec="auto")).id, 10)  # takes the lease
+        connection, seen = _connection(a, b), []
+        post = connection.post_message
+
+        def spy(*payloads):
+            message = peer.unpack(payloads[0])
+            if isinstance(message.body, peer.Announce):
+                t = a.transfers.find(message.transfer_id)
+                seen.append((t.phase.value, a.links.get(t.id), t.stages.get("last_byte") is not None))
+            post(*payloads)
+
+        connection.post_message = spy
+        t = a.submit(_spec(b, [4, 9], [30, 31]))
+        assert t.task is None
+        record = await a.wait(t.id, 5)
+        assert record["state"] == "done" and torch.equal(_landed(segments[0], [30, 31]), _sent(a, [4, 9]))
+        assert seen == [("queued", None, True)]  # written already; not yet moved, linked or timed
+
+    _run(body)
+
+
 def test_spread_ids_are_written_under_the_lease_as_their_ids(monkeypatch):
     """vLLM's request across a cache's planes (ids each standing for ``count`` blocks ``stride``
     apart) goes to the copy as its short id lists, the destination's stride running backwards."""
