@@ -123,11 +123,11 @@ class Outgoing:
                         t.mark("announced")
                         stream.synchronize()  # the lease is not let go while the copy may still write
                 else:
-                    with self.ctx.codec.launching("encode", device) as stream:
+                    def written_announce(stream: torch.cuda.Stream | None) -> bytes:
                         self._write(spec, pairs, helds)(stream)
-                        announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)  # as it copies
-                        if stream is not None:
-                            stream.synchronize()
+                        return self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN)  # as the copy runs
+
+                    announce = self.ctx.codec.call_now("encode", device, written_announce)
         except Exception as exc:  # the layout's or the memory's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(PeerError(f"cannot write into the receiver's memory: {exc}")
                                         if isinstance(exc, RuntimeError) else exc), On.FAIL)

@@ -125,7 +125,7 @@ def test_a_leased_write_is_announced_before_the_senders_own_bookkeeping():
             message = peer.unpack(payloads[0])
             if isinstance(message.body, peer.Announce):
                 t = a.transfers.find(message.transfer_id)
-                seen.append((t.phase.value, a.links.get(t.id), t.stages.get("last_byte") is not None))
+                seen.append((t.phase.value, a.links.get(t.id), t.deadline, t.stages.get("last_byte") is not None))
             post(*payloads)
 
         connection.post_message = spy
@@ -133,7 +133,7 @@ def test_a_leased_write_is_announced_before_the_senders_own_bookkeeping():
         assert t.task is None
         record = await a.wait(t.id, 5)
         assert record["state"] == "done" and torch.equal(_landed(segments[0], [30, 31]), _sent(a, [4, 9]))
-        assert seen == [("queued", None, True)]  # written already; not yet moved, linked or timed
+        assert seen == [("queued", None, None, True)]  # written already; not yet moved, linked or timed
 
     _run(body)
 
