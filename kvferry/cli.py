@@ -89,6 +89,17 @@ def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     return f" (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)" if hints else ""
 
 
+def _gpu_index(device: str) -> int | None:
+    """The CUDA device a daemon of ``device`` (a setting) runs on, or None on the CPU."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if device.startswith("cuda:"):
+        return int(device.split(":")[1])
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import importlib.util
     import json
@@ -97,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvferry.engine import settings as settings_module
+    from kvferry.engine import placement, settings as settings_module
     from kvferry.api.app import create_app
 
     cli = {k: v for k, v in vars(args).items() if k not in ("command", "run", "config")}
@@ -112,10 +123,13 @@ def _serve(args: argparse.Namespace) -> int:
 
             if not torch.cuda.is_available():
                 raise ValueError(f"device: {settings.device!r} but no CUDA GPU is visible")
+        placed = placement.pin(settings.cpu_affinity, _gpu_index(settings.device)) \
+            if settings.cpu_affinity != "off" else "threads not pinned (off)"
     except ValueError as exc:
         print(f"kvferry serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvferry").info("placement: %s", placed)
     logging.getLogger("kvferry").info("settings: %s", json.dumps(settings.public()))
     ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     logging.getLogger("kvferry").info("UCX environment: %s", ucx_env)

@@ -14,6 +14,8 @@ from typing import Any
 
 from kvferry.transport.config import UCX_PROGRESS_MODES
 
+from . import placement
+
 MiB = 1 << 20
 GPU_SPIN_MS = 50.0  # spin_ms on a GPU host unless set
 
@@ -34,6 +36,9 @@ class Settings:
     max_incoming_transfers_per_peer: int = 0  # ... from one peer (source address); 0: three quarters of those
     device: str = "auto"  # where owned regions and the codec run: auto (cuda if present), cpu, cuda, cuda:N
     cpu_threads: int = 0  # torch's intra-op threads for CPU codec work; 0 = torch's default (all cores)
+    # The daemon's threads run on: auto (its GPU's NUMA-local CPUs, where sysfs names them), off,
+    # or a CPU list (0-15,32-47); always within the CPUs the process may use (``placement.py``).
+    cpu_affinity: str = "auto"
     chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64
@@ -87,6 +92,7 @@ class Settings:
         """
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"device: {self.device!r} is not auto, cpu, cuda or cuda:N")
+        placement.check(self.cpu_affinity)
         if self.transport_backend not in ("auto", "ucxx", "tcp"):
             raise ValueError(f"transport_backend: {self.transport_backend!r} is not auto, ucxx or tcp")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
