@@ -102,9 +102,10 @@ def test_auto_leaves_a_cpu_daemon_where_it_may_run():
 
 def test_a_cpu_list_the_daemon_may_not_use_stops_it_at_start():
     outside = max(os.sched_getaffinity(0)) + 1000
-    run = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--port", str(free_port()), "--data-port",
-                          str(free_port()), "--device", "cpu"], env={**os.environ, "KVFERRY_CPU_AFFINITY": str(outside)},
-                         capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "kvferry.cli", "serve", "--port", str(free_port()), "--data-port",
+               str(free_port()), "--device", "cpu"]
+    run = subprocess.run(command, env={**os.environ, "KVFERRY_CPU_AFFINITY": str(outside)}, capture_output=True,
+                         text=True, timeout=120)
     assert run.returncode == 2 and "cpu_affinity" in run.stderr and str(outside) in run.stderr
 
 
