@@ -69,13 +69,14 @@ def test_a_gpus_local_cpus_and_node_come_from_its_pci_device(tmp_path):
     assert placement.local_cpus("0000:99:00.0", tmp_path) is None
 
 
-def _threads_cpus(pid: int) -> list[set[int]]:
-    """Each thread's allowed CPUs, from the kernel."""
-    found = []
+def _threads_cpus(pid: int) -> dict[str, set[int]]:
+    """Each thread's allowed CPUs, from the kernel, by ``tid:name``."""
+    found = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
+        name = (task / "comm").read_text().strip()
         for line in (task / "status").read_text().splitlines():
             if line.startswith("Cpus_allowed_list:"):
-                found.append(placement.parse_cpulist(line.split(":", 1)[1]))
+                found[f"{task.name}:{name}"] = placement.parse_cpulist(line.split(":", 1)[1])
     return found
 
 
@@ -86,7 +87,7 @@ def test_a_daemon_pins_every_thread_to_the_cpus_asked_for():
         # A request makes the daemon work (and make worker threads) after it started.
         assert daemon.client.health()
         threads = _threads_cpus(daemon.process.pid)
-        assert len(threads) > 1 and all(cpus == {cpu} for cpus in threads), threads
+        assert len(threads) > 1 and all(cpus == {cpu} for cpus in threads.values()), threads
     finally:
         stop(daemon)
 
@@ -95,7 +96,8 @@ def test_auto_leaves_a_cpu_daemon_where_it_may_run():
     daemon = spawn()
     try:
         allowed = os.sched_getaffinity(0)
-        assert all(cpus == allowed for cpus in _threads_cpus(daemon.process.pid))
+        threads = _threads_cpus(daemon.process.pid)
+        assert all(cpus == allowed for cpus in threads.values()), threads
     finally:
         stop(daemon)
 
@@ -139,8 +141,9 @@ def test_daemons_pinned_apart_write_each_others_shared_memory(kv):
     b = spawn(env={**env, "KVFERRY_CPU_AFFINITY": str(second)})
     segments = []
     try:
-        assert all(cpus == {first} for cpus in _threads_cpus(a.process.pid))
-        assert all(cpus == {second} for cpus in _threads_cpus(b.process.pid))
+        for daemon, cpu in ((a, first), (b, second)):
+            threads = _threads_cpus(daemon.process.pid)
+            assert all(cpus == {cpu} for cpus in threads.values()), threads
         segments.append(a.client.region_from_tensor("src", source, kind="shm")[1])
         segments.append(b.client.region_from_tensor("dst", torch.zeros_like(source), kind="shm")[1])
         landed = torch.frombuffer(segments[1].buf, dtype=source.dtype).view(source.shape)
@@ -171,6 +174,7 @@ def test_auto_pins_a_gpu_daemon_next_to_its_gpu():
     expected = placement.choose("auto", allowed, found[0] if found else None) or allowed
     daemon = spawn(device=f"cuda:{index}")
     try:
-        assert all(cpus == expected for cpus in _threads_cpus(daemon.process.pid))
+        threads = _threads_cpus(daemon.process.pid)
+        assert all(cpus == expected for cpus in threads.values()), threads
     finally:
         stop(daemon)
