@@ -136,4 +136,17 @@ def pin(setting: str, gpu_index: int | None) -> str:
             os.sched_setaffinity(int(task), chosen)
         except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile; one not ours to move
             continue
-    return f"threads pinned to CPUs {format_cpulist(chosen)} ({setting}; {where})"
+    return f"threads pinned to CPUs {format_cpulist(chosen)} ({setting}; {where}){_fit_threads(len(chosen))}"
+
+
+def _fit_threads(cpus: int) -> str:
+    """No more of torch's intra-op threads than CPUs to run them: OpenMP workers that outnumber
+    their CPUs spin against each other (32 of them on one CPU kept a daemon from starting within a
+    minute). ``cpu_threads``, where set, is applied later and wins."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads <= cpus:
+        return ""
+    torch.set_num_threads(cpus)
+    return f"; torch's threads {threads} -> {cpus}"

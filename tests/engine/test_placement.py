@@ -92,6 +92,17 @@ def test_a_daemon_pins_every_thread_to_the_cpus_asked_for():
         stop(daemon)
 
 
+def test_pinning_leaves_torch_no_more_threads_than_cpus():
+    """OpenMP workers that outnumber their CPUs spin against each other: pinned to one CPU, the
+    process runs one intra-op thread."""
+    cpu = max(os.sched_getaffinity(0))
+    script = ("import torch; from kvferry.engine import placement; torch.set_num_threads(8); "
+              f"print(placement.pin({str(cpu)!r}, None)); print(torch.get_num_threads())")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    said, threads = run.stdout.strip().splitlines()
+    assert run.returncode == 0 and threads == "1" and f"pinned to CPUs {cpu}" in said and "8 -> 1" in said, run
+
+
 def test_auto_leaves_a_cpu_daemon_where_it_may_run():
     daemon = spawn()
     try:
