@@ -11,11 +11,8 @@ it, and host memory first touched afterwards (pinned staging, the buffer pool) l
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
-
-log = logging.getLogger("kvferry.engine")
 
 SYSFS_PCI = Path("/sys/bus/pci/devices")
 MODES = ("auto", "off")  # or a CPU list such as "0-15,32-47"
@@ -119,7 +116,7 @@ def pin(setting: str, gpu_index: int | None) -> str:
         ValueError: as ``choose``.
     """
     allowed = os.sched_getaffinity(0)
-    local, where = None, "no GPU"
+    local, where = None, "on the CPU" if gpu_index is None else f"GPU {gpu_index}"
     if setting == "auto" and gpu_index is not None:
         address = gpu_pci_address(gpu_index)
         found = local_cpus(address)
