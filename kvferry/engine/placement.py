@@ -68,10 +68,10 @@ def gpu_pci_address(index: int) -> str:
     return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
 
 
-def local_cpus(pci_address: str, sysfs: Path = SYSFS_PCI) -> tuple[set[int], int] | None:
+def local_cpus(pci_address: str, sysfs: Path | None = None) -> tuple[set[int], int] | None:
     """(the CPUs local to a PCI device, its NUMA node: -1 where the platform names none), or
-    None where sysfs does not say (no such device, a VM that hides it)."""
-    device = sysfs / pci_address
+    None where sysfs (``SYSFS_PCI`` unless given) does not say (no such device, a VM that hides it)."""
+    device = (sysfs or SYSFS_PCI) / pci_address
     try:
         cpus = parse_cpulist((device / "local_cpulist").read_text())
     except (OSError, ValueError):
@@ -118,22 +118,34 @@ def pin(setting: str, gpu_index: int | None) -> str:
     allowed = os.sched_getaffinity(0)
     local, where = None, "on the CPU" if gpu_index is None else f"GPU {gpu_index}"
     if setting == "auto" and gpu_index is not None:
-        address = gpu_pci_address(gpu_index)
-        found = local_cpus(address)
-        if found is None:
-            where = f"GPU {gpu_index} at {address}: sysfs names no local CPUs"
-        else:
-            local, node = found
-            where = f"GPU {gpu_index} at {address}, NUMA node {node}, local CPUs {format_cpulist(local)}"
+        local, where = _local_to(gpu_index)
     chosen = choose(setting, allowed, local)
     if chosen is None:
         return f"threads not pinned ({setting}; {where}; may use {format_cpulist(allowed)})"
+    unmoved = 0
     for task in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(task), chosen)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile; one not ours to move
+        except ProcessLookupError:  # it ended meanwhile
             continue
-    return f"threads pinned to CPUs {format_cpulist(chosen)} ({setting}; {where}){_fit_threads(len(chosen))}"
+        except OSError:  # one the kernel will not move (another cpuset): the daemon starts all the same
+            unmoved += 1
+    left = f"; {unmoved} thread(s) could not be moved" if unmoved else ""
+    return f"threads pinned to CPUs {format_cpulist(chosen)} ({setting}; {where}){left}{_fit_threads(len(chosen))}"
+
+
+def _local_to(gpu_index: int) -> tuple[set[int] | None, str]:
+    """The CPUs local to CUDA device ``gpu_index`` (None where that is unknown), and what was
+    found, for the log."""
+    try:
+        address = gpu_pci_address(gpu_index)
+    except (AttributeError, RuntimeError) as exc:  # a torch without the PCI fields; a GPU gone
+        return None, f"GPU {gpu_index}: no PCI address ({type(exc).__name__}: {exc})"
+    found = local_cpus(address)
+    if found is None:
+        return None, f"GPU {gpu_index} at {address}: sysfs names no local CPUs"
+    cpus, node = found
+    return cpus, f"GPU {gpu_index} at {address}, NUMA node {node}, local CPUs {format_cpulist(cpus)}"
 
 
 def _fit_threads(cpus: int) -> str:

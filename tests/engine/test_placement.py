@@ -69,6 +69,22 @@ def test_a_gpus_local_cpus_and_node_come_from_its_pci_device(tmp_path):
     assert placement.local_cpus("0000:99:00.0", tmp_path) is None
 
 
+def test_auto_leaves_the_threads_alone_where_the_gpus_place_is_unknown(monkeypatch, tmp_path):
+    """A torch without the PCI fields, or sysfs without the device: the daemon starts unpinned."""
+    def no_address(index):
+        raise AttributeError("'_CudaDeviceProperties' object has no attribute 'pci_bus_id'")
+
+    before = os.sched_getaffinity(0)
+    monkeypatch.setattr(placement, "gpu_pci_address", no_address)
+    said = placement.pin("auto", 0)
+    assert said.startswith("threads not pinned") and "no PCI address" in said
+    monkeypatch.setattr(placement, "gpu_pci_address", lambda index: "0000:99:00.0")
+    monkeypatch.setattr(placement, "SYSFS_PCI", tmp_path)
+    said = placement.pin("auto", 0)
+    assert said.startswith("threads not pinned") and "sysfs names no local CPUs" in said
+    assert os.sched_getaffinity(0) == before
+
+
 def _threads_cpus(pid: int) -> dict[str, set[int]]:
     """Each thread's allowed CPUs, from the kernel, by ``tid:name``."""
     found = {}
