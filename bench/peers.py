@@ -41,6 +41,7 @@ them alike; ``auto`` is
 timed once its choice is steady (``demo.until_steady``: it tries a close codec once per peer,
 size and 10 minutes, which a sidecar that has run a while no longer pays).
 Per size: median and p90 seconds, GB/s of KV moved. Prints a table; ``--json`` writes the rows.
+Both say which event loop the sidecars ran: uvloop (the daemon's dependency) wherever it imports.
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ def _synchronize(args) -> None:
     for device in {args.src_device, args.dst_device}:
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
+
+
+def _event_loop() -> str:
+    """The sidecars' event loop: they run on this interpreter, where uvicorn takes uvloop if it
+    imports (the daemon's dependency; a sidecar without it answers each message more slowly)."""
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio's loop (uvloop is not installed)"
+    return f"uvloop {uvloop.__version__}"
 
 
 # ---- kvferry -----------------------------------------------------------------------------------
@@ -564,9 +575,11 @@ def main() -> int:
         device_name = torch.cuda.get_device_name()
     rates = [float(x) for x in args.netns.split(",")] if args.netns else []
     where = "two hosts (network namespaces) joined by a shaped veth" if rates else "two processes on one host"
+    loop = _event_loop()
     print(f"kvferry vs NIXL, {time.strftime('%Y-%m-%d')}, {device_name}, {where}, "
           f"{'two GPUs' if two else 'one ' + ('GPU' if args.device == 'cuda' else 'CPU')}; "
-          f"blocks {list(BLOCK_SHAPE)} bf16 (2 MiB), real KV by position (`demo.llama_blocks`)\n`{' '.join(sys.argv)}`\n")
+          f"blocks {list(BLOCK_SHAPE)} bf16 (2 MiB), real KV by position (`demo.llama_blocks`); sidecars on {loop}"
+          f"\n`{' '.join(sys.argv)}`\n")
     if rates:
         print("| system | how | link | size | p50 ms | p99 ms | GB/s of KV | ratio | bit-exact |\n"
               "|---|---|---|---:|---:|---:|---:|---:|---|")
@@ -577,7 +590,7 @@ def main() -> int:
         rows = run_local(args, sizes, blocks_total)
     if args.json:
         args.json.write_text(json.dumps({"device": device_name, "host": platform.node(), "command": " ".join(sys.argv),
-                                         "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+                                         "date": time.strftime("%Y-%m-%d"), "event_loop": loop, "rows": rows}, indent=1))
     return 0 if all(r["bit_exact"] for r in rows) else 1
 
 

@@ -4,6 +4,7 @@ the table and JSON say what was moved. It checks the benchmark works, not how fa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -23,7 +24,11 @@ def test_peers_on_a_cpu_without_nixl(tmp_path):
                           "--link-min-bytes", "6M", "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    every = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    every = report["rows"]
+    # The sidecars' event loop is on record: uvicorn runs uvloop wherever it imports.
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    assert report["event_loop"].startswith(loop) and f"sidecars on {report['event_loop']}" in run.stdout
     rows = [r for r in every if not r["how"].endswith(", at the receiver")]  # submit to the sender's done
     at_receiver = [r for r in every if r["how"].endswith(", at the receiver")]  # to the receiver's own done
     assert [(r["how"].removesuffix(", at the receiver"), r["blocks"]) for r in at_receiver] == [
