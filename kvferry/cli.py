@@ -123,8 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
 
             if not torch.cuda.is_available():
                 raise ValueError(f"device: {settings.device!r} but no CUDA GPU is visible")
-        placed = placement.pin(settings.cpu_affinity, _gpu_index(settings.device)) \
-            if settings.cpu_affinity != "off" else "threads not pinned (off)"
+        placed = placement.pin(settings.cpu_affinity, _gpu_index(settings.device))
     except ValueError as exc:
         print(f"kvferry serve: {exc}", file=sys.stderr)
         return 2

@@ -105,14 +105,13 @@ class Outgoing:
         the receiver's work starts that much sooner, and nothing can read the bookkeeping before
         this returns to the loop."""
         connection = self.ctx.plane.pool.ready(*address)
-        if connection is None or not self.ctx.leases.holding(connection) \
-                or not runs_now(pairs[0].region.tensor.device, spec.raw_bytes(pairs)):
+        raw, device = spec.raw_bytes(pairs), pairs[0].region.tensor.device
+        if connection is None or not self.ctx.leases.holding(connection) or not runs_now(device, raw):
             return False
         helds = self._leases(connection, spec, pairs, candidates)
         if helds is None:
             return False
         self._same_host(t)
-        raw, device = spec.raw_bytes(pairs), pairs[0].region.tensor.device
         end, at_launch = None, self._announces_at_launch(connection, device, raw)
         try:
             with self.ctx.leases.writing(connection, helds):
