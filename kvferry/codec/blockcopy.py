@@ -99,19 +99,43 @@ def spread(ids: torch.Tensor, count: int, stride: int) -> torch.Tensor:
     return (ids[:, None] + torch.arange(count, dtype=torch.int64, device=ids.device)[None, :] * stride).reshape(-1)
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where ``copy_listed`` copies between two fixed tensors by the driver's copies: their base
+    addresses and block size, worked out once (the checks behind them cost more than a block's
+    copy call on the GPU hosts measured)."""
+
+    source: int
+    destination: int
+    block_bytes: int
+
+
+def route(src: torch.Tensor, dst: torch.Tensor) -> Route | None:
+    """``copy_listed``'s plan from ``src`` to ``dst``: a ``Route`` on GPUs that reach each other,
+    None where torch's path serves (the host, odd sizes, no CuPy, no peer access)."""
+    if not _kernel_fits(src, dst):
+        return None
+    return Route(src.data_ptr(), dst.data_ptr(), _block_bytes(src))
+
+
+def copy_routed(route_: Route, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], stream: int) -> None:
+    """``copy_listed`` along a ``Route`` (ids checked already): one ``cudaMemcpyAsync`` a block on
+    the raw stream handle ``stream``."""
+    copy, nbytes = optional_cupy().cuda.runtime.memcpyAsync, route_.block_bytes
+    source, destination = route_.source, route_.destination
+    for s, d in zip(src_ids, dst_ids):
+        copy(destination + d * nbytes, source + s * nbytes, nbytes, _MEMCPY_DEFAULT, stream)
+
+
 def copy_listed(src: torch.Tensor, src_ids: tuple[int, ...], dst: torch.Tensor, dst_ids: tuple[int, ...],
                 stream: torch.cuda.Stream | None = None) -> None:
     """``copy_blocks`` of a few blocks named by Python ints (checked already), one by one on
     ``stream`` (None: the caller's current one): on a GPU one ``cudaMemcpyAsync`` each (torch's
     indexing and ``copy_`` cost ~40 µs a block on the hosts measured, a one-block transfer's
     largest step), launched on the stream's handle without making it torch's current one."""
-    if _kernel_fits(src, dst):
-        nbytes = _block_bytes(src)
-        handle = current_stream(src.device) if stream is None else stream.cuda_stream
-        copy = optional_cupy().cuda.runtime.memcpyAsync
-        source, destination = src.data_ptr(), dst.data_ptr()
-        for s, d in zip(src_ids, dst_ids):
-            copy(destination + d * nbytes, source + s * nbytes, nbytes, _MEMCPY_DEFAULT, handle)
+    planned = route(src, dst)
+    if planned is not None:
+        copy_routed(planned, src_ids, dst_ids, current_stream(src.device) if stream is None else stream.cuda_stream)
         return
     bits = layout_for(src.dtype).int_dtype
     source, destination = src.view(bits), dst.view(bits)

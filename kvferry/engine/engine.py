@@ -89,7 +89,8 @@ class Engine:
         self.buffers = BufferPool(4 * settings.max_inflight_chunks * self.chunk_bytes + (64 << 20))
         self.links = LinkTable(self._connection_lost)  # running transfers' peer links
         self.driver = Driver(self.transfers, self.links, self.metrics, self.regions)  # every change of phase
-        self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all)  # receivers' memory lent to us, opened once
+        # receivers' memory lent to us, opened once
+        self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all, lambda: self.regions.version)
         self.leases = Leases()  # standing leases of same-host memory, held and lent
         self.events = ipc.WriteEvents()  # the events of same-host writes announced while they run
         # What the sender, the receiver and the dispatch of peer messages work with: never this engine.

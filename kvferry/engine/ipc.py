@@ -22,12 +22,15 @@ import math
 import os
 import socket
 import uuid
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvferry.codec import blockcopy
 
 from . import peer
 
@@ -103,13 +106,19 @@ class Mapper:
     device. Where the GPUs cannot reach each other it is opened on its own GPU, and the copy crosses
     through the driver (``blockcopy``'s torch path)."""
 
-    def __init__(self, shm_prefix: str = "kvferry-", own: Callable[[], Iterable[Any]] = tuple) -> None:
+    def __init__(self, shm_prefix: str = "kvferry-", own: Callable[[], Iterable[Any]] = tuple,
+                 own_version: Callable[[], int] | None = None) -> None:
         """``shm_prefix``: a shared-memory target must be named so; ``own``: the sender's regions
-        (what no target may alias)."""
+        (what no target may alias); ``own_version``: a number that changes whenever they do (the
+        views are then checked again), else they are compared at every use."""
         self._shm_prefix = shm_prefix
         self._own = own
+        self._own_version = own_version
+        self._seen_version: int | None = None
         self._open: OrderedDict[tuple[bytes, int], _Opened] = OrderedDict()  # (handle, writing GPU) ->
         self._views: dict[tuple, torch.Tensor] = {}  # (handle, offset, shape, dtype, writing GPU) -> tensor
+        # (view's key, id(source)) -> (the source, weakly, and blockcopy's route from it into the view)
+        self._routes: dict[tuple, tuple[weakref.ref, blockcopy.Route | None]] = {}
         self._shm: dict[bytes, Any] = {}  # shared memory opened by name, while its views live
         self._mine: list[Any] = []  # the sender's regions the views were checked against
 
@@ -122,10 +131,7 @@ class Mapper:
                 (``target.offset`` plus ``shape``'s bytes) is not inside the memory it names, or is
                 the sender's own.
         """
-        mine = self._own()
-        if len(mine) != len(self._mine) or any(a is not b for a, b in zip(mine, self._mine)):
-            self._views.clear()  # the sender's regions changed: every target is checked again
-            self._mine = list(mine)
+        self._check_own()
         here = device.index if device is not None and device.type == "cuda" else None
         key = (target.handle, target.offset, shape, dtype, here)
         view = self._views.get(key)
@@ -149,6 +155,37 @@ class Mapper:
                 raise RuntimeError(f"the lent region is the sender's own region {region.name!r}")
         view = self._views[key] = _as_tensor(pointer, nbytes, opened.device).view(dtype).view(shape)
         return view
+
+    def route(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype,
+              src: torch.Tensor) -> tuple[torch.Tensor, blockcopy.Route | None]:
+        """``tensor`` for a write from ``src`` (a region's memory, fixed for its life), with
+        ``blockcopy``'s route from ``src`` into it (None: torch's path), both worked out once
+        while the view lives.
+
+        Raises:
+            RuntimeError: as ``tensor``.
+        """
+        view = self.tensor(target, shape, dtype, src.device)
+        key = (target.handle, target.offset, shape, dtype, src.device.index if src.is_cuda else None, id(src))
+        known = self._routes.get(key)
+        if known is not None and known[0]() is src:
+            return view, known[1]
+        planned = blockcopy.route(src, view)
+        self._routes[key] = (weakref.ref(src), planned)
+        return view, planned
+
+    def _check_own(self) -> None:
+        """Every target is checked again once the sender's regions changed."""
+        if self._own_version is not None:
+            version = self._own_version()
+            if version == self._seen_version:
+                return
+            self._seen_version = version
+        mine = self._own()
+        if len(mine) != len(self._mine) or any(a is not b for a, b in zip(mine, self._mine)):
+            self._views.clear()
+            self._routes.clear()
+            self._mine = list(mine)
 
     def _opened(self, handle: bytes, there: int, here: int) -> _Opened:
         """``handle`` (memory on GPU ``there``) opened for kernels on GPU ``here``: in ``here``'s
@@ -176,6 +213,7 @@ class Mapper:
         while len(self._open) > _OPEN_LIMIT:
             (old, old_here), stale = self._open.popitem(last=False)
             self._views = {k: v for k, v in self._views.items() if (k[0], k[4]) != (old, old_here)}
+            self._routes = {k: v for k, v in self._routes.items() if (k[0], k[4]) != (old, old_here)}
             with cupy.cuda.Device(stale.device):
                 runtime.ipcCloseMemHandle(stale.base)
         return opened
@@ -243,6 +281,7 @@ class Mapper:
 
     def close(self) -> None:
         self._views.clear()
+        self._routes.clear()
         for shm in self._shm.values():
             try:
                 shm.close()

@@ -184,6 +184,7 @@ class RegionTable:
     def __init__(self, device: torch.device, max_bytes: int = 1 << 62, shm_prefix: str = "kvferry-"):
         self.device = device
         self._regions: dict[str, Region] = {}
+        self.version = 0  # changes whenever a region is added or deleted (what views of peers' memory check)
         self._max_bytes = max_bytes or default_max_bytes(device)
         self._shm_prefix = shm_prefix
         self._allocating = threading.Lock()  # one owned allocation at a time: each sees what the last took
@@ -215,6 +216,7 @@ class RegionTable:
             region.release()
             raise Conflict(f"region {region.name!r} already exists")
         self._regions[region.name] = region
+        self.version += 1
         return region
 
     def prepare(self, spec: RegionSpec) -> Region:
@@ -312,6 +314,7 @@ class RegionTable:
         if views:
             raise Conflict(f"region {name!r} has views {sorted(views)[:8]}: delete them first")
         del self._regions[name]
+        self.version += 1
         region.release()
 
     def close(self) -> None:

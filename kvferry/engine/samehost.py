@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvferry.codec import blockcopy
-from kvferry.codec.staging import on_stream
+from kvferry.codec.staging import current_stream, on_stream
 
 from .blocks import Blocks, Ids, to_stream
 from .ipc import Mapper
@@ -29,10 +29,17 @@ def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: 
     with on_stream(None if few else stream):
         for pair, held in zip(pairs, helds):
             region, target = pair.region, held.target
-            remote = mapper.tensor(target, (target.num_blocks, *region.block_shape), region.tensor.dtype,
-                                   region.tensor.device)
+            shape = (target.num_blocks, *region.block_shape)
+            if few:
+                remote, route = mapper.route(target, shape, region.tensor.dtype, region.tensor)
+            else:
+                remote = mapper.tensor(target, shape, region.tensor.dtype, region.tensor.device)
             if target.num_blocks not in resolved:  # checked on the host
                 resolved[target.num_blocks] = Ids.of(dst_blocks, target.num_blocks)
+            if few and route is not None:
+                blockcopy.copy_routed(route, src_blocks.listed, dst_blocks.listed,
+                                      current_stream(region.tensor.device) if stream is None else stream.cuda_stream)
+                continue
             if few:
                 blockcopy.copy_listed(region.tensor, src_blocks.listed, remote, dst_blocks.listed, stream)
                 continue

@@ -104,6 +104,28 @@ def test_the_senders_own_segment_is_refused():
         own.unlink()
 
 
+def test_a_region_the_sender_registers_over_its_lease_later_is_refused():
+    """The views of lent memory are kept between writes and checked again whenever the sender's
+    regions change: a region registered after the lease was used, over the very segment it lends,
+    stops the next write before it touches it."""
+    async def body(a, b, segments):
+        await _lease(a, b, segments)
+        record = await a.wait(a.submit(_spec(b, [1], [2])).id, 10)  # the lent view is open and kept
+        assert record["state"] == "done" and "same host" in record["choice_reason"], record
+        await a.register_region(RegionSpec("mine", BLOCKS, BLOCK, "bfloat16", kind="shm",
+                                           shm_name=segments[0].name))
+        before = _landed(segments[0], list(range(BLOCKS))).clone()
+        t = a.submit(_spec(b, [4], [5]))
+        with pytest.raises(TransferFailed, match="sender's own region 'mine'"):
+            await a.wait(t.id, 10)
+        assert torch.equal(_landed(segments[0], list(range(BLOCKS))), before)  # nothing written
+        await a.delete_region("mine")
+        record = await a.wait(a.submit(_spec(b, [4], [5])).id, 10)
+        assert record["state"] == "done" and torch.equal(_landed(segments[0], [5]), _sent(a, [4]))
+
+    _run(body)
+
+
 def test_a_segment_shrunk_from_outside_fails_the_transfer_not_the_sender():
     """The sender holds a mapping of the receiver's segment; another process truncates it. The next
     write is refused before it touches the mapping (which would raise SIGBUS); once the segment is
