@@ -38,9 +38,10 @@ class Admission:
             self._check_sizes(announce)
             plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
                                     bool(announce.flags & peer.FLAG_TAPERED))
-            if announce.flags & (peer.FLAG_WRITTEN | peer.FLAG_WRITING):
+            lent = bool(announce.flags & (peer.FLAG_WRITTEN | peer.FLAG_WRITING))
+            if lent:
                 self._check_lease(connection, announce)
-            t, pairs, codec = self._check(connection, transfer_id, announce)
+            t, pairs, codec = self._check(connection, transfer_id, announce, decodes=not lent)
         except EngineError as exc:
             kind, reason = describe(exc)
             self.ctx.metrics.errors.labels(kind).inc()
@@ -50,17 +51,19 @@ class Admission:
                                                    f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
-        tags = peer.ChunkTags(transfer_id, len(plan))
         apply = self.ctx.driver.apply
-        if announce.flags & (peer.FLAG_WRITTEN | peer.FLAG_WRITING):  # written, or being written
-            writing = bool(announce.flags & peer.FLAG_WRITING)
+        if announce.flags & peer.FLAG_WRITTEN:
+            self._written(connection, t, pairs)
+            return
+        tags = peer.ChunkTags(transfer_id, len(plan))
+        if announce.flags & peer.FLAG_WRITING:  # being written: done once the sender's event is reached
             end = self.ctx.events.open(announce.event, announce.event_gpu,
-                                       ipc.event_device(pairs[0].region.tensor.device), connection) if writing else None
-            incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, lent=writing, end=end)
+                                       ipc.event_device(pairs[0].region.tensor.device), connection)
+            incoming = Incoming(self.ctx, connection, t, pairs, plan, tags, codec, lent=True, end=end)
             self.ctx.links.add(t, PeerLink(connection, incoming=incoming))
             apply(t, Event(On.ADMIT_LENT))
-            # In place already (a copy may have finished before its announce was read): done at once.
-            if not writing or end is not None and _reached(end):
+            # In place already (the copy may have finished before its announce was read): done at once.
+            if end is not None and _reached(end):
                 incoming.all_written()
                 self.ctx.links.drop(t)
                 return
@@ -86,6 +89,15 @@ class Admission:
         if targets or announce.host != bytes(16) or announce.inline_chunks < len(plan):
             connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
         t.task = asyncio.create_task(incoming.run())
+
+    def _written(self, connection: transport.Connection, t: Transfer, pairs: list[Pair]) -> None:
+        """A transfer the sender wrote under its standing lease before it announced it: done here
+        and now. Nothing of it is to come, so no pipeline is built; the move to done tells the
+        sender (DONE) on the announce's connection."""
+        _count_written(t, pairs)
+        self.ctx.links.add(t, PeerLink(connection))
+        self.ctx.driver.apply(t, Event(On.ADMIT_LENT))
+        self.ctx.driver.apply(t, Event(On.PEER_WRITTEN))
 
     def _check_sizes(self, a: peer.Announce) -> None:
         """Counts checked by arithmetic before any work: blocks, chunks, inline chunks.
@@ -146,7 +158,9 @@ class Admission:
             self.ctx.leases.lend(p.region.name, connection)
         return tuple(targets)
 
-    def _check(self, connection: transport.Connection, transfer_id: str, a: peer.Announce):
+    def _check(self, connection: transport.Connection, transfer_id: str, a: peer.Announce, decodes: bool = True):
+        """The transfer recorded, with its pairs and codec, once the announce is found valid here
+        (``decodes``: its chunks are decoded here, not written by the sender, so the codec is bound)."""
         codec = codec_named(a.codec)
         book = None
         if a.codebook:
@@ -171,7 +185,8 @@ class Admission:
                 cache[key] = Ids.of(a.dst_blocks, region.num_blocks)
             reference = self.ctx.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
-        self.ctx.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs
+        if decodes:
+            self.ctx.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs
         t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
                      source=peer_source(connection.peer, connection.id), pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
                      chosen_codec=a.codec, choice_reason="the sender's", lossy=not codec.lossless,
@@ -232,13 +247,12 @@ class Incoming:
         self._count_written()
 
     def _count_written(self) -> None:
-        self.t.mark("last_byte")
-        self.t.blocks_done = self.t.blocks * len(self.pairs)
-        self.t.bytes_raw = sum(self.t.blocks * p.region.block_bytes for p in self.pairs)
+        _count_written(self.t, self.pairs)
         self.completed = len(self.plan)
 
     def all_written(self) -> None:
-        """The sender wrote every block under its lease before it announced the transfer: done."""
+        """Every block is in place already (the sender's event was reached before its announce
+        was read): done."""
         self._count_written()
         self._done(written=True)
 
@@ -377,6 +391,13 @@ class Incoming:
             self._failed(exc)
         finally:
             ctx.links.drop(t)
+
+
+def _count_written(t: Transfer, pairs: list[Pair]) -> None:
+    """Every block of ``t`` written by its sender into lent memory."""
+    t.mark("last_byte")
+    t.blocks_done = t.blocks * len(pairs)
+    t.bytes_raw = sum(t.blocks * p.region.block_bytes for p in pairs)
 
 
 def _reached(end: ipc.WriteEnd) -> bool:
