@@ -92,11 +92,10 @@ class Admission:
 
     def _written(self, connection: transport.Connection, t: Transfer, pairs: list[Pair]) -> None:
         """A transfer the sender wrote under its standing lease before it announced it: done here
-        and now. Nothing of it is to come, so no pipeline is built; the move to done tells the
-        sender (DONE) on the announce's connection."""
+        and now, in one move from queued that tells the sender (DONE) on the announce's
+        connection. Nothing of it is to come, so no pipeline is built."""
         _count_written(t, pairs)
         self.ctx.links.add(t, PeerLink(connection))
-        self.ctx.driver.apply(t, Event(On.ADMIT_LENT))
         self.ctx.driver.apply(t, Event(On.PEER_WRITTEN))
 
     def _check_sizes(self, a: peer.Announce) -> None:

@@ -117,8 +117,8 @@ class Mapper:
         self._seen_version: int | None = None
         self._open: OrderedDict[tuple[bytes, int], _Opened] = OrderedDict()  # (handle, writing GPU) ->
         self._views: dict[tuple, torch.Tensor] = {}  # (handle, offset, shape, dtype, writing GPU) -> tensor
-        # (view's key, id(source)) -> (the source, weakly, and blockcopy's route from it into the view)
-        self._routes: dict[tuple, tuple[weakref.ref, blockcopy.Route | None]] = {}
+        # (view's key, id(source)) -> (the source, weakly; the view; blockcopy's route from one into the other)
+        self._routes: dict[tuple, tuple[weakref.ref, torch.Tensor, blockcopy.Route | None]] = {}
         self._shm: dict[bytes, Any] = {}  # shared memory opened by name, while its views live
         self._mine: list[Any] = []  # the sender's regions the views were checked against
 
@@ -165,13 +165,16 @@ class Mapper:
         Raises:
             RuntimeError: as ``tensor``.
         """
-        view = self.tensor(target, shape, dtype, src.device)
-        key = (target.handle, target.offset, shape, dtype, src.device.index if src.is_cuda else None, id(src))
+        self._check_own()
+        here = src.device.index if src.is_cuda else None
+        key = (target.handle, target.offset, shape, dtype, here, id(src))
         known = self._routes.get(key)
-        if known is not None and known[0]() is src:
-            return view, known[1]
+        if known is not None and known[0]() is src and target.device_uuid != peer.HOST_MEMORY:
+            self._open.move_to_end((target.handle, here))
+            return known[1], known[2]
+        view = self.tensor(target, shape, dtype, src.device)  # a host segment's size is checked at every write
         planned = blockcopy.route(src, view)
-        self._routes[key] = (weakref.ref(src), planned)
+        self._routes[key] = (weakref.ref(src), view, planned)
         return view, planned
 
     def _check_own(self) -> None:

@@ -101,9 +101,9 @@ class Outgoing:
         as it is launched): one message, ended by the receiver's DONE. False, with nothing done, if
         it does not qualify.
 
-        The announce goes out before the transfer's own bookkeeping (its moves, link and deadline):
-        the receiver's work starts that much sooner, and nothing can read the bookkeeping before
-        this returns to the loop."""
+        The announce goes out before the transfer's own bookkeeping (its one move, link and
+        deadline): the receiver's work starts that much sooner, and nothing can read the
+        bookkeeping before this returns to the loop."""
         connection = self.ctx.plane.pool.ready(*address)
         raw, device = spec.raw_bytes(pairs), pairs[0].region.tensor.device
         if connection is None or not self.ctx.leases.holding(connection) or not runs_now(device, raw):
@@ -137,10 +137,8 @@ class Outgoing:
             connection.post_message(announce)
             t.mark("announced")
         t.bytes_raw = raw
-        self.apply(t, Event(On.DIAL))
-        self.apply(t, Event(On.LEASE))
         link = self.ctx.links.add(t, PeerLink(connection, reused=True))
-        self.apply(t, Event(On.WRITTEN))
+        self.apply(t, Event(On.WRITTEN))  # queued -> confirming: written and announced already
         self._deadline(t)
         link.settle = functools.partial(self._replied, t, 0)  # not a link speed: a same-host copy
         if end is not None:

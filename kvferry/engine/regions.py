@@ -5,6 +5,7 @@ opened from a worker's CUDA IPC handle. Registered once; transfers then name blo
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import os
 import threading
@@ -113,8 +114,9 @@ class Region:
         self.check_memory()
         return BlockLayout.of(self.block_shape, self.axes)
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
+        """Bytes of one block (fixed for the region's life; asked for on every transfer's path)."""
         return math.prod(self.block_shape) * self._tensor.element_size()
 
     def describe(self) -> dict[str, Any]:

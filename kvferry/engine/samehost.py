@@ -28,26 +28,25 @@ def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: 
     # Kernels read torch's current stream, so it is switched once; a listed copy is given the stream.
     with on_stream(None if few else stream):
         for pair, held in zip(pairs, helds):
-            region, target = pair.region, held.target
-            shape = (target.num_blocks, *region.block_shape)
+            target, tensor = held.target, pair.region.tensor
+            shape = (target.num_blocks, *pair.region.block_shape)
             if few:
-                remote, route = mapper.route(target, shape, region.tensor.dtype, region.tensor)
+                remote, route = mapper.route(target, shape, tensor.dtype, tensor)
             else:
-                remote = mapper.tensor(target, shape, region.tensor.dtype, region.tensor.device)
+                remote = mapper.tensor(target, shape, tensor.dtype, tensor.device)
             if target.num_blocks not in resolved:  # checked on the host
                 resolved[target.num_blocks] = Ids.of(dst_blocks, target.num_blocks)
             if few and route is not None:
                 blockcopy.copy_routed(route, src_blocks.listed, dst_blocks.listed,
-                                      current_stream(region.tensor.device) if stream is None else stream.cuda_stream)
+                                      current_stream(tensor.device) if stream is None else stream.cuda_stream)
                 continue
             if few:
-                blockcopy.copy_listed(region.tensor, src_blocks.listed, remote, dst_blocks.listed, stream)
+                blockcopy.copy_listed(tensor, src_blocks.listed, remote, dst_blocks.listed, stream)
                 continue
             src, dst = pair.index.spread, resolved[target.num_blocks].spread
             if src is not None and dst is not None and src[1] == dst[1]:
-                ids = to_stream(torch.tensor(src[0] + dst[0], dtype=torch.int64), region.tensor.device)
-                blockcopy.copy_spread(region.tensor, ids[:len(src[0])], remote, ids[len(src[0]):], src[1], src[2],
-                                      dst[2])
+                ids = to_stream(torch.tensor(src[0] + dst[0], dtype=torch.int64), tensor.device)
+                blockcopy.copy_spread(tensor, ids[:len(src[0])], remote, ids[len(src[0]):], src[1], src[2], dst[2])
                 continue
-            src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], region.tensor.device)
-            blockcopy.copy_blocks(region.tensor, src_ids, remote, dst_ids)
+            src_ids, dst_ids = pair.index.with_(resolved[target.num_blocks], tensor.device)
+            blockcopy.copy_blocks(tensor, src_ids, remote, dst_ids)

@@ -132,10 +132,12 @@ MOVES: dict[tuple[Side, Phase, On], Phase] = {
     (S, P.STREAMING, On.CREDIT): P.STREAMING,
     (S, P.STREAMING, On.SENT_LAST): P.CONFIRMING,
     (S, P.WRITING, On.WRITTEN): P.CONFIRMING,
+    (S, P.QUEUED, On.WRITTEN): P.CONFIRMING,  # written under a standing lease and announced before any move
     (S, P.CONFIRMING, On.PEER_DONE): P.DONE,
     **{(S, phase, On.REDIAL): P.QUEUED for phase in PHASES[S] if phase != P.QUEUED},
     (R, P.QUEUED, On.ADMIT): P.RECEIVING,
     (R, P.QUEUED, On.ADMIT_LENT): P.LENT,
+    (R, P.QUEUED, On.PEER_WRITTEN): P.DONE,  # an announce flagged WRITTEN: every block is in place already
     (R, P.RECEIVING, On.CHUNK): P.RECEIVING,
     (R, P.RECEIVING, On.LAST_CHUNK): P.DONE,
     (R, P.LENT, On.PEER_WRITTEN): P.DONE,

@@ -138,6 +138,27 @@ def test_a_leased_write_is_announced_before_the_senders_own_bookkeeping():
     _run(body)
 
 
+def test_a_leased_write_takes_one_move_on_each_side_before_its_end():
+    """Written and announced before any move, the sender's record goes from queued to confirming
+    in one move; the receiver's, admitted with every block in place, from queued to done in one."""
+
+    async def body(a, b, segments):
+        first = list(range(300))
+        await a.wait(a.submit(_spec(b, first, first, codec="auto")).id, 10)  # takes the lease
+        moves: list[tuple[str, str, str]] = []
+        for engine in (a, b):
+            engine.driver.watchers.append(lambda t, before: moves.append((t.direction, before.value, t.phase.value)))
+        t = a.submit(_spec(b, [7], [8]))
+        record = await a.wait(t.id, 5)
+        assert record["state"] == "done" and torch.equal(_landed(segments[0], [8]), _sent(a, [7]))
+        incoming = await _incoming(b, t.id)
+        assert incoming["state"] == "done" and incoming["blocks_done"] == 1, incoming
+        assert sorted(moves) == [("in", "queued", "done"),
+                                 ("out", "confirming", "done"), ("out", "queued", "confirming")]
+
+    _run(body)
+
+
 def test_spread_ids_are_written_under_the_lease_as_their_ids(monkeypatch):
     """vLLM's request across a cache's planes (ids each standing for ``count`` blocks ``stride``
     apart) goes to the copy as its short id lists, the destination's stride running backwards."""
