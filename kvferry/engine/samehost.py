@@ -33,7 +33,7 @@ def write_blocks(mapper: Mapper, src_blocks: Blocks, dst_blocks: Blocks, pairs: 
             if few:
                 remote, route = mapper.route(target, shape, tensor.dtype, tensor)
             else:
-                remote = mapper.tensor(target, shape, tensor.dtype, tensor.device)
+                remote, route = mapper.tensor(target, shape, tensor.dtype, tensor.device), None
             if target.num_blocks not in resolved:  # checked on the host
                 resolved[target.num_blocks] = Ids.of(dst_blocks, target.num_blocks)
             if few and route is not None:
