@@ -57,6 +57,10 @@ class Settings:
     transport_chunk_bytes: int = 0  # largest message; 0 = a whole pipeline chunk's frame on a GPU, 16 MiB on the CPU
     transport_window_bytes: int = 128 * MiB
     tcp_lanes: int = 0  # TCP sockets per data connection this sidecar dials (large payloads spread over them); 0 = 4 on a GPU, 1 on the CPU
+    # A peer on this host (its data address is one of this network namespace's) is dialled over a
+    # Unix socket its data listener also accepts on: the tcp backend's small messages skip the TCP
+    # stack. Off: TCP only, and no Unix socket is listened on.
+    local_socket: bool = True
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     ucx_progress_mode: str = "blocking"  # ucxx's worker progress: blocking (on the event loop), thread, polling, thread-polling
     # After any request or peer message the event loop busy-polls this long, so the next request

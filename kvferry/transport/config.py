@@ -56,6 +56,9 @@ class TransportConfig:
     # TCP connections per link a dialler opens: large DATA payloads spread over them (one TCP
     # stream moves what one core copies; a fast NIC needs several). 1: a plain stream.
     tcp_lanes: int = 1
+    # A peer whose address is this network namespace's own is dialled over the Unix socket its
+    # listener also accepts on (the tcp backend's; a listener with it off accepts on TCP only).
+    local_socket: bool = False
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
     # How ucxx progresses its worker (one choice per process, at its first listen/connect).
     # "blocking": on the event loop, woken by the worker's event fd; ucxx's default "thread"

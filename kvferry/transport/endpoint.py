@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 
@@ -173,13 +174,27 @@ async def connect(host: str, port: int, config: TransportConfig, *, backend: str
     link = await backend_module(name).connect(host, port, config)
     try:
         session = await handshake.connector(link, config.secret, config.connect_timeout, offer_of(config))
-    except PeerLost as exc:  # the link is closed already
-        if link.lanes > 1:  # a listener refuses lanes it does not speak by closing them, before any handshake
-            raise ConnectError(f"{host}:{port} closed a link of {link.lanes} lanes before its handshake: {exc}. "
-                               f"A peer of another lanes version (this side speaks {lanes.VERSION}) does that; "
-                               "run one version on both sides, or one lane (tcp_lanes 1)") from exc
-        raise
+    except TransportError as exc:
+        if not link.local:
+            if isinstance(exc, PeerLost) and link.lanes > 1:
+                raise _lanes_refused(host, port, link, exc) from exc
+            raise
+        # Whatever holds the listener's Unix name did not complete the handshake: its TCP address
+        # is what the peer was named by, and gives the real answer.
+        await link.close()
+        log.warning("%s:%d: the handshake over its Unix socket failed (%s: %s); dialling TCP",
+                    host, port, type(exc).__name__, exc)
+        return await connect(host, port, dataclasses.replace(config, local_socket=False), backend=name,
+                             mailbox=mailbox, on_message=on_message)
     return Connection(link, config, mailbox or Mailbox(), session, on_message)
+
+
+def _lanes_refused(host: str, port: int, link: Link, exc: PeerLost) -> ConnectError:
+    """A link of lanes closed before its handshake: a listener refuses lanes it does not speak
+    that way, which the error says."""
+    return ConnectError(f"{host}:{port} closed a link of {link.lanes} lanes before its handshake: {exc}. "
+                        f"A peer of another lanes version (this side speaks {lanes.VERSION}) does that; "
+                        "run one version on both sides, or one lane (tcp_lanes 1)")
 
 
 def offer_of(config: TransportConfig) -> handshake.Offer:

@@ -53,6 +53,9 @@ class Link(ABC):
     streams = True
     # Connections under this link that a large DATA payload is spread over (``Striped``).
     lanes = 1
+    # A same-host shortcut (TCP's Unix socket): a dialler whose handshake fails on it dials the
+    # backend's plain way instead.
+    local = False
 
     @abstractmethod
     async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None,

@@ -1,7 +1,13 @@
 """The asyncio TCP backend: raw non-blocking sockets (``sock_sendall``/``sock_recv_into``, no
 StreamReader copies). Device payloads are staged through pinned host memory by a worker thread
 (``tcp_device``), their copies overlapping the socket; large DATA payloads spread over several
-sockets where the link has lanes (``lanes``)."""
+sockets where the link has lanes (``lanes``).
+
+Same-host peers (``TransportConfig.local_socket``) take a Unix stream socket instead: a listener
+also accepts on the abstract socket named after its TCP address (``local_name``), and a dialler
+whose peer address is one of its own network namespace's connects there first. The framing,
+lanes and handshake are the same; the kernel's TCP path is skipped (a small message's round trip
+between two processes halves)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import asyncio
 import functools
 import os
 import socket
+import sys
 from typing import Any
 
 from collections.abc import Callable
@@ -24,11 +31,34 @@ _SOCKET_BUFFER = 4 << 20
 # messages behind them, cost one system call rather than one each. Large payloads bypass it.
 _READ_AHEAD = 64 << 10
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one sendmsg takes
+_UNIX = getattr(socket, "AF_UNIX", None)
+_LOCAL_SOCKETS = _UNIX is not None and sys.platform.startswith("linux")  # abstract names are Linux's
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def local_name(host: str, port: int) -> str:
+    """The abstract Unix socket name a listener on ``host:port`` also accepts on (``*`` for a
+    listener on every address). Abstract names belong to the network namespace, as TCP ports do:
+    a name is reachable exactly where its TCP address is this host's own."""
+    return f"\0kvferry/{'*' if host in _WILDCARDS else host}:{port}"
+
+
+def is_own_address(family: int, host: str) -> bool:
+    """Whether ``host`` (an IP address) is one of this network namespace's: it can be bound."""
+    probe = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        probe.bind((host, 0))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != _UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
 
@@ -43,6 +73,7 @@ class TcpLink(Link):
         self._gathering = gathering  # an accepted socket's: it may open with a lane preamble
         self._absorbed = False  # a lane of another link now, which owns its socket
         self._sock = sock
+        self.local = sock.family == _UNIX
         self._socks = [sock]  # lane 0 first; more once ``add_lanes``
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -52,8 +83,12 @@ class TcpLink(Link):
         self._staged_out = [DeviceStaging()]
         self._staged_in = [DeviceStaging()]
         try:
-            host, port = sock.getpeername()[:2]
-            self.peer = f"{host}:{port}"
+            if sock.family == _UNIX:  # both ends see the listener's name: "unix:" and its TCP port
+                name = sock.getpeername() or sock.getsockname()  # abstract names come back as bytes
+                self.peer = "unix:" + (name.decode() if isinstance(name, bytes) else name).rpartition(":")[2]
+            else:
+                host, port = sock.getpeername()[:2]
+                self.peer = f"{host}:{port}"
         except OSError:
             self.peer = "?"
 
@@ -306,20 +341,21 @@ def _close(sock: socket.socket) -> None:
 
 
 class TcpListener(ListenerHandle):
-    def __init__(self, sock: socket.socket, on_link: OnLink, config: TransportConfig):
-        self._sock = sock
+    def __init__(self, socks: list[socket.socket], on_link: OnLink, config: TransportConfig):
+        self._socks = socks  # the TCP socket, then the Unix one where it is listened on
         self._io_timeout = config.op_timeout
         self._gathering = lanes_.Gathering(config.connect_timeout)
-        self.port = sock.getsockname()[1]
+        self.port = socks[0].getsockname()[1]
         self._on_link = on_link
         self._handlers: set[asyncio.Task] = set()
-        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._accept_loop(sock)) for sock in socks]
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._sock)
+                conn, _ = await loop.sock_accept(sock)
             except asyncio.CancelledError:
                 raise
             except OSError as exc:
@@ -331,13 +367,12 @@ class TcpListener(ListenerHandle):
             task.add_done_callback(self._handlers.discard)
 
     async def close(self) -> None:
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._gathering.drain()
-        self._sock.close()
+        for sock in self._socks:
+            sock.close()
 
 
 async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig) -> TcpListener:
@@ -350,7 +385,28 @@ async def listen(host: str, port: int, on_link: OnLink, config: TransportConfig)
         raise ConnectError(f"cannot listen on {host}:{port}: {exc}") from exc
     sock.listen(128)
     sock.setblocking(False)
-    return TcpListener(sock, on_link, config)
+    socks = [sock]
+    if config.local_socket and _LOCAL_SOCKETS:
+        bound_host, bound_port = sock.getsockname()[:2]
+        local = _listen_local(local_name(bound_host, bound_port))
+        socks += [local] if local is not None else []
+    return TcpListener(socks, on_link, config)
+
+
+def _listen_local(name: str) -> socket.socket | None:
+    """The Unix socket same-host peers dial, or None (logged) if its name is held: a process in
+    this namespace listens there already, and peers reach this listener over TCP."""
+    sock = socket.socket(_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(name)
+    except OSError as exc:
+        sock.close()
+        log.warning("same-host peers reach this listener over TCP: the Unix socket %r is taken (%s)",
+                    name.lstrip("\0"), exc)
+        return None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
 
 
 async def connect(host: str, port: int, config: TransportConfig) -> TcpLink:
@@ -358,15 +414,21 @@ async def connect(host: str, port: int, config: TransportConfig) -> TcpLink:
     try:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
-        raise ConnectError(f"cannot resolve {host}: {exc}") from exc
+        raise ConnectError(f"cannot resolve {host}:{port}: {exc}") from exc
     family, _, proto, _, address = infos[0]
-    socks = [socket.socket(family, socket.SOCK_STREAM, proto) for _ in range(config.tcp_lanes)]
+    local = await _local_socket(address, family, config) if config.local_socket and _LOCAL_SOCKETS else None
+    if local is not None:
+        family, proto, address, first = _UNIX, 0, local.getpeername(), local
+    else:
+        first = socket.socket(family, socket.SOCK_STREAM, proto)
+    socks = [first] + [socket.socket(family, socket.SOCK_STREAM, proto) for _ in range(config.tcp_lanes - 1)]
     link_id = os.urandom(16)
     try:
         async with asyncio.timeout(config.connect_timeout):
             for index, sock in enumerate(socks):
                 sock.setblocking(False)
-                await loop.sock_connect(sock, address)
+                if sock is not local:
+                    await loop.sock_connect(sock, address)
                 if config.tcp_lanes > 1:
                     await loop.sock_sendall(sock, lanes_.pack_preamble(index, config.tcp_lanes, link_id))
     except (OSError, TimeoutError) as exc:
@@ -377,3 +439,24 @@ async def connect(host: str, port: int, config: TransportConfig) -> TcpLink:
     link = TcpLink(socks[0], config.op_timeout)
     link.add_lanes(socks[1:])
     return link
+
+
+async def _local_socket(address: tuple, family: int, config: TransportConfig) -> socket.socket | None:
+    """A Unix socket connected to the listener at ``address`` if that is this namespace's own
+    address and the listener accepts there (its own name, then its every-address name); else
+    None, and the caller dials TCP."""
+    host, port = address[:2]
+    if not is_own_address(family, host):
+        return None
+    loop = asyncio.get_running_loop()
+    for name in (local_name(host, port), local_name("*", port)):
+        sock = socket.socket(_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(config.connect_timeout):
+                await loop.sock_connect(sock, name)
+        except (OSError, TimeoutError):
+            sock.close()
+            continue
+        return sock
+    return None

@@ -15,7 +15,8 @@ os.environ.setdefault("UCX_TLS", "tcp,cuda_copy,cuda_ipc" if torch.cuda.is_avail
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 # "tcp-lanes": TCP links of three sockets, every DATA payload of 64 KiB or more spread over them.
-BACKENDS = ["tcp", "tcp-lanes", "ucxx"]
+# "tcp-unix": the tcp backend between two ends of one host, over the listener's Unix socket.
+BACKENDS = ["tcp", "tcp-lanes", "tcp-unix", "ucxx"]
 
 
 def config(backend: str, **overrides) -> transport.TransportConfig:
@@ -23,6 +24,8 @@ def config(backend: str, **overrides) -> transport.TransportConfig:
                     connect_timeout=3.0, op_timeout=5.0, close_timeout=2.0)
     if backend == "tcp-lanes":
         settings.update(backend="tcp", tcp_lanes=3)
+    if backend == "tcp-unix":
+        settings.update(backend="tcp", local_socket=True)
     settings.update(overrides)
     return transport.TransportConfig(**settings)
 

@@ -19,6 +19,8 @@ async def main(role: str, backend: str, *rest: str) -> None:
     if backend == "tcp-lanes":  # as tests.transport.conftest makes it
         lanes.STRIPE_MIN = 64 << 10
         config = transport.TransportConfig(backend="tcp", tcp_lanes=3, **SMALL_STEPS)
+    elif backend == "tcp-unix":
+        config = transport.TransportConfig(backend="tcp", local_socket=True, **SMALL_STEPS)
     else:
         config = transport.TransportConfig(backend=backend, **SMALL_STEPS)
     if role == "send":
