@@ -9,7 +9,9 @@ everywhere else (the host, odd sizes, no CuPy, no peer access).
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,26 @@ extern "C" __global__ void copy_pages(const int4* __restrict__ src, int4* __rest
     copy_rows<4>(src, dst, src_ids, dst_ids, blocks, vecs, count, src_stride, dst_stride);
 }
 """
+# Blocks named in the launch itself (their u32 ids, 2 KiB of each side, inside the 4 KiB a
+# kernel's arguments may take); longer lists go as index tensors.
+LISTED_MAX = 256
+_LISTED_SOURCE = r"""
+struct Listed { unsigned int ids[LISTED_MAX]; };
+
+// copy_blocks with the ids among the arguments (read where they are: __grid_constant__).
+extern "C" __global__ void copy_listed_blocks(const int4* __restrict__ src, int4* __restrict__ dst,
+                                              const __grid_constant__ Listed src_ids,
+                                              const __grid_constant__ Listed dst_ids, long long blocks,
+                                              long long vecs) {
+    for (long long b = blockIdx.y; b < blocks; b += gridDim.y) {
+        const int4* from = src + (long long)src_ids.ids[b] * vecs;
+        int4* to = dst + (long long)dst_ids.ids[b] * vecs;
+        for (long long v = blockIdx.x * blockDim.x + threadIdx.x; v < vecs; v += gridDim.x * blockDim.x) {
+            to[v] = from[v];
+        }
+    }
+}
+"""
 THREADS = 256
 VEC = 16  # bytes a thread moves at once (int4)
 PAGE_THREADS = 512
@@ -101,13 +123,14 @@ def spread(ids: torch.Tensor, count: int, stride: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Route:
-    """Where ``copy_listed`` copies between two fixed tensors by the driver's copies: their base
-    addresses and block size, worked out once (the checks behind them cost more than a block's
-    copy call on the GPU hosts measured)."""
+    """Where a listed copy goes between two fixed tensors, by the driver's copies or one kernel
+    on ``device`` (the source's GPU): their base addresses and block size, worked out once (the
+    checks behind them cost more than a block's copy call on the GPU hosts measured)."""
 
     source: int
     destination: int
     block_bytes: int
+    device: int
 
 
 def route(src: torch.Tensor, dst: torch.Tensor) -> Route | None:
@@ -115,7 +138,7 @@ def route(src: torch.Tensor, dst: torch.Tensor) -> Route | None:
     None where torch's path serves (the host, odd sizes, no CuPy, no peer access)."""
     if not _kernel_fits(src, dst):
         return None
-    return Route(src.data_ptr(), dst.data_ptr(), _block_bytes(src))
+    return Route(src.data_ptr(), dst.data_ptr(), _block_bytes(src), src.device.index)
 
 
 def copy_routed(route_: Route, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], stream: int) -> None:
@@ -125,6 +148,48 @@ def copy_routed(route_: Route, src_ids: tuple[int, ...], dst_ids: tuple[int, ...
     source, destination = route_.source, route_.destination
     for s, d in zip(src_ids, dst_ids):
         copy(destination + d * nbytes, source + s * nbytes, nbytes, _MEMCPY_DEFAULT, stream)
+
+
+def copy_by_value(route_: Route, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], stream: int) -> bool:
+    """``copy_blocks`` along a ``Route`` of at most ``LISTED_MAX`` listed blocks (ids checked
+    already), in one kernel launched on the raw stream handle ``stream`` with the ids among its
+    arguments: no index tensors, no copy of them to the GPU (building and staging those took most
+    of a 256 MiB same-host write's time before its kernel). False, nothing launched, where that
+    kernel is not there (the caller then takes the index path)."""
+    function = _by_value(route_.device)
+    n = len(src_ids)
+    if function is None or not 0 < n <= LISTED_MAX or len(dst_ids) != n:
+        return False
+    vecs = route_.block_bytes // VEC
+    grid = (max(1, min(-(-vecs // THREADS), 64)), n)
+    in_context(route_.device, optional_cupy().cuda.driver.launchKernel, function, *grid, 1, THREADS, 1, 1, 0,
+               stream, _listed_arguments(route_.source, route_.destination, src_ids, dst_ids, vecs), 0)
+    return True
+
+
+class _ListedArguments(ctypes.Structure):
+    """``copy_listed_blocks``'s arguments, each where its ``void*`` points (``cuLaunchKernel``
+    copies them before it returns, so one block per thread is reused)."""
+
+    _fields_ = [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("src_ids", ctypes.c_uint32 * LISTED_MAX),
+                ("dst_ids", ctypes.c_uint32 * LISTED_MAX), ("blocks", ctypes.c_int64), ("vecs", ctypes.c_int64),
+                ("pointers", ctypes.c_void_p * 6)]
+
+
+_listed_thread = threading.local()
+
+
+def _listed_arguments(src: int, dst: int, src_ids: tuple[int, ...], dst_ids: tuple[int, ...], vecs: int) -> int:
+    held = getattr(_listed_thread, "arguments", None)
+    if held is None:
+        held = _listed_thread.arguments = _ListedArguments()
+        base = ctypes.addressof(held)
+        for i, name in enumerate(("src", "dst", "src_ids", "dst_ids", "blocks", "vecs")):
+            held.pointers[i] = base + getattr(_ListedArguments, name).offset
+    n = len(src_ids)
+    held.src, held.dst, held.blocks, held.vecs = src, dst, n, vecs
+    held.src_ids[:n], held.dst_ids[:n] = src_ids, dst_ids
+    return ctypes.addressof(held) + _ListedArguments.pointers.offset
 
 
 def copy_listed(src: torch.Tensor, src_ids: tuple[int, ...], dst: torch.Tensor, dst_ids: tuple[int, ...],
@@ -211,6 +276,25 @@ def _module(device_index: int) -> _Kernels | None:
             return _Kernels((module, blocks, pages), blocks.kernel.ptr, pages.kernel.ptr)
     except Exception:  # noqa: BLE001 (no CuPy, no compiler: the torch path serves)
         return None
+
+
+@functools.cache
+def _by_value(device_index: int) -> int | None:
+    """``copy_listed_blocks`` compiled for a GPU (apart from the other kernels: its by-value
+    arguments need a newer compiler), or None where it cannot be."""
+    try:
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            module = cupy.RawModule(code=_LISTED_SOURCE, options=("-DLISTED_MAX=%d" % LISTED_MAX,))
+            function = module.get_function("copy_listed_blocks")
+            _BY_VALUE_OWNERS.append((module, function))
+            return function.kernel.ptr
+    except Exception:  # noqa: BLE001 (no CuPy, no compiler, or one without __grid_constant__)
+        return None
+
+
+_BY_VALUE_OWNERS: list = []  # CuPy's RawModules and RawKernels, which keep the functions loaded
 
 
 @functools.cache

@@ -3,6 +3,9 @@ into the same GPU and a peer's, and touches no other block."""
 
 from __future__ import annotations
 
+import ctypes
+import struct
+
 import pytest
 import torch
 
@@ -115,3 +118,50 @@ def test_spread_ids_copy_every_block_they_stand_for(device, shape, count):
     if device == "cuda":
         torch.cuda.synchronize()
     assert bits_equal(dst, expected)
+
+
+def test_listed_arguments_are_laid_out_as_the_kernel_takes_them():
+    """``copy_listed_blocks(src, dst, Listed src_ids, Listed dst_ids, blocks, vecs)``: six
+    argument pointers at their fields, each id list ``LISTED_MAX`` u32 long."""
+    address = blockcopy._listed_arguments(0x1000, 0x2000, (7, 0, 255), (3, 9, 1), 131072)
+    held = blockcopy._listed_thread.arguments
+    base = ctypes.addressof(held)
+    width = 4 * blockcopy.LISTED_MAX
+    assert address == base + blockcopy._ListedArguments.pointers.offset
+    assert [p - base for p in held.pointers] == [0, 8, 16, 16 + width, 16 + 2 * width, 24 + 2 * width]
+    raw = ctypes.string_at(base, 32 + 2 * width)
+    assert raw[:16] == struct.pack("<QQ", 0x1000, 0x2000)
+    assert raw[16:28] == struct.pack("<3I", 7, 0, 255) and raw[16 + width:28 + width] == struct.pack("<3I", 3, 9, 1)
+    assert raw[16 + 2 * width:] == struct.pack("<qq", 3, 131072)
+    assert 32 + 2 * width <= 4096  # what a kernel's arguments may take
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["one GPU", pytest.param("into a peer", marks=two_gpus)])
+@pytest.mark.parametrize("count", [1, 5, 37, blockcopy.LISTED_MAX])
+def test_blocks_listed_in_the_launch_are_copied_as_the_reference_copies_them(where, count):
+    shape = (16, 8, 128)
+    src = _cache(300, shape, torch.bfloat16, "cuda:0", 11)
+    dst = _cache(300, shape, torch.bfloat16, "cuda:1" if where == "into a peer" else "cuda:0", 12)
+    generator = torch.Generator().manual_seed(count)
+    src_ids = tuple(torch.randint(0, 300, (count,), generator=generator).tolist())  # repeats allowed
+    dst_ids = tuple(torch.randperm(300, generator=generator)[:count].tolist())
+    expected = _expected(src.cpu(), list(src_ids), dst.cpu(), list(dst_ids))
+    planned = blockcopy.route(src, dst)
+    assert planned is not None and planned.device == 0
+    assert blockcopy.copy_by_value(planned, src_ids, dst_ids, torch.cuda.current_stream(0).cuda_stream)
+    torch.cuda.synchronize(0)
+    assert bits_equal(dst.cpu(), expected)  # other blocks untouched too
+
+
+@gpu
+@pytest.mark.gpu
+def test_more_blocks_than_a_launch_lists_are_left_to_the_index_path():
+    src = _cache(600, (4, 16), torch.bfloat16, "cuda", 13)
+    planned = blockcopy.route(src, src.clone())
+    ids = tuple(range(blockcopy.LISTED_MAX + 1))
+    assert not blockcopy.copy_by_value(planned, ids, ids, torch.cuda.current_stream().cuda_stream)
