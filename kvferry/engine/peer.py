@@ -387,28 +387,9 @@ def unpack(data: bytes | bytearray) -> Message:
         codec, dtype, codebook = r.text(1), r.text(1), r.text(1)
         digest = r.take(8)
         dst_blocks = r.blocks()
-        (count,) = r.unpack("H")
-        if not 0 < count <= MAX_PAIRS:
-            raise ProtocolViolation(f"announce of {count} region pairs")
-        pairs = []
-        for _ in range(count):
-            name = r.text(1)
-            (ndim,) = r.unpack("B")
-            shape = r.unpack(f"{ndim}I")
-            (per_chunk,) = r.unpack("I")
-            if per_chunk == 0:
-                raise ProtocolViolation("zero blocks per chunk")
-            pairs.append(PairLayout(name, tuple(shape), per_chunk, r.text(1)))
-        (inline,) = r.unpack("I")
-        host = r.take(16)
-        (flags,) = r.unpack("B")
-        if flags & ~(FLAG_WRITTEN | FLAG_TAPERED | FLAG_WRITING):
-            raise ProtocolViolation(f"unknown announce flags {flags:#x}")
-        if flags & FLAG_WRITTEN and flags & FLAG_WRITING:
-            raise ProtocolViolation("an announce flagged both WRITTEN and WRITING")
-        event, event_gpu = (r.take(EVENT_BYTES), r.take(16)) if flags & FLAG_WRITING else (b"", b"")
-        body = Announce(codec, dtype, dst_blocks, tuple(pairs), codebook, digest, inline, host, flags, event,
-                        event_gpu)
+        pairs, inline, host, flags, event, event_gpu = _announce_tail(data[r.at:])
+        r.at = len(data)
+        body = Announce(codec, dtype, dst_blocks, pairs, codebook, digest, inline, host, flags, event, event_gpu)
     elif kind == Kind.CHUNK:
         (index,) = r.unpack("I")
         body = Chunk(index, memoryview(data)[r.at:])
@@ -436,3 +417,37 @@ def unpack(data: bytes | bytearray) -> Message:
     if r.at != len(data):
         raise ProtocolViolation(f"{len(data) - r.at} bytes after a {kind.name} message")
     return Message(raw_id.hex(), body)
+
+
+@functools.lru_cache(maxsize=256)
+def _announce_tail(data: bytes) -> tuple[tuple[PairLayout, ...], int, bytes, int, bytes, bytes]:
+    """An announce after its block list (its pairs, inline chunks, host, flags, event), parsed once
+    for each distinct tail: a sender repeats it for every transfer between the same regions.
+
+    Raises:
+        ProtocolViolation: as ``unpack`` (a failed parse is not kept).
+    """
+    r = _Reader(data)
+    (count,) = r.unpack("H")
+    if not 0 < count <= MAX_PAIRS:
+        raise ProtocolViolation(f"announce of {count} region pairs")
+    pairs = []
+    for _ in range(count):
+        name = r.text(1)
+        (ndim,) = r.unpack("B")
+        shape = r.unpack(f"{ndim}I")
+        (per_chunk,) = r.unpack("I")
+        if per_chunk == 0:
+            raise ProtocolViolation("zero blocks per chunk")
+        pairs.append(PairLayout(name, tuple(shape), per_chunk, r.text(1)))
+    (inline,) = r.unpack("I")
+    host = r.take(16)
+    (flags,) = r.unpack("B")
+    if flags & ~(FLAG_WRITTEN | FLAG_TAPERED | FLAG_WRITING):
+        raise ProtocolViolation(f"unknown announce flags {flags:#x}")
+    if flags & FLAG_WRITTEN and flags & FLAG_WRITING:
+        raise ProtocolViolation("an announce flagged both WRITTEN and WRITING")
+    event, event_gpu = (r.take(EVENT_BYTES), r.take(16)) if flags & FLAG_WRITING else (b"", b"")
+    if r.at != len(data):
+        raise ProtocolViolation(f"{len(data) - r.at} bytes after an ANNOUNCE message")
+    return tuple(pairs), inline, host, flags, event, event_gpu

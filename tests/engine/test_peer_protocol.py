@@ -176,3 +176,20 @@ def test_an_announce_is_written_or_being_written_and_only_a_writing_one_carries_
                  dataclasses.replace(message.body, event_gpu=b"")):
         with pytest.raises(ProtocolViolation, match="event"):
             peer.pack(peer.Message(TID, body))
+
+
+def test_announces_sharing_their_tail_keep_their_own_ids_and_blocks_and_a_bad_tail_is_refused_each_time():
+    """The part after the block list is parsed once per distinct tail; what comes before it is
+    each message's own, and a tail that does not parse is never kept."""
+    layout = peer.PairLayout("dst", (32, 2, 16, 8, 128), 1)
+    sent = [peer.Message(f"{i:032x}", peer.Announce("raw", "bfloat16", Blocks(ids=(i, 2 * i + 1)), (layout,),
+                                                    host=bytes(range(16)), flags=peer.FLAG_WRITTEN))
+            for i in range(1, 4)]
+    for message in sent:
+        assert peer.unpack(peer.pack(message)) == message
+    damaged = bytearray(peer.pack(sent[0]))
+    damaged[-1] = peer.FLAG_WRITTEN | 0x80  # an unknown flag, in the tail
+    for _ in range(2):
+        with pytest.raises(ProtocolViolation, match="unknown announce flags"):
+            peer.unpack(bytes(damaged))
+    assert peer.unpack(peer.pack(sent[0])) == sent[0]
