@@ -36,8 +36,6 @@ class Admission:
         are arithmetic: an announce costs no more than its bytes."""
         try:
             self._check_sizes(announce)
-            plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
-                                    bool(announce.flags & peer.FLAG_TAPERED))
             lent = bool(announce.flags & (peer.FLAG_WRITTEN | peer.FLAG_WRITING))
             if lent:
                 self._check_lease(connection, announce)
@@ -52,9 +50,11 @@ class Admission:
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
         apply = self.ctx.driver.apply
-        if announce.flags & peer.FLAG_WRITTEN:
+        if announce.flags & peer.FLAG_WRITTEN:  # nothing to come: no plan
             self._written(connection, t, pairs)
             return
+        plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
+                                bool(announce.flags & peer.FLAG_TAPERED))
         tags = peer.ChunkTags(transfer_id, len(plan))
         if announce.flags & peer.FLAG_WRITING:  # being written: done once the sender's event is reached
             end = self.ctx.events.open(announce.event, announce.event_gpu,

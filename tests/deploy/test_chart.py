@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvferry.engine import settings
 from kvferry.engine.settings import Settings
 
 ROOT = Path(__file__).parents[2]
@@ -81,9 +82,13 @@ def test_sidecar_ports_probes_and_settings_match_the_daemon():
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
     env = {e["name"]: e for e in sidecar["env"]}
     fields = {f.name for f in dataclasses.fields(Settings)}
-    for key, value in yaml.safe_load((CHART / "values.yaml").read_text())["config"].items():
+    config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]
+    for key, value in config.items():
         assert key in fields, f"values.config.{key} is not a daemon setting"
-        assert env[f"KVFERRY_{key.upper()}"]["value"] == str(value)  # one-to-one, no float formatting
+        rendered = env[f"KVFERRY_{key.upper()}"]["value"]
+        assert rendered == (str(value).lower() if isinstance(value, bool) else str(value))  # no float formatting
+    read = settings.load(cli={}, environ={f"KVFERRY_{k.upper()}": env[f"KVFERRY_{k.upper()}"]["value"] for k in config})
+    assert {k: getattr(read, k) for k in config} == config  # the daemon reads each as the chart means it
     assert sidecar["securityContext"]["runAsNonRoot"] is True
     # Listening on the pod's address takes both secrets, which the chart creates by default.
     assert sidecar["args"][:2] == ["--host", "0.0.0.0"] and "--data-host" in sidecar["args"]
