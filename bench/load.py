@@ -22,8 +22,9 @@ this process lends (no upload); each in-flight worker owns one destination slot,
 compares it bit for bit with its source after every ``--check-every``-th transfer.
 
 Sidecars never take the same-host shortcut unless ``--same-host``: on loopback each daemon runs
-under a hostname of its own (``unshare --uts``, root), with ``--netns`` each is a host of its own
-on a bridge (``kvferry.testing.netns``) whose links are shaped to GBIT Gbit/s both ways.
+under a hostname of its own (``unshare --uts``, root) and dials TCP (``local_socket`` off); with
+``--netns`` each is a host of its own on a bridge (``kvferry.testing.netns``) whose links are
+shaped to GBIT Gbit/s both ways.
 
 Reports per codec: transfers/s, GB/s of raw KV, per-transfer p50/p99 (the client's wall time from
 request to answer, 429 retries included, and the sidecar's own submit-to-done), 429 answers seen,
@@ -119,6 +120,8 @@ def start_loopback(names: list[tuple[str, str]], same_host: bool, workdir: Path,
             serve = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', f"kvf-load-{name}", *serve]
         environment = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_")}
         environment.update({"KVFERRY_PEER_SECRET": _PEER_SECRET, "UCX_TLS": "tcp", **env})
+        if not same_host:  # a host of its own is reached over TCP, not the same-host Unix socket
+            environment.setdefault("KVFERRY_LOCAL_SOCKET", "false")
         environment["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         with open(workdir / f"{name}.log", "w") as log:
             process = subprocess.Popen(serve, env=environment, stdin=subprocess.DEVNULL, stdout=log,

@@ -124,7 +124,8 @@ def data_plane(settings: Settings, on_gpu: bool, chunk_bytes: int) -> tuple[tran
         max_handshaking_per_source=settings.max_handshaking_per_source,
         protocol=f"kvferry-peer/{peer.VERSION}", encrypt=settings.data_encryption == "on",
         idle_timeout=settings.idle_timeout, tcp_lanes=settings.tcp_lanes or (GPU_TCP_LANES if on_gpu else 1),
-        local_socket=settings.local_socket,
+        # An emulated link stands for a remote peer, which only TCP reaches.
+        local_socket=settings.local_socket and not settings.emulated_link_gbps,
         ucx_options={**transport.DEFAULT_UCX_OPTIONS, **settings.ucx_options},
         ucx_progress_mode=settings.ucx_progress_mode)
     backend = transport.resolve_backend(config)

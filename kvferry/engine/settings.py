@@ -59,7 +59,8 @@ class Settings:
     tcp_lanes: int = 0  # TCP sockets per data connection this sidecar dials (large payloads spread over them); 0 = 4 on a GPU, 1 on the CPU
     # A peer on this host (its data address is one of this network namespace's) is dialled over a
     # Unix socket its data listener also accepts on: the tcp backend's small messages skip the TCP
-    # stack. Off: TCP only, and no Unix socket is listened on.
+    # stack. Off (and under an emulated link, which stands for a remote peer): TCP only, and no Unix
+    # socket is listened on.
     local_socket: bool = True
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     ucx_progress_mode: str = "blocking"  # ucxx's worker progress: blocking (on the event loop), thread, polling, thread-polling

@@ -272,8 +272,22 @@ def test_an_emulated_link_takes_no_same_host_shortcut():
         record = await a.wait(a.submit(_spec(b, ids, ids)).id, 30)
         assert record["state"] == "done" and "same host" not in record["choice_reason"]
         assert _held(a, b) is None and torch.equal(_landed(segments[0], ids), _sent(a, ids))
+        assert (await _incoming(b, record["id"]))["peer"].startswith("127.0.0.1:")  # TCP, as to a remote peer
 
     _run(body, emulated_link_gbps=1.0)
+
+
+@pytest.mark.parametrize("local_socket", [True, False])
+def test_a_peer_of_this_host_is_reached_over_the_unix_socket_unless_it_is_off(local_socket):
+    async def body(a, b, segments):
+        ids = list(range(300))
+        record = await a.wait(a.submit(_spec(b, ids, ids)).id, 30)
+        assert record["state"] == "done" and torch.equal(_landed(segments[0], ids), _sent(a, ids))
+        port = b.data_address.rpartition(":")[2]
+        peer_seen = (await _incoming(b, record["id"]))["peer"]
+        assert (peer_seen == f"unix:{port}") if local_socket else peer_seen.startswith("127.0.0.1:")
+
+    _run(body, local_socket=local_socket)
 
 
 class _Connection:
