@@ -161,7 +161,7 @@ def copy_by_value(route_: Route, src_ids: tuple[int, ...], dst_ids: tuple[int, .
     if function is None or not 0 < n <= LISTED_MAX or len(dst_ids) != n:
         return False
     vecs = route_.block_bytes // VEC
-    grid = (max(1, min(-(-vecs // THREADS), 64)), n)
+    grid = _block_grid(vecs, n)
     in_context(route_.device, optional_cupy().cuda.driver.launchKernel, function, *grid, 1, THREADS, 1, 1, 0,
                stream, _listed_arguments(route_.source, route_.destination, src_ids, dst_ids, vecs), 0)
     return True
@@ -246,11 +246,16 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids
     if vecs <= PAGE_VECS and n >= PAGE_MIN_BLOCKS:
         function, grid, threads = _module(index).pages, (1, min(n, 65535)), PAGE_THREADS
     else:
-        function, grid, threads = _module(index).blocks, (max(1, min(-(-vecs // THREADS), 64)), min(n, 65535)), THREADS
+        function, grid, threads = _module(index).blocks, _block_grid(vecs, n), THREADS
     in_context(index, optional_cupy().cuda.driver.launchKernel, function, *grid, 1, threads, 1, 1,
                 0, current_stream(device),
                 kernel_parameters((src.data_ptr(), dst.data_ptr(), ids[0].data_ptr(), ids[1].data_ptr(), n, vecs, count,
                              src_stride, dst_stride)), 0)
+
+
+def _block_grid(vecs: int, blocks: int) -> tuple[int, int]:
+    """A block-per-row launch's grid: up to 64 CTAs of ``THREADS`` across a block, a row per block."""
+    return max(1, min(-(-vecs // THREADS), 64)), min(blocks, 65535)
 
 
 def _block_bytes(t: torch.Tensor) -> int:

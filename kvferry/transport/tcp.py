@@ -83,7 +83,7 @@ class TcpLink(Link):
         self._staged_out = [DeviceStaging()]
         self._staged_in = [DeviceStaging()]
         try:
-            if sock.family == _UNIX:  # both ends see the listener's name: "unix:" and its TCP port
+            if self.local:  # both ends see the listener's name: "unix:" and its TCP port
                 name = sock.getpeername() or sock.getsockname()  # abstract names come back as bytes
                 self.peer = "unix:" + (name.decode() if isinstance(name, bytes) else name).rpartition(":")[2]
             else:
