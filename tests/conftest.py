@@ -16,6 +16,50 @@ KV_SAMPLE = Path(__file__).parent / "data" / "kv_smollm2_gpl3.npz"
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
 
 
+_LOG_SIZES = pytest.StashKey[dict]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sidecar_logs(tmp_path_factory) -> Path:
+    """Sidecars spawned by the tests (``tests.engine.conftest.spawn``) log into a folder of
+    pytest's temporary directory, which outlives the run (pytest keeps the last few)."""
+    from tests.engine import conftest as engine
+
+    engine.logs = tmp_path_factory.mktemp("sidecar-logs")
+    return engine.logs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from tests.engine import conftest as engine
+
+    item.stash[_LOG_SIZES] = {str(d.log): d.log_size() for d in engine.spawned}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test (or its fixtures) shows what the sidecars logged while it ran."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    from tests.engine import conftest as engine
+
+    sizes = item.stash.get(_LOG_SIZES, {})
+    quiet = []
+    for daemon in engine.spawned:
+        key, exited = str(daemon.log), daemon.process.poll()
+        since = sizes.get(key, 0)
+        if daemon.log_size() > since:
+            state = "running" if exited is None else f"exited {exited}"
+            report.sections.append((f"sidecar {daemon.url} ({state}), log {daemon.log}", daemon.log_tail(since)))
+        elif exited is None or key not in sizes:
+            quiet.append(daemon)
+    if quiet:
+        names = ", ".join(f"{d.url} ({d.log})" for d in quiet)
+        report.sections.append(("sidecar logs", f"logged nothing while the test ran: {names}"))
+
+
 class LoopTurns:
     """``async with LoopTurns() as t``: a task counts the event loop's turns (``t.turns``) while
     the block runs, the proof that an await inside it let other work run."""

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.conftest import TOKEN, Daemon, spawn, stop
+from tests.engine.conftest import TOKEN, Daemon, log_path, ready, spawn, stop
 
-__all__ = ["TOKEN", "Daemon", "spawn", "stop"]
+__all__ = ["TOKEN", "Daemon", "log_path", "ready", "spawn", "stop"]
 
 
 @pytest.fixture(scope="module")

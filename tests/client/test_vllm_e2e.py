@@ -340,20 +340,19 @@ def test_streamed_answer_through_the_proxy(pd, reference):
 def replace_prefill_sidecar(pd: dict, corrupt: bool = False):
     """A new prefill sidecar on the old one's ports (the prefill vLLM's connector knows that URL);
     ``corrupt``: one that flips a byte of the first chunk it sends."""
-    from kvferry.client import Client
-    from kvferry.demo import start_sidecar, wait_ready
+    from kvferry.demo import start_sidecar
+    from kvferry.testing import faults
+
+    from .conftest import log_path, ready
 
     old = pd["p_side"]
     stop(old)
     port, data_port = int(old.url.rsplit(":", 1)[1]), int(old.data.rsplit(":", 1)[1])
-    from kvferry.testing import faults
-
     env = {"KVFERRY_TRANSFER_TIMEOUT": "10", **({faults.CORRUPT_CHUNK: "0"} if corrupt else {})}
-    process = start_sidecar(port, data_port, "tcp", token=TOKEN, env=env,
+    log = log_path(port)
+    process = start_sidecar(port, data_port, "tcp", token=TOKEN, env=env, log=log,
                             entry="kvferry.testing.serve" if corrupt else "kvferry.cli")
-    new = type(old)(old.url, Client(old.url, token=TOKEN), process, old.data)
-    pd["p_side"] = new  # stopped by pd's teardown
-    wait_ready(new.client, process)
+    new = pd["p_side"] = ready(old.url, process, log)  # stopped by pd's teardown
     return new
 
 

@@ -17,9 +17,9 @@ import torch
 from kvferry.client import Client
 from kvferry.client import vllm_watch
 from kvferry.client.vllm_core import Consumer, KvCache, LoadSpec, Producer, remote_params
-from kvferry.demo import free_port, start_sidecar, wait_ready
+from kvferry.demo import free_port, start_sidecar
 
-from .conftest import TOKEN, Daemon, spawn, stop
+from .conftest import TOKEN, Daemon, log_path, ready, spawn, stop
 from .test_vllm_core import BLOCKS, config, pages, pull_leaves_while_workers_are_held, pump, released, vllm_layers
 
 pytest.importorskip("grpc", reason="the gRPC path needs the grpc extra (pip install kvferry[grpc])")
@@ -190,11 +190,9 @@ def test_an_end_the_stream_never_pushed_is_asked_for(served, monkeypatch):
 
 
 def restartable(rest: int, data: int, grpc: int) -> Daemon:
-    process = start_sidecar(rest, data, "tcp", token=TOKEN, env=ENV, extra=["--grpc-port", str(grpc)])
-    url = f"http://127.0.0.1:{rest}"
-    client = Client(url, token=TOKEN)
-    wait_ready(client, process)
-    return Daemon(url, client, process, client.data_address())
+    log = log_path(rest)
+    process = start_sidecar(rest, data, "tcp", token=TOKEN, env=ENV, extra=["--grpc-port", str(grpc)], log=log)
+    return ready(f"http://127.0.0.1:{rest}", process, log)
 
 
 def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
