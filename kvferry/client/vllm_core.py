@@ -77,6 +77,10 @@ LEASE_GRACE = 15.0
 # Seconds a decode's release waits for a lease to appear before leaving it to expire on its own
 # (most often it was pulled and ended already; asking longer only adds calls to the prefill's sidecar).
 RELEASE_GRACE = 5.0
+# Seconds a pull whose transfer this decode's own sidecar failed (or cancelled) waits for the
+# prefill's record of it to end too, for the failure in the sender's words. A sender stalled in
+# its own work hears of it late; the pull then fails with the receiver's words, not a timeout.
+SENDER_WORD = 1.0
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -816,22 +820,26 @@ class Consumer:
         Watch brought it: this decode's own sidecar's, once the prefill announced it there (asked
         by ``pending``, or now); while it is not announced (a same-host write is announced behind
         its data), the prefill's as it stands, which says whether it ended there before it was
-        announced (refused, or failed)."""
+        announced (refused, or failed). Where this decode's sidecar failed or cancelled it, the
+        prefill's record once that ended too (``SENDER_WORD``), else this sidecar's: a receiver's
+        failure is the pull's at once, never a wait for a sender that has not ended yet."""
+        until = time.monotonic() + left
         stream, ending = pending if pending is not None else self._watch_end(transfer_id, local, left)
-        wait, appear = min(LONG_POLL, left), min(APPEAR, left)
         try:
             mine = self.watches.ended(stream, ending) if stream is not None else ending.result()
             by_watch = stream is not None and mine is not None
             if mine is None:  # the watch broke or passed its wait
-                mine = self._local.transfer(transfer_id, wait=wait, appear=appear)
+                rest = max(0.001, until - time.monotonic())
+                mine = self._local.transfer(transfer_id, wait=min(LONG_POLL, rest), appear=min(APPEAR, rest))
         except NotFound:
             return pull.client.transfer(transfer_id), False
         if mine["state"] not in ("failed", "cancelled"):
             return mine, by_watch
         try:  # why, in the sender's words (what it was told, or what it found itself)
-            return pull.client.transfer(transfer_id, wait=wait), by_watch
+            theirs = pull.client.transfer(transfer_id, wait=max(0.0, min(SENDER_WORD, until - time.monotonic())))
         except (EngineError, httpx.HTTPError):
             return mine, by_watch
+        return (theirs if theirs["state"] in ("failed", "cancelled") else mine), by_watch
 
     def _request(self, pull: Pull, url: str, piece: tp.Slice, pairs: Pairs,
                  contact: bool = True) -> tuple[str, Any, str, str, Any, str] | None:

@@ -616,6 +616,38 @@ def test_kv_corrupted_on_the_wire_fails_the_load():
         stop(prefill, decode)
 
 
+def test_a_transfer_the_decode_sidecar_failed_fails_the_load_while_the_sender_still_runs():
+    """The decode's own sidecar gives up on a chunk that does not come (its transfer_timeout, 1 s)
+    while the prefill's sidecar is still sending it (a link paced to 100 kB/s, so its record stays
+    running for seconds more): the pull fails then, with the receiver's reason, well within
+    load_timeout, rather than waiting for the sender and failing as a timeout."""
+    prefill = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "30", "KVFERRY_EMULATED_LINK_GBPS": "0.0001"})
+    decode = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "1"})
+    p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-s", vllm_layers(1), BLOCKS)
+    d_cache = KvCache(Client(decode.url, token=TOKEN), "d-s", vllm_layers(None), BLOCKS)
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, codec="raw", load_timeout=8), d_cache)
+    try:
+        producer.save("req-s", list(range(12)))
+        leased(producer, "req-s")
+        start = time.monotonic()
+        pull = consumer.start(LoadSpec("dec-s", tuple(range(12, 24)), remote_params("req-s", list(range(12)),
+                                                                                     config(prefill))))
+        assert pump(consumer, timeout=15) == (set(), {"dec-s"})
+        elapsed = time.monotonic() - start
+        sender = prefill.client.transfer(pull.transfer_id)
+        assert sender["state"] == "running", sender  # the sender had not ended: the receiver's word decided
+        assert "no data for 1 s" in pull.error or "did not arrive within 1 s" in pull.error, pull.error
+        assert elapsed < 5, f"{elapsed:.1f} s: the pull waited for the sender"
+        prefill.client.cancel(pull.transfer_id)  # no paced send left for the shutdown to wait out
+    finally:
+        consumer.close()
+        producer.close()
+        p_cache.close()
+        d_cache.close()
+        stop(prefill, decode)
+
+
 def test_a_lease_that_cannot_be_taken_frees_the_blocks_at_once():
     prefill = spawn("tcp")
     p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-d", vllm_layers(1), BLOCKS)
