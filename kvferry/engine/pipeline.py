@@ -63,6 +63,10 @@ class CodecRunner:
         self._calls = threading.Lock()
         self._running = 0
         self._began = 0
+        # Same-host writes into host memory, one at a time (each spread over torch's intra-op
+        # threads): a copy bound by memory bandwidth gains nothing from another one beside it, and
+        # eight senders each copying eight at once on two cores starved some copies for seconds.
+        self._host_writes = asyncio.Lock()
 
     async def encode(self, codec: codecs.Codec, cache: torch.Tensor, ids: torch.Tensor, book: Any,
                      raw_bytes: int) -> torch.Tensor:
@@ -96,10 +100,14 @@ class CodecRunner:
     async def call(self, direction: str, device: torch.device, raw_bytes: int,
                    work: Callable[[torch.cuda.Stream | None], Any]) -> Any:
         """Run work that is not a codec's (a same-host write) on the direction's stream, finished
-        when this returns: on this thread if it is small (``runs_now``), else on a worker's."""
+        when this returns: on this thread if it is small (``runs_now``), else on a worker's, one
+        host write at a time."""
         if runs_now(device, raw_bytes):
             return self.call_now(direction, device, work)
-        return await self._in_thread(self.call_now, direction, device, work)
+        if device.type == "cuda":  # on one stream anyway
+            return await self._in_thread(self.call_now, direction, device, work)
+        async with self._host_writes:
+            return await self._in_thread(self.call_now, direction, device, work)
 
     @contextlib.contextmanager
     def launching(self, direction: str, device: torch.device) -> Iterator[torch.cuda.Stream | None]:

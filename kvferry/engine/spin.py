@@ -49,10 +49,12 @@ class Spinner:
             self._wake.set()
 
     async def in_thread(self, work: Callable[..., T], *args: Any) -> T:
-        """``asyncio.to_thread`` without polling meanwhile (the worker needs the GIL)."""
+        """``asyncio.to_thread`` without polling meanwhile (the worker needs the GIL). A caller
+        cancelled meanwhile stops only once the work is over: a thread cannot be stopped, and
+        what it reads or writes (a region, memory a peer lent) stays held until it ends."""
         self._workers += 1
         try:
-            return await asyncio.to_thread(work, *args)
+            return await _to_its_end(asyncio.ensure_future(asyncio.to_thread(work, *args)))
         finally:
             self._workers -= 1
             self.touch()
@@ -65,3 +67,19 @@ class Spinner:
             while self._workers == 0 and time.monotonic() < self._until:
                 await asyncio.sleep(0)  # one loop iteration: ready callbacks, then a zero-timeout poll
             self._on_spun(time.monotonic() - started)
+
+
+async def _to_its_end(work: asyncio.Future[T]) -> T:
+    """``work``'s result, awaited to its end even if the caller is cancelled meanwhile (then
+    raising the cancellation, once, after it)."""
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.wait({work})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not work.cancelled():
+            work.exception()  # retrieved: nobody is left to take it
+        raise asyncio.CancelledError
+    return work.result()

@@ -7,6 +7,7 @@ before the memory goes."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from multiprocessing import shared_memory
 
@@ -134,6 +135,71 @@ def test_a_leased_write_is_announced_before_the_senders_own_bookkeeping():
         record = await a.wait(t.id, 5)
         assert record["state"] == "done" and torch.equal(_landed(segments[0], [30, 31]), _sent(a, [4, 9]))
         assert seen == [("queued", None, None, True)]  # written already; not yet moved, linked or timed
+
+    _run(body)
+
+
+def test_a_cancelled_write_holds_its_lease_until_its_copy_is_over(monkeypatch):
+    """A write copied in a worker thread (here made slow) and cancelled mid-copy: the thread
+    cannot be stopped, so the lease is let go (a REVOKE answered) only once the copy is over,
+    never while it still writes the receiver's memory. The sidecar goes on serving."""
+    from kvferry.engine import outgoing
+
+    async def body(a, b, segments):
+        first = list(range(300))
+        await a.wait(a.submit(_spec(b, first, first, codec="auto")).id, 10)  # takes the lease
+        order, real_write, real_end = [], outgoing.write_blocks, a.leases.end
+
+        def slow_write(*args, **kwargs):
+            time.sleep(0.4)
+            real_write(*args, **kwargs)
+            order.append("copy over")
+
+        def end(connection, helds):
+            order.append("lease let go")
+            real_end(connection, helds)
+
+        monkeypatch.setattr(outgoing, "write_blocks", slow_write)
+        monkeypatch.setattr(a.leases, "end", end)
+        blocks = list(range(100))  # 1.6 MiB: copied in a worker thread
+        t = a.submit(_spec(b, blocks, blocks))
+        await asyncio.sleep(0.1)
+        assert a.cancel(t.id)["state"] == "cancelled"
+        await asyncio.sleep(0.6)
+        assert order == ["copy over", "lease let go"]
+        monkeypatch.setattr(outgoing, "write_blocks", real_write)
+        record = await a.wait(a.submit(_spec(b, [4], [5])).id, 5)
+        assert record["state"] == "done" and torch.equal(_landed(segments[0], [5]), _sent(a, [4]))
+
+    _run(body)
+
+
+def test_one_sidecars_writes_into_host_memory_are_copied_one_at_a_time(monkeypatch):
+    """Two large same-host writes into host memory submitted at once (each copied in a worker
+    thread, here made slow): the second copy starts once the first is over, and both land."""
+    from kvferry.engine import outgoing
+
+    async def body(a, b, segments):
+        first = list(range(300))
+        await a.wait(a.submit(_spec(b, first, first, codec="auto")).id, 10)  # takes the lease
+        spans, real_write = [], outgoing.write_blocks
+
+        def timed_write(*args, **kwargs):
+            start = time.monotonic()
+            time.sleep(0.2)
+            real_write(*args, **kwargs)
+            spans.append((start, time.monotonic()))
+
+        monkeypatch.setattr(outgoing, "write_blocks", timed_write)
+        sources = [list(range(0, 100)), list(range(100, 200))]
+        destinations = [list(range(300, 400)), list(range(200, 300))]
+        ts = [a.submit(_spec(b, s, d)) for s, d in zip(sources, destinations)]
+        records = [await a.wait(t.id, 5) for t in ts]
+        assert [r["state"] for r in records] == ["done", "done"]
+        (_, first_over), (second_start, _) = sorted(spans)
+        assert first_over <= second_start
+        for s, d in zip(sources, destinations):
+            assert torch.equal(_landed(segments[0], d), _sent(a, s))
 
     _run(body)
 
