@@ -104,7 +104,16 @@ class Driver:
             except Exception:  # one failed release must not keep the others held
                 log.exception("releasing transfer %s failed", t.id)
         names = [d for _, d in t.pairs] if t.direction == "in" else [s for s, _ in t.pairs]
-        for name in names + t.references:
+        task = t.task
+        if task is not None and not task.done() and task is not _current_task():
+            # Its task, cancelled by the Finish that follows, may be waiting for a worker thread or
+            # the GPU, which go on reading or writing the regions: they stay busy until it ends.
+            task.add_done_callback(lambda _: self._free(t, names + t.references))
+        else:
+            self._free(t, names + t.references)
+
+    def _free(self, t: Transfer, names: list[str]) -> None:
+        for name in names:
             try:  # the region may be deleted again once no transfer uses it
                 self.regions.get(name).busy.discard(t.id)
             except NotFound:
@@ -138,6 +147,13 @@ class Driver:
             task = t.task
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()
+
+
+def _current_task() -> asyncio.Task | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return None
 
 
 def settle(link: PeerLink, done: peer.Done | None = None, error: Exception | None = None) -> None:

@@ -25,7 +25,7 @@ from .links import Pair, PeerLink, describe
 from .pipeline import runs_now
 from .samehost import write_blocks
 from .states import Event, On
-from .streaming import Chunks, drop, inline_count
+from .streaming import Chunks, dropped, inline_count
 from .transfers import Transfer, TransferSpec
 
 log = logging.getLogger("kvferry.engine")
@@ -324,7 +324,7 @@ class Outgoing:
             await connection.send_message(self._announce(t, spec, pairs, book, len(inline), offer,
                                                          peer.FLAG_TAPERED if tapered else 0), *inline)
         except BaseException:
-            drop(first)
+            await dropped(first)
             raise
         self.apply(t, Event(On.OFFER if offer else On.ANNOUNCE_ALL if len(inline) == len(plan) else On.ANNOUNCE))
         t.mark("announced")

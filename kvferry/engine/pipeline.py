@@ -21,6 +21,7 @@ from kvferry import codec as codecs, transport
 from kvferry.codec.staging import on_stream
 
 from .policy import CodecSpeed, Policy
+from .spin import to_its_end
 
 # Below this many raw bytes a chunk is coded on the event loop: a thread hop costs ~50-100 µs,
 # more than coding a few blocks.
@@ -149,7 +150,9 @@ class CodecRunner:
                     verdict()  # bytes that failed their CRC explain a refused frame
                 raise
         try:
-            await transport.until_ready(pending, timeout=self._gpu_timeout, what=f"{codec.name} {direction}")
+            if not pending.ready():  # polled to its end even if the caller is cancelled: the kernels use its regions
+                await to_its_end(asyncio.ensure_future(
+                    transport.until_ready(pending, timeout=self._gpu_timeout, what=f"{codec.name} {direction}")))
             try:
                 with torch.cuda.stream(stream):  # a frame the GPU declined is decoded here, on this stream
                     result = pending.result()

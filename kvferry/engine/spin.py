@@ -54,7 +54,7 @@ class Spinner:
         what it reads or writes (a region, memory a peer lent) stays held until it ends."""
         self._workers += 1
         try:
-            return await _to_its_end(asyncio.ensure_future(asyncio.to_thread(work, *args)))
+            return await to_its_end(asyncio.ensure_future(asyncio.to_thread(work, *args)))
         finally:
             self._workers -= 1
             self.touch()
@@ -69,16 +69,23 @@ class Spinner:
             self._on_spun(time.monotonic() - started)
 
 
-async def _to_its_end(work: asyncio.Future[T]) -> T:
-    """``work``'s result, awaited to its end even if the caller is cancelled meanwhile (then
-    raising the cancellation, once, after it)."""
+async def outlast(work: asyncio.Future) -> bool:
+    """Wait for ``work`` to end, through the caller's own cancellation; True if the caller was
+    cancelled meanwhile (it is to raise that once it has let go of what the work used)."""
     cancelled = False
     while not work.done():
         try:
             await asyncio.wait({work})
         except asyncio.CancelledError:
             cancelled = True
-    if cancelled:
+    return cancelled
+
+
+async def to_its_end(work: asyncio.Future[T]) -> T:
+    """``work``'s result, awaited to its end even if the caller is cancelled meanwhile (then
+    raising the cancellation, once, after it): work that cannot be stopped (a worker thread, GPU
+    kernels) keeps what it reads and writes held until it is over."""
+    if await outlast(work):
         if not work.cancelled():
             work.exception()  # retrieved: nobody is left to take it
         raise asyncio.CancelledError

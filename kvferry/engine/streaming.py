@@ -17,6 +17,7 @@ from . import peer
 from .context import TransferContext
 from .errors import PeerError
 from .links import Pair, PeerLink
+from .spin import outlast
 from .states import Event, On
 from .transfers import Transfer
 
@@ -116,9 +117,9 @@ class Chunks:
                 await _handed_on(sends[-1], writing)
             await _unless_refused(link, asyncio.gather(*sends))
         finally:
-            drop(first)
             for task in sends:
                 task.cancel()
+            await dropped(first)
 
     async def _send(self, connection: transport.Connection, t: Transfer, index: int, tag: int,
                     payload: torch.Tensor, slots: asyncio.Semaphore, initial: bool,
@@ -169,6 +170,16 @@ async def _unless_refused(link: PeerLink, work: asyncio.Future) -> None:
         raise link.reply.exception()
     # DONE can be read before the sends wake up to their acknowledgements, which precede it.
     await work
+
+
+async def dropped(work: asyncio.Future | None) -> None:
+    """``drop``, then wait for ``work`` to end (GPU work it launched included: it reads the
+    transfer's regions), through the caller's own cancellation, which is raised after."""
+    if work is None:
+        return
+    drop(work)
+    if await outlast(work):
+        raise asyncio.CancelledError
 
 
 def drop(work: asyncio.Future | None) -> None:

@@ -77,11 +77,11 @@ def _silent_done(b: Engine) -> None:
 
 async def _settled(a: Engine, b: Engine, t_id: str) -> None:
     """Both ends are terminal and hold nothing; the regions can go and the next transfer is done."""
+    # A region is let go once the ended transfer's task is over (work it awaited included).
     await _until(lambda: (b.transfers.find(t_id) is None or b.transfers.find(t_id).state.terminal)
-                 and not b.links and not a.links)
+                 and not b.links and not a.links and not a.regions.get("src").busy and not b.regions.get("dst").busy)
     assert a.transfers.get(t_id).state.terminal
     assert not a.transfers.active() and not b.transfers.active()
-    assert not a.regions.get("src").busy and not b.regions.get("dst").busy
     received = b.transfers.find(t_id)
     assert received is None or not getattr(received, "cleanups", [])
     record = await a.wait(a.submit(_spec(b, list(range(BLOCKS)), list(range(BLOCKS)))).id, 30)
@@ -172,3 +172,39 @@ def test_cancelled_under_a_lease(where, monkeypatch):
         await b.delete_region("dst")  # the lease is given back: no write of it is under way
 
     _run(body, shm=True)
+
+
+def test_a_cancelled_transfers_regions_stay_busy_until_its_worker_thread_is_over(monkeypatch):
+    """A chunk encoded in a worker thread (here made slow) when its transfer is cancelled: the
+    thread cannot be stopped and reads the source region to its end, so the region stays busy,
+    and cannot be deleted, until then; then it is free and the next transfer is done."""
+    from kvferry import codec as codecs
+    from kvferry.engine.errors import Conflict
+
+    raw = codecs.get("raw")
+    encode, inside, over = raw.encode_blocks, threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        inside.set()
+        time.sleep(0.4)
+        try:
+            return encode(*args, **kwargs)
+        finally:
+            over.set()
+
+    async def body(a, b):
+        monkeypatch.setattr(raw, "encode_blocks", slow)
+        t = a.submit(_spec(b, list(range(BLOCKS)), list(range(BLOCKS))))
+        await asyncio.to_thread(inside.wait, 5)
+        a.cancel(t.id)
+        assert t.state == State.CANCELLED and not over.is_set()
+        assert a.regions.get("src").busy == {t.id}
+        with pytest.raises(Conflict):
+            await a.delete_region("src")
+        await asyncio.to_thread(over.wait, 5)
+        await _until(lambda: not a.regions.get("src").busy)
+        monkeypatch.setattr(raw, "encode_blocks", encode)
+        await _settled(a, b, t.id)
+
+    # 1 MiB chunks (64 blocks: encoded in a worker thread), no lease (an emulated link)
+    _run(body, chunk_bytes=1 << 20, emulated_link_gbps=0.02)

@@ -64,3 +64,45 @@ def test_a_window_of_zero_never_spins():
         return cpu
 
     assert asyncio.run(main()) < 0.05
+
+
+def test_a_cancelled_caller_of_a_worker_thread_stops_only_once_the_work_is_over():
+    """Cancelled twice while its thread runs, a caller raises its cancellation once the thread's
+    work is over, not before; the work's own error is taken, never left unretrieved."""
+    ended: list[str] = []
+
+    def work():
+        time.sleep(0.3)
+        ended.append("work")
+        raise ValueError("the work's own failure, nobody's to see")
+
+    async def main():
+        spinner = Spinner(0)
+        caller = asyncio.ensure_future(spinner.in_thread(work))
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        await asyncio.sleep(0.05)
+        assert not caller.done()
+        try:
+            await caller
+        except asyncio.CancelledError:
+            ended.append("caller")
+        assert ended == ["work", "caller"]
+
+    loop = asyncio.new_event_loop()
+    unhandled: list[dict] = []
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert not unhandled
+
+
+def test_a_worker_threads_result_reaches_a_caller_that_was_not_cancelled():
+    async def main():
+        return await Spinner(0).in_thread(lambda x: x * 2, 21)
+
+    assert asyncio.run(main()) == 42
