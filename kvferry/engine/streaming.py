@@ -178,7 +178,9 @@ async def dropped(work: asyncio.Future | None) -> None:
     if work is None:
         return
     drop(work)
-    if await outlast(work):
+    cancelled = await outlast(work)
+    drop(work)  # an error it ended with after all is taken too
+    if cancelled:
         raise asyncio.CancelledError
 
 
