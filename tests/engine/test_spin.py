@@ -106,3 +106,35 @@ def test_a_worker_threads_result_reaches_a_caller_that_was_not_cancelled():
         return await Spinner(0).in_thread(lambda x: x * 2, 21)
 
     assert asyncio.run(main()) == 42
+
+
+def test_dropped_work_is_waited_for_and_its_own_error_taken():
+    """A first chunk's encode dropped while it runs (here: work that, cancelled, still takes 0.2 s
+    and then fails): ``dropped`` returns once it is over, and its error is never left unretrieved."""
+    from kvferry.engine.streaming import dropped
+
+    ended: list[str] = []
+
+    async def work():
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)  # GPU work it launched, finishing
+            ended.append("work")
+            raise ValueError("failed on its way out") from None
+
+    async def main():
+        running = asyncio.ensure_future(work())
+        await asyncio.sleep(0.05)
+        await dropped(running)
+        ended.append("dropped")
+        assert running.done()
+
+    loop = asyncio.new_event_loop()
+    unhandled: list[dict] = []
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert ended == ["work", "dropped"] and not unhandled
