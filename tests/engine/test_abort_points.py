@@ -186,7 +186,7 @@ def test_a_cancelled_transfers_regions_stay_busy_until_its_worker_thread_is_over
 
     def slow(*args, **kwargs):
         inside.set()
-        time.sleep(0.4)
+        time.sleep(1.0)  # long beside the cancel that follows, on a loaded machine too
         try:
             return encode(*args, **kwargs)
         finally:
