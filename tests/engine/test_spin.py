@@ -66,6 +66,19 @@ def test_a_window_of_zero_never_spins():
     assert asyncio.run(main()) < 0.05
 
 
+def _unhandled(main) -> list[dict]:
+    """Run ``main`` on a loop of its own; what that loop's exception handler was given (an error
+    nobody retrieved, say)."""
+    loop = asyncio.new_event_loop()
+    unhandled: list[dict] = []
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    try:
+        loop.run_until_complete(main)
+    finally:
+        loop.close()
+    return unhandled
+
+
 def test_a_cancelled_caller_of_a_worker_thread_stops_only_once_the_work_is_over():
     """Cancelled twice while its thread runs, a caller raises its cancellation once the thread's
     work is over, not before; the work's own error is taken, never left unretrieved."""
@@ -91,14 +104,7 @@ def test_a_cancelled_caller_of_a_worker_thread_stops_only_once_the_work_is_over(
             ended.append("caller")
         assert ended == ["work", "caller"]
 
-    loop = asyncio.new_event_loop()
-    unhandled: list[dict] = []
-    loop.set_exception_handler(lambda _, context: unhandled.append(context))
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
-    assert not unhandled
+    assert not _unhandled(main())
 
 
 def test_a_worker_threads_result_reaches_a_caller_that_was_not_cancelled():
@@ -130,11 +136,5 @@ def test_dropped_work_is_waited_for_and_its_own_error_taken():
         ended.append("dropped")
         assert running.done()
 
-    loop = asyncio.new_event_loop()
-    unhandled: list[dict] = []
-    loop.set_exception_handler(lambda _, context: unhandled.append(context))
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
+    unhandled = _unhandled(main())
     assert ended == ["work", "dropped"] and not unhandled
