@@ -23,7 +23,7 @@ import asyncio
 import gc
 import functools
 import logging
-import uuid
+import os
 from typing import Any
 
 import torch
@@ -271,8 +271,8 @@ class Engine:
             self.ctx.bind(codecs.get(candidates[0]), entry[1] if entry else None, pairs)
         elif spec.references is not None:
             raise BadRequest("reference regions are for a codec that codes against them: name it (codec=predictive)")
-        transfer = Transfer(id=spec.transfer_id or uuid.uuid4().hex, direction="out", peer=spec.peer, pairs=list(spec.pairs),
-                            blocks=len(spec.src_blocks), codec=spec.codec,
+        transfer = Transfer(id=spec.transfer_id or os.urandom(16).hex(), direction="out", peer=spec.peer,
+                            pairs=list(spec.pairs), blocks=len(spec.src_blocks), codec=spec.codec,
                             references=[p.reference.name for p in pairs if p.reference is not None])
         self.transfers.add(transfer)
         for p in pairs:

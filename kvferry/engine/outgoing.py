@@ -42,6 +42,8 @@ class Outgoing:
         self.ctx = ctx
         self.apply = ctx.driver.apply
         self.chunks = Chunks(ctx)
+        # The codec a same-host write records as chosen: blocks as they are.
+        self.identity = next(c.name for c in codecs.lossless() if c.capabilities.identity)
 
     async def run(self, t: Transfer, spec: TransferSpec, pairs: list[Pair], candidates: list[str],
                   book: tuple[str, Any, str] | None, address: tuple[str, int]) -> None:
@@ -217,9 +219,9 @@ class Outgoing:
 
     def _replied(self, t: Transfer, raw_bytes: int, reply: asyncio.Future, failed: On = On.PEER_FAIL) -> None:
         """A transfer without a task ends: the receiver's DONE, or why there is none (``failed``:
-        whose doing that is)."""
-        self.ctx.links.drop(t)
+        whose doing that is). Its link goes with its end (``Driver``)."""
         if t.state.terminal:
+            self.ctx.links.drop(t)
             return  # cancelled or timed out first
         if reply.exception() is not None:
             kind, reason = describe(reply.exception())
@@ -411,9 +413,8 @@ class Outgoing:
     def _write(self, spec: TransferSpec, pairs: list[Pair], helds: list[Held]) -> functools.partial:
         return functools.partial(write_blocks, self.ctx.mapper, spec.src_blocks, spec.dst_blocks, pairs, helds)
 
-    @staticmethod
-    def _same_host(t: Transfer) -> None:
-        t.chosen_codec = next(c.name for c in codecs.lossless() if c.capabilities.identity)
+    def _same_host(self, t: Transfer) -> None:
+        t.chosen_codec = self.identity
         t.choice_reason = "same host: written straight into the receiver's memory (CUDA IPC or shared memory)"
         t.lossy = False
 
