@@ -13,7 +13,8 @@
     ├── InsufficientStorage      no memory for an owned region now
     ├── Overloaded               too many concurrent transfers
     ├── PeerError                the peer sidecar refused or failed the transfer, or vanished
-    │   └── ProtocolViolation    the peer sent a message that breaks the peer protocol
+    │   ├── ProtocolViolation    the peer sent a message that breaks the peer protocol
+    │   └── CorruptChunk         a chunk from the peer failed its codec's checks: nothing of it written
     └── TransferFailed           waiting on a transfer that failed or was cancelled (``reason``)
 """
 
@@ -74,6 +75,11 @@ class ProtocolViolation(PeerError):
     pass
 
 
+class CorruptChunk(PeerError):
+    """A chunk's frame, authenticated as the peer's, fails its codec's checks (malformed,
+    truncated, a checksum): the peer's data is bad, not this sidecar's request."""
+
+
 class TransferFailed(EngineError):
     """A transfer ended failed or cancelled; ``reason`` says why and ``state`` which."""
 
@@ -87,4 +93,4 @@ class TransferFailed(EngineError):
 BY_NAME: dict[str, type[EngineError]] = {
     cls.__name__: cls for cls in (EngineError, BadRequest, InvalidBlocks, UnknownCodec, Unauthorized, NotFound,
                                   Conflict, RegionMemoryGone, PayloadTooLarge, InsufficientStorage, Overloaded,
-                                  PeerError, ProtocolViolation, TransferFailed)}
+                                  PeerError, ProtocolViolation, CorruptChunk, TransferFailed)}

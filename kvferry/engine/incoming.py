@@ -15,7 +15,7 @@ from . import ipc, peer
 from .blocks import Ids
 from .codebooks import codec_named
 from .context import TransferContext
-from .errors import BadRequest, Conflict, EngineError, PeerError, ProtocolViolation, UnknownCodec
+from .errors import BadRequest, Conflict, CorruptChunk, EngineError, PeerError, ProtocolViolation, UnknownCodec
 from .links import Pair, PeerLink, describe
 from .settings import Settings
 from .states import Event, On
@@ -203,7 +203,8 @@ class Admission:
         """The transfer ``_check`` found valid, recorded, its regions marked busy."""
         t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
                      source=peer_source(connection.peer, connection.id), pairs=[("", p.dst_region) for p in a.pairs],
-                     blocks=len(a.dst_blocks), codec=a.codec, chosen_codec=a.codec, choice_reason="the sender's", lossy=not codec.lossless,
+                     blocks=len(a.dst_blocks), codec=a.codec, chosen_codec=a.codec, choice_reason="the sender's",
+                     lossy=not codec.lossless,
                      references=[p.reference.name for p in pairs if p.reference is not None])
         self.ctx.transfers.add(t)
         for p in pairs:
@@ -302,7 +303,7 @@ class Incoming:
             self.ctx.codec.decode_now(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
                                       pair.bound, raw)
         except codecs.CodecError as exc:
-            raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
+            raise CorruptChunk(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
         self._count(nbytes, raw, count)
 
     def _count(self, nbytes: int, raw: int, blocks: int) -> None:
@@ -394,7 +395,7 @@ class Incoming:
                     await ctx.codec.decode(self.codec, frame, pair.region.tensor, pair.ids[start:start + count],
                                            pair.bound, raw, check=receive.start_check if receive else None)
                 except codecs.CodecError as exc:
-                    raise BadRequest(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
+                    raise CorruptChunk(f"chunk {i}: {type(exc).__name__}: {exc}") from exc
                 if i in self.receives:
                     ctx.buffers.give(self.receives.pop(i).buffer.obj)
                 self._count(nbytes, raw, count)

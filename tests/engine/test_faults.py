@@ -71,7 +71,8 @@ def test_corrupt_chunk_fails_the_transfer(kv):
         assert not any(b.client.get_block("dst", i) != bytes(len(b.client.get_block("dst", i))) for i in range(5))
         assert httpx.get(f"{b.url}/healthz").status_code == 200
         errors_metric = b.client.metrics()
-        assert 'kvferry_errors_total{kind="BadRequest"}' in errors_metric
+        assert 'kvferry_errors_total{kind="CorruptChunk"}' in errors_metric  # the peer's bad data
+        assert incoming["error_kind"] == "CorruptChunk" and 'kind="BadRequest"' not in errors_metric
         name = f"x{uuid.uuid4().hex[:6]}"
         b.client.create_region(name, 1, [4], "bfloat16")  # still serving
     finally:
