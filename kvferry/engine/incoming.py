@@ -39,9 +39,7 @@ class Admission:
             lent = bool(announce.flags & (peer.FLAG_WRITTEN | peer.FLAG_WRITING))
             if lent:
                 self._check_lease(connection, announce)
-            pairs, codec = self._check(connection, transfer_id, announce, decodes=not lent)
-            t = None if announce.flags & peer.FLAG_WRITTEN else self._record(connection, transfer_id, announce,
-                                                                             pairs, codec)
+            t, pairs, codec = self._check(connection, transfer_id, announce, decodes=not lent)
         except EngineError as exc:
             kind, reason = describe(exc)
             self.ctx.metrics.errors.labels(kind).inc()
@@ -51,10 +49,10 @@ class Admission:
                                                    f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
-        if t is None:  # written before it was announced: nothing to come
-            self._written(connection, transfer_id, announce, pairs, codec)
-            return
         apply = self.ctx.driver.apply
+        if announce.flags & peer.FLAG_WRITTEN:  # nothing to come: no plan
+            self._written(connection, t, pairs)
+            return
         plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
                                 bool(announce.flags & peer.FLAG_TAPERED))
         tags = peer.ChunkTags(transfer_id, len(plan))
@@ -92,18 +90,13 @@ class Admission:
             connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
         t.task = asyncio.create_task(incoming.run())
 
-    def _written(self, connection: transport.Connection, transfer_id: str, a: peer.Announce, pairs: list[Pair],
-                 codec: codecs.Codec) -> None:
-        """A transfer the sender wrote under its standing lease before it announced it, found
-        valid: every block is in place, so its DONE goes out first, and the record follows, done
-        in one move from queued, with no link and no plan (nothing of it is to come). Both happen
-        before the loop reads another message."""
-        blocks = len(a.dst_blocks)
-        raw = sum(blocks * p.region.block_bytes for p in pairs)
-        connection.post_message(peer.pack(peer.Message(transfer_id, peer.Done(blocks * len(pairs), raw, 0))))
-        t = self._record(connection, transfer_id, a, pairs, codec)
+    def _written(self, connection: transport.Connection, t: Transfer, pairs: list[Pair]) -> None:
+        """A transfer the sender wrote under its standing lease before it announced it: done here
+        and now, in one move from queued that tells the sender (DONE) on the announce's
+        connection. Nothing of it is to come, so no pipeline is built."""
         _count_written(t, pairs)
-        self.ctx.driver.apply(t, Event(On.WRITTEN_ANNOUNCED))
+        self.ctx.links.add(t, PeerLink(connection))
+        self.ctx.driver.apply(t, Event(On.PEER_WRITTEN))
 
     def _check_sizes(self, a: peer.Announce) -> None:
         """Counts checked by arithmetic before any work: blocks, chunks, inline chunks.
@@ -164,11 +157,9 @@ class Admission:
             self.ctx.leases.lend(p.region.name, connection)
         return tuple(targets)
 
-    def _check(self, connection: transport.Connection, transfer_id: str, a: peer.Announce,
-               decodes: bool = True) -> tuple[list[Pair], codecs.Codec]:
-        """The transfer's pairs and codec, once the announce is found valid here and the table
-        has room for it (``decodes``: its chunks are decoded here, not written by the sender, so
-        the codec is bound). Records nothing: ``_record`` does."""
+    def _check(self, connection: transport.Connection, transfer_id: str, a: peer.Announce, decodes: bool = True):
+        """The transfer recorded, with its pairs and codec, once the announce is found valid here
+        (``decodes``: its chunks are decoded here, not written by the sender, so the codec is bound)."""
         codec = codec_named(a.codec)
         book = None
         if a.codebook:
@@ -195,23 +186,16 @@ class Admission:
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
         if decodes:
             self.ctx.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs
-        self.ctx.transfers.admits(transfer_id, "in", peer_source(connection.peer, connection.id))
-        return pairs, codec
-
-    def _record(self, connection: transport.Connection, transfer_id: str, a: peer.Announce, pairs: list[Pair],
-                codec: codecs.Codec) -> Transfer:
-        """The transfer ``_check`` found valid, recorded, its regions marked busy."""
         t = Transfer(id=transfer_id, direction="in", peer=connection.peer,
-                     source=peer_source(connection.peer, connection.id), pairs=[("", p.dst_region) for p in a.pairs],
-                     blocks=len(a.dst_blocks), codec=a.codec, chosen_codec=a.codec, choice_reason="the sender's",
-                     lossy=not codec.lossless,
+                     source=peer_source(connection.peer, connection.id), pairs=[("", p.dst_region) for p in a.pairs], blocks=len(a.dst_blocks), codec=a.codec,
+                     chosen_codec=a.codec, choice_reason="the sender's", lossy=not codec.lossless,
                      references=[p.reference.name for p in pairs if p.reference is not None])
         self.ctx.transfers.add(t)
         for p in pairs:
             p.region.busy.add(t.id)
             if p.reference is not None:
                 p.reference.busy.add(t.id)
-        return t
+        return t, pairs, codec
 
 
 

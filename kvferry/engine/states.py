@@ -98,8 +98,7 @@ class On(str, Enum):
     ADMIT_LENT = "admit lent"            # the announce is valid and memory lent: the sender writes it
     CHUNK = "chunk"                      # a chunk is decoded into its blocks
     LAST_CHUNK = "last chunk"            # the last chunk is decoded: every block written
-    PEER_WRITTEN = "peer written"        # the sender's WRITTEN: every block it wrote into lent memory is there
-    WRITTEN_ANNOUNCED = "written announced"  # an announce flagged WRITTEN, answered DONE as it was admitted
+    PEER_WRITTEN = "peer written"        # the sender's WRITTEN (or an announce flagged WRITTEN)
     # either side, from any live phase
     CANCEL = "cancel"                    # a request or the shutdown
     PEER_CANCEL = "peer cancel"          # the peer's CANCEL
@@ -138,7 +137,7 @@ MOVES: dict[tuple[Side, Phase, On], Phase] = {
     **{(S, phase, On.REDIAL): P.QUEUED for phase in PHASES[S] if phase != P.QUEUED},
     (R, P.QUEUED, On.ADMIT): P.RECEIVING,
     (R, P.QUEUED, On.ADMIT_LENT): P.LENT,
-    (R, P.QUEUED, On.WRITTEN_ANNOUNCED): P.DONE,  # every block was in place before the announce came
+    (R, P.QUEUED, On.PEER_WRITTEN): P.DONE,  # an announce flagged WRITTEN: every block is in place already
     (R, P.RECEIVING, On.CHUNK): P.RECEIVING,
     (R, P.RECEIVING, On.LAST_CHUNK): P.DONE,
     (R, P.LENT, On.PEER_WRITTEN): P.DONE,
@@ -209,8 +208,8 @@ def step(side: Side, phase: Phase, event: Event) -> tuple[Phase, tuple[Action, .
 def _tell(side: Side, event: Event) -> tuple[Tell, ...]:
     """What the peer hears of an ending: nothing where it ended the transfer itself or cannot be
     reached; a receiver's failure is an ERROR (the sender fails too), a sender's a CANCEL."""
-    if event.on in (On.PEER_CANCEL, On.PEER_FAIL, On.LOST, On.PEER_DONE, On.WRITTEN_ANNOUNCED):
-        return ()  # WRITTEN_ANNOUNCED: its DONE went out as the announce was admitted
+    if event.on in (On.PEER_CANCEL, On.PEER_FAIL, On.LOST, On.PEER_DONE):
+        return ()
     if event.on in (On.LAST_CHUNK, On.PEER_WRITTEN):
         return (Tell("done"),)
     if event.on == On.CANCEL:

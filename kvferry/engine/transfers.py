@@ -159,26 +159,19 @@ class TransferTable:
         self.listeners: list[Callable[[Transfer], None]] = []
         self._arrivals: dict[str, list[asyncio.Future]] = {}  # id -> waiters for it to be added
 
-    def admits(self, transfer_id: str, direction: str, source: str) -> None:
-        """Whether ``add`` would take such a transfer (``source``: an incoming one's peer source),
-        for a receiver that answers before it records.
-
-        Raises: Conflict (id taken), Overloaded (too many in progress, in all or from its peer).
-        """
-        if transfer_id in self._transfers:
-            raise Conflict(f"transfer {transfer_id} already exists")
+    def add(self, transfer: Transfer) -> Transfer:
+        """Raises: Conflict (id taken), Overloaded (too many in progress, in all or from its peer)."""
+        if transfer.id in self._transfers:
+            raise Conflict(f"transfer {transfer.id} already exists")
+        direction = transfer.direction
         if self._counts[direction] >= self._max[direction]:
             what = "incoming transfers" if direction == "in" else "transfers"
             raise Overloaded(f"{self._max[direction]} {what} are already in progress")
-        if direction == "in" and self._sources[source] >= self._per_peer:
-            raise Overloaded(f"{self._per_peer} incoming transfers from {source} are already in progress "
-                             "(max_incoming_transfers_per_peer)")
-
-    def add(self, transfer: Transfer) -> Transfer:
-        """Raises: Conflict (id taken), Overloaded (too many in progress, in all or from its peer)."""
-        direction, source = transfer.direction, transfer.source or transfer.peer
-        self.admits(transfer.id, direction, source)
         if direction == "in":
+            source = transfer.source or transfer.peer
+            if self._sources[source] >= self._per_peer:
+                raise Overloaded(f"{self._per_peer} incoming transfers from {source} are already in progress "
+                                 "(max_incoming_transfers_per_peer)")
             self._sources[source] += 1
         self._transfers[transfer.id] = self._active[transfer.id] = transfer
         self._counts[direction] += 1
