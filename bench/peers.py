@@ -34,7 +34,10 @@ gives raw's rate and auto's wire rate (its KV rate / its ratio) as fractions of 
 ``--gpus 2``: the source on GPU 0 and the destination on GPU 1 (each sidecar's device is its
 region's, and sees the other), NIXL's initiator on GPU 0 and its target on GPU 1; else both on one.
 
-Every request zeroes its destination blocks first and compares every one bit for bit after.
+Every request zeroes its destination blocks first and compares every one bit for bit after, on the
+destination's device, against a copy of the source made there once (NIXL's target does the same): a
+check on the source's GPU just before the next request would make its copy wait for the GPU to switch
+contexts, which NIXL's initiator does not meet.
 Each codec's first request is a warm-up (the sender then settles what it learned); with
 ``--netns`` the codecs then take turns, repeat by repeat, so that a machine whose load drifts slows
 them alike; ``auto`` is
@@ -158,6 +161,10 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
         keep += [handle, dst_handle]
         if kind == "shm":  # the receiver writes the segment: read the blocks back from it
             dst = torch.frombuffer(dst_handle.buf, dtype=torch.bfloat16).view(blocks_total, *BLOCK_SHAPE)
+        # What every transfer is checked against, on the destination's device, as NIXL's target keeps
+        # it: this process then works on the destination's GPU only, and a sender's copy never waits
+        # for the GPU to switch to it from this process's checks on the source's GPU.
+        expected = src.to(dst.device)
         peer = receiver.data_address()
         order = {codec: i for i, codec in enumerate(args.codecs.split(","))}
         first = len(rows)
@@ -182,7 +189,7 @@ def run_kvferry(args, sizes: list[int], blocks_total: int, link_gbps: float = 0.
                                         or not record.get("bytes_wire")):
                     raise RuntimeError(f"kvferry {codec} {size} did not cross the cable: {record}")
                 runs[codec]["exact"] &= torch.equal(_gather(dst, blocks_total, "block", dst_ids),
-                                                    _gather(src, blocks_total, "block", src_ids).to(dst.device))
+                                                    _gather(expected, blocks_total, "block", src_ids))
                 return record
 
             for codec in codecs:  # warm-ups: measure what a sidecar that has run a while codes with
