@@ -30,7 +30,7 @@ import torch
 
 from kvferry import __version__, codec as codecs, transport
 
-from . import dispatch, ipc, peer
+from . import dispatch, ipc, peer, placement
 from .blocks import Blocks, Ids
 from .codebooks import Codebooks, Learner, codec_named
 from .context import DataPlane, TransferContext
@@ -132,6 +132,10 @@ class Engine:
         # message can trigger by allocating, then scans only what came later (~100 ms → ~1 ms).
         gc.collect()
         gc.freeze()
+        if self.device.type == "cuda" and placement.gpu_sharing() != "mps":
+            log.warning("the GPU is shared by time slices (no CUDA MPS daemon found): this sidecar's copies and "
+                        "kernels wait for the worker's turn on the GPU to end, ~1.8 ms beside a busy engine; "
+                        "run both under MPS (docs/operations.md)")
         self.ready = True
         log.info("data plane: %s listener on %s:%d; codecs on %s: %s", self.backend, self.settings.data_host,
                  self.listener.port, self.device, self.policy.codecs)

@@ -121,6 +121,34 @@ def test_all_options_turn_on_rdma_token_and_ucx():
     assert sidecar["resources"]["limits"]["rdma/hca_shared_devices_a"] == 1
 
 
+def test_mps_pipe_directory_reaches_every_gpu_container_where_it_is_set():
+    """The MPS daemon's pipe directory, from the node into the sidecar and both vLLM containers,
+    with CUDA_MPS_PIPE_DIRECTORY pointing there; nothing of it where it is not set."""
+    def gpu_containers(documents):
+        return [(doc, c) for doc in documents if doc["kind"] == "Deployment"
+                for c in doc["spec"]["template"]["spec"]["containers"] if c["name"] in ("kvferry", "vllm")]
+
+    on = dict(VLLM, mps={"pipeDirectory": "/run/nvidia-mps"})
+    found = gpu_containers(render(on))
+    assert {c["name"] for _, c in found} == {"kvferry", "vllm"} and len(found) == 4  # two roles
+    for doc, container in found:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/nvidia-mps", container["name"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["kvferry-mps"] == "/run/nvidia-mps"
+        volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["kvferry-mps"]["hostPath"] == {"path": "/run/nvidia-mps", "type": "Directory"}
+    for doc, container in gpu_containers(render(VLLM)):
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in {e["name"] for e in container["env"]}
+        assert "kvferry-mps" not in {v["name"] for v in doc["spec"]["template"]["spec"]["volumes"]}
+    chart = helm_python.Chart.load(str(CHART))
+    try:
+        with pytest.raises(helm_python.HelmError):
+            chart.render({"mps": {"pipeDirectory": "relative/dir"}}, name="test", namespace="serving")
+    finally:
+        chart.close()
+
+
 def test_the_grpc_port_is_exposed_where_it_is_on():
     off = _sidecar({})
     assert "--grpc-port" not in off["args"] and "grpc" not in {p["name"] for p in off["ports"]}

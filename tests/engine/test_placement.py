@@ -205,3 +205,18 @@ def test_auto_pins_a_gpu_daemon_next_to_its_gpu():
         assert all(cpus == expected for cpus in threads.values()), threads
     finally:
         stop(daemon)
+
+
+def test_gpu_sharing_is_mps_only_where_a_daemons_pipe_directory_is(tmp_path):
+    from kvferry.engine.placement import gpu_sharing
+
+    named = tmp_path / "mps"
+    assert gpu_sharing({"CUDA_MPS_PIPE_DIRECTORY": str(named)}, default=str(tmp_path / "none")) == "time slices"
+    named.mkdir()
+    assert gpu_sharing({"CUDA_MPS_PIPE_DIRECTORY": str(named)}, default=str(tmp_path / "none")) == "mps"
+    default = tmp_path / "default"
+    assert gpu_sharing({}, default=str(default)) == "time slices"  # no directory
+    default.mkdir()
+    assert gpu_sharing({}, default=str(default)) == "time slices"  # no daemon's pipes in it
+    (default / "control").touch()
+    assert gpu_sharing({}, default=str(default)) == "mps"

@@ -96,6 +96,7 @@ this one; within this chart the context is `.`), with the pod's labels from
       valueFrom: {secretKeyRef: {name: {{ include "kvferry.peerSecret" . }}, key: peer-secret}}
     - name: NVIDIA_VISIBLE_DEVICES
       value: {{ .Values.gpuVisibility | quote }}
+    {{- include "kvferry.mpsEnv" . | nindent 4 }}
     {{- with .Values.ucx.tls }}
     - {name: UCX_TLS, value: {{ . | quote }}}
     {{- end }}
@@ -129,6 +130,21 @@ this one; within this chart the context is `.`), with the pod's labels from
   volumeMounts:
     - {name: {{ .Values.shm.volume }}, mountPath: /dev/shm}  # the worker mounts it too: CPU KV regions are shm segments
     - {name: kvferry-tmp, mountPath: /tmp}
+    {{- include "kvferry.mpsMount" . | nindent 4 }}
+{{- end -}}
+
+{{/* CUDA MPS's pipe directory (mps.pipeDirectory), for every container that uses the GPU: its
+variable and its mount; nothing when it is not set. */}}
+{{- define "kvferry.mpsEnv" -}}
+{{- with .Values.mps.pipeDirectory }}
+- {name: CUDA_MPS_PIPE_DIRECTORY, value: {{ . | quote }}}
+{{- end }}
+{{- end -}}
+
+{{- define "kvferry.mpsMount" -}}
+{{- with .Values.mps.pipeDirectory }}
+- {name: kvferry-mps, mountPath: {{ . | quote }}}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -145,6 +161,10 @@ shm.volume).
 {{ end -}}
 - name: kvferry-tmp
   emptyDir: {}
+{{- with .Values.mps.pipeDirectory }}
+- name: kvferry-mps
+  hostPath: {path: {{ . | quote }}, type: Directory}
+{{- end }}
 {{- end -}}
 
 {{- define "kvferry.shmVolume" -}}
