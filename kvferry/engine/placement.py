@@ -1,4 +1,4 @@
-"""Where the daemon's threads run: next to its GPU.
+"""Where the daemon's threads run: next to its GPU; and how it shares that GPU (``gpu_sharing``).
 
 On a host of several sockets, each GPU hangs off one NUMA node. A sidecar per GPU whose threads
 wander to another node copies its staging buffers and its shared-memory writes across the
@@ -178,4 +178,3 @@ def gpu_sharing(environ: dict[str, str] | None = None, default: str = MPS_PIPE_D
         return "mps" if any(os.scandir(default)) else "time slices"
     except OSError:
         return "time slices"
-
