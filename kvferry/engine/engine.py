@@ -121,8 +121,11 @@ class Engine:
                                                      self.transport_config, backend=self.backend,
                                                      on_message=self.on_message)
         self.plane.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self.on_message)
+        # How the GPU is shared with the worker beside it: without MPS, each of this sidecar's
+        # copies and kernels waits for the worker's time slice (docs/decisions/052-gpus-shared-under-mps.md).
+        sharing = placement.gpu_sharing() if self.device.type == "cuda" else "none"
         self.metrics.info.info({"version": __version__, "transport_backend": self.backend, "device": str(self.device),
-                                "codecs": ",".join(codecs.names())})
+                                "codecs": ",".join(codecs.names()), "gpu_sharing": sharing})
         # Speeds per pipeline chunk, from samples of at most 64 MiB (1 MiB on a CPU) and a
         # quarter of that: a call's fixed cost and its cost per byte, extrapolated to the chunk.
         sample = min(self.chunk_bytes, 64 << 20 if self.device.type == "cuda" else 1 << 20)
@@ -132,7 +135,7 @@ class Engine:
         # message can trigger by allocating, then scans only what came later (~100 ms → ~1 ms).
         gc.collect()
         gc.freeze()
-        if self.device.type == "cuda" and placement.gpu_sharing() != "mps":
+        if sharing == "time slices":
             log.warning("the GPU is shared by time slices (no CUDA MPS daemon found): this sidecar's copies and "
                         "kernels wait for the worker's turn on the GPU to end, ~1.8 ms beside a busy engine; "
                         "run both under MPS (docs/operations.md)")

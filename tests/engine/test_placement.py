@@ -220,3 +220,25 @@ def test_gpu_sharing_is_mps_only_where_a_daemons_pipe_directory_is(tmp_path):
     assert gpu_sharing({}, default=str(default)) == "time slices"  # no daemon's pipes in it
     (default / "control").touch()
     assert gpu_sharing({}, default=str(default)) == "mps"
+
+
+def test_a_cpu_sidecar_reports_that_it_shares_no_gpu():
+    """``kvferry_build_info`` says how the sidecar shares its GPU; on the CPU, none."""
+    import asyncio
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvferry.engine import Engine, Settings
+
+    async def main():
+        engine = Engine(Settings(data_port=0, device="cpu", transport_backend="tcp"))
+        await engine.start()
+        try:
+            text = generate_latest(engine.metrics.registry).decode()
+        finally:
+            await engine.close()
+        return {s.labels.get("gpu_sharing") for f in text_string_to_metric_families(text) for s in f.samples
+                if f.name == "kvferry_build_info"}
+
+    assert asyncio.run(main()) == {"none"}

@@ -66,9 +66,10 @@ def test_without_a_peer_secret_the_data_port_stays_on_loopback_whatever_the_back
     try:
         client = Client(f"http://127.0.0.1:{port}")
         wait_ready(client, process)
-        info = {s.labels.get("transport_backend") for f in text_string_to_metric_families(client.metrics())
-                for s in f.samples if f.name == "kvferry_build_info"}
-        assert info == {"tcp"}, info
+        info = {(s.labels.get("transport_backend"), s.labels.get("gpu_sharing"))
+                for f in text_string_to_metric_families(client.metrics()) for s in f.samples
+                if f.name == "kvferry_build_info"}
+        assert info == {("tcp", "none")}, info  # a CPU sidecar shares no GPU
         socket.create_connection(("127.0.0.1", data_port), timeout=5).close()
         with pytest.raises(OSError):
             socket.create_connection((outward, data_port), timeout=5).close()
