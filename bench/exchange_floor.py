@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 SECRET = b"exchange-floor-key-of-32-bytes!!"
 HEADER = struct.Struct("<8sQQQQQ")  # 48 bytes, as the wire's header
+WARM_UP = 50  # writes before the timed ones
 _RECEIVER = r"""
 import asyncio, socket, struct, sys
 sys.path.insert(0, sys.argv[4])
@@ -131,7 +132,7 @@ def main() -> None:
             wait = stream.synchronize
         out, inn = Direction(SECRET, False), Direction(SECRET, False)
         times = asyncio.run(_exchange(args.n, connection, src, dst, block, blocks, launch, wait, out, inn))
-        last = args.n + 49  # the last write: every earlier one went to other blocks or was overwritten
+        last = WARM_UP + args.n - 1  # the last write: every earlier one went to other blocks or was overwritten
         exact = torch.equal(dst[last % blocks].cpu(), src[(last * 7) % blocks].cpu())
         connection.close()
     finally:
@@ -158,7 +159,7 @@ async def _exchange(n, connection, src, dst, block, blocks, launch, wait, out, i
 
     spinning = loop.create_task(spin())
     buffer, times = bytearray(4096), []
-    for i in range(n + 50):  # the first 50 warm up
+    for i in range(WARM_UP + n):
         started = time.perf_counter()
         launch(dst.data_ptr() + (i % blocks) * block, src.data_ptr() + ((i * 7) % blocks) * block)
         wait()
@@ -173,7 +174,7 @@ async def _exchange(n, connection, src, dst, block, blocks, launch, wait, out, i
         if not (inn.check_header(seq, message[:48], message[48:64], message[64:80])
                 and inn.check_payload(seq, message[80:], message[48:64]) and message[80:96] == transfer_id):
             raise SystemExit("the DONE failed its tags or names another transfer")
-        if i >= 50:
+        if i >= WARM_UP:
             times.append(time.perf_counter() - started)
     spinning.cancel()
     return times
