@@ -204,6 +204,7 @@ _KIND = {Announce: Kind.ANNOUNCE, Accept: Kind.ACCEPT, Reject: Kind.REJECT, Done
          Cancel: Kind.CANCEL, Error: Kind.ERROR, Chunk: Kind.CHUNK, Written: Kind.WRITTEN,
          Revoke: Kind.REVOKE, Revoked: Kind.REVOKED}
 HANDLE_BYTES = 64
+_KINDS = {int(k): k for k in Kind}  # a dict look-up: ``Kind(kind)`` costs a microsecond
 
 
 @dataclass(frozen=True)
@@ -236,17 +237,9 @@ def pack(message: Message) -> bytes:
     body = message.body
     try:
         if isinstance(body, Announce):
-            out += [_str(body.codec, 1), _str(body.dtype, 1), _str(body.codebook, 1), bytes(body.codebook_digest),
-                    _blocks(body.dst_blocks), struct.pack("<H", len(body.pairs))]
-            if len(body.codebook_digest) != 8 or not 0 < len(body.pairs) <= MAX_PAIRS:
-                raise ProtocolViolation("bad announce")
-            for pair in body.pairs:
-                out += [_str(pair.dst_region, 1), struct.pack(f"<B{len(pair.block_shape)}I", len(pair.block_shape),
-                                                              *pair.block_shape),
-                        struct.pack("<I", pair.blocks_per_chunk), _str(pair.reference, 1)]
-            if len(body.host) != 16:
-                raise ProtocolViolation("a host id is 16 bytes")
-            out += [struct.pack("<I", body.inline_chunks), bytes(body.host), struct.pack("<B", body.flags)]
+            head, tail = _announce_around(body.codec, body.dtype, body.codebook, bytes(body.codebook_digest),
+                                          body.pairs, body.inline_chunks, bytes(body.host), body.flags)
+            out += [head, _blocks(body.dst_blocks), tail]
             if body.flags & FLAG_WRITING:
                 if len(body.event) != EVENT_BYTES or len(body.event_gpu) != 16:
                     raise ProtocolViolation("a WRITING announce carries a 64-byte event handle and a 16-byte GPU UUID")
@@ -275,6 +268,28 @@ def pack(message: Message) -> bytes:
     except struct.error as exc:
         raise ProtocolViolation(f"{message.kind.name} field out of range: {exc}") from exc
     return b"".join(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _announce_around(codec: str, dtype: str, codebook: str, digest: bytes, pairs: tuple[PairLayout, ...],
+                     inline: int, host: bytes, flags: int) -> tuple[bytes, bytes]:
+    """An announce's bytes before and after its block list, packed once for each distinct set of
+    its other fields: a sender repeats them for every transfer between the same regions.
+
+    Raises:
+        ProtocolViolation, struct.error: as ``pack`` (a failed pack is not kept).
+    """
+    if len(digest) != 8 or not 0 < len(pairs) <= MAX_PAIRS:
+        raise ProtocolViolation("bad announce")
+    if len(host) != 16:
+        raise ProtocolViolation("a host id is 16 bytes")
+    tail = [struct.pack("<H", len(pairs))]
+    for pair in pairs:
+        tail += [_str(pair.dst_region, 1), struct.pack(f"<B{len(pair.block_shape)}I", len(pair.block_shape),
+                                                       *pair.block_shape),
+                 struct.pack("<I", pair.blocks_per_chunk), _str(pair.reference, 1)]
+    tail += [struct.pack("<I", inline), host, struct.pack("<B", flags)]
+    return _str(codec, 1) + _str(dtype, 1) + _str(codebook, 1) + digest, b"".join(tail)
 
 
 def _str(text: str, width: int) -> bytes:
@@ -374,10 +389,10 @@ def unpack(data: bytes | bytearray) -> Message:
         raise ProtocolViolation(f"unsupported peer protocol version {version} (this build speaks {VERSION})")
     if reserved:
         raise ProtocolViolation("reserved bits set")
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise ProtocolViolation(f"unknown peer message kind {kind}") from None
+    known = _KINDS.get(kind)
+    if known is None:
+        raise ProtocolViolation(f"unknown peer message kind {kind}")
+    kind = known
     if kind != Kind.CHUNK:
         data = bytes(data)  # fields taken from it are bytes (hashable), whatever buffer it came in
     r = _Reader(data)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -195,7 +194,7 @@ class Connection(Reader):
                 header = Message(MessageType.DATA, tag, offset, n, data.nbytes)
                 payload = data.region(offset, offset + n)
                 if crcs:
-                    header = dataclasses.replace(header, flags=wire.FLAG_DIGEST)
+                    header = header._replace(flags=wire.FLAG_DIGEST)
                     payload = Digested(payload, crcs[index]())
                 started = time.monotonic()
                 if writing is not None and not writing.done():
