@@ -37,11 +37,6 @@ class Link(ABC):
         for part in parts:
             await self.send(part)
 
-    def take_ready(self, size: int) -> bytearray | None:
-        """The next ``size`` bytes if they are here already, read with what came before (None:
-        ``recv_payload`` waits for them): a small message behind its header costs no turn of the loop."""
-        return None
-
     @abstractmethod
     async def recv_header(self, size: int) -> bytes:
         """Receive the next header of exactly ``size`` bytes.

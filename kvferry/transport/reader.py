@@ -55,11 +55,6 @@ class Reader:
                     raise AuthenticationFailed(f"a message from {self.peer} failed its authentication tag "
                                                "(forged, replayed, reordered or damaged): connection closed")
                 self.last_activity = time.monotonic()
-                if message.type == MessageType.MSG:
-                    payload = self.link.take_ready(message.length)
-                    if payload is not None:  # a small message read with its header: no awaits
-                        self._deliver(self._opened(message, seq, tag, payload))
-                        continue
                 await self._dispatch(message, seq, tag)
         except TransportError as exc:
             await self._fail(exc)
@@ -94,7 +89,13 @@ class Reader:
                 if m.flags & wire.FLAG_DONE and not state.done.done():
                     state.done.set_result(None)
         elif m.type == MessageType.MSG:
-            self._deliver(await self._recv_small(m, seq, tag))
+            payload = await self._recv_small(m, seq, tag)
+            if self._on_message is None:
+                raise ProtocolError("MSG on a connection that takes none")
+            try:
+                self._on_message(self, payload)
+            except Exception:  # the layer above's bug must not take the connection down
+                log.exception("message handler failed on connection %s", self.peer)
         elif m.type == MessageType.GOODBYE:
             raise PeerLost(f"{self.peer} closed the connection")
         else:
@@ -116,14 +117,6 @@ class Reader:
                 piece = bytearray(min(_MESSAGE_PIECE, m.length - len(payload)))
                 await self.link.recv_payload(memoryview(piece))
                 payload += piece
-        return self._opened(m, seq, tag, payload)
-
-    def _opened(self, m: Message, seq: int, tag: bytes, payload: bytearray) -> bytearray:
-        """``payload`` authenticated (or decrypted in place) before it is handed on.
-
-        Raises:
-            AuthenticationFailed: it fails its tag (the connection cannot be trusted further).
-        """
         if self._in.encrypt and m.length:
             ok = self._in.open_into(seq, bytes(payload), tag, payload)
         else:
@@ -131,14 +124,6 @@ class Reader:
         if not ok:
             raise AuthenticationFailed(f"a {m.type.name} from {self.peer} failed its authentication tag")
         return payload
-
-    def _deliver(self, payload: bytearray) -> None:
-        if self._on_message is None:
-            raise ProtocolError("MSG on a connection that takes none")
-        try:
-            self._on_message(self, payload)
-        except Exception:  # the layer above's bug must not take the connection down
-            log.exception("message handler failed on connection %s", self.peer)
 
     async def _on_data(self, m: Message, seq: int, tag: bytes) -> None:
         receive = self._receives.get(m.tag)

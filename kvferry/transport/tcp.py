@@ -220,13 +220,6 @@ class TcpLink(Link):
         self._head += size
         return bytes(self._ahead[start:self._head])
 
-    def take_ready(self, size: int) -> bytearray | None:
-        if self._gathering is not None or self._tail - self._head < size:
-            return None
-        start = self._head
-        self._head += size
-        return self._ahead[start:self._head]
-
     stages_device_payloads = True
 
     async def recv_payload(self, region: Any, check: Callable[[Any], bool] | None = None,
