@@ -124,8 +124,6 @@ def _serve(args: argparse.Namespace) -> int:
             if not torch.cuda.is_available():
                 raise ValueError(f"device: {settings.device!r} but no CUDA GPU is visible")
         placed = placement.pin(settings.cpu_affinity, _gpu_index(settings.device))
-        # A CPU the loop may not be held on fails here, not in the middle of the start.
-        placement.loop_cpu(settings.loop_cpu, os.sched_getaffinity(0), _gpu_index(settings.device))
     except ValueError as exc:
         print(f"kvferry serve: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,6 @@ import gc
 import functools
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,7 +103,6 @@ class Engine:
         self.admission = Admission(self.ctx)
         self.on_message = functools.partial(dispatch.on_message, self.ctx, self.admission)  # a peer message, from a reader
         self.ready = False
-        self._let_loop_go: Callable[[], None] = lambda: None  # undoes ``placement.hold_loop``
 
     @property
     def listener(self) -> transport.Listener | None:
@@ -123,10 +121,6 @@ class Engine:
                                                      self.transport_config, backend=self.backend,
                                                      on_message=self.on_message)
         self.plane.pool = transport.Pool(self.transport_config, backend=self.backend, on_message=self.on_message)
-        # The busy-polling loop on a CPU of its own, once the backend's threads are started and
-        # before any worker thread is (docs/decisions/054-the-event-loop-on-a-cpu-of-its-own.md).
-        held, self._let_loop_go = await placement.hold_loop(self.settings.loop_cpu, self._gpu_position())
-        log.info("placement: %s", held)
         # How the GPU is shared with the worker beside it: without MPS, each of this sidecar's
         # copies and kernels waits for the worker's time slice (docs/decisions/052-gpus-shared-under-mps.md).
         sharing = placement.gpu_sharing() if self.device.type == "cuda" else "none"
@@ -148,18 +142,6 @@ class Engine:
         self.ready = True
         log.info("data plane: %s listener on %s:%d; codecs on %s: %s", self.backend, self.settings.data_host,
                  self.listener.port, self.device, self.policy.codecs)
-
-    def _gpu_position(self) -> int | None:
-        """This sidecar's GPU's place among the host's (its CUDA index where sysfs does not say),
-        or None on the CPU."""
-        if self.device.type != "cuda":
-            return None
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        try:
-            position = placement.host_gpu_position(placement.gpu_pci_address(index))
-        except (AttributeError, RuntimeError):  # a torch without the PCI fields
-            position = None
-        return index if position is None else position
 
     @property
     def data_address(self) -> str:
@@ -185,7 +167,6 @@ class Engine:
         self.regions.close()
         await self.spinner.close()
         transport.shutdown_backends()
-        self._let_loop_go()
 
     # ---- regions and codebooks ----------------------------------------------------------------
     async def register_region(self, spec: RegionSpec) -> Region:

@@ -1,5 +1,4 @@
-"""Where the daemon's threads run: next to its GPU, its event loop's on a CPU of its own
-(``hold_loop``); and how it shares that GPU (``gpu_sharing``).
+"""Where the daemon's threads run: next to its GPU; and how it shares that GPU (``gpu_sharing``).
 
 On a host of several sockets, each GPU hangs off one NUMA node. A sidecar per GPU whose threads
 wander to another node copies its staging buffers and its shared-memory writes across the
@@ -12,12 +11,7 @@ it, and host memory first touched afterwards (pinned staging, the buffer pool) l
 
 from __future__ import annotations
 
-import asyncio
-import fcntl
 import os
-import tempfile
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SYSFS_PCI = Path("/sys/bus/pci/devices")
@@ -87,21 +81,6 @@ def local_cpus(pci_address: str, sysfs: Path | None = None) -> tuple[set[int], i
     except (OSError, ValueError):
         node = -1
     return (cpus, node) if cpus else None
-
-
-def host_gpu_position(pci_address: str, sysfs: Path | None = None) -> int | None:
-    """Where a GPU comes among the host's NVIDIA display and 3D controllers, by PCI address (the
-    same in every container of the host, whichever GPUs each sees), or None where sysfs does not
-    list it."""
-    found = []
-    for device in (sysfs or SYSFS_PCI).glob("*"):
-        try:
-            if (device / "vendor").read_text().strip() == "0x10de" and \
-                    (device / "class").read_text().strip()[:6] in ("0x0300", "0x0302"):
-                found.append(device.name)
-        except OSError:
-            continue
-    return sorted(found).index(pci_address) if pci_address in found else None
 
 
 def choose(setting: str, allowed: set[int], local: set[int] | None) -> set[int] | None:
@@ -180,101 +159,6 @@ def _fit_threads(cpus: int) -> str:
         return ""
     torch.set_num_threads(cpus)
     return f"; torch's threads {threads} -> {cpus}"
-
-
-LOOP_MODES = ("auto", "off")  # or one CPU's number
-
-
-def check_loop(setting: str) -> None:
-    """Raises: ValueError (``loop_cpu`` is neither a mode nor a CPU's number)."""
-    if setting not in LOOP_MODES and not setting.isdigit():
-        raise ValueError(f"loop_cpu: {setting!r} is not auto, off or a CPU's number")
-
-
-def loop_cpu(setting: str, allowed: set[int], gpu_index: int | None) -> int | None:
-    """The CPU to hold the event loop's thread on, or None to leave it free.
-
-    ``auto``: for a sidecar of a GPU, one of the CPUs it may use, counted from the last by the
-    GPU's place on the host (``gpu_index``: ``host_gpu_position``, where known), so that the
-    sidecars of one host's GPUs sharing a set take different CPUs (and
-    the first CPUs, which take most interrupts, come last); None for a sidecar on the CPU, whose
-    loop does not busy-poll, or with one CPU to use. ``off``: None. A number: that CPU.
-
-    Raises:
-        ValueError: a CPU this process may not use.
-    """
-    if setting == "off" or (setting == "auto" and (gpu_index is None or len(allowed) < 2)):
-        return None
-    if setting == "auto":
-        cpus = sorted(allowed)
-        return cpus[-1 - gpu_index % len(cpus)]
-    if int(setting) not in allowed:
-        raise ValueError(f"loop_cpu: CPU {setting} is not among the CPUs this process may use "
-                         f"({format_cpulist(allowed)})")
-    return int(setting)
-
-
-async def hold_loop(setting: str, gpu_index: int | None) -> tuple[str, Callable[[], None]]:
-    """Hold the calling thread, the running event loop's, on one CPU (``loop_cpu``); what it was
-    done, for the log, and how to let it go again.
-
-    A busy-polling loop that the scheduler moves between CPUs finds cold caches on each: a
-    one-block write between two sidecars of one host took 0.30-0.31 ms held and 0.33-0.46 ms not.
-    Threads inherit the mask of the thread that starts them, so the loop's worker threads, started
-    from it later, come from an executor that gives each back the CPUs the loop had; and uvloop's
-    own pool (name look-ups), which it starts on first use, is started first.
-
-    Raises:
-        ValueError: as ``loop_cpu``.
-    """
-    loop = asyncio.get_running_loop()
-    allowed = os.sched_getaffinity(0)
-    cpu = loop_cpu(setting, allowed, gpu_index)
-    if cpu is None:
-        return f"event loop not held on a CPU ({setting})", lambda: None
-    if type(loop).__module__.startswith("uvloop"):
-        await loop.getaddrinfo("localhost", None)
-    if getattr(loop, "_default_executor", None) is not None:  # its later threads would inherit the one CPU
-        return "event loop not held on a CPU: its worker threads started already", lambda: None
-    claim = None
-    if setting == "auto":  # past CPUs another sidecar of this host holds its loop on (two of one GPU)
-        cpus = sorted(allowed)
-        for step in range(len(cpus)):
-            cpu = cpus[(cpus.index(cpu) - step) % len(cpus)]
-            claim = _claim(cpu)
-            if claim is not None:
-                break
-        else:
-            return "event loop not held on a CPU: other sidecars hold theirs on every one", lambda: None
-    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="kvferry-worker", initializer=os.sched_setaffinity,
-                                                 initargs=(0, allowed)))
-    os.sched_setaffinity(0, {cpu})
-
-    def let_go() -> None:
-        os.sched_setaffinity(0, allowed)
-        if claim is not None:
-            os.close(claim)
-
-    return f"event loop held on CPU {cpu} ({setting}; its workers on {format_cpulist(allowed)})", let_go
-
-
-LOOP_CLAIMS = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-
-
-def _claim(cpu: int, folder: Path | None = None) -> int | None:
-    """A lock on ``cpu`` that this process holds while it lives (a file descriptor to close), or
-    None where another process holds it (or made its file, which is not this one's to open)."""
-    path = (folder or LOOP_CLAIMS) / f"kvferry-loop-cpu-{cpu}.lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # nvidia-cuda-mps-control's, where CUDA_MPS_PIPE_DIRECTORY is not set

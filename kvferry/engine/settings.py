@@ -39,9 +39,6 @@ class Settings:
     # The daemon's threads run on: auto (its GPU's NUMA-local CPUs, where sysfs names them), off,
     # or a CPU list (0-15,32-47); always within the CPUs the process may use (``placement.py``).
     cpu_affinity: str = "auto"
-    # The event loop's thread held on one of those CPUs: auto (a GPU sidecar: one chosen by its
-    # GPU's index; on the CPU: off), off, or a CPU's number (``placement.hold_loop``).
-    loop_cpu: str = "auto"
     chunk_bytes: int = 0  # raw KV per pipeline chunk; 0 = 256 MiB on a GPU, 4 MiB on the CPU
     max_inflight_chunks: int = 4
     max_concurrent_transfers: int = 64
@@ -101,7 +98,6 @@ class Settings:
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"device: {self.device!r} is not auto, cpu, cuda or cuda:N")
         placement.check(self.cpu_affinity)
-        placement.check_loop(self.loop_cpu)
         if self.transport_backend not in ("auto", "ucxx", "tcp"):
             raise ValueError(f"transport_backend: {self.transport_backend!r} is not auto, ucxx or tcp")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:

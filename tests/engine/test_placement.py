@@ -69,19 +69,6 @@ def test_a_gpus_local_cpus_and_node_come_from_its_pci_device(tmp_path):
     assert placement.local_cpus("0000:99:00.0", tmp_path) is None
 
 
-def test_a_gpus_place_on_the_host_is_its_rank_among_nvidia_controllers(tmp_path):
-    for address, vendor, cls in [("0000:c1:00.0", "0x10de", "0x030200"), ("0000:1b:00.0", "0x10de", "0x030200"),
-                                 ("0000:00:02.0", "0x8086", "0x030000"), ("0000:1c:00.0", "0x10de", "0x068000"),
-                                 ("0000:43:00.0", "0x10de", "0x030000")]:
-        (tmp_path / address).mkdir()
-        (tmp_path / address / "vendor").write_text(vendor + "\n")
-        (tmp_path / address / "class").write_text(cls + "\n")
-    positions = [placement.host_gpu_position(a, tmp_path) for a in ("0000:1b:00.0", "0000:43:00.0", "0000:c1:00.0")]
-    assert positions == [0, 1, 2]
-    assert placement.host_gpu_position("0000:1c:00.0", tmp_path) is None  # an NVSwitch bridge, not a GPU
-    assert placement.host_gpu_position("0000:00:02.0", tmp_path) is None
-
-
 def test_auto_leaves_the_threads_alone_where_the_gpus_place_is_unknown(monkeypatch, tmp_path):
     """A torch without the PCI fields, or sysfs without the device: the daemon starts unpinned."""
     def no_address(index):
@@ -207,20 +194,14 @@ def test_daemons_pinned_apart_write_each_others_shared_memory(kv):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_pins_a_gpu_daemon_next_to_its_gpu():
     """On the last GPU (the far node on a host of several): its threads run on the CPUs sysfs
-    lists for that GPU, within those allowed, or stay where they were where that changes nothing;
-    its event loop's on one of those, chosen by the GPU's place on the host."""
+    lists for that GPU, within those allowed, or stay where they were where that changes nothing."""
     index = torch.cuda.device_count() - 1
-    address = placement.gpu_pci_address(index)
-    found = placement.local_cpus(address)
+    found = placement.local_cpus(placement.gpu_pci_address(index))
     allowed = os.sched_getaffinity(0)
     expected = placement.choose("auto", allowed, found[0] if found else None) or allowed
-    position = placement.host_gpu_position(address)
-    loop_cpu = placement.loop_cpu("auto", expected, index if position is None else position)
     daemon = spawn(device=f"cuda:{index}")
     try:
         threads = _threads_cpus(daemon.process.pid)
-        loop = threads.pop(next(name for name in threads if name.startswith(f"{daemon.process.pid}:")))
-        assert loop == ({loop_cpu} if loop_cpu is not None else expected), loop
         assert all(cpus == expected for cpus in threads.values()), threads
     finally:
         stop(daemon)
@@ -261,112 +242,3 @@ def test_a_cpu_sidecar_reports_that_it_shares_no_gpu():
                 if f.name == "kvferry_build_info"}
 
     assert asyncio.run(main()) == {"none"}
-
-
-def test_auto_holds_a_gpu_sidecars_loop_on_a_cpu_chosen_by_its_gpu():
-    cpus = set(range(8))
-    assert [placement.loop_cpu("auto", cpus, gpu) for gpu in (0, 1, 7, 8)] == [7, 6, 0, 7]
-    assert placement.loop_cpu("auto", cpus, None) is None  # a CPU sidecar's loop does not busy-poll
-    assert placement.loop_cpu("auto", {3}, 0) is None  # one CPU: nothing to keep apart
-    assert placement.loop_cpu("off", cpus, 0) is None
-    assert placement.loop_cpu("5", cpus, None) == 5
-    with pytest.raises(ValueError, match="loop_cpu: CPU 9 is not among"):
-        placement.loop_cpu("9", cpus, 0)
-
-
-@pytest.mark.parametrize("value", ["first", "-1", "1,2", ""])
-def test_the_settings_refuse_a_loop_cpu_that_is_neither_a_mode_nor_a_cpu(value):
-    with pytest.raises(ValueError, match="loop_cpu"):
-        Settings(loop_cpu=value).check()
-
-
-def test_a_daemons_loop_is_held_on_its_cpu_and_its_workers_are_not():
-    allowed = os.sched_getaffinity(0)
-    if len(allowed) < 2:
-        pytest.skip("one CPU: the loop's and the workers' CPUs cannot differ")
-    cpu = max(allowed)
-    daemon = spawn(env={"KVFERRY_LOOP_CPU": str(cpu)})
-    try:
-        assert daemon.client.health()
-        threads = _threads_cpus(daemon.process.pid)
-        main = next(name for name in threads if name.startswith(f"{daemon.process.pid}:"))
-        loop = threads.pop(main)
-        # The rest: the start's codec measure, uvloop's pool of name look-ups, the CUDA driver's.
-        assert loop == {cpu} and len(threads) >= 2 and all(cpus == allowed for cpus in threads.values()), threads
-    finally:
-        stop(daemon)
-
-
-def test_a_loop_cpu_the_daemon_may_not_use_stops_it_at_start():
-    outside = max(os.sched_getaffinity(0)) + 1000
-    command = [sys.executable, "-m", "kvferry.cli", "serve", "--port", str(free_port()), "--data-port",
-               str(free_port()), "--device", "cpu"]
-    run = subprocess.run(command, env={**os.environ, "KVFERRY_LOOP_CPU": str(outside)}, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 2 and "loop_cpu" in run.stderr and str(outside) in run.stderr
-
-
-def test_an_engine_lets_its_loop_go_when_it_closes():
-    import asyncio
-
-    from kvferry.engine import Engine
-
-    allowed = os.sched_getaffinity(0)
-    cpu = min(allowed)
-
-    async def main():
-        engine = Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", loop_cpu=str(cpu)))
-        await engine.start()
-        try:
-            held = os.sched_getaffinity(0)
-            worker = await asyncio.to_thread(os.sched_getaffinity, 0)
-        finally:
-            await engine.close()
-        return held, worker, os.sched_getaffinity(0)
-
-    held, worker, after = asyncio.run(main())
-    assert held == {cpu} and worker == allowed and after == allowed
-
-
-def test_a_cpu_is_claimed_by_one_process_at_a_time(tmp_path):
-    first = placement._claim(3, tmp_path)
-    assert first is not None and placement._claim(3, tmp_path) is None
-    assert placement._claim(4, tmp_path) is not None
-    os.close(first)
-    assert placement._claim(3, tmp_path) is not None
-
-
-def test_two_sidecars_of_one_gpu_hold_their_loops_on_different_cpus(monkeypatch, tmp_path):
-    """Each in a thread of its own, as two processes would: the second passes the CPU the first claimed."""
-    import asyncio
-    import threading
-
-    allowed = os.sched_getaffinity(0)
-    if len(allowed) < 2:
-        pytest.skip("one CPU: nothing to hold apart")
-    monkeypatch.setattr(placement, "LOOP_CLAIMS", tmp_path)
-    held, after, done, release = [], [], [threading.Event(), threading.Event()], threading.Event()
-
-    def sidecar(n: int) -> None:
-        async def main():
-            said, let_go = await placement.hold_loop("auto", 0)
-            held.append((n, os.sched_getaffinity(0), said))
-            done[n].set()
-            await asyncio.to_thread(release.wait, 30)
-            let_go()
-            return os.sched_getaffinity(0)
-
-        after.append(asyncio.run(main()))
-
-    threads = [threading.Thread(target=sidecar, args=(0,))]
-    threads[0].start()
-    assert done[0].wait(30)
-    threads.append(threading.Thread(target=sidecar, args=(1,)))
-    threads[1].start()
-    assert done[1].wait(30)
-    release.set()
-    for thread in threads:
-        thread.join(30)
-    cpus = sorted(allowed)
-    assert [cpu for _, cpu, _ in sorted(held, key=lambda h: h[0])] == [{cpus[-1]}, {cpus[-2]}], held
-    assert after == [allowed, allowed]  # each let its loop go again
