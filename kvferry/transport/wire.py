@@ -55,8 +55,8 @@ written. GOODBYE ends a connection cleanly.
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
 from enum import IntEnum
+from typing import NamedTuple
 
 import google_crc32c
 
