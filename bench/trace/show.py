@@ -20,7 +20,9 @@ def table(folder: str, skip: int = 100) -> list[tuple[float, str, str, int, int]
     for path in glob.glob(os.path.join(folder, "*.json")):
         with open(path) as f:
             processes[path] = json.load(f)
-    sender = next(p for p, events in processes.items() if any(step == "leased" for step, _ in events))
+    sender = next((p for p, events in processes.items() if any(step == "leased" for step, _ in events)), None)
+    if sender is None:
+        raise SystemExit(f"no sidecar in {folder} made a leased write (is bench/trace first on PYTHONPATH?)")
     starts = [at for step, at in processes[sender] if step == "submit"]
     since: dict[tuple[str, str, int], list[float]] = {}
     for path, events in processes.items():

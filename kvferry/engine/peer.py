@@ -204,7 +204,7 @@ _KIND = {Announce: Kind.ANNOUNCE, Accept: Kind.ACCEPT, Reject: Kind.REJECT, Done
          Cancel: Kind.CANCEL, Error: Kind.ERROR, Chunk: Kind.CHUNK, Written: Kind.WRITTEN,
          Revoke: Kind.REVOKE, Revoked: Kind.REVOKED}
 HANDLE_BYTES = 64
-_KINDS = {int(k): k for k in Kind}  # a dict look-up: ``Kind(kind)`` costs a microsecond
+_KIND_BY_VALUE = {int(k): k for k in Kind}  # a dict look-up: ``Kind(kind)`` costs a microsecond
 
 
 @dataclass(frozen=True)
@@ -389,7 +389,7 @@ def unpack(data: bytes | bytearray) -> Message:
         raise ProtocolViolation(f"unsupported peer protocol version {version} (this build speaks {VERSION})")
     if reserved:
         raise ProtocolViolation("reserved bits set")
-    known = _KINDS.get(kind)
+    known = _KIND_BY_VALUE.get(kind)
     if known is None:
         raise ProtocolViolation(f"unknown peer message kind {kind}")
     kind = known
