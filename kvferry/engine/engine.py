@@ -45,7 +45,7 @@ from .pipeline import BufferPool, CodecRunner
 from .policy import Policy
 from .regions import Region, RegionSpec, RegionTable
 from .settings import Settings
-from .spin import Spinner
+from .spin import MIN_CPUS, Mover, Spinner
 from .transfers import State, Transfer, TransferSpec, TransferTable
 
 log = logging.getLogger("kvferry.engine")
@@ -80,7 +80,10 @@ class Engine:
         # An emulated link's speed is known; otherwise assume one until measured.
         self.policy = Policy(assumed_link_gbps=settings.emulated_link_gbps or settings.assumed_link_gbps)
         self.chunk_bytes = settings.chunk_bytes or (GPU_CHUNK_BYTES if self.device.type == "cuda" else CPU_CHUNK_BYTES)
-        self.spinner = Spinner(settings.spin_seconds(self.device.type), self.metrics.spin_seconds.inc)
+        window, cpus = settings.spin_seconds(self.device.type), os.sched_getaffinity(0)
+        mover = (Mover(cpus, on_move=self.metrics.loop_moves.inc)
+                 if settings.loop_moves and window > 0 and len(cpus) >= MIN_CPUS else None)
+        self.spinner = Spinner(window, self.metrics.spin_seconds.inc, mover)
         self.codec = CodecRunner(self.device, self.policy,
                                  lambda direction, s: self.metrics.codec_seconds.labels(direction).inc(s),
                                  self.spinner.in_thread, settings.transfer_timeout)
@@ -142,6 +145,9 @@ class Engine:
         self.ready = True
         log.info("data plane: %s listener on %s:%d; codecs on %s: %s", self.backend, self.settings.data_host,
                  self.listener.port, self.device, self.policy.codecs)
+        if self.spinner.mover is not None:
+            log.info("event loop: busy-polls %g ms after activity, moving off CPUs that run it slowly (of %d)",
+                     self.spinner.window * 1e3, len(self.spinner.mover.cpus))
 
     @property
     def data_address(self) -> str:

@@ -37,6 +37,8 @@ class Metrics:
         self.regions = Gauge("kvferry_regions", "Registered regions", registry=r)
         self.spin_seconds = Counter("kvferry_spin_seconds", "Time the event loop busy-polled to keep its CPU awake",
                                     registry=r)
+        self.loop_moves = Counter("kvferry_loop_moves", "Times the busy-polling event loop moved off a CPU that ran it "
+                                  "slowly", registry=r)
         self.http_requests = Counter("kvferry_http_requests", "Control API requests served", ["method"], registry=r)
         self.info = Info("kvferry_build", "Sidecar build and the transport backend chosen at start-up", registry=r)
 

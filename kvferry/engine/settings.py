@@ -69,6 +69,10 @@ class Settings:
     # work 2-4x slower); it costs up to one core while traffic flows. -1: 50 on a GPU, 0 on the CPU
     # (where vLLM's own threads need every core).
     spin_ms: float = -1.0
+    # While it busy-polls, the loop moves itself off a CPU that has gone slow (on virtual hosts a
+    # CPU can run at half speed for seconds while others run at full), given at least four CPUs to
+    # choose from (``spin.Mover``). false: it stays where the kernel puts it.
+    loop_moves: bool = True
     log_level: str = "info"
     assumed_link_gbps: float = 12.5  # link speed ``auto`` assumes until it has measured a peer
     # Link emulation for benchmarks on one host, never for serving: pace outgoing data to this many

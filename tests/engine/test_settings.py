@@ -61,6 +61,18 @@ def test_spin_is_on_for_a_gpu_and_off_for_the_cpu_unless_set():
         settings.load({}, {"KVFERRY_SPIN_MS": "-2"}).check()
 
 
+def test_the_loop_moves_off_slow_cpus_only_where_it_spins_with_four_cpus_or_more(monkeypatch):
+    from kvferry.engine import engine
+
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert settings.load({}, {}).loop_moves is True
+    assert engine.Engine(settings.Settings(spin_ms=10)).spinner.mover.cpus == [0, 1, 2, 3]
+    assert engine.Engine(settings.load({}, {"KVFERRY_SPIN_MS": "10", "KVFERRY_LOOP_MOVES": "false"})).spinner.mover is None
+    assert engine.Engine(settings.Settings()).spinner.mover is None  # a CPU engine does not spin
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert engine.Engine(settings.Settings(spin_ms=10)).spinner.mover is None
+
+
 @pytest.mark.parametrize("variable", ["KVFERRY_TESTING_CORRUPT_CHUNK", "KVFERRY_FAULT_CORRUPT_CHUNK", "KVFERRY_LINK_GBPS"])
 def test_the_product_knows_no_test_fault_and_no_old_knob(variable):
     """Faults are installed only by the test entry point (``kvferry.testing.serve``); a production

@@ -138,3 +138,134 @@ def test_dropped_work_is_waited_for_and_its_own_error_taken():
 
     unhandled = _unhandled(main())
     assert ended == ["work", "dropped"] and not unhandled
+
+
+# ---- moving off a slow CPU ---------------------------------------------------------------------
+class _Host:
+    """CPUs whose speed a test sets: what ``Mover`` measures, where it runs, and its moves."""
+
+    def __init__(self, cpus: int, fast: float = 2e-6):
+        self.speed = {cpu: fast for cpu in range(cpus)}
+        self.at, self.moves = 0, []
+
+    def measure(self) -> float:
+        return self.speed[self.at]
+
+    def where(self) -> int:
+        return self.at
+
+    def move(self, cpu: int, cpus: set[int]) -> None:
+        assert cpus == set(self.speed)  # every CPU again after the move
+        self.at = cpu
+        self.moves.append(cpu)
+
+
+def _mover(host: _Host, **kwargs):
+    import random
+
+    from kvferry.engine.spin import Mover
+
+    return Mover(list(host.speed), period=0.02, measure=host.measure, where=host.where, move=host.move,
+                 learn=0, rng=random.Random(7), **kwargs)
+
+
+def test_a_cpu_gone_slow_is_left_after_a_second_look_and_not_chosen_again_soon():
+    host = _Host(8)
+    moved: list[None] = []
+    mover = _mover(host, on_move=lambda: moved.append(None))
+    mover.turn(0.0)
+    assert host.moves == [] and mover.best == 2e-6
+    mover.turn(0.01)  # not due: nothing measured, nothing moved
+    host.speed[0] = 4.4e-6  # CPU 0 runs at half speed
+    mover.turn(0.02)
+    assert host.moves == []  # once may be an interrupt
+    mover.turn(0.021)
+    assert len(host.moves) == 1 and host.at != 0 and len(moved) == 1
+    first = host.at
+    host.speed[first] = 4.4e-6  # the next one goes slow as well: neither is chosen for a while
+    for now in (0.05, 0.051):
+        mover.turn(now)
+    assert host.at not in (0, first) and mover.moves == 2
+    mover.turn(0.06)  # fast where it is now: it stays
+    assert mover.moves == 2
+
+
+def test_a_fast_cpu_is_never_left():
+    host = _Host(4)
+    mover = _mover(host)
+    for i in range(200):
+        mover.turn(i * 0.02)
+    assert host.moves == [] and host.at == 0
+
+
+def test_where_every_cpu_is_slow_moves_thin_out_and_a_fast_one_ends_that():
+    host = _Host(4)
+    mover = _mover(host)
+    mover.turn(0.0)
+    for cpu in host.speed:
+        host.speed[cpu] = 4.4e-6
+    now, seen = 0.02, []
+    while now < 10.0:
+        mover.turn(now)
+        seen.append(mover.moves)
+        now += 0.001
+    assert 6 <= mover.moves <= 16  # the period doubles up to a second, not one move per check
+    host.speed[host.at] = 2e-6
+    before = mover.moves
+    for i in range(100):
+        mover.turn(now + i * 0.02)
+    assert mover.moves == before
+
+
+def test_first_checks_move_on_to_learn_the_best_speed():
+    import random
+
+    from kvferry.engine.spin import Mover
+
+    host = _Host(8)
+    host.speed[0] = 4.4e-6  # the CPU it starts on is slow: alone, it would take that for the best
+    mover = Mover(list(host.speed), period=0.02, measure=host.measure, where=host.where, move=host.move,
+                  learn=4, rng=random.Random(3))
+    for i in range(4):
+        mover.turn(i * 0.02)
+    assert mover.moves == 4 and mover.best == 2e-6
+
+
+def test_the_thread_runs_where_it_was_moved_and_keeps_every_cpu():
+    import os
+
+    from kvferry.engine.spin import current_cpu, nudge
+
+    allowed = os.sched_getaffinity(0)
+    try:
+        for cpu in sorted(allowed):
+            os.sched_setaffinity(0, {cpu})
+            assert current_cpu() == cpu
+        nudge(min(allowed), allowed)
+        assert os.sched_getaffinity(0) == allowed and current_cpu() in allowed
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_a_spinning_loop_turns_its_mover_and_a_resting_one_does_not():
+    turns: list[float] = []
+
+    class Counting:
+        def turn(self, now: float) -> None:
+            turns.append(now)
+
+    async def main():
+        spinner = Spinner(0.1, mover=Counting())  # type: ignore[arg-type]
+        spinner.start()
+        await asyncio.sleep(0.1)
+        resting = len(turns)
+        spinner.touch()
+        await asyncio.sleep(0.15)
+        spun = len(turns)
+        await asyncio.sleep(0.1)
+        await spinner.close()
+        return resting, spun, len(turns)
+
+    resting, spun, after = asyncio.run(main())
+    assert resting == 0 and spun > 100 and after == spun
+    assert turns == sorted(turns)
