@@ -62,17 +62,17 @@ class Mover:
     On the virtual GPU hosts measured here each CPU alternates, for seconds at a time, between two
     speeds about 2x apart (100 additions: ~2.3 and ~4.4 µs), each CPU on its own and with no steal
     time or load of the guest's own: most likely a hyperthread sibling the hypervisor does not
-    show, busy for another guest. A one-block write between two sidecars followed it: 0.28-0.39 ms
-    with loops that moved, 0.37-0.55 with loops that stayed
-    (``docs/decisions/054-the-loop-moves-off-a-slow-cpu.md``). So every ``period`` while the loop
-    spins it times ``plain_python_seconds``; found slower than ``SLOW`` times the best it has seen,
-    twice running (once may be an interrupt), it moves to a CPU not found slow within ``memory``
-    seconds. Its first checks each move on, to learn the best from several CPUs. Where every CPU
-    is slow, moving does not help: each move onto a slow CPU doubles the period (up to ``longest``),
-    and a fast check brings it back.
+    show, busy for another guest. A one-block write between two sidecars follows its loops' CPUs
+    (0.29-0.50 ms back to back on one host; ``docs/decisions/054-the-loop-moves-off-a-slow-cpu.md``).
+    So every ``period`` while the loop spins it times ``plain_python_seconds``; found slower than
+    ``SLOW`` times the best it has seen, twice running (once may be an interrupt), it moves to a CPU
+    not found slow within ``memory`` seconds, chosen at random (two sidecars rarely pick the same).
+    Its first checks each move on, to learn the best from several CPUs. Where every CPU is slow,
+    moving does not help: each move onto a slow CPU doubles the period (up to ``longest``), and a
+    fast check brings it back.
     """
 
-    SLOW = 1.4
+    SLOW = 1.6  # slow periods measured 1.7-2.0x the fast speed
 
     def __init__(self, cpus: Sequence[int], period: float = 0.02, memory: float = 2.0, longest: float = 1.0,
                  measure: Callable[[], float] = plain_python_seconds, where: Callable[[], int | None] = current_cpu,
