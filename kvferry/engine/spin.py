@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import random
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("kvferry.engine")
 
 MIN_CPUS = 4  # a loop with fewer CPUs to go to stays where the kernel puts it
 
@@ -122,7 +124,12 @@ class Mover:
     def _go(self, now: float, here: int | None) -> None:
         fresh = [c for c in self.cpus if c != here and now - self._slow_at.get(c, -math.inf) > self._memory]
         choice = self._rng.choice(fresh or [c for c in self.cpus if c != here] or self.cpus)
-        self._move(choice, set(self.cpus))
+        try:
+            self._move(choice, set(self.cpus))
+        except OSError:  # the CPUs it may use changed under it (a cpuset made smaller): move among those
+            self.cpus = sorted(os.sched_getaffinity(0))
+            self._due = now + self._period
+            return
         self.moves += 1
         self._on_move()
         self._moved = True
@@ -182,7 +189,11 @@ class Spinner:
                 await asyncio.sleep(0)  # one loop iteration: ready callbacks, then a zero-timeout poll
                 now = time.monotonic()
                 if self.mover is not None:
-                    self.mover.turn(now)
+                    try:
+                        self.mover.turn(now)
+                    except Exception:  # moving is an optimisation: the loop spins on without it
+                        log.exception("the event loop stops moving off slow CPUs")
+                        self.mover = None
             self._on_spun(now - started)
 
 

@@ -269,3 +269,38 @@ def test_a_spinning_loop_turns_its_mover_and_a_resting_one_does_not():
     resting, spun, after = asyncio.run(main())
     assert resting == 0 and spun > 100 and after == spun
     assert turns == sorted(turns)
+
+
+def test_a_move_the_kernel_refuses_takes_the_cpus_it_allows_now():
+    import os
+
+    host = _Host(4)
+
+    def refused(cpu: int, cpus: set[int]) -> None:
+        raise OSError(22, "Invalid argument")
+
+    mover = _mover(host)
+    mover._move = refused
+    mover.turn(0.0)
+    host.speed[0] = 4.4e-6
+    mover.turn(0.02)
+    mover.turn(0.021)
+    assert mover.cpus == sorted(os.sched_getaffinity(0)) and mover.moves == 0
+
+
+def test_a_mover_that_fails_is_dropped_and_the_loop_spins_on(caplog):
+    class Broken:
+        def turn(self, now: float) -> None:
+            raise RuntimeError("broken")
+
+    async def main():
+        spinner = Spinner(0.2, mover=Broken())  # type: ignore[arg-type]
+        spinner.start()
+        spinner.touch()
+        hot = await _cpu_while(asyncio.sleep(0.2))
+        await spinner.close()
+        return spinner.mover, hot
+
+    mover, hot = asyncio.run(main())
+    assert mover is None and hot > 0.05
+    assert "stops moving off slow CPUs" in caplog.text
