@@ -134,9 +134,9 @@ class Mapper:
         self._check_own()
         here = device.index if device is not None and device.type == "cuda" else None
         key = (target.handle, target.offset, shape, dtype, here)
-        view = self._views.get(key)
         if target.device_uuid == peer.HOST_MEMORY:
-            return self._host(target, shape, dtype, key, view)
+            return self._host(target, shape, dtype, key)
+        view = self._views.get(key)
         if view is not None:
             self._open.move_to_end((target.handle, here))
             return view
@@ -233,11 +233,12 @@ class Mapper:
                 if target.offset < export[1] + mine and export[1] < target.offset + nbytes:
                     raise RuntimeError(f"the lent region is the sender's own region {region.name!r}")
 
-    def _host(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype, key: tuple,
-              view: torch.Tensor | None) -> torch.Tensor:
+    def _host(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype, key: tuple) -> torch.Tensor:
         """A receiver's shared-memory region, opened by its name: one named with ``shm_prefix``,
         not one of the sender's own segments, and (checked before every write, since another
-        process may shrink it, and a write past its end would kill this one) large enough."""
+        process may shrink it, and a write past its end would kill this one) large enough. The
+        kept view is taken only once the size holds: a refusal's traceback must not hold a view,
+        which would keep the mapping from closing until the garbage collector finds it."""
         from multiprocessing import resource_tracker, shared_memory
 
         import numpy as np
@@ -262,6 +263,7 @@ class Mapper:
         if target.offset + nbytes > min(size, shm.size):
             raise RuntimeError(f"the receiver's shared memory {name!r} holds {min(size, shm.size)} bytes, "
                                f"the lent region needs {target.offset + nbytes}")
+        view = self._views.get(key)
         if view is None:
             self._check_not_own_segment(name, shm)
             array = np.frombuffer(shm.buf, dtype=np.uint8, count=nbytes, offset=target.offset)

@@ -7,7 +7,9 @@ on loopback, in one process, with host shared memory."""
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import uuid
 from multiprocessing import shared_memory
 
@@ -129,7 +131,8 @@ def test_a_region_the_sender_registers_over_its_lease_later_is_refused():
 def test_a_segment_shrunk_from_outside_fails_the_transfer_not_the_sender():
     """The sender holds a mapping of the receiver's segment; another process truncates it. The next
     write is refused before it touches the mapping (which would raise SIGBUS); once the segment is
-    its size again, transfers land."""
+    its size again, transfers land. The refusals leave nothing that keeps the mapping open: once the
+    engines are closed, collecting their garbage closes no mapping that still has a view."""
     async def body(a, b, segments):
         await _lease(a, b, segments)
         size = segments[0].size
@@ -148,4 +151,11 @@ def test_a_segment_shrunk_from_outside_fails_the_transfer_not_the_sender():
         assert record["state"] == "done" and "same host" in record["choice_reason"], record
         assert torch.equal(_landed(segments[0], ids[::-1]), _sent(a, ids))
 
-    _run(body)
+    unraisable = []
+    before, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        _run(body)
+        gc.collect()
+    finally:
+        sys.unraisablehook = before
+    assert not unraisable, [u.exc_value for u in unraisable]
