@@ -82,6 +82,7 @@ class Mover:
                  learn: int = 4, rng: random.Random | None = None):
         self.cpus = sorted(set(cpus))
         self._period = self._now_period = period
+        self._soon = min(period, 0.001)  # a second look, or the first at a CPU just moved to
         self._memory, self._longest = memory, longest
         self._measure, self._where, self._move, self._on_move = measure, where, move, on_move
         self._learning = learn
@@ -113,7 +114,7 @@ class Mover:
             self._now_period = min(2 * self._now_period, self._longest)
         elif not self._suspect:
             self._suspect = True
-            self._due = now + min(self._period, 0.001)
+            self._due = now + self._soon
             return
         self._suspect = False
         here = self._where()
@@ -134,7 +135,7 @@ class Mover:
         self._on_move()
         self._moved = True
         # The new CPU is checked at once, unless moving keeps finding slow ones.
-        self._due = now + (min(self._period, 0.001) if self._now_period == self._period else self._now_period)
+        self._due = now + (self._now_period if self._now_period > self._period else self._soon)
 
 
 class Spinner:

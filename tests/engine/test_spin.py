@@ -6,9 +6,11 @@ Measured as the loop thread's own CPU time on a real event loop: spinning burns 
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 import time
 
-from kvferry.engine.spin import Spinner
+from kvferry.engine.spin import Mover, Spinner, current_cpu, nudge
 
 
 async def _cpu_while(awaitable) -> float:
@@ -161,10 +163,6 @@ class _Host:
 
 
 def _mover(host: _Host, **kwargs):
-    import random
-
-    from kvferry.engine.spin import Mover
-
     return Mover(list(host.speed), period=0.02, measure=host.measure, where=host.where, move=host.move,
                  learn=0, rng=random.Random(7), **kwargs)
 
@@ -218,10 +216,6 @@ def test_where_every_cpu_is_slow_moves_thin_out_and_a_fast_one_ends_that():
 
 
 def test_first_checks_move_on_to_learn_the_best_speed():
-    import random
-
-    from kvferry.engine.spin import Mover
-
     host = _Host(8)
     host.speed[0] = 4.4e-6  # the CPU it starts on is slow: alone, it would take that for the best
     mover = Mover(list(host.speed), period=0.02, measure=host.measure, where=host.where, move=host.move,
@@ -232,10 +226,6 @@ def test_first_checks_move_on_to_learn_the_best_speed():
 
 
 def test_the_thread_runs_where_it_was_moved_and_keeps_every_cpu():
-    import os
-
-    from kvferry.engine.spin import current_cpu, nudge
-
     allowed = os.sched_getaffinity(0)
     try:
         for cpu in sorted(allowed):
@@ -272,8 +262,6 @@ def test_a_spinning_loop_turns_its_mover_and_a_resting_one_does_not():
 
 
 def test_a_move_the_kernel_refuses_takes_the_cpus_it_allows_now():
-    import os
-
     host = _Host(4)
 
     def refused(cpu: int, cpus: set[int]) -> None:
