@@ -188,11 +188,19 @@ class Engine:
         the region is then quarantined, not deleted, so its memory is not reused under that
         write; ``force`` deletes a quarantined region (its owner knows the sender is gone).
 
+        A transfer that has ended may still hold it while work it could not stop (a worker
+        thread's codec call, GPU kernels) finishes; the delete waits for that, up to
+        ``close_timeout``, so a delete right after a cancel is not refused.
+
         Raises: NotFound, Conflict (a transfer uses it, or a lease was not given back).
         """
         region = self.regions.get(name)
+        await self._ended_work_over(region)
         if region.busy:
-            raise Conflict(f"region {name!r} is in use by transfers {sorted(region.busy)}")
+            ended = all((t := self.transfers.find(i)) is None or t.state.terminal for i in region.busy)
+            why = (f" (ended; work they started did not finish within {self.transport_config.close_timeout:g} s)"
+                   if ended else "")
+            raise Conflict(f"region {name!r} is in use by transfers {sorted(region.busy)}{why}")
         if region.quarantined and not force:
             raise Conflict(f"region {name!r} is quarantined: {region.quarantined} (delete with force=true "
                            "once that sender is gone)")
@@ -208,6 +216,27 @@ class Engine:
             self.regions.delete(name)
         finally:
             region.closing = region.quarantined is not None
+
+    async def _ended_work_over(self, region: Region) -> None:
+        """Until no ended transfer holds ``region`` (its task is over), at most ``close_timeout``;
+        at once where a transfer in progress holds it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.transport_config.close_timeout
+        while region.busy:
+            pending = set()
+            for transfer_id in region.busy:
+                t = self.transfers.find(transfer_id)
+                if t is None or not t.state.terminal:
+                    return
+                if t.task is not None and not t.task.done():
+                    pending.add(t.task)
+            if not pending:
+                await asyncio.sleep(0)  # a task just over: its done callback frees the region next
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await asyncio.wait(pending, timeout=left)
 
     def write_block(self, name: str, index: int, data: bytes) -> None:
         """Overwrite one block with its raw bytes. Raises: NotFound, InvalidBlocks, BadRequest, Conflict."""

@@ -174,37 +174,74 @@ def test_cancelled_under_a_lease(where, monkeypatch):
     _run(body, shm=True)
 
 
-def test_a_cancelled_transfers_regions_stay_busy_until_its_worker_thread_is_over(monkeypatch):
-    """A chunk encoded in a worker thread (here made slow) when its transfer is cancelled: the
-    thread cannot be stopped and reads the source region to its end, so the region stays busy,
-    and cannot be deleted, until then; then it is free and the next transfer is done."""
+def _slow_raw_encode(monkeypatch, seconds: float) -> tuple[threading.Event, threading.Event]:
+    """raw's encode (a chunk in a worker thread) takes ``seconds`` longer; events: inside it, over."""
     from kvferry import codec as codecs
-    from kvferry.engine.errors import Conflict
 
     raw = codecs.get("raw")
     encode, inside, over = raw.encode_blocks, threading.Event(), threading.Event()
 
     def slow(*args, **kwargs):
         inside.set()
-        time.sleep(1.0)  # long beside the cancel that follows, on a loaded machine too
+        time.sleep(seconds)
         try:
             return encode(*args, **kwargs)
         finally:
             over.set()
 
+    monkeypatch.setattr(raw, "encode_blocks", slow)
+    return inside, over
+
+
+def test_a_cancelled_transfers_regions_stay_busy_until_its_worker_thread_is_over(monkeypatch):
+    """A chunk encoded in a worker thread (here made slow) when its transfer is cancelled: the
+    thread cannot be stopped and reads the source region to its end, so the region stays busy
+    until then. A delete while the transfer runs is refused at once; one after the cancel waits
+    for the thread, then deletes; the next transfer is done."""
+    from kvferry.engine.errors import Conflict, NotFound
+
     async def body(a, b):
-        monkeypatch.setattr(raw, "encode_blocks", slow)
+        inside, over = _slow_raw_encode(monkeypatch, 1.0)  # long beside what follows, on a loaded machine too
         t = a.submit(_spec(b, list(range(BLOCKS)), list(range(BLOCKS))))
         await asyncio.to_thread(inside.wait, 5)
+        with pytest.raises(Conflict, match=r"in use by transfers \['[0-9a-f]+'\]$"):
+            await a.delete_region("src")  # in progress: refused without waiting for it
+        assert not over.is_set()
         a.cancel(t.id)
         assert t.state == State.CANCELLED and not over.is_set()
         assert a.regions.get("src").busy == {t.id}
-        with pytest.raises(Conflict):
-            await a.delete_region("src")
-        await asyncio.to_thread(over.wait, 5)
-        await _until(lambda: not a.regions.get("src").busy)
-        monkeypatch.setattr(raw, "encode_blocks", encode)
+        await a.delete_region("src")
+        assert over.is_set()  # not freed under the thread's read
+        with pytest.raises(NotFound):
+            a.regions.get("src")
+        monkeypatch.undo()
+        src = await a.register_region(RegionSpec("src", BLOCKS, BLOCK, "bfloat16"))
+        src.tensor.copy_(torch.randn(BLOCKS, *BLOCK).to(torch.bfloat16))
         await _settled(a, b, t.id)
 
     # 1 MiB chunks (64 blocks: encoded in a worker thread), no lease (an emulated link)
+    _run(body, chunk_bytes=1 << 20, emulated_link_gbps=0.02)
+
+
+def test_a_delete_waits_for_an_ended_transfers_work_only_so_long(monkeypatch):
+    """Work of a cancelled transfer that outlasts ``close_timeout``: the delete is refused, saying
+    why, and the region is kept (the thread still reads it); once the work is over it can go."""
+    import dataclasses
+
+    from kvferry.engine.errors import Conflict
+
+    async def body(a, b):
+        a.transport_config = dataclasses.replace(a.transport_config, close_timeout=0.2)
+        inside, over = _slow_raw_encode(monkeypatch, 2.0)
+        t = a.submit(_spec(b, list(range(BLOCKS)), list(range(BLOCKS))))
+        await asyncio.to_thread(inside.wait, 5)
+        a.cancel(t.id)
+        with pytest.raises(Conflict, match="ended; work they started did not finish within 0.2 s"):
+            await a.delete_region("src")
+        assert not over.is_set() and a.regions.get("src").busy == {t.id}
+        await asyncio.to_thread(over.wait, 10)
+        monkeypatch.undo()
+        await _until(lambda: not a.regions.get("src").busy)
+        await a.delete_region("src")
+
     _run(body, chunk_bytes=1 << 20, emulated_link_gbps=0.02)
