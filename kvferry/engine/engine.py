@@ -35,7 +35,7 @@ from .blocks import Blocks, Ids
 from .codebooks import Codebooks, Learner, codec_named
 from .context import DataPlane, TransferContext
 from .driver import Driver
-from .errors import BadRequest, Conflict, TransferFailed, UnknownCodec
+from .errors import BadRequest, Conflict, NotFound, TransferFailed, UnknownCodec
 from .incoming import Admission
 from .leases import Leases
 from .links import LinkTable, Pair, data_plane
@@ -196,6 +196,8 @@ class Engine:
         """
         region = self.regions.get(name)
         await self._ended_work_over(region)
+        if self.regions.get(name) is not region:  # deleted meanwhile, and maybe registered again
+            raise NotFound(f"region {name!r} was deleted while this delete waited")
         if region.busy:
             ended = all((t := self.transfers.find(i)) is None or t.state.terminal for i in region.busy)
             why = (f" (ended; work they started did not finish within {self.transport_config.close_timeout:g} s)"
