@@ -166,7 +166,7 @@ async def _unless_refused(link: PeerLink, work: asyncio.Future) -> None:
     """Await ``work``, but stop at once with the peer's refusal if that comes first."""
     await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
     if link.reply.done() and link.reply.exception() is not None:
-        work.cancel()  # the peer's own word says more than a chunk it refused
+        drop(work)  # the peer's own word says more than a chunk it refused (that error, if any, taken)
         raise link.reply.exception()
     # DONE can be read before the sends wake up to their acknowledgements, which precede it.
     await work
@@ -178,18 +178,20 @@ async def dropped(work: asyncio.Future | None) -> None:
     if work is None:
         return
     drop(work)
-    cancelled = await outlast(work)
-    drop(work)  # an error it ended with after all is taken too
-    if cancelled:
+    if await outlast(work):
         raise asyncio.CancelledError
 
 
 def drop(work: asyncio.Future | None) -> None:
-    """Cancel ``work`` if it is still running, and take any error it ended with (reported otherwise)."""
+    """Cancel ``work`` if it is still running; any error it ended with, or ends with after all (a
+    cancel asked is not a cancel done), is taken, not reported as never retrieved."""
     if work is None:
         return
-    if work.done():
-        if not work.cancelled():
-            work.exception()
-    else:
+    if not work.done():
         work.cancel()
+    work.add_done_callback(_taken)
+
+
+def _taken(work: asyncio.Future) -> None:
+    if not work.cancelled():
+        work.exception()

@@ -10,6 +10,8 @@ import os
 import random
 import time
 
+import pytest
+
 from kvferry.engine.spin import Mover, Spinner, current_cpu, nudge
 
 
@@ -140,6 +142,38 @@ def test_dropped_work_is_waited_for_and_its_own_error_taken():
 
     unhandled = _unhandled(main())
     assert ended == ["work", "dropped"] and not unhandled
+
+
+def test_a_refusal_beside_a_failed_send_leaves_no_error_unretrieved():
+    """The receiver's ERROR comes while a chunk's send is failing (its confirmation timed out), as
+    when a stalled sender resumes: the peer's word is raised at once; the sends, asked to stop,
+    end with their own error after all, which is taken, not left for the loop to report."""
+    import gc
+    import types
+
+    from kvferry.engine.errors import PeerError
+    from kvferry.engine.streaming import _unless_refused
+
+    async def send():
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            raise PeerError("chunk 2: receiver did not confirm within 3 s") from None
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        sends, reply = asyncio.gather(asyncio.ensure_future(send())), loop.create_future()
+        await asyncio.sleep(0)
+        reply.set_exception(PeerError("the receiver failed the transfer: no data for 3 s"))
+        with pytest.raises(PeerError, match="the receiver failed"):
+            await _unless_refused(types.SimpleNamespace(reply=reply), sends)
+        await asyncio.sleep(0.01)
+        assert sends.done() and not sends.cancelled()  # ended with the send's error (not retrieved here)
+        del sends, reply  # the raised error's traceback holds the sends through its frame
+        gc.collect()
+        await asyncio.sleep(0)
+
+    assert not _unhandled(main())
 
 
 # ---- moving off a slow CPU ---------------------------------------------------------------------
