@@ -194,6 +194,13 @@ class Sidecar:
         self.process.kill()
         self.process.wait(timeout=30)
 
+    def stall(self) -> None:
+        """SIGSTOP: the process stops where it is, its connections open (a stall, not a crash)."""
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 20.0) -> None:
         self.client.close()
         if self.process.poll() is None:

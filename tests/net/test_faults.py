@@ -1,6 +1,7 @@
 """Faults only a real network makes: a partition longer than ``transfer_timeout``, a receiver
 killed and started again on the same address, a sender killed mid-transfer, with or without its
-kernel's goodbye reaching the peer (a reset over a live link, or nothing over a cut one). Every
+kernel's goodbye reaching the peer (a reset over a live link, or nothing over a cut one), either
+side stalled past the timeout and resumed. Every
 transfer ends within its timeout with a reason, never runs forever, and the next one is done and
 bit-exact."""
 
@@ -163,3 +164,29 @@ def test_a_sender_killed_mid_transfer_fails_the_receiver_within_its_timeout(netw
     a = net.sidecar("a", ENV)
     a.client.region_from_tensor("src", kv[:4])
     _next_is_done(a, b, kv)
+
+
+@pytest.mark.parametrize("stalled", ["sender", "receiver"])
+def test_a_peer_stalled_past_the_timeout_fails_the_transfer_on_both_sides(networks, kv, stalled):
+    """A sidecar stopped mid-transfer (SIGSTOP: its connections open, nothing read or sent) for
+    longer than ``transfer_timeout``: the other side fails the transfer within its timeout. Once
+    resumed, the stalled side ends it too (failed, never done), neither daemon logs an error, and
+    the next transfer is done."""
+    net = networks("a", "b")
+    a, b, big = _big(net, kv)
+    codec = "splitzip" if stalled == "sender" else "raw"  # a sender stalled between codec work and its sends
+    transfer = a.client.submit("src", range(big.shape[0]), b.data_address, "dst", range(big.shape[0]), codec=codec)
+    _flowing(b, transfer)
+    frozen, live = (a, b) if stalled == "sender" else (b, a)
+    frozen.stall()
+    try:
+        record, took = _until(live, transfer, _ended, TIMEOUT + SLACK + 30)
+    finally:
+        frozen.resume()
+    assert record["state"] == "failed" and record["error"], record
+    assert took < TIMEOUT + SLACK, f"failed {took:.1f} s after the stall: {record}"
+    record, _ = _until(frozen, transfer, _ended, TIMEOUT + SLACK)
+    assert record["state"] == "failed" and record["error"], record
+    _next_is_done(a, b, kv)
+    for sidecar in (a, b):
+        assert " ERROR " not in sidecar.log.read_text(errors="replace"), sidecar.log_tail()
