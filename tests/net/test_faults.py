@@ -1,9 +1,8 @@
 """Faults only a real network makes: a partition longer than ``transfer_timeout``, a receiver
 killed and started again on the same address, a sender killed mid-transfer, with or without its
 kernel's goodbye reaching the peer (a reset over a live link, or nothing over a cut one), either
-side stalled past the timeout and resumed. Every
-transfer ends within its timeout with a reason, never runs forever, and the next one is done and
-bit-exact."""
+side stalled past the timeout and resumed. Every transfer ends within its timeout with a reason,
+never runs forever, and the next one is done and bit-exact."""
 
 from __future__ import annotations
 
