@@ -220,7 +220,7 @@ class Engine:
             region.closing = region.quarantined is not None
 
     async def _ended_work_over(self, region: Region) -> None:
-        """Until no ended transfer holds ``region`` (its task is over), at most ``close_timeout``;
+        """Wait until no ended transfer holds ``region`` (its task is over), at most ``close_timeout``;
         at once where a transfer in progress holds it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.transport_config.close_timeout
