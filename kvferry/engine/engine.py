@@ -195,11 +195,10 @@ class Engine:
         Raises: NotFound, Conflict (a transfer uses it, or a lease was not given back).
         """
         region = self.regions.get(name)
-        await self._ended_work_over(region)
+        ended = await self._ended_work_over(region)
         if self.regions.get(name) is not region:  # deleted meanwhile, and maybe registered again
             raise NotFound(f"region {name!r} was deleted while this delete waited")
         if region.busy:
-            ended = all((t := self.transfers.find(i)) is None or t.state.terminal for i in region.busy)
             why = (f" (ended; work they started did not finish within {self.transport_config.close_timeout:g} s)"
                    if ended else "")
             raise Conflict(f"region {name!r} is in use by transfers {sorted(region.busy)}{why}")
@@ -219,26 +218,29 @@ class Engine:
         finally:
             region.closing = region.quarantined is not None
 
-    async def _ended_work_over(self, region: Region) -> None:
+    async def _ended_work_over(self, region: Region) -> bool:
         """Wait until no ended transfer holds ``region`` (its task is over), at most ``close_timeout``;
-        at once where a transfer in progress holds it."""
+        False at once where a transfer in progress holds it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.transport_config.close_timeout
         while region.busy:
             pending = set()
             for transfer_id in region.busy:
                 t = self.transfers.find(transfer_id)
-                if t is None or not t.state.terminal:
-                    return
+                if t is None:  # ended long ago, its record forgotten
+                    continue
+                if not t.state.terminal:
+                    return False
                 if t.task is not None and not t.task.done():
                     pending.add(t.task)
             if not pending:
                 await asyncio.sleep(0)  # a task just over: its done callback frees the region next
-                return
+                return True
             left = deadline - loop.time()
             if left <= 0:
-                return
+                return True
             await asyncio.wait(pending, timeout=left)
+        return True
 
     def write_block(self, name: str, index: int, data: bytes) -> None:
         """Overwrite one block with its raw bytes. Raises: NotFound, InvalidBlocks, BadRequest, Conflict."""

@@ -6,13 +6,17 @@ Measured as the loop thread's own CPU time on a real event loop: spinning burns 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import time
+import types
 
 import pytest
 
+from kvferry.engine.errors import PeerError
 from kvferry.engine.spin import Mover, Spinner, current_cpu, nudge
+from kvferry.engine.streaming import _unless_refused
 
 
 async def _cpu_while(awaitable) -> float:
@@ -148,12 +152,6 @@ def test_a_refusal_beside_a_failed_send_leaves_no_error_unretrieved():
     """The receiver's ERROR comes while a chunk's send is failing (its confirmation timed out), as
     when a stalled sender resumes: the peer's word is raised at once; the sends, asked to stop,
     end with their own error after all, which is taken, not left for the loop to report."""
-    import gc
-    import types
-
-    from kvferry.engine.errors import PeerError
-    from kvferry.engine.streaming import _unless_refused
-
     async def send():
         try:
             await asyncio.sleep(5)
