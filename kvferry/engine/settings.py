@@ -53,6 +53,10 @@ class Settings:
     max_handshaking_per_source: int = 16  # ... from one address at once
     idle_timeout: float = 300.0  # an accepted data connection with nothing in flight this long is closed
     transfer_timeout: float = 30.0  # no progress for this long fails a transfer
+    # A chunk waiting past transfer_timeout fails unless its data connection delivered at least this
+    # many bytes per second on average meanwhile (to any of its transfers): a dripping peer cannot
+    # hold a transfer open, one busy with many transfers over a slow link can.
+    min_peer_bytes_per_s: int = 1 << 20
     transport_backend: str = "auto"  # auto, ucxx, tcp
     transport_chunk_bytes: int = 0  # largest message; 0 = a whole pipeline chunk's frame on a GPU, 16 MiB on the CPU
     transport_window_bytes: int = 128 * MiB
@@ -129,8 +133,8 @@ class Settings:
             raise ValueError(f"max_region_bytes: {self.max_region_bytes} must be 0 (by memory) or positive")
         if self.spin_ms < 0 and self.spin_ms != -1:
             raise ValueError(f"spin_ms: {self.spin_ms} must be -1 (by device) or at least 0")
-        if self.transfer_timeout <= 0 or self.idle_timeout <= 0:
-            raise ValueError("transfer_timeout and idle_timeout must be positive")
+        if self.transfer_timeout <= 0 or self.idle_timeout <= 0 or self.min_peer_bytes_per_s <= 0:
+            raise ValueError("transfer_timeout, idle_timeout and min_peer_bytes_per_s must be positive")
         if not _loopback(self.host) and not self.token:  # REST and gRPC alike: both listen on host
             raise ValueError(f"the control API would listen on {self.host} without a token: set KVFERRY_TOKEN "
                              "(or bind it to 127.0.0.1)")

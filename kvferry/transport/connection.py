@@ -34,7 +34,7 @@ from .errors import ProtocolError, TransferRejected, TransportClosed, TransportE
 from .flow import Clearance, Credits, Digested, Pacer, SendState, Window
 from .handshake import Session
 from .link import Link, Striped, log
-from .mailbox import Mailbox, Receive
+from .mailbox import Mailbox, Progress, Receive
 from .reader import NO_TAG, Reader
 from .waiting import until_ready
 from .wire import Message, MessageType
@@ -68,6 +68,7 @@ class Connection(Reader):
         self._error: Exception | None = None
         self._closed = asyncio.Event()
         self.last_activity = time.monotonic()
+        self.progress = Progress()  # payload bytes landed here, for the receives it carries
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         self._controller = asyncio.get_running_loop().create_task(self._control_loop())
 
@@ -228,6 +229,7 @@ class Connection(Reader):
         if tag in self._receives:
             raise ValueError(f"a receive for tag {tag:#x} is already posted on this connection")
         receive = Receive(tag, buffer, self._mailbox, defer_check, owner=self._receives)
+        receive.carrier = self.progress
         if self.closed:
             receive.fail(self._error)
             return receive
@@ -357,6 +359,7 @@ class Connection(Reader):
             self._reject(receive.tag, reason)
             return
         receive.total = total
+        receive.carrier = self.progress
         self._receives[receive.tag] = receive
         self._post([(Message(MessageType.CTS, receive.tag, total=total), None)])
         if total == 0:

@@ -21,12 +21,30 @@ if TYPE_CHECKING:
     from .connection import Connection
 
 
+class Progress:
+    """Payload bytes landed on one connection, and when the last of them landed. A receive bound
+    to a connection waits its turn behind the others it carries: while the connection delivers,
+    the receive is not stalled (a connection busy with 64 transfers over a slow link lands each
+    chunk long after it was granted)."""
+
+    __slots__ = ("landed", "at")
+
+    def __init__(self) -> None:
+        self.landed = 0
+        self.at = time.monotonic()
+
+    def land(self, n: int) -> None:
+        self.landed += n
+        self.at = time.monotonic()
+
+
 class Receive:
     """A posted receive: the buffer a transfer with ``tag`` will be written into.
 
     ``wait`` returns the transfer's size once its last byte is in the buffer (checked, unless the
-    consumer deferred the check: ``start_check``) and fails if the transfer makes no progress for
-    ``timeout`` seconds.
+    consumer deferred the check: ``start_check``). It fails if neither the receive nor the
+    connection carrying it (``carrier``, once it is bound to one) lands data for ``timeout``
+    seconds, and, given a floor, if that connection delivers less than the floor on average.
     """
 
     def __init__(self, tag: int, buffer: Any, mailbox: Mailbox, defer_check: bool = False,
@@ -44,28 +62,51 @@ class Receive:
         self._mailbox = mailbox
         self._future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._progress = time.monotonic()
+        self.carrier: Progress | None = None  # the connection's, once bound to one
 
     @property
     def done(self) -> bool:
         return self._future.done()
 
-    async def wait(self, timeout: float) -> int:
+    async def wait(self, timeout: float, min_rate: float = 0.0) -> int:
         """Bytes received, once all have landed.
 
+        ``min_rate`` (bytes/s; 0: none): past ``timeout`` the receive also fails unless its
+        connection delivered at least this much per second on average since the wait began, so
+        a peer that drips a byte now and then cannot hold it open, while one that is busy with
+        other transfers of the same connection can.
+
         Raises:
-            TransportTimeout: no progress for ``timeout`` seconds (the receive is cancelled).
+            TransportTimeout: no data for ``timeout`` seconds, or too little (the receive is cancelled).
             TransferRejected, PeerLost, ProtocolError, TransportClosed: as the transfer failed.
         """
+        began, carrier = time.monotonic(), self.carrier
+        base = self._delivered(carrier)
         while not self._future.done():
-            remaining = self._progress + timeout - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if self.carrier is not carrier:  # bound to its connection meanwhile: counted there from now on
+                before, carrier = self._delivered(carrier) - base, self.carrier
+                base = self._delivered(carrier) - before
+            stalled = max(self._progress, carrier.at if carrier is not None else 0.0) + timeout
+            landed = self._delivered(carrier) - base
+            slow = began + timeout + landed / min_rate if min_rate > 0 else stalled
+            if now >= stalled:
                 self.fail(TransportTimeout(f"transfer {self.tag:#x}: no data for {timeout:g} s"))
+                break
+            if now >= slow:
+                self.fail(TransportTimeout(
+                    f"transfer {self.tag:#x}: its connection delivered {landed} bytes in {now - began:.0f} s, "
+                    f"under the floor of {min_rate:g} bytes/s"))
                 break
             # TransportTimeout is itself a TimeoutError: look at the future, not the exception.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(min(stalled, slow) - now):
                     await asyncio.shield(self._future)
         return self._future.result()
+
+    def _delivered(self, carrier: Progress | None) -> int:
+        """Bytes landed so far on ``carrier`` (None: into this receive)."""
+        return carrier.landed if carrier is not None else self.received
 
     def start_check(self) -> Callable[[], None]:
         """For a ``defer_check`` receive, once ``wait`` returned: launch the checks of the bytes
@@ -104,6 +145,8 @@ class Receive:
         self.received += n
         self._unacked += n
         self._progress = time.monotonic()
+        if self.carrier is not None:
+            self.carrier.land(n)
 
     def _finish(self) -> None:
         if not self._future.done():

@@ -637,7 +637,7 @@ def test_a_transfer_the_decode_sidecar_failed_fails_the_load_while_the_sender_st
         elapsed = time.monotonic() - start
         sender = prefill.client.transfer(pull.transfer_id)
         assert sender["state"] == "running", sender  # the sender had not ended: the receiver's word decided
-        assert "no data for 1 s" in pull.error or "did not arrive within 1 s" in pull.error, pull.error
+        assert "no data for 1 s" in pull.error or "under the floor" in pull.error, pull.error
         assert elapsed < 5, f"{elapsed:.1f} s: the pull waited for the sender"
         prefill.client.cancel(pull.transfer_id)  # no paced send left for the shutdown to wait out
     finally:

@@ -49,6 +49,15 @@ def test_ucx_progress_mode_defaults_to_blocking_and_is_checked():
         settings.load({}, {"KVFERRY_UCX_PROGRESS_MODE": "spin"}).check()
 
 
+def test_the_peer_floor_rate_is_one_mib_a_second_unless_set_and_must_be_positive():
+    assert settings.load({}, {}).min_peer_bytes_per_s == 1 << 20
+    chosen = settings.load({}, {"KVFERRY_MIN_PEER_BYTES_PER_S": "65536"})
+    chosen.check()
+    assert chosen.min_peer_bytes_per_s == 65536
+    with pytest.raises(ValueError, match="min_peer_bytes_per_s must be positive"):
+        settings.load({}, {"KVFERRY_MIN_PEER_BYTES_PER_S": "0"}).check()
+
+
 def test_spin_is_on_for_a_gpu_and_off_for_the_cpu_unless_set():
     default = settings.load({}, {})
     assert default.spin_seconds("cuda") == settings.GPU_SPIN_MS / 1e3 > 0

@@ -169,8 +169,9 @@ def test_a_sender_killed_mid_transfer_fails_the_receiver_within_its_timeout(netw
 def test_a_peer_stalled_past_the_timeout_fails_the_transfer_on_both_sides(networks, kv, stalled):
     """A sidecar stopped mid-transfer (SIGSTOP: its connections open, nothing read or sent) for
     longer than ``transfer_timeout``: the other side fails the transfer within its timeout. Once
-    resumed, the stalled side ends it too (failed, never done), neither daemon logs an error, and
-    the next transfer is done."""
+    resumed, the stalled side ends it too, never done: failed by its own timeout, or cancelled by
+    the sender's word that it gave up (a resumed receiver first reads the bytes that were waiting
+    for it, which are progress); neither daemon logs an error, and the next transfer is done."""
     net = networks("a", "b")
     a, b, big = _big(net, kv)
     codec = "splitzip" if stalled == "sender" else "raw"  # a sender stalled between codec work and its sends
@@ -185,7 +186,7 @@ def test_a_peer_stalled_past_the_timeout_fails_the_transfer_on_both_sides(networ
     assert record["state"] == "failed" and record["error"], record
     assert took < TIMEOUT + SLACK, f"failed {took:.1f} s after the stall: {record}"
     record, _ = _until(frozen, transfer, _ended, TIMEOUT + SLACK)
-    assert record["state"] == "failed" and record["error"], record
+    assert record["state"] in ("failed", "cancelled") and record["error"], record
     _next_is_done(a, b, kv)
     for sidecar in (a, b):
         assert " ERROR " not in sidecar.log.read_text(errors="replace"), sidecar.log_tail()

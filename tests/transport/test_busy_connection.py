@@ -1,0 +1,92 @@
+"""A receive granted on a connection waits its turn: while the connection lands other transfers'
+bytes it is not stalled, however long its own first byte takes; a connection that lands too little
+(below the waiter's floor) or nothing at all fails it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from kvferry import transport
+from tests.transport.conftest import config, run
+
+SIZE = 512 << 10  # per transfer: eight 64 KiB DATA messages
+
+
+async def _queued(backend: str, rate: float, timeout: float, min_rate: float, tags: int = 4):
+    """``tags`` transfers granted at once on one connection paced to ``rate`` bytes/s, sent one
+    after the other; every receive waits from its grant with ``timeout`` and ``min_rate``.
+    Returns what each wait gave (bytes or its error) and when it ended (seconds after its grant),
+    the payloads and the buffers."""
+    cfg = config(backend, chunk_bytes=64 << 10, pace_bytes_per_s=rate, op_timeout=1.0)
+    payloads = {tag: np.random.default_rng(tag).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+                for tag in range(1, tags + 1)}
+    waits: dict[int, asyncio.Future] = {}
+    buffers: dict[int, bytearray] = {}
+    took: dict[int, float] = {}
+
+    def on_message(connection, payload):  # the layer above grants every transfer's buffer at once
+        for tag in payloads:
+            buffers[tag] = bytearray(SIZE)
+            receive = connection.grant(tag, buffers[tag], tell=False)
+            waits[tag] = asyncio.ensure_future(receive.wait(timeout, min_rate))
+            waits[tag].add_done_callback(lambda _, tag=tag, granted=time.monotonic(): took.setdefault(
+                tag, time.monotonic() - granted))
+
+    listener = await transport.listen("127.0.0.1", 0, cfg, on_message=on_message)
+    client = await transport.connect("127.0.0.1", listener.port, cfg)
+    try:
+        await client.send_message(b"go")
+        for tag, payload in payloads.items():  # one at a time: the last one's bytes come last
+            try:
+                await client.send(tag, payload, clearance=transport.Clearance.INITIAL)
+            except transport.TransportError:
+                break  # refused: its receive failed
+        results = await asyncio.gather(*waits.values(), return_exceptions=True)
+    finally:
+        await client.close()
+        await listener.close()
+    return dict(zip(waits, results)), took, payloads, buffers
+
+
+def test_a_receive_behind_others_on_a_busy_connection_is_not_stalled(backend):
+    # 2 MiB at 4 MB/s: the last transfer's first byte comes ~0.4 s after its grant, past its 0.25 s.
+    results, _, payloads, buffers = run(_queued(backend, rate=4e6, timeout=0.25, min_rate=1 << 20))
+    assert results == {tag: SIZE for tag in payloads}, results
+    assert all(bytes(buffers[tag]) == payloads[tag] for tag in payloads)
+
+
+def test_a_connection_delivering_under_the_floor_fails_the_receives_it_carries(backend):
+    # 1 MB/s (a message every 65 ms) against a floor of 8 MiB/s: past ~0.25 s every wait fails.
+    results, took, _, _ = run(_queued(backend, rate=1e6, timeout=0.2, min_rate=8 << 20, tags=2))
+    assert all(isinstance(r, transport.TransportTimeout) and "under the floor" in str(r) for r in results.values()), \
+        results
+    assert max(took.values()) < 0.5, took  # its own 512 KiB alone take the link 0.5 s
+
+
+def test_a_granted_receive_with_nothing_landing_fails_in_its_timeout(backend):
+    async def main():
+        cfg = config(backend)
+        waits = []
+
+        def on_message(connection, payload):
+            waits.append(asyncio.ensure_future(connection.grant(1, bytearray(16), tell=False).wait(0.3, 1 << 20)))
+
+        listener = await transport.listen("127.0.0.1", 0, cfg, on_message=on_message)
+        client = await transport.connect("127.0.0.1", listener.port, cfg)
+        try:
+            await client.send_message(b"go")  # then nothing: the connection stays open and silent
+            while not waits:
+                await asyncio.sleep(0.01)
+            started = time.monotonic()
+            with pytest.raises(transport.TransportTimeout, match="no data for 0.3 s"):
+                await waits[0]
+            return time.monotonic() - started
+        finally:
+            await client.close()
+            await listener.close()
+
+    assert run(main()) < 0.3 + 1
