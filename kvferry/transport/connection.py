@@ -229,7 +229,7 @@ class Connection(Reader):
         if tag in self._receives:
             raise ValueError(f"a receive for tag {tag:#x} is already posted on this connection")
         receive = Receive(tag, buffer, self._mailbox, defer_check, owner=self._receives)
-        receive.carrier = self.progress
+        receive.bind(self.progress)
         if self.closed:
             receive.fail(self._error)
             return receive
@@ -359,7 +359,7 @@ class Connection(Reader):
             self._reject(receive.tag, reason)
             return
         receive.total = total
-        receive.carrier = self.progress
+        receive.bind(self.progress)
         self._receives[receive.tag] = receive
         self._post([(Message(MessageType.CTS, receive.tag, total=total), None)])
         if total == 0:

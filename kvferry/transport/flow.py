@@ -24,13 +24,16 @@ class Clearance(enum.Enum):
 
 
 class Window:
-    """Bytes sent and not yet acknowledged, bounded: senders wait for room."""
+    """Bytes sent and not yet acknowledged, bounded: senders wait for room. A sender waits as long
+    as acknowledgements keep coming: behind many others on a busy connection its turn may come
+    long after it began to wait, and the receiver was not silent meanwhile."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.used = 0
         self._changed = asyncio.Condition()
         self._error: Exception | None = None
+        self._released = time.monotonic()  # the last acknowledgement
 
     def try_acquire(self, n: int) -> bool:
         """Take room at once if there is some (the common case: no task, no wait)."""
@@ -40,13 +43,21 @@ class Window:
         return False
 
     async def acquire(self, n: int, timeout: float) -> None:
+        """Take ``n`` bytes of room once there is some.
+
+        Raises:
+            TransportTimeout: nothing was acknowledged for ``timeout`` seconds while it waited.
+        """
+        began = time.monotonic()
         async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self._error is not None or self.used + n <= self.capacity),
-                    timeout)
-            except asyncio.TimeoutError:
-                raise TransportTimeout(f"receiver acknowledged nothing for {timeout:g} s") from None
+            while self._error is None and self.used + n > self.capacity:
+                remaining = max(began, self._released) + timeout - time.monotonic()
+                if remaining <= 0:
+                    raise TransportTimeout(f"receiver acknowledged nothing for {timeout:g} s")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
             if self._error is not None:
                 raise self._error
             self.used += n
@@ -54,6 +65,7 @@ class Window:
     async def release(self, n: int) -> None:
         async with self._changed:
             self.used = max(0, self.used - n)
+            self._released = time.monotonic()
             self._changed.notify_all()
 
     async def fail(self, exc: Exception) -> None:

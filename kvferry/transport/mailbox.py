@@ -62,7 +62,8 @@ class Receive:
         self._mailbox = mailbox
         self._future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._progress = time.monotonic()
-        self.carrier: Progress | None = None  # the connection's, once bound to one
+        self.carrier: Progress | None = None  # the connection's, once bound to one (``bind``)
+        self._carried = 0
 
     @property
     def done(self) -> bool:
@@ -80,15 +81,12 @@ class Receive:
             TransportTimeout: no data for ``timeout`` seconds, or too little (the receive is cancelled).
             TransferRejected, PeerLost, ProtocolError, TransportClosed: as the transfer failed.
         """
-        began, carrier = time.monotonic(), self.carrier
-        base = self._delivered(carrier)
+        began, base = time.monotonic(), self._delivered()
         while not self._future.done():
             now = time.monotonic()
-            if self.carrier is not carrier:  # bound to its connection meanwhile: counted there from now on
-                before, carrier = self._delivered(carrier) - base, self.carrier
-                base = self._delivered(carrier) - before
+            carrier = self.carrier
             stalled = max(self._progress, carrier.at if carrier is not None else 0.0) + timeout
-            landed = self._delivered(carrier) - base
+            landed = self._delivered() - base
             slow = began + timeout + landed / min_rate if min_rate > 0 else stalled
             if now >= stalled:
                 self.fail(TransportTimeout(f"transfer {self.tag:#x}: no data for {timeout:g} s"))
@@ -104,9 +102,13 @@ class Receive:
                     await asyncio.shield(self._future)
         return self._future.result()
 
-    def _delivered(self, carrier: Progress | None) -> int:
-        """Bytes landed so far on ``carrier`` (None: into this receive)."""
-        return carrier.landed if carrier is not None else self.received
+    def bind(self, carrier: Progress) -> None:
+        """Count the bytes ``carrier`` (its connection's) lands as this receive's progress from now on."""
+        self.carrier, self._carried = carrier, carrier.landed - self.received
+
+    def _delivered(self) -> int:
+        """Bytes landed into this receive, and once it is bound, on its connection since."""
+        return self.received if self.carrier is None else self.carrier.landed - self._carried
 
     def start_check(self) -> Callable[[], None]:
         """For a ``defer_check`` receive, once ``wait`` returned: launch the checks of the bytes

@@ -90,3 +90,30 @@ def test_a_granted_receive_with_nothing_landing_fails_in_its_timeout(backend):
             await listener.close()
 
     assert run(main()) < 0.3 + 1
+
+
+def test_a_send_waiting_for_window_room_behind_others_waits_while_acknowledgements_come(backend):
+    """Sixteen sends at once through a 256 KiB window over a connection paced to 1 MB/s: the last
+    ones wait for room far longer than their 0.3 s timeout (a dozen 64 KiB messages ahead), while
+    the receiver acknowledges the others' bytes all along, and are sent whole."""
+    async def main():
+        cfg = config(backend, chunk_bytes=64 << 10, max_inflight_bytes=256 << 10, pace_bytes_per_s=1e6,
+                     op_timeout=0.3)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        client = await transport.connect("127.0.0.1", listener.port, cfg)
+        payloads = {tag: np.random.default_rng(tag).integers(0, 256, 128 << 10, dtype=np.uint8).tobytes()
+                    for tag in range(1, 17)}
+        buffers = {tag: bytearray(128 << 10) for tag in payloads}
+        receives = [listener.expect(tag, buffers[tag]) for tag in payloads]
+        try:
+            started = time.monotonic()
+            await asyncio.gather(*(client.send(tag, p) for tag, p in payloads.items()),
+                                 *(r.wait(cfg.op_timeout, 1 << 20) for r in receives))
+            took = time.monotonic() - started
+        finally:
+            await client.close()
+            await listener.close()
+        assert all(bytes(buffers[tag]) == payloads[tag] for tag in payloads)
+        return took
+
+    assert run(main()) > 1.5  # 2 MiB at 1 MB/s
