@@ -6,6 +6,7 @@ device payload with its digest (``Digested``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import time
@@ -54,10 +55,9 @@ class Window:
                 remaining = max(began, self._released) + timeout - time.monotonic()
                 if remaining <= 0:
                     raise TransportTimeout(f"receiver acknowledged nothing for {timeout:g} s")
-                try:
-                    await asyncio.wait_for(self._changed.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await self._changed.wait()
             if self._error is not None:
                 raise self._error
             self.used += n

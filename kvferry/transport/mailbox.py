@@ -94,7 +94,7 @@ class Receive:
             if now >= slow:
                 self.fail(TransportTimeout(
                     f"transfer {self.tag:#x}: its connection delivered {landed} bytes in {now - began:.0f} s, "
-                    f"under the floor of {min_rate:g} bytes/s"))
+                    f"under the floor of {min_rate / 2**20:g} MiB/s"))
                 break
             # TransportTimeout is itself a TimeoutError: look at the future, not the exception.
             with contextlib.suppress(TimeoutError):
