@@ -163,8 +163,14 @@ def _expect(connection: transport.Connection, t: Transfer, credits: dict[int, in
 
 
 async def _unless_refused(link: PeerLink, work: asyncio.Future) -> None:
-    """Await ``work``, but stop at once with the peer's refusal if that comes first."""
-    await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
+    """Await ``work``, but stop at once with the peer's refusal if that comes first. Stopped
+    itself meanwhile (the transfer ended: its task cancelled), it drops ``work``: the sends its
+    caller cancels then end it with an error nobody else would take."""
+    try:
+        await asyncio.wait({work, link.reply}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        drop(work)
+        raise
     if link.reply.done() and link.reply.exception() is not None:
         drop(work)  # the peer's own word says more than a chunk it refused (that error, if any, taken)
         raise link.reply.exception()

@@ -174,6 +174,30 @@ def test_a_refusal_beside_a_failed_send_leaves_no_error_unretrieved():
     assert not _unhandled(main())
 
 
+def test_a_transfer_ended_while_its_sends_run_leaves_no_error_unretrieved():
+    """The transfer ends (its task cancelled: the peer was lost) while it waits on its sends, which
+    its ``finally`` then cancels, as ``Chunks.stream`` does: their gathering ends with an error of
+    its own (a child cancelled, not the gathering), taken, not left for the loop to report."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        children = [asyncio.ensure_future(asyncio.sleep(5)) for _ in range(3)]
+        sends = asyncio.gather(*children)
+        waiting = asyncio.ensure_future(_unless_refused(types.SimpleNamespace(reply=loop.create_future()), sends))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        for child in children:
+            child.cancel()
+        await asyncio.sleep(0.01)
+        assert sends.done() and not sends.cancelled()  # finished with a CancelledError of its own
+        del sends, children, waiting
+        gc.collect()
+        await asyncio.sleep(0)
+
+    assert not _unhandled(main())
+
+
 # ---- moving off a slow CPU ---------------------------------------------------------------------
 class _Host:
     """CPUs whose speed a test sets: what ``Mover`` measures, where it runs, and its moves."""
