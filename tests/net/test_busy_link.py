@@ -1,8 +1,10 @@
 """Many transfers sharing one slow link: each waits its turn behind the others on their one data
-connection, longer than ``transfer_timeout``, and is done, not failed for waiting; the link busy
-all the while is progress."""
+connection, longer than ``transfer_timeout``, and is done, not failed for waiting (the link busy all
+the while is progress); the receiver killed under them ends every one at once, cleanly."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -32,3 +34,36 @@ def test_transfers_queued_on_a_busy_link_past_the_timeout_are_done(networks, kv,
         assert b.client.transfer(transfer_id)["state"] == "done"
     ids = [i for part in parts for i in part[::-1]]
     assert same_bits(blocks_of(b, "dst", ids, big.shape[1:]), big[[i for part in parts for i in part]])
+
+
+@pytest.mark.parametrize("backend", ["tcp", "ucxx"])
+def test_the_receiver_killed_under_many_transfers_ends_every_one_and_logs_no_error(networks, kv, backend):
+    """Sixteen transfers on the link and the receiver killed: every one ends at once (failed, or
+    done if it was), none waits out a timeout, the sender logs no error (its sends, cancelled as
+    their transfers end, leave none unretrieved), and a receiver started again takes the next."""
+    net = networks("a", "b")
+    net.shape_all(RATE_MBIT)
+    a, b = net.sidecar("a", ENV, backend=backend), net.sidecar("b", ENV, backend=backend)
+    big = kv.repeat(4, 1, 1, 1)
+    a.client.region_from_tensor("src", big)
+    b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
+    per = big.shape[0] // TRANSFERS
+    submitted = [a.client.submit("src", range(k * per, (k + 1) * per), b.data_address, "dst",
+                                 range(k * per, (k + 1) * per), codec="raw") for k in range(TRANSFERS)]
+    time.sleep(1.0)  # some done, the rest on the link or queued behind it
+    b.kill()
+    killed = time.monotonic()
+    states = []
+    for transfer_id in submitted:
+        while (record := a.client.transfer(transfer_id))["state"] in ("queued", "running"):
+            assert time.monotonic() - killed < TIMEOUT, record  # the loss is seen at once, not timed out
+            time.sleep(0.05)
+        states.append(record["state"])
+    assert "failed" in states and set(states) <= {"done", "failed"}, states
+    b = net.sidecar("b", ENV, backend=backend)
+    b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
+    record = a.client.wait(a.client.submit("src", range(per), b.data_address, "dst", range(per), codec="raw"),
+                           timeout=60)
+    assert record["state"] == "done", record
+    assert same_bits(blocks_of(b, "dst", list(range(per)), big.shape[1:]), big[:per])
+    assert " ERROR " not in a.log.read_text(errors="replace"), a.log_tail()
