@@ -17,8 +17,10 @@ TRANSFERS = 16
 ENV = {"KVFERRY_TRANSFER_TIMEOUT": str(TIMEOUT), "KVFERRY_CHUNK_BYTES": str(4 << 20)}
 
 
-@pytest.mark.parametrize("backend", ["tcp", "ucxx"])
-def test_transfers_queued_on_a_busy_link_past_the_timeout_are_done(networks, kv, backend):
+def _sixteen_on_the_link(networks, kv, backend: str):
+    """Sidecars a and b over a cable shaped to RATE_MBIT, a holding 240 blocks (47 MB) of real KV,
+    and TRANSFERS transfers of a share each submitted at once, each into its blocks of b's region
+    in reverse order: (network, a, b, the KV, the parts, the transfer ids)."""
     net = networks("a", "b")
     net.shape_all(RATE_MBIT)
     a, b = net.sidecar("a", ENV, backend=backend), net.sidecar("b", ENV, backend=backend)
@@ -28,6 +30,12 @@ def test_transfers_queued_on_a_busy_link_past_the_timeout_are_done(networks, kv,
     per = big.shape[0] // TRANSFERS
     parts = [list(range(k * per, (k + 1) * per)) for k in range(TRANSFERS)]
     submitted = [a.client.submit("src", part, b.data_address, "dst", part[::-1], codec="raw") for part in parts]
+    return net, a, b, big, parts, submitted
+
+
+@pytest.mark.parametrize("backend", ["tcp", "ucxx"])
+def test_transfers_queued_on_a_busy_link_past_the_timeout_are_done(networks, kv, backend):
+    _, a, b, big, parts, submitted = _sixteen_on_the_link(networks, kv, backend)
     for transfer_id in submitted:
         record = a.client.wait(transfer_id, timeout=120)
         assert record["state"] == "done", (record, b.log_tail())
@@ -41,15 +49,8 @@ def test_the_receiver_killed_under_many_transfers_ends_every_one_and_logs_no_err
     """Sixteen transfers on the link and the receiver killed: every one ends at once (failed, or
     done if it was), none waits out a timeout, the sender logs no error (its sends, cancelled as
     their transfers end, leave none unretrieved), and a receiver started again takes the next."""
-    net = networks("a", "b")
-    net.shape_all(RATE_MBIT)
-    a, b = net.sidecar("a", ENV, backend=backend), net.sidecar("b", ENV, backend=backend)
-    big = kv.repeat(4, 1, 1, 1)
-    a.client.region_from_tensor("src", big)
-    b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
-    per = big.shape[0] // TRANSFERS
-    submitted = [a.client.submit("src", range(k * per, (k + 1) * per), b.data_address, "dst",
-                                 range(k * per, (k + 1) * per), codec="raw") for k in range(TRANSFERS)]
+    net, a, b, big, parts, submitted = _sixteen_on_the_link(networks, kv, backend)
+    per = len(parts[0])
     time.sleep(1.0)  # some done, the rest on the link or queued behind it
     b.kill()
     killed = time.monotonic()
