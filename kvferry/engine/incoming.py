@@ -146,8 +146,13 @@ class Admission:
                     targets.append(peer.Target(handle, offset, ipc.device_uuid(region.tensor.device.index),
                                                region.num_blocks))
                 elif not any(on_gpu) and region.kind == "shm" and len(region.shm_name) <= peer.HANDLE_BYTES:
+                    segment = region.named_segment()
+                    if segment is None:
+                        log.info("streaming instead of lending region %r: its shared memory's name %r no longer "
+                                 "names it", region.name, region.shm_name)
+                        return ()
                     targets.append(peer.Target(region.shm_name.encode().ljust(peer.HANDLE_BYTES, b"\0"), 0,
-                                               peer.HOST_MEMORY, region.num_blocks))
+                                               peer.HOST_MEMORY, region.num_blocks, peer.segment_id(segment)))
                 else:
                     return ()
         except RuntimeError as exc:

@@ -235,8 +235,10 @@ class Mapper:
 
     def _host(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype, key: tuple) -> torch.Tensor:
         """A receiver's shared-memory region, opened by its name: one named with ``shm_prefix``,
-        not one of the sender's own segments, and (checked before every write, since another
-        process may shrink it, and a write past its end would kill this one) large enough. The
+        not one of the sender's own segments, and (checked before every write) the segment the
+        receiver maps, which the name may have stopped naming since it was opened here (a worker
+        registers a new segment under an old name), and large enough (another process may shrink
+        it, and a write past its end would kill this one). The
         kept view is taken only once the size holds: a refusal's traceback must not hold a view,
         which would keep the mapping from closing until the garbage collector finds it."""
         from multiprocessing import resource_tracker, shared_memory
@@ -245,6 +247,7 @@ class Mapper:
 
         name = target.handle.rstrip(b"\0").decode(errors="replace")
         shm = self._shm.get(target.handle)
+        opened = shm is None
         if shm is None:
             if not name.startswith(self._shm_prefix) or "/" in name or "\0" in name:
                 raise RuntimeError(f"the receiver's shared memory {name!r} is not named with {self._shm_prefix!r} "
@@ -256,9 +259,16 @@ class Mapper:
             resource_tracker.unregister(shm._name, "shared_memory")  # the receiver's worker owns it
             self._shm[target.handle] = shm
         try:
-            size = os.fstat(shm._fd).st_size
+            stat = os.fstat(shm._fd)
         except OSError as exc:
             raise RuntimeError(f"cannot read the size of the receiver's shared memory {name!r}: {exc}") from exc
+        if peer.segment_id(stat) != target.segment:
+            self._forget_shm(target.handle)
+            if opened:
+                raise RuntimeError(f"the receiver's shared memory {name!r} is not the segment it lent: the name "
+                                   "now names another")
+            return self._host(target, shape, dtype, key)  # opened before the name was given to a new segment
+        size = stat.st_size
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if target.offset + nbytes > min(size, shm.size):
             raise RuntimeError(f"the receiver's shared memory {name!r} holds {min(size, shm.size)} bytes, "
@@ -285,6 +295,15 @@ class Mapper:
                     pass
             if same_file or region.shm_name.lstrip("/") == name.lstrip("/"):
                 raise RuntimeError(f"the receiver's shared memory {name!r} is the sender's own region {region.name!r}")
+
+    def _forget_shm(self, handle: bytes) -> None:
+        """Let go of the segment opened by ``handle``'s name, and its views."""
+        shm = self._shm.pop(handle)
+        self._views = {k: v for k, v in self._views.items() if k[0] != handle}
+        try:
+            shm.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere: the mapping goes once it is collected
 
     def close(self) -> None:
         self._views.clear()

@@ -1,4 +1,4 @@
-"""The peer protocol between sidecars (version 7): the one place that knows its byte layout.
+"""The peer protocol between sidecars (version 8): the one place that knows its byte layout.
 
 Peer messages ride as MSG payloads on the authenticated transport connection (``transport/wire.py``),
 in order with the chunks they describe; sidecars never call each other over HTTP. All integers are
@@ -6,7 +6,8 @@ little-endian. Every message starts with a 24-byte header:
 
     offset size field
          0    4 magic b"KVFP"
-         4    1 version (7; 6 had no WRITING announce, 5 granted every chunk unasked, 4 had
+         4    1 version (8; 7 named a shared-memory target without its segment's identity, 6 had
+                    no WRITING announce, 5 granted every chunk unasked, 4 had
                     no tapered chunk plans, 3 no spread block lists, 2 no standing leases, 1 no
                     reference regions)
          5    1 type (Kind)
@@ -32,7 +33,9 @@ stands for b, b + stride, ..., count of them).
     CHUNK     u32 chunk index, then the chunk's frame (the rest of the message)
     ACCEPT    u16 targets (0, or one per pair: the receiver takes the same-host write offer), per
               target: 64 bytes handle (CUDA IPC handle; for host shared memory its name, NUL-padded),
-              u64 offset, 16 bytes GPU UUID (all 0: host shared memory), u32 region blocks
+              u64 offset, 16 bytes GPU UUID (all 0: host shared memory), u32 region blocks, 16 bytes
+              segment (host shared memory: u64 device and u64 inode of the segment the receiver maps,
+              which the sender checks it opened by the name; all 0 for GPU memory)
     WRITTEN   u32 blocks: the sender wrote every block into the targets (its GPU work finished)
     REJECT    str8 error class, str16 reason     the receiver refused the announce; nothing written
     DONE      u32 blocks written, u64 raw bytes, u64 wire bytes   every block is written
@@ -68,6 +71,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -79,7 +83,7 @@ from .errors import ProtocolViolation
 from .plan import TAPER, ChunkTags, Plan, chunk_count, chunk_tag, plan_chunks  # noqa: F401  (the protocol's chunking)
 
 MAGIC = b"KVFP"
-VERSION = 7  # 6: no WRITING announce (a write announced while its copy runs)
+VERSION = 8  # 7: a shared-memory target without its segment's identity
 _HEADER = struct.Struct("<4sBBH16s")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 24
@@ -147,6 +151,12 @@ class Target:
     offset: int
     device_uuid: bytes
     num_blocks: int
+    segment: bytes = bytes(16)  # host shared memory: ``segment_id`` of what the receiver maps (a name can be reused)
+
+
+def segment_id(stat: os.stat_result) -> bytes:
+    """A shared-memory segment's identity in a ``Target``: its file's device and inode."""
+    return struct.pack("<QQ", stat.st_dev, stat.st_ino)
 
 
 @dataclass(frozen=True)
@@ -249,10 +259,10 @@ def pack(message: Message) -> bytes:
         elif isinstance(body, Accept):
             out.append(struct.pack("<H", len(body.targets)))
             for target in body.targets:
-                if len(target.handle) != HANDLE_BYTES or len(target.device_uuid) != 16:
+                if len(target.handle) != HANDLE_BYTES or len(target.device_uuid) != 16 or len(target.segment) != 16:
                     raise ProtocolViolation("bad IPC target")
                 out += [target.handle, struct.pack("<Q", target.offset), target.device_uuid,
-                        struct.pack("<I", target.num_blocks)]
+                        struct.pack("<I", target.num_blocks), target.segment]
         elif isinstance(body, Written):
             out.append(struct.pack("<I", body.blocks))
         elif isinstance(body, Chunk):
@@ -413,7 +423,7 @@ def unpack(data: bytes | bytearray) -> Message:
         (count,) = r.unpack("H")
         if count > MAX_PAIRS:
             raise ProtocolViolation(f"accept of {count} targets")
-        body = Accept(tuple(Target(r.take(HANDLE_BYTES), r.unpack("Q")[0], r.take(16), r.unpack("I")[0])
+        body = Accept(tuple(Target(r.take(HANDLE_BYTES), r.unpack("Q")[0], r.take(16), r.unpack("I")[0], r.take(16))
                             for _ in range(count)))
     elif kind == Kind.WRITTEN:
         body = Written(*r.unpack("I"))

@@ -22,6 +22,7 @@ from .errors import BadRequest, Conflict, InsufficientStorage, InvalidBlocks, No
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
           "float8_e4m3fn": torch.float8_e4m3fn}
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory by name
 # Left free after an owned region is allocated: the process's own buffers and the codec's scratch.
 HEADROOM_BYTES = 256 << 20
 
@@ -101,6 +102,18 @@ class Region:
         if size < needed:
             raise RegionMemoryGone(f"region {self.name!r}: its shared memory {self.shm_name!r} was truncated to "
                                    f"{size} bytes, the layout needs {needed}; delete the region and register it again")
+
+    def named_segment(self) -> os.stat_result | None:
+        """A shm region's segment (its file's status) if its name still names it, as a same-host
+        sender opens it by the name; None where the worker unlinked the name or gave it to
+        another segment, or the region is not shm: it is then reached over the wire only."""
+        if self._segment_fd < 0:
+            return None
+        try:
+            mine, named = os.fstat(self._segment_fd), os.stat(os.path.join(SHM_DIR, self.shm_name))
+        except OSError:
+            return None
+        return mine if (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino) else None
 
     @property
     def layout(self) -> BlockLayout | None:

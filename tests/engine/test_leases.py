@@ -7,6 +7,8 @@ before the memory goes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 import uuid
 from multiprocessing import shared_memory
@@ -47,7 +49,8 @@ def _run(body, **settings):
                 await e.close()
             for segment in segments:
                 segment.close()
-                segment.unlink()
+                with contextlib.suppress(FileNotFoundError):  # a test may have unlinked it already
+                    segment.unlink()
 
     asyncio.run(asyncio.wait_for(main(), 120))
 
@@ -311,6 +314,51 @@ def test_a_revocation_nobody_confirms_quarantines_the_region_instead_of_deleting
     _run(body)
 
 
+def test_a_name_given_to_a_new_segment_is_written_there():
+    """The worker deletes its region, unlinks the segment and registers a new one under the same
+    name. The sender, which still has the old segment open, writes into the new one: every block
+    lands where the receiver reads it, none in the memory it let go."""
+    async def body(a, b, segments):
+        first = list(range(300))
+        record = await a.wait(a.submit(_spec(b, first, first)).id, 10)  # lent: the old segment opens in the sender
+        assert record["state"] == "done" and "same host" in record["choice_reason"], record
+        record = await a.wait(a.submit(_spec(b, [1], [2])).id, 10)  # written at once, under the lease
+        assert record["state"] == "done" and "same host" in record["choice_reason"], record
+        await b.delete_region("dst")
+        old = segments.pop()
+        old.unlink()
+        segments.append(shared_memory.SharedMemory(name=old.name, create=True, size=old.size))
+        await b.register_region(RegionSpec("dst", BLOCKS, BLOCK, "bfloat16", kind="shm", shm_name=old.name))
+        before = _landed(old, list(range(BLOCKS)))
+        leased = 0
+        for i in range(6):
+            record = await a.wait(a.submit(_spec(b, [10 + i], [20 + i])).id, 10)
+            assert record["state"] == "done", record
+            leased += "same host" in record["choice_reason"]
+        assert leased >= 4  # the first may go over the wire while the lease is lent again
+        assert torch.equal(_landed(segments[0], list(range(20, 26))), _sent(a, list(range(10, 16))))
+        assert torch.equal(_landed(old, list(range(BLOCKS))), before)
+        old.close()
+
+    _run(body)
+
+
+def test_a_segment_whose_name_was_unlinked_is_streamed():
+    """A worker may unlink its segment's name once the sidecar maps it (nothing leaks if it dies).
+    No sender can open it by that name then, so the receiver does not lend it: transfers stream
+    into it over the connection, and land."""
+    async def body(a, b, segments):
+        segments[0].unlink()
+        for i in range(3):
+            ids = list(range(100 * i, 100 * i + 100))
+            record = await a.wait(a.submit(_spec(b, ids, ids[::-1])).id, 10)
+            assert record["state"] == "done" and "same host" not in record["choice_reason"], record
+            assert torch.equal(_landed(segments[0], ids[::-1]), _sent(a, ids))
+        assert _held(a, b) is None
+
+    _run(body)
+
+
 def test_a_write_announced_without_a_lease_is_refused():
     """A sender that claims a lease the receiver never lent (or took back) fails its transfer; the
     receiver refuses it before taking it on. An owned region on the CPU is not shareable: the
@@ -323,7 +371,8 @@ def test_a_write_announced_without_a_lease_is_refused():
         connection = _connection(a, b)
         assert a.leases.held(connection, ["own"], [BLOCK], "bfloat16") is None
         assert not a.leases.offer_wanted(connection, ["own"]) and a.leases.offer_wanted(connection, ["dst"])
-        target = peer.Target(segments[0].name.encode().ljust(peer.HANDLE_BYTES, b"\0"), 0, peer.HOST_MEMORY, BLOCKS)
+        target = peer.Target(segments[0].name.encode().ljust(peer.HANDLE_BYTES, b"\0"), 0, peer.HOST_MEMORY, BLOCKS,
+                             peer.segment_id(os.stat(f"/dev/shm/{segments[0].name}")))
         a.leases.hold(connection, [Held("own", target, BLOCK, "bfloat16")])  # forged
         t = a.submit(TransferSpec(peer=b.data_address, pairs=(("src", "own"),), src_blocks=Blocks.of([1]),
                                   dst_blocks=Blocks.of([2]), codec="raw"))

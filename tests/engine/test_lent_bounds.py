@@ -7,6 +7,7 @@ on loopback, in one process, with host shared memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -25,7 +26,9 @@ BLOCK_BYTES = BLOCK[0] * 2
 
 
 def _target(name: str, offset: int = 0, num_blocks: int = BLOCKS) -> peer.Target:
-    return peer.Target(name.encode().ljust(peer.HANDLE_BYTES, b"\0"), offset, peer.HOST_MEMORY, num_blocks)
+    """A target of the segment ``name`` names now (its identity told truly; the rest may lie)."""
+    return peer.Target(name.encode().ljust(peer.HANDLE_BYTES, b"\0"), offset, peer.HOST_MEMORY, num_blocks,
+                       peer.segment_id(os.stat(f"/dev/shm/{name}")))
 
 
 async def _lease(a, b, segments) -> list[Held]:
@@ -88,6 +91,24 @@ def test_a_segment_not_named_with_the_prefix_is_refused():
     finally:
         outside.close()
         outside.unlink()
+
+
+def test_a_target_naming_another_segment_than_the_receivers_is_refused():
+    """The name is the receiver's, the identity another segment's: the sender cannot know which
+    memory the receiver reads, so it writes into neither."""
+    other = shared_memory.SharedMemory(name=f"kvferry-other{uuid.uuid4().hex[:12]}", create=True,
+                                       size=BLOCKS * BLOCK_BYTES)
+    try:
+        async def body(a, b, segments):
+            await _lease(a, b, segments)
+            lie = dataclasses.replace(_target(segments[0].name), segment=_target(other.name).segment)
+            await _refused(a, b, segments, lie, [4], [5], "not the segment it lent")
+            assert not other.buf.tobytes().strip(b"\0")
+
+        _run(body)
+    finally:
+        other.close()
+        other.unlink()
 
 
 def test_the_senders_own_segment_is_refused():

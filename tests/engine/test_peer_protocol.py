@@ -12,7 +12,7 @@ from kvferry.engine.blocks import Blocks, Range
 from kvferry.engine.errors import ProtocolViolation
 
 TID = "00112233445566778899aabbccddeeff"
-HEAD = "4b56465007{kind:02x}000000112233445566778899aabbccddeeff"
+HEAD = "4b56465008{kind:02x}000000112233445566778899aabbccddeeff"
 GOLDEN = {
     "announce": (peer.Message(TID, peer.Announce(
         "splitzip", "bfloat16", Blocks(ranges=(Range(4, 3, 2),)),
@@ -49,14 +49,17 @@ GOLDEN = {
     "chunk": (peer.Message(TID, peer.Chunk(3, b"KVFZ\x01")), HEAD.format(kind=7) + "030000004b56465a01"),
     "accept": (peer.Message(TID, peer.Accept()), HEAD.format(kind=2) + "0000"),
     "accept_ipc": (peer.Message(TID, peer.Accept((peer.Target(bytes(range(64)), 4096, bytes([9] * 16), 80),))),
-                   HEAD.format(kind=2) + "0100" + bytes(range(64)).hex() + "0010000000000000" + "09" * 16 + "50000000"),
+                   HEAD.format(kind=2) + "0100" + bytes(range(64)).hex() + "0010000000000000" + "09" * 16 + "50000000"
+                   + "00" * 16),
     "written": (peer.Message(TID, peer.Written(7)), HEAD.format(kind=8) + "07000000"),
-    "accept_shm": (peer.Message(TID, peer.Accept((peer.Target(b"kvferry-d".ljust(64, b"\0"), 0, peer.HOST_MEMORY, 3),))),
-                   HEAD.format(kind=2) + "0100" + b"kvferry-d".hex() + "00" * 55 + "00" * 8 + "00" * 16 + "03000000"),
+    "accept_shm": (peer.Message(TID, peer.Accept((peer.Target(b"kvferry-d".ljust(64, b"\0"), 0, peer.HOST_MEMORY, 3,
+                                                             bytes(range(16))),))),
+                   HEAD.format(kind=2) + "0100" + b"kvferry-d".hex() + "00" * 55 + "00" * 8 + "00" * 16 + "03000000"
+                   + bytes(range(16)).hex()),
     "revoke": (peer.Message(peer.LINK_ID, peer.Revoke("dst")),
-               "4b564650070900" + "00" * 17 + "03647374"),
+               "4b564650080900" + "00" * 17 + "03647374"),
     "revoked": (peer.Message(peer.LINK_ID, peer.Revoked("dst")),
-                "4b564650070a00" + "00" * 17 + "03647374"),
+                "4b564650080a00" + "00" * 17 + "03647374"),
     "reject": (peer.Message(TID, peer.Reject("NotFound", "no region named 'x'")),
                HEAD.format(kind=3) + "084e6f74466f756e6413006e6f20726567696f6e206e616d656420277827"),
     "done": (peer.Message(TID, peer.Done(3, 1024, 900)), HEAD.format(kind=4) + "0300000000040000000000008403000000000000"),
