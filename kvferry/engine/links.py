@@ -118,7 +118,8 @@ def data_plane(settings: Settings, on_gpu: bool, chunk_bytes: int) -> tuple[tran
     config = transport.TransportConfig(
         backend=settings.transport_backend, chunk_bytes=message_bytes,
         max_inflight_bytes=max(settings.transport_window_bytes, settings.max_inflight_chunks * message_bytes),
-        op_timeout=settings.transfer_timeout, pace_bytes_per_s=settings.emulated_link_gbps * 1e9,
+        op_timeout=settings.transfer_timeout, min_bytes_per_s=settings.min_peer_bytes_per_s,
+        pace_bytes_per_s=settings.emulated_link_gbps * 1e9,
         secret=settings.peer_secret.encode(), max_connections=settings.max_connections,
         max_handshaking_connections=settings.max_handshaking_connections,
         max_handshaking_per_source=settings.max_handshaking_per_source,

@@ -36,6 +36,9 @@ class TransportConfig:
     max_inflight_bytes: int = 128 * MiB
     connect_timeout: float = 5.0
     op_timeout: float = 30.0
+    # The slowest a peer may move bytes: one message of N bytes may take N / this longer than
+    # op_timeout to write (or, given to ``Receive.wait``, to come in whole). 0: no allowance.
+    min_bytes_per_s: float = 0.0
     close_timeout: float = 5.0
     # Link emulation for benchmarks: pace DATA to this many bytes/s per connection (0 = off).
     pace_bytes_per_s: float = 0.0

@@ -325,17 +325,22 @@ class Connection(Reader):
         if not rest:
             self._write_lock.release()
             return None
-        write = asyncio.ensure_future(self._send_message(rest))
+        write = asyncio.ensure_future(self._send_message(rest, sum(m.length for m, _ in messages)))
         write.add_done_callback(lambda _: self._write_lock.release())
         return write
 
-    async def _send_message(self, parts: list[Any]) -> None:
+    async def _send_message(self, parts: list[Any], nbytes: int) -> None:
+        """The rest of messages of ``nbytes`` payload bytes, in ``op_timeout`` and the time those
+        bytes take at ``min_bytes_per_s`` (a backend does not say how much of a message is out)."""
+        config = self._config
+        timeout = config.op_timeout + (nbytes / config.min_bytes_per_s if config.min_bytes_per_s > 0 else 0.0)
         try:
-            async with asyncio.timeout(self._config.op_timeout):
+            async with asyncio.timeout(timeout):
                 await self.link.send_rest(parts)
         except TimeoutError:
             # A write cut short leaves the stream mid-message: the connection cannot go on.
-            exc = TransportTimeout(f"{self.peer}: a write made no progress for {self._config.op_timeout:g} s")
+            exc = TransportTimeout(f"{self.peer}: a write of {nbytes} payload bytes did not finish within "
+                                   f"{timeout:g} s")
             await self._fail(exc)
             raise exc from None
         except TransportError as exc:

@@ -25,12 +25,20 @@ class Progress:
     """Payload bytes landed on one connection, and when the last of them landed. A receive bound
     to a connection waits its turn behind the others it carries: while the connection delivers,
     the receive is not stalled (a connection busy with 64 transfers over a slow link lands each
-    chunk long after it was granted)."""
+    chunk long after it was granted). ``reading``: the bytes of the payload being read now, which
+    land only once whole (a backend does not say how much of a message is in): a receive waiting
+    behind it is given the time they take at the floor rate (``Receive.wait``)."""
 
-    __slots__ = ("landed", "at")
+    __slots__ = ("landed", "at", "reading")
 
     def __init__(self) -> None:
         self.landed = 0
+        self.at = time.monotonic()
+        self.reading = 0
+
+    def begin(self, n: int) -> None:
+        """A payload of ``n`` bytes is being read: its header came, now."""
+        self.reading = n
         self.at = time.monotonic()
 
     def land(self, n: int) -> None:
@@ -75,7 +83,9 @@ class Receive:
         ``min_rate`` (bytes/s; 0: none): past ``timeout`` the receive also fails unless its
         connection delivered at least this much per second on average since the wait began, so
         a peer that drips a byte now and then cannot hold it open, while one that is busy with
-        other transfers of the same connection can.
+        other transfers of the same connection can. A payload the connection is reading is given
+        the time its bytes take at that rate on top (one message of a slow link may take longer
+        than ``timeout`` to come in whole, and lands only then).
 
         Raises:
             TransportTimeout: no data for ``timeout`` seconds, or too little (the receive is cancelled).
@@ -85,9 +95,10 @@ class Receive:
         while not self._future.done():
             now = time.monotonic()
             carrier = self.carrier
-            stalled = max(self._progress, carrier.at if carrier is not None else 0.0) + timeout
+            reading = carrier.reading / min_rate if carrier is not None and min_rate > 0 else 0.0
+            stalled = max(self._progress, carrier.at if carrier is not None else 0.0) + timeout + reading
             landed = self._delivered() - base
-            slow = began + timeout + landed / min_rate if min_rate > 0 else stalled
+            slow = began + timeout + landed / min_rate + reading if min_rate > 0 else stalled
             if now >= stalled:
                 self.fail(TransportTimeout(f"transfer {self.tag:#x}: no data for {timeout:g} s"))
                 break

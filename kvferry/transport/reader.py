@@ -16,7 +16,7 @@ from .config import TransportConfig
 from .errors import AuthenticationFailed, CorruptPayload, PeerLost, ProtocolError, TransferRejected, TransportError
 from .flow import Credits, SendState, Window
 from .link import Link, log
-from .mailbox import Mailbox, Receive
+from .mailbox import Mailbox, Progress, Receive
 from .seal import TAG_BYTES, Direction
 from .wire import Message, MessageType
 
@@ -41,6 +41,7 @@ class Reader:
     _sends: dict[int, SendState]
     _credits: Credits
     _receives: dict[int, Receive]
+    progress: Progress  # payload bytes landed on this connection
     _window: Window
     _on_message: OnMessage | None
 
@@ -149,6 +150,15 @@ class Reader:
             raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
         region = receive.buffer.region(m.offset, m.offset + m.length)
         digest = bool(m.flags & wire.FLAG_DIGEST)
+        self.progress.begin(m.length)
+        try:
+            await self._read_data(m, seq, tag, receive, region, digest)
+        finally:
+            self.progress.reading = 0
+
+    async def _read_data(self, m: Message, seq: int, tag: bytes, receive: Receive, region: Any,
+                         digest: bool) -> None:
+        """One granted DATA's payload into its receive's ``region``, checked."""
         if not m.length:  # an empty transfer's one DATA: no payload, so no payload tag
             ok = tag == NO_TAG and not digest
         elif self._in.encrypt:

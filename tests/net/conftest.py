@@ -5,7 +5,7 @@ cut). Root only: skipped, with the reason, where namespaces cannot be made."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
 import torch
@@ -84,3 +84,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def over_the_wire(record: dict) -> None:
     """The transfer crossed the data network: bytes on the wire, no same-host shortcut."""
     assert record["bytes_wire"] > 0 and "same host" not in (record.get("choice_reason") or ""), record
+
+
+def on_a_cable(net: netns.Network, kv: torch.Tensor, rate_mbit: float, env: Mapping[str, str],
+               backend: str = "tcp") -> tuple[netns.Sidecar, netns.Sidecar, torch.Tensor]:
+    """Sidecars on a and b over their cable shaped to ``rate_mbit``, a holding 240 blocks (47 MB)
+    of real KV in region ``src``, b a region ``dst`` for them: (a, b, the KV)."""
+    net.shape_all(rate_mbit)
+    a, b = net.sidecar("a", env, backend=backend), net.sidecar("b", env, backend=backend)
+    big = kv.repeat(4, 1, 1, 1)
+    a.client.region_from_tensor("src", big)
+    b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
+    return a, b, big

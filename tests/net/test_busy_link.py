@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.net.conftest import blocks_of, same_bits
+from tests.net.conftest import blocks_of, on_a_cable, same_bits
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 3.0
@@ -22,11 +22,7 @@ def _sixteen_on_the_link(networks, kv, backend: str):
     and TRANSFERS transfers of a share each submitted at once, each into its blocks of b's region
     in reverse order: (network, a, b, the KV, the parts, the transfer ids)."""
     net = networks("a", "b")
-    net.shape_all(RATE_MBIT)
-    a, b = net.sidecar("a", ENV, backend=backend), net.sidecar("b", ENV, backend=backend)
-    big = kv.repeat(4, 1, 1, 1)
-    a.client.region_from_tensor("src", big)
-    b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
+    a, b, big = on_a_cable(net, kv, RATE_MBIT, ENV, backend)
     per = big.shape[0] // TRANSFERS
     parts = [list(range(k * per, (k + 1) * per)) for k in range(TRANSFERS)]
     submitted = [a.client.submit("src", part, b.data_address, "dst", part[::-1], codec="raw") for part in parts]

@@ -12,7 +12,7 @@ import pytest
 
 from kvferry.engine import errors
 from kvferry.testing import netns
-from tests.net.conftest import blocks_of, over_the_wire, same_bits
+from tests.net.conftest import blocks_of, on_a_cable, over_the_wire, same_bits
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 3.0  # transfer_timeout of every sidecar here
@@ -48,12 +48,7 @@ def _ended(record: dict) -> bool:
 def _big(net: netns.Network, kv):
     """Sidecars on a and b, the cable shaped to RATE_MBIT; a holds 240 blocks (47 MB) of real KV,
     b a region for them."""
-    net.shape_all(RATE_MBIT)
-    a, b = net.sidecar("a", ENV), net.sidecar("b", ENV)
-    big = kv.repeat(4, 1, 1, 1)
-    a.client.region_from_tensor("src", big)
-    b.client.create_region("dst", big.shape[0], list(big.shape[1:]), "bfloat16")
-    return a, b, big
+    return on_a_cable(net, kv, RATE_MBIT, ENV)
 
 
 def _next_is_done(sender: netns.Sidecar, receiver: netns.Sidecar, kv, region: str = "dst") -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvferry import transport
+from kvferry.transport.mailbox import Progress
 from tests.transport.conftest import config, run
 
 SIZE = 512 << 10  # per transfer: eight 64 KiB DATA messages
@@ -117,3 +118,21 @@ def test_a_send_waiting_for_window_room_behind_others_waits_while_acknowledgemen
         return took
 
     assert run(main()) > 1.5  # 2 MiB at 1 MB/s
+
+
+def test_a_receive_behind_a_payload_being_read_is_given_its_bytes_time_at_the_floor_and_no_more():
+    """A 1 MiB payload is being read on the connection (its header came; a backend lands it only
+    once whole): a receive waiting behind it with a 0.3 s timeout and a 2 MiB/s floor is given the
+    payload's 0.5 s on top, and fails once that is past with nothing landed."""
+    async def main():
+        progress = Progress()
+        receive = transport.Receive(1, bytearray(16), transport.Mailbox())
+        receive.bind(progress)
+        progress.begin(1 << 20)
+        started = time.monotonic()
+        with pytest.raises(transport.TransportTimeout, match="no data for 0.3 s"):
+            await receive.wait(0.3, 2 << 20)
+        return time.monotonic() - started
+
+    took = run(main())
+    assert 0.75 <= took < 0.8 + 1
