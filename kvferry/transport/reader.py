@@ -127,11 +127,25 @@ class Reader:
         return payload
 
     async def _on_data(self, m: Message, seq: int, tag: bytes) -> None:
+        """One DATA: its payload into its receive, or dropped. Whichever, the payload's bytes are
+        the connection's progress as they come (a payload dropped included: the peer delivers it),
+        as much of it as one message of this connection's may hold."""
+        self.progress.begin(min(m.length, self._config.chunk_bytes))
+        try:
+            await self._take_data(m, seq, tag)
+        finally:
+            self.progress.reading = 0
+
+    async def _drop(self, m: Message) -> None:
+        await self.link.discard(m.length, striped=True)
+        self.progress.land(m.length)
+
+    async def _take_data(self, m: Message, seq: int, tag: bytes) -> None:
         receive = self._receives.get(m.tag)
         if receive is None or receive.done:
             # Cancelled or timed out here while the sender was mid-transfer, refused by the layer
             # above, or never granted: drop its bytes, tell it, keep the connection.
-            await self.link.discard(m.length, striped=True)
+            await self._drop(m)
             if receive is not None:
                 self._receives.pop(m.tag, None)
                 self._reject(m.tag, f"receive {m.tag:#x} was cancelled")
@@ -140,7 +154,7 @@ class Reader:
             return
         if receive.total is None:  # granted: its size comes with its first DATA
             if m.total > receive.buffer.nbytes:
-                await self.link.discard(m.length, striped=True)
+                await self._drop(m)
                 reason = f"transfer {m.tag:#x} of {m.total} bytes does not fit a {receive.buffer.nbytes}-byte buffer"
                 receive.fail(TransferRejected(reason))
                 self._reject(m.tag, reason)
@@ -150,15 +164,6 @@ class Reader:
             raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
         region = receive.buffer.region(m.offset, m.offset + m.length)
         digest = bool(m.flags & wire.FLAG_DIGEST)
-        self.progress.begin(m.length)
-        try:
-            await self._read_data(m, seq, tag, receive, region, digest)
-        finally:
-            self.progress.reading = 0
-
-    async def _read_data(self, m: Message, seq: int, tag: bytes, receive: Receive, region: Any,
-                         digest: bool) -> None:
-        """One granted DATA's payload into its receive's ``region``, checked."""
         if not m.length:  # an empty transfer's one DATA: no payload, so no payload tag
             ok = tag == NO_TAG and not digest
         elif self._in.encrypt:

@@ -5,6 +5,7 @@ bytes it is not stalled, however long its own first byte takes; a connection tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -136,3 +137,63 @@ def test_a_receive_behind_a_payload_being_read_is_given_its_bytes_time_at_the_fl
 
     took = run(main())
     assert 0.75 <= took < 0.8 + 1
+
+
+class _SlowCable:
+    """A TCP relay to ``port`` that carries the dialler's bytes at ``rate`` bytes/s (the other
+    way at full speed): a slow link on loopback, a real socket at each end."""
+
+    def __init__(self, port: int, rate: float):
+        self.port, self.rate = port, rate
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+        async def pump(source, sink, rate: float) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while piece := await source.read(16 << 10):
+                    sink.write(piece)
+                    await sink.drain()
+                    if rate:
+                        await asyncio.sleep(len(piece) / rate)
+            sink.close()
+
+        await asyncio.gather(pump(reader, up_writer, self.rate), pump(up_reader, writer, 0))
+
+    async def close(self) -> None:
+        self._server.close()
+
+
+def test_a_payload_dropped_as_it_slowly_comes_is_progress_for_the_receives_behind_it():
+    """The receiver drops a 2 MiB payload it holds no receive for (a transfer it ended), which a
+    1.5 MB/s link takes ~1.4 s to bring, over twice the 0.5 s timeout of the receive granted
+    behind it (its floor, 512 KiB/s, gives the payload 4 s): that receive waits it out, and lands."""
+    async def main():
+        cfg = config("tcp", chunk_bytes=4 << 20, max_inflight_bytes=16 << 20, op_timeout=10.0)
+        small = np.random.default_rng(2).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes()
+        buffer = bytearray(len(small))
+        waited: list[asyncio.Future] = []
+
+        def on_message(connection, payload):  # the layer above grants transfer 2, not 1
+            waited.append(asyncio.ensure_future(connection.grant(2, buffer, tell=False).wait(0.5, 512 << 10)))
+
+        listener = await transport.listen("127.0.0.1", 0, cfg, on_message=on_message)
+        cable = _SlowCable(listener.port, 1.5e6)
+        client = await transport.connect("127.0.0.1", await cable.start(), cfg)
+        try:
+            await client.send_message(b"go")
+            initial = transport.Clearance.INITIAL
+            sent = await asyncio.gather(client.send(1, bytes(2 << 20), clearance=initial),
+                                        client.send(2, small, clearance=initial), return_exceptions=True)
+            assert isinstance(sent[0], transport.TransferRejected) and sent[1] is None, sent
+            assert await waited[0] == len(small) and bytes(buffer) == small
+        finally:
+            await client.close()
+            await listener.close()
+            await cable.close()
+
+    run(main())
