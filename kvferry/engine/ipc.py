@@ -235,12 +235,11 @@ class Mapper:
 
     def _host(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype, key: tuple) -> torch.Tensor:
         """A receiver's shared-memory region, opened by its name: one named with ``shm_prefix``,
-        not one of the sender's own segments, and (checked before every write) the segment the
-        receiver maps, which the name may have stopped naming since it was opened here (a worker
-        registers a new segment under an old name), and large enough (another process may shrink
-        it, and a write past its end would kill this one). The
-        kept view is taken only once the size holds: a refusal's traceback must not hold a view,
-        which would keep the mapping from closing until the garbage collector finds it."""
+        not one of the sender's own segments and, checked before every write, the segment the
+        receiver lent (a worker may give the name to a new segment after it was opened here) and
+        large enough (another process may shrink it, and a write past its end would kill this
+        one). The kept view is taken only once the size holds: a refusal's traceback must not hold
+        a view, which would keep the mapping from closing until the garbage collector finds it."""
         from multiprocessing import resource_tracker, shared_memory
 
         import numpy as np
