@@ -88,11 +88,10 @@ class Outgoing:
         except Exception as exc:  # the codec's or the layout's refusal: the transfer's, not the engine's
             self._replied(t, 0, _failed(exc), On.FAIL)
             return True
-        connection.post_message(announce, *inline)
+        connection.post_message(announce, *inline, written=functools.partial(self._deadline, t))
         self.apply(t, Event(On.ANNOUNCE_ALL))
         for stage in ("announced", "first_byte", "last_byte"):
             t.mark(stage)
-        self._deadline(t)
         link.settle = functools.partial(self._replied, t, spec.measured_bytes(pairs))
         return True
 
@@ -120,7 +119,7 @@ class Outgoing:
                 if at_launch:
                     with self._launched(spec, pairs, helds) as (stream, end):
                         connection.post_message(self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITING,
-                                                               end))
+                                                               end), written=functools.partial(self._deadline, t))
                         t.mark("announced")
                         stream.synchronize()  # the lease is not let go while the copy may still write
                 else:
@@ -136,12 +135,11 @@ class Outgoing:
         for stage in ("first_byte", "last_byte"):
             t.mark(stage)
         if not at_launch:
-            connection.post_message(announce)
+            connection.post_message(announce, written=functools.partial(self._deadline, t))
             t.mark("announced")
         t.bytes_raw = raw
         link = self.ctx.links.add(t, PeerLink(connection, reused=True))
         self.apply(t, Event(On.WRITTEN))  # queued -> confirming: written and announced already
-        self._deadline(t)
         link.settle = functools.partial(self._replied, t, 0)  # not a link speed: a same-host copy
         if end is not None:
             self._written(t, link, spec, end)
@@ -212,7 +210,12 @@ class Outgoing:
         return destinations if wanted else None
 
     def _deadline(self, t: Transfer) -> None:
-        """A transfer without a task fails if the receiver does not confirm in time."""
+        """A transfer without a task fails if the receiver does not confirm in time, counted from
+        when its announce is out (a busy connection may hold it back behind others' messages);
+        called by the connection, which may have lost the transfer meanwhile (ended, or sent again
+        on a fresh connection by a task)."""
+        if t.state.terminal or t.task is not None:
+            return
         timeout = self.ctx.settings.transfer_timeout
         late = Event(On.DEADLINE, "PeerError", f"the receiver did not confirm within {timeout:g} s")
         t.deadline = asyncio.get_running_loop().call_later(timeout, self.apply, t, late)

@@ -62,7 +62,7 @@ class Connection(Reader):
         self._sends: dict[int, SendState] = {}
         self._credits = Credits()
         self._receives: dict[int, Receive] = {}
-        self._control: asyncio.Queue[Message | bytes | None] = asyncio.Queue()
+        self._control: asyncio.Queue[Message | bytes | Callable[[], None] | None] = asyncio.Queue()
         self._on_message = on_message
         self._close_callbacks: list[Callable[[Connection, Exception], None]] = []
         self._error: Exception | None = None
@@ -103,12 +103,14 @@ class Connection(Reader):
                 raise ProtocolError(f"message of {len(payload)} bytes is over {wire.MAX_MESSAGE_BYTES}")
         await self._write_many([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads])
 
-    def post_message(self, *payloads: bytes) -> None:
+    def post_message(self, *payloads: bytes, written: Callable[[], None] | None = None) -> None:
         """Send MSGs without waiting (from callbacks that cannot await): written here and now when
-        nothing is queued or being written before them, else queued behind it; dropped if closed."""
-        self._post([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads])
+        nothing is queued or being written before them, else queued behind it; dropped if closed.
+        ``written`` is called once they are all handed to the link (never if the connection fails
+        first): a busy connection may hold them back for a while."""
+        self._post([(Message(MessageType.MSG, length=len(p)), memoryview(p)) for p in payloads], written)
 
-    def _post(self, messages: list[tuple[Message, Any]]) -> None:
+    def _post(self, messages: list[tuple[Message, Any]], written: Callable[[], None] | None = None) -> None:
         """Write ``messages`` without waiting: at once when the link is free and nothing is queued
         (the reader's CTS and ACKs skip a hop through the control task: each hop is a wake-up on
         a message's path), else behind what is queued; dropped if closed."""
@@ -119,12 +121,21 @@ class Connection(Reader):
                 self._control.put_nowait(message)
                 if payload is not None:
                     self._control.put_nowait(bytes(payload))
+            if written is not None:
+                self._control.put_nowait(written)
             return
         try:
-            self._write_locked(messages)
+            write = self._write_locked(messages)
         except Exception as exc:  # nobody awaits this: the connection fails (and says why) instead
             failure = exc if isinstance(exc, TransportError) else ProtocolError(f"cannot write a message: {exc!r}")
             asyncio.ensure_future(self._fail(failure))
+            return
+        if written is None:
+            return
+        if write is None:
+            written()
+        else:
+            write.add_done_callback(lambda w: None if w.cancelled() or w.exception() is not None else written())
 
     def _try_lock(self) -> bool:
         """Take the write lock without suspending, if it is free (``asyncio.Lock.acquire`` returns
@@ -385,6 +396,7 @@ class Connection(Reader):
         queued up meanwhile goes out in one write."""
         while True:
             batch: list[tuple[Message, Any]] = []
+            written: list[Callable[[], None]] = []  # posters told once what they posted is out
             item = await self._control.get()
             while True:
                 if item is None:
@@ -394,15 +406,23 @@ class Connection(Reader):
                     return
                 if isinstance(item, Message) and item.type in (MessageType.REJECT, MessageType.MSG):
                     batch.append((item, memoryview(self._control.get_nowait())))
-                else:
+                elif isinstance(item, Message):
                     batch.append((item, None))
+                else:
+                    written.append(item)
                 if self._control.empty():
                     break
                 item = self._control.get_nowait()
             try:
-                await self._write_many(batch)
+                if batch:
+                    await self._write_many(batch)
             except TransportError:
                 return
+            for told in written:
+                try:
+                    told()
+                except Exception:  # the poster's bug must not stop this connection's writes
+                    log.exception("a written callback failed on connection %s", self.peer)
 
     # ---- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -90,7 +90,12 @@ class Reader:
                 if m.flags & wire.FLAG_DONE and not state.done.done():
                     state.done.set_result(None)
         elif m.type == MessageType.MSG:
-            payload = await self._recv_small(m, seq, tag)
+            self.progress.begin(m.length)  # a peer message's bytes (an inline chunk's) are progress too
+            try:
+                payload = await self._recv_small(m, seq, tag)
+            finally:
+                self.progress.reading = 0
+            self.progress.land(m.length)
             if self._on_message is None:
                 raise ProtocolError("MSG on a connection that takes none")
             try:

@@ -125,12 +125,12 @@ def test_a_leased_write_is_announced_before_the_senders_own_bookkeeping():
         connection, seen = _connection(a, b), []
         post = connection.post_message
 
-        def spy(*payloads):
+        def spy(*payloads, written=None):
             message = peer.unpack(payloads[0])
             if isinstance(message.body, peer.Announce):
                 t = a.transfers.find(message.transfer_id)
                 seen.append((t.phase.value, a.links.get(t.id), t.deadline, t.stages.get("last_byte") is not None))
-            post(*payloads)
+            post(*payloads, written=written)
 
         connection.post_message = spy
         t = a.submit(_spec(b, [4, 9], [30, 31]))

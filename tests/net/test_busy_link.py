@@ -1,6 +1,7 @@
 """Many transfers sharing one slow link: each waits its turn behind the others on their one data
 connection, longer than ``transfer_timeout``, and is done, not failed for waiting (the link busy all
-the while is progress); the receiver killed under them ends every one at once, cleanly."""
+the while is progress), small ones whose chunks ride inline in their announce too; the receiver killed
+under them ends every one at once, cleanly."""
 
 from __future__ import annotations
 
@@ -64,3 +65,27 @@ def test_the_receiver_killed_under_many_transfers_ends_every_one_and_logs_no_err
     assert record["state"] == "done", record
     assert same_bits(blocks_of(b, "dst", list(range(per)), big.shape[1:]), big[:per])
     assert " ERROR " not in a.log.read_text(errors="replace"), a.log_tail()
+
+
+INLINE_ENV = {"KVFERRY_TRANSFER_TIMEOUT": "2", "KVFERRY_CHUNK_BYTES": str(256 << 10)}
+
+
+@pytest.mark.parametrize("backend", ["tcp", "ucxx"])
+def test_small_inline_transfers_behind_a_streamed_one_on_a_slow_link_are_done(networks, kv, backend):
+    """A streamed transfer, then forty-four small ones whose chunks ride inline in their announce,
+    all on one connection over a 40 Mbit/s link: the last announces go out ~9 s after they are
+    posted, far past the 2 s timeout. Each is given its time from when its announce is out (not
+    from when it was posted), and the receiver counts the inline bytes arriving as progress of
+    the connection (the streamed one waiting its turn behind them is not failed for "no data")."""
+    net = networks("a", "b")
+    a, b, big = on_a_cable(net, kv, 40, INLINE_ENV, backend)
+    streamed = list(range(60))
+    smalls = [list(range(i, i + 4)) for i in range(60, big.shape[0] - 4, 4)]
+    submitted = [a.client.submit("src", streamed, b.data_address, "dst", streamed[::-1], codec="raw")]
+    submitted += [a.client.submit("src", ids, b.data_address, "dst", ids[::-1], codec="raw") for ids in smalls]
+    for transfer_id in submitted:
+        record = a.client.wait(transfer_id, timeout=120)
+        assert record["state"] == "done", (record, b.log_tail())
+    parts = [streamed, *smalls]
+    ids = [i for part in parts for i in part[::-1]]
+    assert same_bits(blocks_of(b, "dst", ids, big.shape[1:]), big[[i for part in parts for i in part]])

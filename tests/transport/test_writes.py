@@ -81,3 +81,37 @@ def test_a_message_larger_than_a_read_piece_arrives_whole(backend):
         await listener.close()
 
     run(main(), timeout=60)
+
+
+def test_a_posted_message_says_when_it_is_out(backend):
+    """``post_message(written=)`` calls back once the messages are handed to the link: at once on
+    an idle connection; behind a write that holds the link, only after it (in posting order); for
+    a message the socket cannot take at once, when its last byte is out; never for messages a
+    closed connection did not write."""
+    async def main():
+        received: list[bytes] = []
+        _, listener, connection = await _pair(backend, received)
+        told: list[str] = []
+        connection.post_message(b"idle", written=lambda: told.append("idle"))
+        assert told == ["idle"]
+        await connection._write_lock.acquire()  # another write holds the link
+        for name in ("first", "second"):
+            connection.post_message(name.encode(), written=lambda name=name: told.append(name))
+        await asyncio.sleep(0.05)
+        assert told == ["idle"] and received == [b"idle"]
+        connection._write_lock.release()
+        large = bytes(range(256)) * (48 << 10)  # 12 MiB: more than a socket takes in one call
+        connection.post_message(large, written=lambda: told.append("large"))
+        await _arrived(received, 4)
+        async with asyncio.timeout(10):
+            while len(told) < 4:
+                await asyncio.sleep(0.01)
+        assert told == ["idle", "first", "second", "large"]
+        assert received[:3] == [b"idle", b"first", b"second"] and received[3] == large
+        await connection.close()
+        connection.post_message(b"late", written=lambda: told.append("late"))
+        await asyncio.sleep(0.1)
+        assert told == ["idle", "first", "second", "large"]
+        await listener.close()
+
+    run(main(), timeout=60)
