@@ -133,9 +133,10 @@ class Connection(Reader):
         if written is None:
             return
         if write is None:
-            written()
+            self._tell_written(written)
         else:
-            write.add_done_callback(lambda w: None if w.cancelled() or w.exception() is not None else written())
+            write.add_done_callback(
+                lambda w: None if w.cancelled() or w.exception() is not None else self._tell_written(written))
 
     def _try_lock(self) -> bool:
         """Take the write lock without suspending, if it is free (``asyncio.Lock.acquire`` returns
@@ -418,11 +419,19 @@ class Connection(Reader):
                     await self._write_many(batch)
             except TransportError:
                 return
+            except Exception as exc:  # nothing else would write what is queued here: the connection fails
+                await self._fail(ProtocolError(f"cannot write control messages: {exc!r}"))
+                return
             for told in written:
-                try:
-                    told()
-                except Exception:  # the poster's bug must not stop this connection's writes
-                    log.exception("a written callback failed on connection %s", self.peer)
+                self._tell_written(told)
+
+    def _tell_written(self, written: Callable[[], None]) -> None:
+        """Tell a poster its messages are out; its error is logged (it must not stop this connection's
+        writes, nor reach whoever wrote for it)."""
+        try:
+            written()
+        except Exception:
+            log.exception("a written callback failed on connection %s", self.peer)
 
     # ---- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:

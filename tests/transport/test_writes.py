@@ -86,28 +86,35 @@ def test_a_message_larger_than_a_read_piece_arrives_whole(backend):
 def test_a_posted_message_says_when_it_is_out(backend):
     """``post_message(written=)`` calls back once the messages are handed to the link: at once on
     an idle connection; behind a write that holds the link, only after it (in posting order); for
-    a message the socket cannot take at once, when its last byte is out; never for messages a
-    closed connection did not write."""
+    a message the socket cannot take at once, only when its last byte is out; never for messages
+    a closed connection did not write."""
     async def main():
         received: list[bytes] = []
         _, listener, connection = await _pair(backend, received)
         told: list[str] = []
         connection.post_message(b"idle", written=lambda: told.append("idle"))
         assert told == ["idle"]
+        await _arrived(received, 1)
         await connection._write_lock.acquire()  # another write holds the link
         for name in ("first", "second"):
             connection.post_message(name.encode(), written=lambda name=name: told.append(name))
         await asyncio.sleep(0.05)
         assert told == ["idle"] and received == [b"idle"]
         connection._write_lock.release()
-        large = bytes(range(256)) * (48 << 10)  # 12 MiB: more than a socket takes in one call
+        await _arrived(received, 3)
+        async with asyncio.timeout(10):
+            while len(told) < 3:
+                await asyncio.sleep(0.01)
+        assert told == ["idle", "first", "second"] and received == [b"idle", b"first", b"second"]
+        large = bytes(range(256)) * (48 << 10)  # 12 MiB on an idle link: more than a socket takes at once
         connection.post_message(large, written=lambda: told.append("large"))
+        if backend.startswith("tcp"):  # a stream backend writes what the socket takes, the rest later
+            assert "large" not in told
         await _arrived(received, 4)
         async with asyncio.timeout(10):
             while len(told) < 4:
                 await asyncio.sleep(0.01)
-        assert told == ["idle", "first", "second", "large"]
-        assert received[:3] == [b"idle", b"first", b"second"] and received[3] == large
+        assert told[3:] == ["large"] and received[3] == large
         await connection.close()
         connection.post_message(b"late", written=lambda: told.append("late"))
         await asyncio.sleep(0.1)
@@ -115,3 +122,30 @@ def test_a_posted_message_says_when_it_is_out(backend):
         await listener.close()
 
     run(main(), timeout=60)
+
+
+def test_a_control_write_that_fails_fails_the_connection(monkeypatch):
+    """Messages queued behind a busy link are written by the connection's control task; an error
+    there fails the connection (its transfers end), rather than leaving it open with nobody to
+    write what is queued, and the posters never told."""
+    async def main():
+        received: list[bytes] = []
+        _, listener, connection = await _pair("tcp", received)
+        real = seal.Direction.payload_tag
+
+        def failing(self, seq, data):
+            raise RuntimeError("checksum unit on fire")
+
+        await connection._write_lock.acquire()
+        told: list[str] = []
+        connection.post_message(b"queued", written=lambda: told.append("queued"))
+        monkeypatch.setattr(seal.Direction, "payload_tag", failing)
+        connection._write_lock.release()
+        async with asyncio.timeout(5):
+            while not connection.closed:
+                await asyncio.sleep(0.01)
+        monkeypatch.setattr(seal.Direction, "payload_tag", real)
+        assert told == [] and received == []
+        await listener.close()
+
+    run(main(), timeout=30)
