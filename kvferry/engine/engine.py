@@ -151,8 +151,11 @@ class Engine:
 
     @property
     def data_address(self) -> str:
-        """How peers reach this sidecar's data listener (``host:port``)."""
+        """How peers reach this sidecar's data listener (``host:port``, an IPv6 host in brackets as
+        in a URL, so that the port is never read as part of the address)."""
         host = self.settings.advertise_host or self.settings.data_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
         return f"{host}:{self.listener.port if self.listener else self.settings.data_port}"
 
     async def close(self) -> None:

@@ -134,4 +134,7 @@ def data_plane(settings: Settings, on_gpu: bool, chunk_bytes: int) -> tuple[tran
         # ucxx's listener binds every interface: without a secret only tcp keeps it on data_host.
         log.warning("transport: tcp, not ucxx (ucxx would listen on every interface; set a peer secret to use it)")
         backend = "tcp"
+    elif backend == "ucxx" and settings.data_on_ipv6():
+        log.warning("transport: tcp, not ucxx (ucxx listens on IPv4 only; the data address is IPv6)")
+        backend = "tcp"
     return config, backend

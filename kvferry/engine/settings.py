@@ -141,9 +141,16 @@ class Settings:
         if self.transport_backend == "ucxx" and not self.peer_secret:
             raise ValueError("transport_backend: ucxx listens on every interface whatever data_host says (ucxx 0.52 "
                              "binds no address): set KVFERRY_PEER_SECRET on every sidecar, or use tcp")
+        if self.transport_backend == "ucxx" and self.data_on_ipv6():
+            raise ValueError(f"transport_backend: ucxx listens on IPv4 only (ucxx 0.52 binds 0.0.0.0), so peers "
+                             f"cannot reach {self.advertise_host or self.data_host}: use tcp for an IPv6 data address")
         if not _loopback(self.data_host) and not self.peer_secret:
             raise ValueError(f"the data port would listen on {self.data_host} without a peer secret: set "
                              "KVFERRY_PEER_SECRET on every sidecar (or bind it to 127.0.0.1)")
+
+    def data_on_ipv6(self) -> bool:
+        """Whether peers reach the data port at an IPv6 address (which ucxx's listener does not take)."""
+        return ":" in (self.advertise_host or self.data_host)
 
     def spin_seconds(self, device_type: str) -> float:
         """How long the loop busy-polls after activity, on a ``device_type`` ("cuda", "cpu") engine."""

@@ -262,4 +262,4 @@ def _source(peer: str) -> str | None:
     """The address part of a link's ``host:port`` peer; None where the backend does not say
     (ucxx), which leaves such links to the overall handshake budget."""
     host, sep, port = peer.rpartition(":")
-    return host if sep and host and port.isdigit() else None
+    return host.strip("[]") if sep and host and port.isdigit() else None

@@ -88,7 +88,7 @@ class TcpLink(Link):
                 self.peer = "unix:" + (name.decode() if isinstance(name, bytes) else name).rpartition(":")[2]
             else:
                 host, port = sock.getpeername()[:2]
-                self.peer = f"{host}:{port}"
+                self.peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         except OSError:
             self.peer = "?"
 

@@ -4,6 +4,7 @@ secret gets nothing written, and one transfer moves many regions with range bloc
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,34 @@ def test_spread_block_ids_move_a_block_across_planes(pair, kv, codec):
     assert not _blocks(b.client, f"dst{tag}", [0, 2, 4, 6, 8, 10], kv).view(torch.uint8).any()
     with pytest.raises(errors.InvalidBlocks, match="in 0..11"):  # 1 + 3·6 = 19 is past the region
         a.client.submit(f"src{tag}", {"ids": [1], "count": 4, "stride": 6}, b.data, f"dst{tag}", range(4))
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="needs IPv6 on loopback (::1)")
+def test_sidecars_on_ipv6_move_kv_and_give_their_address_in_brackets(kv):
+    """An IPv6-only cluster: each data listener on ``::1``; the address a sidecar gives is
+    ``[::1]:port``, which its peers (and URLs) read back whole."""
+    ipv6 = ["--data-host", "::1", "--advertise-host", "::1"]
+    a, b = spawn(extra=ipv6), spawn(extra=ipv6)
+    try:
+        assert b.data.startswith("[::1]:") and b.data.rpartition(":")[2].isdigit()
+        a.client.region_from_tensor("src", kv[:8])
+        b.client.create_region("dst", 8, list(kv.shape[1:]), "bfloat16")
+        for ids in ([3], list(range(8))):  # one block rides inline; eight are streamed
+            result = a.client.send("src", ids, b.data, "dst", ids[::-1], codec="raw", wait=60)
+            assert result["state"] == "done", result
+            assert b.client.transfer(result["id"])["state"] == "done"
+            assert bits_equal(_blocks(b.client, "dst", ids[::-1], kv), kv[ids])
+    finally:
+        stop(a, b)
 
 
 def test_packed_block_ids_move_as_their_json_twins(pair, kv):

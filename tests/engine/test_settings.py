@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvferry import transport
 from kvferry.engine import settings
+from kvferry.engine.links import data_plane
 
 
 def test_precedence(tmp_path):
@@ -38,6 +40,22 @@ def test_secure_by_default():
                                                                         "KVFERRY_PEER_SECRET": "p"})
     merged.check()
     assert merged.public()["peer_secret"] == "***"
+
+
+def test_an_ipv6_data_address_is_served_over_tcp(monkeypatch):
+    """ucxx's listener binds 0.0.0.0 only: asked for by name with an IPv6 data address, the sidecar
+    refuses to start; chosen by ``auto`` (an RDMA host), it gives way to tcp."""
+    secret = {"KVFERRY_PEER_SECRET": "p", "KVFERRY_TOKEN": "t"}
+    for where in ({"data_host": "::"}, {"data_host": "0.0.0.0", "advertise_host": "fd00::7"}):
+        with pytest.raises(ValueError, match="IPv4 only"):
+            settings.load({**where, "transport_backend": "ucxx"}, secret).check()
+        merged = settings.load(where, secret)
+        merged.check()
+        monkeypatch.setattr(transport, "resolve_backend", lambda config: "ucxx")  # as where RDMA is
+        assert data_plane(merged, False, 4 << 20)[1] == "tcp"
+    ipv4 = settings.load({"data_host": "0.0.0.0", "transport_backend": "ucxx"}, secret)
+    ipv4.check()
+    assert data_plane(ipv4, False, 4 << 20)[1] == "ucxx"
 
 
 def test_ucx_progress_mode_defaults_to_blocking_and_is_checked():
