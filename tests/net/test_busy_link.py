@@ -74,9 +74,10 @@ INLINE_ENV = {"KVFERRY_TRANSFER_TIMEOUT": "3", "KVFERRY_CHUNK_BYTES": str(256 <<
 def test_small_inline_transfers_behind_a_streamed_one_on_a_slow_link_are_done(networks, kv, backend):
     """A streamed transfer, then forty-four small ones whose chunks ride inline in their announce,
     all on one connection over a 40 Mbit/s link: the last announces go out ~9 s after they are
-    posted, far past the 3 s timeout (which covers the kernel's send buffer draining, ~1.7 s). Each is given its time from when its announce is out (not
-    from when it was posted), and the receiver counts the inline bytes arriving as progress of
-    the connection (the streamed one waiting its turn behind them is not failed for "no data")."""
+    posted, far past the 3 s timeout (which covers the kernel's send buffer draining, ~1.7 s). Each
+    is given its time from when its announce is out (not from when it was posted), and the
+    receiver counts the inline bytes arriving as progress of the connection (the streamed one
+    waiting its turn behind them is not failed for "no data")."""
     net = networks("a", "b")
     a, b, big = on_a_cable(net, kv, 40, INLINE_ENV, backend)
     streamed = list(range(60))
@@ -86,6 +87,7 @@ def test_small_inline_transfers_behind_a_streamed_one_on_a_slow_link_are_done(ne
     for transfer_id in submitted:
         record = a.client.wait(transfer_id, timeout=120)
         assert record["state"] == "done", (record, b.log_tail())
+        assert b.client.transfer(transfer_id)["state"] == "done"
     parts = [streamed, *smalls]
     ids = [i for part in parts for i in part[::-1]]
     assert same_bits(blocks_of(b, "dst", ids, big.shape[1:]), big[[i for part in parts for i in part]])
