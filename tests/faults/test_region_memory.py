@@ -4,6 +4,9 @@ by default that cap is half the host's memory."""
 
 from __future__ import annotations
 
+import gc
+import os
+
 import httpx
 import pytest
 import torch
@@ -74,3 +77,32 @@ def test_an_allocator_refusal_is_insufficient_storage(monkeypatch):
     with pytest.raises(errors.InsufficientStorage, match="cannot allocate"):
         table.register(regions.RegionSpec("x", 1 << 29, (1 << 20,), "bfloat16"))
     assert len(table) == 0
+
+
+def test_a_shared_memory_region_deleted_while_a_view_of_it_lives_is_deleted():
+    """A view of a region's memory may outlive the region by a moment (a worker thread that ran a
+    codec call into it holds the call's arguments until its next call): the delete succeeds and
+    closes the descriptor, and the mapping goes with the view, which reads the memory until then."""
+    from multiprocessing import shared_memory
+
+    segment = shared_memory.SharedMemory(name=f"kvferry-view{os.getpid()}", create=True, size=4 * 1024 * 2)
+    try:
+        table = regions.RegionTable(torch.device("cpu"), 1 << 30)
+        region = table.register(regions.RegionSpec("dst", 4, (1024,), "bfloat16", kind="shm", shm_name=segment.name))
+        view = region.tensor[2]
+        view.view(torch.int16).fill_(7)
+        fd = region._keepalive._fd
+        table.delete("dst")
+        with pytest.raises(errors.NotFound):
+            table.get("dst")
+        with pytest.raises(OSError):
+            os.fstat(fd)
+        assert torch.equal(view.view(torch.int16), torch.full((1024,), 7, dtype=torch.int16))
+        mappings = open("/proc/self/maps").read().count(segment.name)  # this test's own and the view's
+        assert mappings == 2
+        del view
+        gc.collect()
+        assert open("/proc/self/maps").read().count(segment.name) == mappings - 1
+    finally:
+        segment.close()
+        segment.unlink()
