@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,6 +23,10 @@ from kvferry import transport
 from . import peer
 
 log = logging.getLogger("kvferry.engine")
+
+# A receiver's refusal to lend a region may be passing (the region was being deleted, or its shared
+# memory's name no longer named it, until it is registered anew): the sender offers again this long after.
+OFFER_AGAIN_AFTER_S = 30.0
 
 
 @dataclass
@@ -41,7 +46,7 @@ class Leases:
 
     def __init__(self) -> None:
         self._held: dict[transport.Connection, dict[str, Held]] = {}
-        self._declined: dict[transport.Connection, set[str]] = {}  # regions the receiver cannot lend
+        self._declined: dict[transport.Connection, dict[str, float]] = {}  # regions not lent, and since when
         self._no_events: set[transport.Connection] = set()  # receivers that cannot wait on our events
         self._lent: dict[str, set[transport.Connection]] = {}
         self._revoking: dict[tuple[transport.Connection, str], asyncio.Future] = {}
@@ -51,8 +56,10 @@ class Leases:
         """Keep the targets a receiver lent on ``connection`` for later transfers."""
         if not connection.closed:
             table = self._held.setdefault(connection, {})
+            declined = self._declined.get(connection, {})
             for held in helds:
                 table[held.name] = held
+                declined.pop(held.name, None)
 
     def holding(self, connection: transport.Connection) -> bool:
         """Whether any lease is held on ``connection`` (the hot path's first, cheapest question)."""
@@ -71,14 +78,26 @@ class Leases:
         return helds  # type: ignore[return-value]
 
     def decline(self, connection: transport.Connection, names: list[str]) -> None:
-        """The receiver answered an offer without lending (its memory is not shareable): offer no
-        more for these regions on this connection."""
+        """The receiver answered an offer without lending (another host's, or memory it cannot
+        share now): offer no more for these regions on this connection for ``OFFER_AGAIN_AFTER_S``."""
         if not connection.closed:
-            self._declined.setdefault(connection, set()).update(names)
+            now = time.monotonic()
+            self._declined.setdefault(connection, {}).update((name, now) for name in names)
 
     def offer_wanted(self, connection: transport.Connection, names: list[str]) -> bool:
+        """Whether to offer to write these regions ourselves: none of them declined on this
+        connection in the last ``OFFER_AGAIN_AFTER_S`` (an older refusal is forgotten here)."""
         declined = self._declined.get(connection)
-        return not declined or declined.isdisjoint(names)
+        if not declined:
+            return True
+        now = time.monotonic()
+        for name in names:
+            since = declined.get(name)
+            if since is not None:
+                if now - since < OFFER_AGAIN_AFTER_S:
+                    return False
+                del declined[name]
+        return True
 
     def refuse_events(self, connection: transport.Connection) -> None:
         """The receiver cannot open this sidecar's CUDA events (it asked for WRITTEN instead):

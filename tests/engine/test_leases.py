@@ -18,6 +18,7 @@ import torch
 
 from kvferry.engine import Blocks, Engine, RegionSpec, Settings, State, TransferSpec, peer
 from kvferry.engine.errors import Conflict, NotFound, TransferFailed
+from kvferry.engine import leases
 from kvferry.engine.leases import Held, Leases
 
 BLOCK = (8192,)  # bf16: 16 KiB a block
@@ -472,3 +473,34 @@ def test_a_lost_connection_ends_its_leases(lost_first):
         assert leases.held(connection, ["dst"], [(4,)], "bfloat16") is None
 
     asyncio.run(main())
+
+
+def test_a_region_declined_once_is_offered_again_later(monkeypatch):
+    """A receiver may decline to lend a region for a while only: its shared memory's name no
+    longer named it, or it was being deleted. Registered anew, it is lent again to the sender
+    that was declined, once the decline has stood ``OFFER_AGAIN_AFTER_S``; until then that
+    sender streams without offering (an offer costs a transfer its inline chunks and a round trip)."""
+    monkeypatch.setattr(leases, "OFFER_AGAIN_AFTER_S", 1.0)
+
+    async def body(a, b, segments):
+        segments[0].unlink()  # no sender can open it by name: declined
+        ids = list(range(300))
+        record = await a.wait(a.submit(_spec(b, ids, ids)).id, 10)
+        assert record["state"] == "done" and "same host" not in record["choice_reason"], record
+        declined_at = time.monotonic()
+        await b.delete_region("dst")
+        segments.append(_segment())
+        await b.register_region(RegionSpec("dst", BLOCKS, BLOCK, "bfloat16", kind="shm", shm_name=segments[-1].name))
+        record = await a.wait(a.submit(_spec(b, ids, ids[::-1])).id, 10)
+        assert record["state"] == "done" and "same host" not in record["choice_reason"], record
+        assert not a.leases.offer_wanted(_connection(a, b), ["dst"])  # streamed, without offering again yet
+        await asyncio.sleep(max(0.0, declined_at + 1.0 - time.monotonic()) + 0.05)
+        record = await a.wait(a.submit(_spec(b, ids, ids)).id, 10)
+        assert record["state"] == "done" and "same host" in record["choice_reason"], record
+        assert torch.equal(_landed(segments[-1], ids), _sent(a, ids))
+        assert _held(a, b) is not None
+        small = a.submit(_spec(b, [5], [6]))  # and written at once under the lease, from now on
+        assert small.task is None and (await a.wait(small.id, 5))["state"] == "done"
+        assert torch.equal(_landed(segments[-1], [6]), _sent(a, [5]))
+
+    _run(body)
