@@ -94,7 +94,7 @@ class Engine:
         self.driver = Driver(self.transfers, self.links, self.metrics, self.regions)  # every change of phase
         # receivers' memory lent to us, opened once
         self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all, lambda: self.regions.version)
-        self.leases = Leases()  # standing leases of same-host memory, held and lent
+        self.leases = Leases(self.mapper.forget)  # standing leases of same-host memory, held and lent
         self.events = ipc.WriteEvents()  # the events of same-host writes announced while they run
         # What the sender, the receiver and the dispatch of peer messages work with: never this engine.
         self.ctx = TransferContext(

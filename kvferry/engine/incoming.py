@@ -114,15 +114,17 @@ class Admission:
 
     def _check_lease(self, connection: transport.Connection, a: peer.Announce) -> None:
         """A transfer written before (or while) it is announced must be raw, whole, into regions
-        lent to this connection (and not taken back since).
+        lent to this connection (and not taken back since: one being taken back, its REVOKED not yet
+        come, is still lent, and ``_check`` refuses the transfer as the region's delete's).
 
         Raises: ProtocolViolation.
         """
         codec = codec_named(a.codec)
         if not codec.capabilities.identity or a.inline_chunks:
             raise ProtocolViolation(f"a transfer written under a lease is raw and carries no chunks, not {a.codec!r}")
+        leases = self.ctx.leases
         for layout in a.pairs:
-            if not self.ctx.leases.lent_to(layout.dst_region, connection):
+            if not (leases.lent_to(layout.dst_region, connection) or leases.revoking(layout.dst_region, connection)):
                 raise ProtocolViolation(f"written under a lease of region {layout.dst_region!r} this connection "
                                         "does not hold")
 
@@ -180,6 +182,8 @@ class Admission:
             region = self.ctx.regions.get(layout.dst_region)
             if region.quarantined:
                 raise Conflict(f"region {region.name!r} is quarantined: {region.quarantined}")
+            if region.closing:  # nothing lands in memory its owner is letting go, nor holds its delete up
+                raise Conflict(f"region {region.name!r} is being deleted")
             if region.dtype != a.dtype or region.block_shape != layout.block_shape:
                 raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
                                  f"the transfer carries {a.dtype}{list(layout.block_shape)}")

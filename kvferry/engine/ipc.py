@@ -21,6 +21,7 @@ import hashlib
 import math
 import os
 import socket
+import threading
 import uuid
 import weakref
 from collections import OrderedDict, deque
@@ -121,6 +122,7 @@ class Mapper:
         self._routes: dict[tuple, tuple[weakref.ref, torch.Tensor, blockcopy.Route | None]] = {}
         self._shm: dict[bytes, Any] = {}  # shared memory opened by name, while its views live
         self._mine: list[Any] = []  # the sender's regions the views were checked against
+        self._lock = threading.RLock()  # writes run on the event loop and in worker threads at once
 
     def tensor(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device | None = None) -> torch.Tensor:
@@ -131,6 +133,11 @@ class Mapper:
                 (``target.offset`` plus ``shape``'s bytes) is not inside the memory it names, or is
                 the sender's own.
         """
+        with self._lock:
+            return self._tensor(target, shape, dtype, device)
+
+    def _tensor(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device | None) -> torch.Tensor:
         self._check_own()
         here = device.index if device is not None and device.type == "cuda" else None
         key = (target.handle, target.offset, shape, dtype, here)
@@ -165,8 +172,13 @@ class Mapper:
         Raises:
             RuntimeError: as ``tensor``.
         """
+        with self._lock:
+            return self._route(target, shape, dtype, src)
+
+    def _route(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype,
+               src: torch.Tensor) -> tuple[torch.Tensor, blockcopy.Route | None]:
         if target.device_uuid == peer.HOST_MEMORY:  # its size is checked at every write; the driver copies none
-            return self.tensor(target, shape, dtype, src.device), None
+            return self._tensor(target, shape, dtype, src.device), None
         self._check_own()
         here = src.device.index if src.is_cuda else None
         key = (target.handle, target.offset, shape, dtype, here, id(src))
@@ -174,7 +186,7 @@ class Mapper:
         if known is not None and known[0]() is src:
             self._open.move_to_end((target.handle, here))
             return known[1], known[2]
-        view = self.tensor(target, shape, dtype, src.device)
+        view = self._tensor(target, shape, dtype, src.device)
         planned = blockcopy.route(src, view)
         self._routes[key] = (weakref.ref(src), view, planned)
         return view, planned
@@ -219,8 +231,7 @@ class Mapper:
             (old, old_here), stale = self._open.popitem(last=False)
             self._views = {k: v for k, v in self._views.items() if (k[0], k[4]) != (old, old_here)}
             self._routes = {k: v for k, v in self._routes.items() if (k[0], k[4]) != (old, old_here)}
-            with cupy.cuda.Device(stale.device):
-                runtime.ipcCloseMemHandle(stale.base)
+            self._close_ipc(stale)
         return opened
 
     def _check_not_own(self, target: peer.Target, nbytes: int) -> None:
@@ -299,28 +310,55 @@ class Mapper:
         """Let go of the segment opened by ``handle``'s name, and its views."""
         shm = self._shm.pop(handle)
         self._views = {k: v for k, v in self._views.items() if k[0] != handle}
-        try:
-            shm.close()
-        except BufferError:
-            pass  # a view is still referenced somewhere: the mapping goes once it is collected
+        close_segment(shm)
+
+    def forget(self, handle: bytes) -> None:
+        """Let go of the memory ``handle`` names (no lease of it is held any more, and no write under
+        one is under way): its views, its shared-memory mapping and descriptor, or its CUDA IPC
+        mappings. A receiver's freed memory is then freed, not kept by this sidecar's mapping."""
+        with self._lock:
+            self._views = {k: v for k, v in self._views.items() if k[0] != handle}
+            self._routes = {k: v for k, v in self._routes.items() if k[0] != handle}
+            shm = self._shm.pop(handle, None)
+            if shm is not None:
+                close_segment(shm)
+            for key in [key for key in self._open if key[0] == handle]:
+                self._close_ipc(self._open.pop(key))
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         self._views.clear()
         self._routes.clear()
         for shm in self._shm.values():
-            try:
-                shm.close()
-            except BufferError:
-                pass  # a view is still referenced somewhere: the mapping goes with the process
+            close_segment(shm)
         self._shm.clear()
-        if not self._open:
-            return
+        for opened in self._open.values():
+            self._close_ipc(opened)
+        self._open.clear()
+
+    @staticmethod
+    def _close_ipc(opened: _Opened) -> None:
         import cupy
 
-        for opened in self._open.values():
-            with cupy.cuda.Device(opened.device):
-                cupy.cuda.runtime.ipcCloseMemHandle(opened.base)
-        self._open.clear()
+        with cupy.cuda.Device(opened.device):
+            cupy.cuda.runtime.ipcCloseMemHandle(opened.base)
+
+
+def close_segment(shm: Any) -> None:
+    """Unmap a shared-memory segment (a ``SharedMemory``) and close its descriptor. A view of it may
+    outlive its owner by a moment (a worker thread whose codec call has returned holds its arguments
+    until it takes the next call): the mapping then goes with its last view, and nothing fails here
+    or later in the segment's finalizer."""
+    try:
+        shm.close()
+    except BufferError:
+        shm._mmap = None  # what the views still hold keeps the mapping alive until they go
+        if shm._fd >= 0:
+            os.close(shm._fd)
+            shm._fd = -1
 
 
 @dataclass(frozen=True)

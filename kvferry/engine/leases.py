@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvferry import transport
@@ -39,12 +39,16 @@ class Held:
     dtype: str
     writes: int = 0  # writes under way
     revoked: bool = False  # REVOKE came during a write: REVOKED goes after the last one
+    gone: bool = False  # no longer held (taken back, lent anew, its connection lost): let go after the last write
 
 
 class Leases:
     """Both sides' leases for one engine: those it holds as a sender, those it lent as a receiver."""
 
-    def __init__(self) -> None:
+    def __init__(self, let_go: Callable[[bytes], None] = lambda handle: None) -> None:
+        """``let_go``: called with a target's handle once no lease held names that memory and no
+        write into it is under way (the sender unmaps it)."""
+        self._let_go = let_go
         self._held: dict[transport.Connection, dict[str, Held]] = {}
         self._declined: dict[transport.Connection, dict[str, float]] = {}  # regions not lent, and since when
         self._no_events: set[transport.Connection] = set()  # receivers that cannot wait on our events
@@ -58,8 +62,11 @@ class Leases:
             table = self._held.setdefault(connection, {})
             declined = self._declined.get(connection, {})
             for held in helds:
+                replaced = table.get(held.name)
                 table[held.name] = held
                 declined.pop(held.name, None)
+                if replaced is not None and replaced is not held:
+                    self._drop(replaced)
 
     def holding(self, connection: transport.Connection) -> bool:
         """Whether any lease is held on ``connection`` (the hot path's first, cheapest question)."""
@@ -128,6 +135,8 @@ class Leases:
             if held.revoked and held.writes == 0:
                 held.revoked = False
                 _post(connection, peer.Revoked(held.name))
+            if held.gone:
+                self._drop(held)
 
     def on_revoke(self, connection: transport.Connection, name: str) -> None:
         """The receiver takes a lease back: no new write starts; REVOKED once none is under way."""
@@ -136,6 +145,17 @@ class Leases:
             held.revoked = True
         else:
             _post(connection, peer.Revoked(name))
+        if held is not None:
+            self._drop(held)
+
+    def _drop(self, held: Held) -> None:
+        """``held`` is held no more: once no write under it is under way, and no lease still held
+        names the same memory, that memory is let go."""
+        held.gone = True
+        if held.writes or any(h.target.handle == held.target.handle for table in self._held.values()
+                              for h in table.values()):
+            return
+        self._let_go(held.target.handle)
 
     # ---- receiving ----------------------------------------------------------------------------
     def lend(self, name: str, connection: transport.Connection) -> None:
@@ -143,6 +163,11 @@ class Leases:
 
     def lent_to(self, name: str, connection: transport.Connection) -> bool:
         return connection in self._lent.get(name, ())
+
+    def revoking(self, name: str, connection: transport.Connection) -> bool:
+        """Whether region ``name`` is being taken back from ``connection``: REVOKE sent, REVOKED not
+        come (the memory stays lent until then; a write announced meanwhile crossed the REVOKE)."""
+        return (connection, name) in self._revoking
 
     async def revoke(self, name: str, timeout: float) -> list[str]:
         """Take back every lease of region ``name``. Returns the peers that did not confirm within
@@ -182,7 +207,8 @@ class Leases:
     # ---- both ---------------------------------------------------------------------------------
     def lost(self, connection: transport.Connection) -> None:
         """A connection is gone: its leases with it (a closed connection carries no more writes)."""
-        self._held.pop(connection, None)
+        for held in self._held.pop(connection, {}).values():
+            self._drop(held)
         self._declined.pop(connection, None)
         self._no_events.discard(connection)
         for holders in self._lent.values():

@@ -380,23 +380,23 @@ class Outgoing:
         announce = self._announce(t, spec, pairs, None, 0, True, peer.FLAG_WRITTEN) if leased and not at_launch \
             else None
         end = None
-        try:
-            with self.ctx.leases.writing(link.connection, helds):
+        with self.ctx.leases.writing(link.connection, helds):
+            try:
                 if at_launch:
                     end = await self._write_announced(t, spec, pairs, helds, link)
                 else:
                     await self.ctx.codec.call("encode", device, raw, self._write(spec, pairs, helds))
-        except (RuntimeError, EngineError, transport.TransportTimeout) as exc:
-            raise PeerError(f"cannot write into the receiver's memory: {exc}") from exc
+            except (RuntimeError, EngineError, transport.TransportTimeout) as exc:
+                raise PeerError(f"cannot write into the receiver's memory: {exc}") from exc
+            if announce is not None:  # ahead of a REVOKED that waited for this write: the memory is still lent
+                await link.connection.send_message(announce)
+                t.mark("announced")
         t.bytes_raw = raw
         t.mark("first_byte")
         t.mark("last_byte")
         if end is not None:
             self._written(t, link, spec, end)
-        elif announce is not None:
-            await link.connection.send_message(announce)
-            t.mark("announced")
-        else:
+        elif announce is None:
             await link.connection.send_message(peer.pack(peer.Message(t.id, peer.Written(len(spec.dst_blocks)))))
         self.apply(t, Event(On.WRITTEN))
         done = await self._reply(link, self.ctx.settings.transfer_timeout)

@@ -19,6 +19,7 @@ from kvferry.codec import BlockLayout, CodebookMismatch
 
 from .blocks import Blocks
 from .errors import BadRequest, Conflict, InsufficientStorage, InvalidBlocks, NotFound, PayloadTooLarge, RegionMemoryGone
+from .ipc import close_segment
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
           "float8_e4m3fn": torch.float8_e4m3fn}
@@ -182,7 +183,7 @@ class Region:
         elif self.kind == "shm" and self._keepalive is not None:
             self._tensor = torch.empty(0)
             self._segment_fd = -1
-            _close_segment(self._keepalive)
+            close_segment(self._keepalive)
         elif self.kind == "cuda_ipc" and self._keepalive is not None:
             import cupy
 
@@ -429,19 +430,6 @@ def _map_shm(shm_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple
         raise BadRequest(f"shared memory {shm_name!r} holds {shm.size} bytes, the layout needs {nbytes}")
     flat = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8, count=nbytes))
     return flat.view(dtype).view(shape), shm
-
-
-def _close_segment(shm: Any) -> None:
-    """Unmap a region's shared memory and close its descriptor. A view of it may outlive the region
-    by a moment (a worker thread whose codec call has returned still holds its arguments until it
-    takes the next call): the mapping then goes with its last view, and the delete does not fail."""
-    try:
-        shm.close()
-    except BufferError:
-        shm._mmap = None  # what the views still hold keeps the mapping alive until they go
-        if shm._fd >= 0:
-            os.close(shm._fd)
-            shm._fd = -1
 
 
 def _open_cuda_ipc(spec: RegionSpec, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:

@@ -7,6 +7,7 @@ before the memory goes."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import contextlib
 import os
 import time
@@ -502,5 +503,94 @@ def test_a_region_declined_once_is_offered_again_later(monkeypatch):
         small = a.submit(_spec(b, [5], [6]))  # and written at once under the lease, from now on
         assert small.task is None and (await a.wait(small.id, 5))["state"] == "done"
         assert torch.equal(_landed(segments[-1], [6]), _sent(a, [5]))
+
+    _run(body)
+
+
+def test_memory_is_let_go_once_no_lease_names_it_and_no_write_into_it_runs():
+    """The sender unmaps a receiver's memory once it holds no lease of it: taken back, lent anew
+    under another handle, or its connection lost; a write under way keeps it until it ends, and a
+    lease of the same memory on another connection keeps it as long as that lease stands."""
+    async def main():
+        let_go: list[bytes] = []
+        leases, one, two = Leases(let_go.append), _Connection(), _Connection()
+        first, second = peer.Target(b"a" * 64, 0, peer.HOST_MEMORY, 4), peer.Target(b"b" * 64, 0, peer.HOST_MEMORY, 4)
+        leases.hold(one, [Held("dst", first, (4,), "bfloat16")])
+        leases.hold(two, [Held("dst", first, (4,), "bfloat16")])
+        leases.on_revoke(one, "dst")
+        assert let_go == []  # still held on the other connection
+        writing = leases.held(two, ["dst"], [(4,)], "bfloat16")
+        leases.begin(writing)
+        leases.lost(two)
+        assert let_go == []  # a write into it is under way
+        leases.end(two, writing)
+        assert let_go == [first.handle]
+        leases.hold(one, [Held("dst", second, (4,), "bfloat16")])
+        leases.hold(one, [Held("dst", first, (4,), "bfloat16")])  # lent anew, under another handle
+        assert let_go == [first.handle, second.handle]
+        leases.lost(one)
+        assert let_go == [first.handle, second.handle, first.handle]
+
+    asyncio.run(main())
+
+
+def test_a_lease_taken_back_unmaps_the_receivers_memory_in_the_sender():
+    """A worker that deletes its region and registers a new segment, again and again (restarts):
+    the sender keeps none of the old segments mapped, so their memory is freed once unlinked."""
+    async def body(a, b, segments):
+        ids = list(range(300))
+        for _ in range(3):
+            record = await a.wait(a.submit(_spec(b, ids, ids[::-1])).id, 10)
+            assert record["state"] == "done" and "same host" in record["choice_reason"], record
+            assert torch.equal(_landed(segments[-1], ids[::-1]), _sent(a, ids))
+            old = segments[-1].name
+            assert _mapped(old) == 3  # this test's, the receiver's region, the sender's lease
+            await b.delete_region("dst")
+            gc.collect()
+            assert _mapped(old) == 1 and not a.mapper._shm  # this test's own only
+            segments.append(_segment())
+            await b.register_region(RegionSpec("dst", BLOCKS, BLOCK, "bfloat16", kind="shm",
+                                               shm_name=segments[-1].name))
+
+    _run(body)
+
+
+def _mapped(name: str) -> int:
+    """How many times this process maps the shared memory ``name``."""
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(f"/dev/shm/{name}") or f"/dev/shm/{name} (deleted)" in line for line in f)
+
+
+def test_a_write_that_crosses_the_revoke_is_refused_as_the_delete_and_the_delete_is_done(monkeypatch):
+    """The worker deletes its region while a sender writes into it under its lease (here made slow):
+    the write finishes into memory still lent, is announced before REVOKED, and is refused because
+    the region is being deleted, not as a breach of the protocol; transfers that come meanwhile are
+    refused alike rather than holding the delete up; the delete is done."""
+    from kvferry.engine import outgoing
+
+    async def body(a, b, segments):
+        ids = list(range(300))
+        await a.wait(a.submit(_spec(b, ids, ids)).id, 10)  # takes the lease
+        real_write = outgoing.write_blocks
+
+        def slow_write(*args, **kwargs):
+            time.sleep(0.4)
+            real_write(*args, **kwargs)
+
+        monkeypatch.setattr(outgoing, "write_blocks", slow_write)
+        blocks = list(range(100))  # 1.6 MiB: copied in a worker thread
+        crossing = a.submit(_spec(b, blocks, blocks))
+        await asyncio.sleep(0.1)
+        deleting = asyncio.ensure_future(b.delete_region("dst"))
+        await asyncio.sleep(0.05)
+        monkeypatch.setattr(outgoing, "write_blocks", real_write)
+        meanwhile = a.submit(_spec(b, [1], [2]))  # the lease is being taken back: it goes over the wire
+        for t in (crossing, meanwhile):
+            with pytest.raises(TransferFailed, match="Conflict: region 'dst' is being deleted"):
+                await a.wait(t.id, 10)
+        await asyncio.wait_for(deleting, 10)
+        with pytest.raises(NotFound):
+            b.regions.get("dst")
+        assert b.metrics.errors.labels("ProtocolViolation")._value.get() == 0
 
     _run(body)

@@ -180,3 +180,40 @@ def test_a_segment_shrunk_from_outside_fails_the_transfer_not_the_sender():
     finally:
         sys.unraisablehook = before
     assert not unraisable, [u.exc_value for u in unraisable]
+
+
+def test_a_target_opened_from_several_threads_at_once_is_opened_once():
+    """A sidecar writes from its event loop and from worker threads at once: they share the opened
+    segment (one mapping, one descriptor, one view), and none is dropped while its view is in use
+    (its finalizer would then fail, and the descriptor leak until it ran)."""
+    import threading
+
+    from kvferry.engine import ipc
+
+    segment = shared_memory.SharedMemory(name=f"kvferry-t{uuid.uuid4().hex[:12]}", create=True,
+                                         size=BLOCKS * BLOCK_BYTES)
+    try:
+        target = _target(segment.name)
+        for _ in range(20):
+            mapper = ipc.Mapper()
+            start, views, failures = threading.Barrier(8), [], []
+
+            def open_it() -> None:
+                start.wait()
+                try:
+                    views.append(mapper.tensor(target, (BLOCKS, *BLOCK), torch.bfloat16))
+                except Exception as exc:  # noqa: BLE001 (reported below)
+                    failures.append(exc)
+
+            threads = [threading.Thread(target=open_it) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not failures and len(views) == 8
+            assert len({view.data_ptr() for view in views}) == 1 and len(mapper._shm) == 1
+            views.clear()
+            mapper.close()
+    finally:
+        segment.close()
+        segment.unlink()
