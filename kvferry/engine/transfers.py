@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvferry import transport
+
 from .errors import Conflict, NotFound, Overloaded
 from .states import Phase, Side, State
 
@@ -255,5 +257,5 @@ class TransferTable:
 def peer_source(peer: str, connection_id: int) -> str:
     """What a peer's incoming transfers are counted under: the address of its ``host:port``, or its
     connection where the backend gives no address (ucxx)."""
-    host, sep, port = peer.rpartition(":")
-    return host.strip("[]") if sep and host and port.isdigit() else f"connection {connection_id}"
+    host = transport.peer_host(peer)
+    return host if host is not None else f"connection {connection_id}"

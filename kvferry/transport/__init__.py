@@ -11,7 +11,7 @@
 from .backends import resolve_backend, shutdown_backends
 from .config import DEFAULT_UCX_OPTIONS, UCX_PROGRESS_MODES, TransportConfig
 from .connection import Connection
-from .endpoint import Listener, Pool, connect, listen
+from .endpoint import Listener, Pool, connect, listen, peer_host
 from .errors import (AuthenticationFailed, ConnectError, CorruptPayload, IncompatiblePeer, PeerLost, ProtocolError, TransferRejected, TransportClosed, TransportError,
                      TransportTimeout)
 from .flow import Clearance
@@ -24,5 +24,5 @@ __all__ = [
     "Mailbox", "Receive", "resolve_backend", "shutdown_backends", "TransportError", "ConnectError", "TransportTimeout",
     "PeerLost", "TransportClosed", "ProtocolError", "TransferRejected", "AuthenticationFailed", "CorruptPayload",
     "IncompatiblePeer", "Clearance",
-    "until_ready", "RateLimitedLog",
+    "until_ready", "RateLimitedLog", "peer_host",
 ]

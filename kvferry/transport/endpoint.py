@@ -46,7 +46,7 @@ class Listener:
         self._watchdog: asyncio.Task | None = None
 
     async def _on_link(self, link: Link) -> None:
-        source = _source(link.peer)
+        source = peer_host(link.peer)  # None: counted in the overall handshake budget only
         refusal, evicted = (None, None) if self._closed else self._admit(source)
         if self._closed or refusal:
             if refusal:
@@ -258,8 +258,8 @@ class Pool:
             await asyncio.gather(*(c.close() for c in connections), return_exceptions=True)
 
 
-def _source(peer: str) -> str | None:
-    """The address part of a link's ``host:port`` peer; None where the backend does not say
-    (ucxx), which leaves such links to the overall handshake budget."""
+def peer_host(peer: str) -> str | None:
+    """The address part of a link's ``host:port`` (``[v6]:port``) peer; None where the backend
+    does not say (ucxx)."""
     host, sep, port = peer.rpartition(":")
     return host.strip("[]") if sep and host and port.isdigit() else None
