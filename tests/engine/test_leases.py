@@ -513,22 +513,22 @@ def test_memory_is_let_go_once_no_lease_names_it_and_no_write_into_it_runs():
     lease of the same memory on another connection keeps it as long as that lease stands."""
     async def main():
         let_go: list[bytes] = []
-        leases, one, two = Leases(let_go.append), _Connection(), _Connection()
+        sender, one, two = Leases(let_go.append), _Connection(), _Connection()
         first, second = peer.Target(b"a" * 64, 0, peer.HOST_MEMORY, 4), peer.Target(b"b" * 64, 0, peer.HOST_MEMORY, 4)
-        leases.hold(one, [Held("dst", first, (4,), "bfloat16")])
-        leases.hold(two, [Held("dst", first, (4,), "bfloat16")])
-        leases.on_revoke(one, "dst")
+        sender.hold(one, [Held("dst", first, (4,), "bfloat16")])
+        sender.hold(two, [Held("dst", first, (4,), "bfloat16")])
+        sender.on_revoke(one, "dst")
         assert let_go == []  # still held on the other connection
-        writing = leases.held(two, ["dst"], [(4,)], "bfloat16")
-        leases.begin(writing)
-        leases.lost(two)
+        writing = sender.held(two, ["dst"], [(4,)], "bfloat16")
+        sender.begin(writing)
+        sender.lost(two)
         assert let_go == []  # a write into it is under way
-        leases.end(two, writing)
+        sender.end(two, writing)
         assert let_go == [first.handle]
-        leases.hold(one, [Held("dst", second, (4,), "bfloat16")])
-        leases.hold(one, [Held("dst", first, (4,), "bfloat16")])  # lent anew, under another handle
+        sender.hold(one, [Held("dst", second, (4,), "bfloat16")])
+        sender.hold(one, [Held("dst", first, (4,), "bfloat16")])  # lent anew, under another handle
         assert let_go == [first.handle, second.handle]
-        leases.lost(one)
+        sender.lost(one)
         assert let_go == [first.handle, second.handle, first.handle]
 
     asyncio.run(main())
@@ -584,7 +584,7 @@ def test_a_write_that_crosses_the_revoke_is_refused_as_the_delete_and_the_delete
         deleting = asyncio.ensure_future(b.delete_region("dst"))
         await asyncio.sleep(0.05)
         monkeypatch.setattr(outgoing, "write_blocks", real_write)
-        meanwhile = a.submit(_spec(b, [1], [2]))  # the lease is being taken back: it goes over the wire
+        meanwhile = a.submit(_spec(b, [1], [2]))  # comes while the region is being deleted
         for t in (crossing, meanwhile):
             with pytest.raises(TransferFailed, match="Conflict: region 'dst' is being deleted"):
                 await a.wait(t.id, 10)
