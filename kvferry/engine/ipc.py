@@ -273,7 +273,7 @@ class Mapper:
         except OSError as exc:
             raise RuntimeError(f"cannot read the size of the receiver's shared memory {name!r}: {exc}") from exc
         if peer.segment_id(stat) != target.segment:
-            self._forget_shm(target.handle)
+            self.forget(target.handle)  # the lock is re-entered: this runs under it
             if opened:
                 raise RuntimeError(f"the receiver's shared memory {name!r} is not the segment it lent: the name "
                                    "now names another")
@@ -305,12 +305,6 @@ class Mapper:
                     pass
             if same_file or region.shm_name.lstrip("/") == name.lstrip("/"):
                 raise RuntimeError(f"the receiver's shared memory {name!r} is the sender's own region {region.name!r}")
-
-    def _forget_shm(self, handle: bytes) -> None:
-        """Let go of the segment opened by ``handle``'s name, and its views."""
-        shm = self._shm.pop(handle)
-        self._views = {k: v for k, v in self._views.items() if k[0] != handle}
-        close_segment(shm)
 
     def forget(self, handle: bytes) -> None:
         """Let go of the memory ``handle`` names (no lease of it is held any more, and no write under

@@ -14,6 +14,7 @@ import torch
 from kvferry.engine import errors, regions
 from kvferry.engine.settings import Settings
 from tests.engine.conftest import TOKEN, spawn, stop
+from tests.engine.test_leases import _mapped
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -98,11 +99,10 @@ def test_a_shared_memory_region_deleted_while_a_view_of_it_lives_is_deleted():
         with pytest.raises(OSError):
             os.fstat(fd)
         assert torch.equal(view.view(torch.int16), torch.full((1024,), 7, dtype=torch.int16))
-        mappings = open("/proc/self/maps").read().count(segment.name)  # this test's own and the view's
-        assert mappings == 2
+        assert _mapped(segment.name) == 2  # this test's own and the view's
         del view
         gc.collect()
-        assert open("/proc/self/maps").read().count(segment.name) == mappings - 1
+        assert _mapped(segment.name) == 1
     finally:
         segment.close()
         segment.unlink()
