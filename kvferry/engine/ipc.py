@@ -25,7 +25,7 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,8 @@ from kvferry.codec import blockcopy
 from . import peer
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+# CUDA IPC mappings kept beyond those under a lease or a write (which stay until let go), least
+# recently used unmapped first: a lease lost before its first write is still written once.
 _OPEN_LIMIT = 64
 
 
@@ -108,13 +110,18 @@ class Mapper:
     through the driver (``blockcopy``'s torch path)."""
 
     def __init__(self, shm_prefix: str = "kvferry-", own: Callable[[], Iterable[Any]] = tuple,
-                 own_version: Callable[[], int] | None = None) -> None:
+                 own_version: Callable[[], int] | None = None, in_use: Callable[[], Collection[bytes]] = frozenset,
+                 opened: Callable[[], None] = lambda: None) -> None:
         """``shm_prefix``: a shared-memory target must be named so; ``own``: the sender's regions
         (what no target may alias); ``own_version``: a number that changes whenever they do (the
-        views are then checked again), else they are compared at every use."""
+        views are then checked again), else they are compared at every use; ``in_use``: the handles
+        of memory a lease names or a write runs into, never unmapped to make room; ``opened``:
+        called for each memory opened (a handle or a segment)."""
         self._shm_prefix = shm_prefix
         self._own = own
         self._own_version = own_version
+        self._in_use = in_use
+        self._on_open = opened
         self._seen_version: int | None = None
         self._open: OrderedDict[tuple[bytes, int], _Opened] = OrderedDict()  # (handle, writing GPU) ->
         self._views: dict[tuple, torch.Tensor] = {}  # (handle, offset, shape, dtype, writing GPU) -> tensor
@@ -123,6 +130,12 @@ class Mapper:
         self._shm: dict[bytes, Any] = {}  # shared memory opened by name, while its views live
         self._mine: list[Any] = []  # the sender's regions the views were checked against
         self._lock = threading.RLock()  # writes run on the event loop and in worker threads at once
+
+    def mapped(self) -> int:
+        """Memories of receivers mapped here now: CUDA IPC handles (once per writing GPU) and
+        shared-memory segments."""
+        with self._lock:
+            return len(self._open) + len(self._shm)
 
     def tensor(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device | None = None) -> torch.Tensor:
@@ -227,12 +240,22 @@ class Mapper:
                 runtime.ipcCloseMemHandle(base)
                 raise
         opened = self._open[key] = _Opened(start, size, device)
-        while len(self._open) > _OPEN_LIMIT:
-            (old, old_here), stale = self._open.popitem(last=False)
+        self._on_open()
+        if len(self._open) > _OPEN_LIMIT:
+            self._make_room(key)
+        return opened
+
+    def _make_room(self, keep: tuple[bytes, int]) -> None:
+        """Unmap the least recently used memories beyond ``_OPEN_LIMIT`` that no lease names and
+        no write runs into (a write on another thread may be copying into one this moment, and an
+        unmapped target faults the GPU; a leased one is let go with its lease, ``forget``)."""
+        busy = self._in_use()
+        spare = [k for k in self._open if k != keep and k[0] not in busy][:len(self._open) - _OPEN_LIMIT]
+        for old, old_here in spare:
+            stale = self._open.pop((old, old_here))
             self._views = {k: v for k, v in self._views.items() if (k[0], k[4]) != (old, old_here)}
             self._routes = {k: v for k, v in self._routes.items() if (k[0], k[4]) != (old, old_here)}
             self._close_ipc(stale)
-        return opened
 
     def _check_not_own(self, target: peer.Target, nbytes: int) -> None:
         """A handle the sender itself lends or was lent (its regions' memory), at overlapping
@@ -268,6 +291,7 @@ class Mapper:
                 raise RuntimeError(f"cannot open the receiver's shared memory {name!r}: {exc}") from exc
             resource_tracker.unregister(shm._name, "shared_memory")  # the receiver's worker owns it
             self._shm[target.handle] = shm
+            self._on_open()
         try:
             stat = os.fstat(shm._fd)
         except OSError as exc:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ class Leases:
         """``let_go``: called with a target's handle once no lease held names that memory and no
         write into it is under way (the sender unmaps it)."""
         self._let_go = let_go
+        self._writing: Counter[bytes] = Counter()  # writes under way, by the handle of the memory written
         self._held: dict[transport.Connection, dict[str, Held]] = {}
         self._declined: dict[transport.Connection, dict[str, float]] = {}  # regions not lent, and since when
         self._no_events: set[transport.Connection] = set()  # receivers that cannot wait on our events
@@ -127,16 +129,25 @@ class Leases:
     def begin(self, helds: list[Held]) -> None:
         for held in helds:
             held.writes += 1
+            self._writing[held.target.handle] += 1
 
     def end(self, connection: transport.Connection, helds: list[Held]) -> None:
         """A write under these leases is over: answer a REVOKE that waited for it."""
         for held in helds:
             held.writes -= 1
+            self._writing[held.target.handle] -= 1
+            if not self._writing[held.target.handle]:
+                del self._writing[held.target.handle]
             if held.revoked and held.writes == 0:
                 held.revoked = False
                 _post(connection, peer.Revoked(held.name))
             if held.gone:
                 self._drop(held)
+
+    def in_use(self) -> set[bytes]:
+        """The handles of memory a lease held names or a write runs into: what the sender must keep
+        mapped (a mapping let go under a running copy faults the sender's GPU)."""
+        return {h.target.handle for table in self._held.values() for h in table.values()} | set(self._writing)
 
     def on_revoke(self, connection: transport.Connection, name: str) -> None:
         """The receiver takes a lease back: no new write starts; REVOKED once none is under way."""
@@ -149,13 +160,14 @@ class Leases:
             self._drop(held)
 
     def _drop(self, held: Held) -> None:
-        """``held`` is held no more: once no write under it is under way, and no lease still held
-        names the same memory, that memory is let go."""
+        """``held`` is held no more: once no write into its memory is under way (under any lease),
+        and no lease still held names that memory, it is let go."""
         held.gone = True
-        if held.writes or any(h.target.handle == held.target.handle for table in self._held.values()
-                              for h in table.values()):
-            return
-        self._let_go(held.target.handle)
+        handle = held.target.handle
+        if self._writing.get(handle) or any(h.target.handle == handle for table in self._held.values()
+                                            for h in table.values()):
+            return  # a write under another lease of the same memory (another connection's) lets it go
+        self._let_go(handle)
 
     # ---- receiving ----------------------------------------------------------------------------
     def lend(self, name: str, connection: transport.Connection) -> None:

@@ -35,6 +35,11 @@ class Metrics:
         self.active = Gauge("kvferry_active_transfers", "Transfers queued or running", ["direction"], registry=r)
         self.errors = Counter("kvferry_errors", "Failures by kind", ["kind"], registry=r)
         self.regions = Gauge("kvferry_regions", "Registered regions", registry=r)
+        # Same-host receivers' memory this sidecar writes into (CUDA IPC handles, shared-memory segments).
+        self.peer_memory_mapped = Gauge("kvferry_peer_memory_mapped", "Receivers' lent memories mapped now",
+                                        registry=r)
+        self.peer_memory_opened = Counter("kvferry_peer_memory_opened", "Receivers' lent memories opened",
+                                          registry=r)
         self.spin_seconds = Counter("kvferry_spin_seconds", "Time the event loop busy-polled to keep its CPU awake",
                                     registry=r)
         self.loop_moves = Counter("kvferry_loop_moves", "Times the busy-polling event loop moved off a CPU that ran it "

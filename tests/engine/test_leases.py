@@ -534,6 +534,30 @@ def test_memory_is_let_go_once_no_lease_names_it_and_no_write_into_it_runs():
     asyncio.run(main())
 
 
+def test_memory_written_under_a_lost_lease_is_kept_while_another_lease_of_it_ends():
+    """A write still copying under a lease whose connection is gone keeps that memory mapped when
+    a lease of the same memory on another connection ends meanwhile; the map keeps what a lease
+    names or a write runs into (``in_use``), and nothing else."""
+    async def main():
+        let_go: list[bytes] = []
+        sender, one, two = Leases(let_go.append), _Connection(), _Connection()
+        lent, other = peer.Target(b"a" * 64, 0, peer.HOST_MEMORY, 4), peer.Target(b"b" * 64, 0, peer.HOST_MEMORY, 4)
+        sender.hold(one, [Held("dst", lent, (4,), "bfloat16")])
+        sender.hold(two, [Held("dst", lent, (4,), "bfloat16"), Held("dst2", other, (4,), "bfloat16")])
+        assert sender.in_use() == {lent.handle, other.handle}
+        writing = sender.held(one, ["dst"], [(4,)], "bfloat16")
+        sender.begin(writing)
+        sender.lost(one)
+        sender.on_revoke(two, "dst")
+        assert let_go == [] and sender.in_use() == {lent.handle, other.handle}  # still copying into it
+        sender.end(one, writing)
+        assert let_go == [lent.handle] and sender.in_use() == {other.handle}
+        sender.lost(two)
+        assert let_go == [lent.handle, other.handle] and sender.in_use() == set()
+
+    asyncio.run(main())
+
+
 def test_a_lease_taken_back_unmaps_the_receivers_memory_in_the_sender():
     """A worker that deletes its region and registers a new segment, again and again (restarts):
     the sender keeps none of the old segments mapped, so their memory is freed once unlinked."""
