@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry import __version__
-from kvferry.engine.engine import Engine
+from kvferry.engine.engine import MAX_DRAIN_S, Engine
 from kvferry.engine.errors import EngineError, PayloadTooLarge, Unauthorized
 from kvferry.engine.settings import Settings
 
@@ -105,11 +105,14 @@ async def get_region(name: str, e: EngineDep) -> dict:
 
 
 @regions.delete("/{name}", status_code=204)
-async def delete_region(name: str, e: EngineDep, request: Request, force: bool = False) -> Response:
+async def delete_region(name: str, e: EngineDep, request: Request, force: bool = False,
+                        drain: Annotated[float, Query(ge=0, le=MAX_DRAIN_S, description="seconds to wait for the transfers "
+                                                      "in progress to end")] = 0.0) -> Response:
     """409 while a transfer in progress uses it, or while it is quarantined (a sender did not
     confirm giving back its lease: ``force=true`` deletes it anyway). Work of an ended transfer
-    that still reads or writes it is waited for, up to the close timeout."""
-    await e.delete_region(name, force)
+    that still reads or writes it is waited for, up to the close timeout. ``drain``: seconds to
+    wait for the transfers in progress to end, new ones refused (409) meanwhile."""
+    await e.delete_region(name, force, drain)
     request.app.state.leases.forget(name)
     return Response(status_code=204)
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from .handle import AsyncHandles, AsyncTransfer, awaited
-from .sdk import RETRY_STATUSES, Blocks, _checked, _pair_json, _transfer_body
+from .sdk import RETRY_STATUSES, Blocks, _checked, _delete_params, _pair_json, _transfer_body
 
 
 class AsyncClient(AsyncHandles):
@@ -56,8 +56,10 @@ class AsyncClient(AsyncHandles):
     async def list_regions(self) -> list[dict]:
         return (await self._call("GET", "/v1/regions")).json()
 
-    async def delete_region(self, name: str, force: bool = False) -> None:
-        await self._call("DELETE", f"/v1/regions/{name}", params={"force": "true"} if force else None)
+    async def delete_region(self, name: str, force: bool = False, drain: float = 0.0) -> None:
+        """As ``Client.delete_region``."""
+        await self._call("DELETE", f"/v1/regions/{name}", params=_delete_params(force, drain),
+                         timeout=self._timeout + drain)
 
     async def put_blocks(self, name: str, start: int, count: int, data: bytes) -> None:
         """As ``Client.put_blocks``."""

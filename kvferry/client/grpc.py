@@ -113,8 +113,10 @@ class GrpcClient(AsyncHandles):
         answer = await self._call(self._regions.ListRegions, regions_pb2.ListRegionsRequest())
         return [convert.region_record(r) for r in answer.regions]
 
-    async def delete_region(self, name: str, force: bool = False) -> None:
-        await self._call(self._regions.DeleteRegion, regions_pb2.DeleteRegionRequest(name=name, force=force))
+    async def delete_region(self, name: str, force: bool = False, drain: float = 0.0) -> None:
+        """As ``Client.delete_region``."""
+        await self._call(self._regions.DeleteRegion,
+                         regions_pb2.DeleteRegionRequest(name=name, force=force, drain_seconds=drain), wait=drain)
 
     async def put_blocks(self, name: str, start: int, count: int, data: bytes) -> None:
         await self._call(self._regions.PutBlocks, regions_pb2.PutBlocksRequest(name=name, start=start, count=count,

@@ -183,8 +183,11 @@ class Client:
     def list_regions(self) -> list[dict]:
         return self._call("GET", "/v1/regions").json()
 
-    def delete_region(self, name: str, force: bool = False) -> None:
-        self._call("DELETE", f"/v1/regions/{name}", params={"force": "true"} if force else None)
+    def delete_region(self, name: str, force: bool = False, drain: float = 0.0) -> None:
+        """Delete region ``name``. ``force``: a quarantined one too; ``drain``: wait up to this many
+        seconds (at most 300) for the transfers in progress that use it to end, new ones refused
+        meanwhile, rather than a Conflict at once."""
+        self._call("DELETE", f"/v1/regions/{name}", params=_delete_params(force, drain), timeout=self._timeout + drain)
 
     # ---- leases ------------------------------------------------------------------------------
     def lease(self, name: str, seconds: float, ttl: float | None = None, of: str | None = None) -> dict:
@@ -444,6 +447,13 @@ def _checked(response: Reply | httpx.Response, method: str, path: str) -> Reply 
     if cls is TransferFailed:
         raise TransferFailed(str(detail), body.get("state", "failed"), body.get("kind"))
     raise cls(f"{response.status_code} {method} {path}: {detail}")
+
+
+def _delete_params(force: bool, drain: float) -> dict[str, str]:
+    params = {"force": "true"} if force else {}
+    if drain:
+        params["drain"] = repr(float(drain))
+    return params
 
 
 def _pair_json(pair: Sequence[str], src: str = "src", dst: str = "dst") -> dict:

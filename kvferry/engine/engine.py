@@ -54,6 +54,7 @@ log = logging.getLogger("kvferry.engine")
 # chunks keep the pipeline short.
 GPU_CHUNK_BYTES = 256 << 20
 CPU_CHUNK_BYTES = 4 << 20
+MAX_DRAIN_S = 300.0  # the longest a delete waits for the transfers that use its region
 
 
 class Engine:
@@ -187,7 +188,7 @@ class Engine:
         """
         return self.regions.add(await self.spinner.in_thread(self.regions.prepare, spec))
 
-    async def delete_region(self, name: str, force: bool = False) -> None:
+    async def delete_region(self, name: str, force: bool = False, drain: float = 0.0) -> None:
         """Let a region go, once no peer may write into it under a standing lease. A sender that
         does not confirm the revocation in time may still be writing (stopped mid-write, say):
         the region is then quarantined, not deleted, so its memory is not reused under that
@@ -197,9 +198,37 @@ class Engine:
         thread's codec call, GPU kernels) finishes; the delete waits for that, up to
         ``close_timeout``, so a delete right after a cancel is not refused.
 
-        Raises: NotFound, Conflict (a transfer uses it, or a lease was not given back).
+        ``drain``: up to this many seconds for the transfers in progress that use it to end, new
+        ones refused meanwhile (a worker shutting down under traffic); 0: refused at once while
+        one is in progress. A region whose delete fails takes transfers again.
+
+        Raises: NotFound, Conflict (a transfer uses it, or a lease was not given back), BadRequest
+        (``drain`` not within 0 to ``MAX_DRAIN_S``).
         """
+        if not 0 <= drain <= MAX_DRAIN_S:
+            raise BadRequest(f"drain is {drain!r} seconds: from 0 to {MAX_DRAIN_S:g}")
         region = self.regions.get(name)
+        if drain == 0:
+            await self._delete_region(name, region, force)
+            return
+        region.closing = True  # takes no new transfer, either way, while the running ones end
+        try:
+            await self._drained(region, drain)
+            await self._delete_region(name, region, force)
+        finally:
+            region.closing = region.quarantined is not None
+
+    async def _drained(self, region: Region, seconds: float) -> None:
+        """Until no transfer in progress uses ``region``, at most ``seconds``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while (left := deadline - loop.time()) > 0:
+            running = [t for t in map(self.transfers.find, list(region.busy)) if t is not None and not t.state.terminal]
+            if not running:
+                return
+            await asyncio.gather(*(t.wait(left) for t in running))
+
+    async def _delete_region(self, name: str, region: Region, force: bool) -> None:
         ended = await self._ended_work_over(region)
         if self.regions.get(name) is not region:  # deleted meanwhile, and maybe registered again
             raise NotFound(f"region {name!r} was deleted while this delete waited")
@@ -301,6 +330,8 @@ class Engine:
         pairs, cache = [], {}
         for src, _ in spec.pairs:
             region = self.regions.get(src)
+            if region.closing:  # its owner is letting it go (a draining delete): nothing more is read from it
+                raise Conflict(f"region {src!r} is being deleted")
             if region.num_blocks not in cache:  # checked on the host, copied to a GPU where needed
                 cache[region.num_blocks] = Ids.of(spec.src_blocks, region.num_blocks)
             per_chunk = max(1, self.chunk_bytes // region.block_bytes)

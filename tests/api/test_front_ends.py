@@ -92,6 +92,40 @@ def test_a_running_transfer_is_cancelled(sidecars, front):
     _run(scenario)
 
 
+async def _arrived(client, transfer_id: str) -> None:
+    for _ in range(1000):
+        try:
+            if (await client.transfer(transfer_id))["state"] == "running":
+                return
+        except errors.NotFound:
+            pass
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"transfer {transfer_id} never ran at the receiver")
+
+
+def test_a_draining_delete_waits_for_the_transfer_in_progress_and_refuses_new_ones(sidecars, front):
+    a, b = sidecars
+
+    async def scenario():
+        async with a.client(front) as sender, b.client(front) as receiver:
+            src, dst, kv = await _pair(sender, receiver, 16, (512, 256))  # 4 MiB on a 10 MB/s link
+            t = await sender.start(src, range(16), b.data, dst, range(16), codec="raw")
+            await _arrived(receiver, t.id)  # a delete knows only of the transfers its sidecar has
+            for bad in (-1, 301):
+                with pytest.raises(errors.BadRequest):
+                    await receiver.delete_region(dst, drain=bad)
+            delete = asyncio.ensure_future(receiver.delete_region(dst, drain=30))
+            await asyncio.sleep(0.1)
+            with pytest.raises(TransferFailed, match="being deleted"):
+                await sender.submit(src, [0], b.data, dst, [0], wait=10)
+            await delete
+            assert (await t.wait(timeout=10)).ok
+            with pytest.raises(errors.NotFound):
+                await receiver.region(dst)
+
+    _run(scenario)
+
+
 def test_bad_input_is_refused_with_the_same_error(sidecars, front):
     a, b = sidecars
 

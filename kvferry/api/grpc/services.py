@@ -98,7 +98,7 @@ class Regions(regions_pb2_grpc.RegionsServiceServicer):
     @translated
     async def DeleteRegion(self, request: regions_pb2.DeleteRegionRequest, context: Any
                            ) -> regions_pb2.DeleteRegionResponse:
-        await self.engine.delete_region(request.name, request.force)
+        await self.engine.delete_region(request.name, request.force, request.drain_seconds)
         return regions_pb2.DeleteRegionResponse()
 
     @translated

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvferry/v1/regions.proto\x12\nkvferry.v1\"\xe1\x01\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_shape\x18\x04 \x03(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x16\n\x0e\x62usy_transfers\x18\x08 \x03(\t\x12\x0c\n\x04\x61xes\x18\t \x03(\t\x12\x0e\n\x06memory\x18\n \x01(\t\x12\x18\n\x0bquarantined\x18\x0b \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_quarantined\"\xf3\x01\n\x13\x43reateRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_shape\x18\x04 \x03(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x61xes\x18\x06 \x03(\t\x12\x15\n\x08shm_name\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nipc_handle\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x06\x64\x65vice\x18\t \x01(\rH\x02\x88\x01\x01\x12\x0e\n\x06offset\x18\n \x01(\x04\x42\x0b\n\t_shm_nameB\r\n\x0b_ipc_handleB\t\n\x07_device\":\n\x14\x43reateRegionResponse\x12\"\n\x06region\x18\x01 \x01(\x0b\x32\x12.kvferry.v1.Region\" \n\x10GetRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"7\n\x11GetRegionResponse\x12\"\n\x06region\x18\x01 \x01(\x0b\x32\x12.kvferry.v1.Region\"\x14\n\x12ListRegionsRequest\":\n\x13ListRegionsResponse\x12#\n\x07regions\x18\x01 \x03(\x0b\x32\x12.kvferry.v1.Region\"2\n\x13\x44\x65leteRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x16\n\x14\x44\x65leteRegionResponse\"L\n\x10PutBlocksRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x13\n\x11PutBlocksResponse\".\n\x0fGetBlockRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x04\" \n\x10GetBlockResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xe1\x03\n\x0eRegionsService\x12Q\n\x0c\x43reateRegion\x12\x1f.kvferry.v1.CreateRegionRequest\x1a .kvferry.v1.CreateRegionResponse\x12H\n\tGetRegion\x12\x1c.kvferry.v1.GetRegionRequest\x1a\x1d.kvferry.v1.GetRegionResponse\x12N\n\x0bListRegions\x12\x1e.kvferry.v1.ListRegionsRequest\x1a\x1f.kvferry.v1.ListRegionsResponse\x12Q\n\x0c\x44\x65leteRegion\x12\x1f.kvferry.v1.DeleteRegionRequest\x1a .kvferry.v1.DeleteRegionResponse\x12H\n\tPutBlocks\x12\x1c.kvferry.v1.PutBlocksRequest\x1a\x1d.kvferry.v1.PutBlocksResponse\x12\x45\n\x08GetBlock\x12\x1b.kvferry.v1.GetBlockRequest\x1a\x1c.kvferry.v1.GetBlockResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvferry/v1/regions.proto\x12\nkvferry.v1\"\xe1\x01\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_shape\x18\x04 \x03(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x16\n\x0e\x62usy_transfers\x18\x08 \x03(\t\x12\x0c\n\x04\x61xes\x18\t \x03(\t\x12\x0e\n\x06memory\x18\n \x01(\t\x12\x18\n\x0bquarantined\x18\x0b \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_quarantined\"\xf3\x01\n\x13\x43reateRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_shape\x18\x04 \x03(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x61xes\x18\x06 \x03(\t\x12\x15\n\x08shm_name\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nipc_handle\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x06\x64\x65vice\x18\t \x01(\rH\x02\x88\x01\x01\x12\x0e\n\x06offset\x18\n \x01(\x04\x42\x0b\n\t_shm_nameB\r\n\x0b_ipc_handleB\t\n\x07_device\":\n\x14\x43reateRegionResponse\x12\"\n\x06region\x18\x01 \x01(\x0b\x32\x12.kvferry.v1.Region\" \n\x10GetRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"7\n\x11GetRegionResponse\x12\"\n\x06region\x18\x01 \x01(\x0b\x32\x12.kvferry.v1.Region\"\x14\n\x12ListRegionsRequest\":\n\x13ListRegionsResponse\x12#\n\x07regions\x18\x01 \x03(\x0b\x32\x12.kvferry.v1.Region\"I\n\x13\x44\x65leteRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x15\n\rdrain_seconds\x18\x03 \x01(\x01\"\x16\n\x14\x44\x65leteRegionResponse\"L\n\x10PutBlocksRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x13\n\x11PutBlocksResponse\".\n\x0fGetBlockRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x04\" \n\x10GetBlockResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xe1\x03\n\x0eRegionsService\x12Q\n\x0c\x43reateRegion\x12\x1f.kvferry.v1.CreateRegionRequest\x1a .kvferry.v1.CreateRegionResponse\x12H\n\tGetRegion\x12\x1c.kvferry.v1.GetRegionRequest\x1a\x1d.kvferry.v1.GetRegionResponse\x12N\n\x0bListRegions\x12\x1e.kvferry.v1.ListRegionsRequest\x1a\x1f.kvferry.v1.ListRegionsResponse\x12Q\n\x0c\x44\x65leteRegion\x12\x1f.kvferry.v1.DeleteRegionRequest\x1a .kvferry.v1.DeleteRegionResponse\x12H\n\tPutBlocks\x12\x1c.kvferry.v1.PutBlocksRequest\x1a\x1d.kvferry.v1.PutBlocksResponse\x12\x45\n\x08GetBlock\x12\x1b.kvferry.v1.GetBlockRequest\x1a\x1c.kvferry.v1.GetBlockResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,17 +47,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREGIONSRESPONSE']._serialized_start=687
   _globals['_LISTREGIONSRESPONSE']._serialized_end=745
   _globals['_DELETEREGIONREQUEST']._serialized_start=747
-  _globals['_DELETEREGIONREQUEST']._serialized_end=797
-  _globals['_DELETEREGIONRESPONSE']._serialized_start=799
-  _globals['_DELETEREGIONRESPONSE']._serialized_end=821
-  _globals['_PUTBLOCKSREQUEST']._serialized_start=823
-  _globals['_PUTBLOCKSREQUEST']._serialized_end=899
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=901
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=920
-  _globals['_GETBLOCKREQUEST']._serialized_start=922
-  _globals['_GETBLOCKREQUEST']._serialized_end=968
-  _globals['_GETBLOCKRESPONSE']._serialized_start=970
-  _globals['_GETBLOCKRESPONSE']._serialized_end=1002
-  _globals['_REGIONSSERVICE']._serialized_start=1005
-  _globals['_REGIONSSERVICE']._serialized_end=1486
+  _globals['_DELETEREGIONREQUEST']._serialized_end=820
+  _globals['_DELETEREGIONRESPONSE']._serialized_start=822
+  _globals['_DELETEREGIONRESPONSE']._serialized_end=844
+  _globals['_PUTBLOCKSREQUEST']._serialized_start=846
+  _globals['_PUTBLOCKSREQUEST']._serialized_end=922
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=924
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=943
+  _globals['_GETBLOCKREQUEST']._serialized_start=945
+  _globals['_GETBLOCKREQUEST']._serialized_end=991
+  _globals['_GETBLOCKRESPONSE']._serialized_start=993
+  _globals['_GETBLOCKRESPONSE']._serialized_end=1025
+  _globals['_REGIONSSERVICE']._serialized_start=1028
+  _globals['_REGIONSSERVICE']._serialized_end=1509
 # @@protoc_insertion_point(module_scope)

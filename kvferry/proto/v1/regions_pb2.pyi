@@ -86,12 +86,14 @@ class ListRegionsResponse(_message.Message):
     def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class DeleteRegionRequest(_message.Message):
-    __slots__ = ("name", "force")
+    __slots__ = ("name", "force", "drain_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     force: bool
-    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    drain_seconds: float
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ..., drain_seconds: _Optional[float] = ...) -> None: ...
 
 class DeleteRegionResponse(_message.Message):
     __slots__ = ()
