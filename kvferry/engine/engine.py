@@ -330,7 +330,7 @@ class Engine:
         pairs, cache = [], {}
         for src, _ in spec.pairs:
             region = self.regions.get(src)
-            if region.closing:  # its owner is letting it go (a draining delete): nothing more is read from it
+            if region.closing and region.quarantined is None:  # a delete under way: nothing more is read from it
                 raise Conflict(f"region {src!r} is being deleted")
             if region.num_blocks not in cache:  # checked on the host, copied to a GPU where needed
                 cache[region.num_blocks] = Ids.of(spec.src_blocks, region.num_blocks)

@@ -133,9 +133,9 @@ class Mapper:
 
     def mapped(self) -> int:
         """Memories of receivers mapped here now: CUDA IPC handles (once per writing GPU) and
-        shared-memory segments."""
-        with self._lock:
-            return len(self._open) + len(self._shm)
+        shared-memory segments. Read without the lock (a scrape on the loop must not wait for a
+        worker thread opening a handle): each count is one step under the GIL."""
+        return len(self._open) + len(self._shm)
 
     def tensor(self, target: peer.Target, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device | None = None) -> torch.Tensor:

@@ -146,8 +146,13 @@ class Leases:
 
     def in_use(self) -> set[bytes]:
         """The handles of memory a lease held names or a write runs into: what the sender must keep
-        mapped (a mapping let go under a running copy faults the sender's GPU)."""
-        return {h.target.handle for table in self._held.values() for h in table.values()} | set(self._writing)
+        mapped (a mapping let go under a running copy faults the sender's GPU). Asked from the
+        threads that write, while the loop changes the tables: each is copied whole first (one
+        step under the GIL) rather than iterated as it changes."""
+        handles = set(list(self._writing))
+        for table in list(self._held.values()):
+            handles.update(h.target.handle for h in list(table.values()))
+        return handles
 
     def on_revoke(self, connection: transport.Connection, name: str) -> None:
         """The receiver takes a lease back: no new write starts; REVOKED once none is under way."""
