@@ -94,7 +94,7 @@ class Engine:
         self.links = LinkTable(self._connection_lost)  # running transfers' peer links
         self.driver = Driver(self.transfers, self.links, self.metrics, self.regions)  # every change of phase
         # receivers' memory lent to us, opened once
-        self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.all, lambda: self.regions.version,
+        self.mapper = ipc.Mapper(settings.shm_prefix, self.regions.memories, lambda: self.regions.version,
                                  in_use=lambda: self.leases.in_use(), opened=self.metrics.peer_memory_opened.inc)
         self.metrics.peer_memory_mapped.set_function(self.mapper.mapped)
         self.leases = Leases(self.mapper.forget)  # standing leases of same-host memory, held and lent

@@ -113,10 +113,10 @@ class Mapper:
                  own_version: Callable[[], int] | None = None, in_use: Callable[[], Collection[bytes]] = frozenset,
                  opened: Callable[[], None] = lambda: None) -> None:
         """``shm_prefix``: a shared-memory target must be named so; ``own``: the sender's regions
-        (what no target may alias); ``own_version``: a number that changes whenever they do (the
-        views are then checked again), else they are compared at every use; ``in_use``: the handles
-        of memory a lease names or a write runs into, never unmapped to make room; ``opened``:
-        called for each memory opened (a handle or a segment)."""
+        holding memory (what no target may alias); ``own_version``: a number that changes whenever
+        that memory does (the views are then checked again), else they are compared at every use;
+        ``in_use``: the handles of memory a lease names or a write runs into, never unmapped to make
+        room; ``opened``: called for each memory opened (a handle or a segment)."""
         self._shm_prefix = shm_prefix
         self._own = own
         self._own_version = own_version
@@ -128,7 +128,7 @@ class Mapper:
         # (view's key, id(source)) -> (the source, weakly; the view; blockcopy's route from one into the other)
         self._routes: dict[tuple, tuple[weakref.ref, torch.Tensor, blockcopy.Route | None]] = {}
         self._shm: dict[bytes, Any] = {}  # shared memory opened by name, while its views live
-        self._mine: list[Any] = []  # the sender's regions the views were checked against
+        self._mine: list[weakref.ref] = []  # without ``own_version``: the regions the views were checked against
         self._lock = threading.RLock()  # writes run on the event loop and in worker threads at once
 
     def mapped(self) -> int:
@@ -168,7 +168,7 @@ class Mapper:
             raise RuntimeError(f"the lent region ({nbytes} bytes at offset {target.offset}) reaches past the "
                                f"{opened.size}-byte allocation its handle names")
         pointer = opened.base + target.offset
-        for region in self._mine:
+        for region in self._own():
             t = region.tensor
             if t.is_cuda and t.numel() and pointer < t.data_ptr() + t.numel() * t.element_size() \
                     and t.data_ptr() < pointer + nbytes:
@@ -205,17 +205,20 @@ class Mapper:
         return view, planned
 
     def _check_own(self) -> None:
-        """Every target is checked again once the sender's regions changed."""
+        """Every target is checked again once the sender's regions changed. They are remembered
+        weakly: a region deleted is freed, not kept by this map until the next write."""
         if self._own_version is not None:
             version = self._own_version()
-            if version == self._seen_version:
-                return
-            self._seen_version = version
-        mine = self._own()
-        if len(mine) != len(self._mine) or any(a is not b for a, b in zip(mine, self._mine)):
+            if version != self._seen_version:
+                self._seen_version = version
+                self._views.clear()
+                self._routes.clear()
+            return
+        mine = list(self._own())
+        if len(mine) != len(self._mine) or any(a is not b() for a, b in zip(mine, self._mine)):
             self._views.clear()
             self._routes.clear()
-            self._mine = list(mine)
+            self._mine = [weakref.ref(region) for region in mine]
 
     def _opened(self, handle: bytes, there: int, here: int) -> _Opened:
         """``handle`` (memory on GPU ``there``) opened for kernels on GPU ``here``: in ``here``'s
@@ -260,7 +263,7 @@ class Mapper:
     def _check_not_own(self, target: peer.Target, nbytes: int) -> None:
         """A handle the sender itself lends or was lent (its regions' memory), at overlapping
         bytes, is refused before it is opened."""
-        for region in self._mine:
+        for region in self._own():
             export = getattr(region, "ipc_export", None)
             if export is not None and export[0] == target.handle:
                 mine = region.tensor.numel() * region.tensor.element_size()
@@ -316,7 +319,7 @@ class Mapper:
 
     def _check_not_own_segment(self, name: str, shm: Any) -> None:
         lent = os.fstat(shm._fd)
-        for region in self._mine:
+        for region in self._own():
             if getattr(region, "kind", "") != "shm":
                 continue
             mine = getattr(region, "_keepalive", None)

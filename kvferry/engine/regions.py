@@ -200,7 +200,9 @@ class RegionTable:
     def __init__(self, device: torch.device, max_bytes: int = 1 << 62, shm_prefix: str = "kvferry-"):
         self.device = device
         self._regions: dict[str, Region] = {}
-        self.version = 0  # changes whenever a region is added or deleted (what views of peers' memory check)
+        # Changes whenever memory is registered or let go (what views of peers' memory are checked
+        # against); a view of a region (a lease's name over memory already here) changes nothing.
+        self.version = 0
         self._max_bytes = max_bytes or default_max_bytes(device)
         self._shm_prefix = shm_prefix
         self._allocating = threading.Lock()  # one owned allocation at a time: each sees what the last took
@@ -217,6 +219,10 @@ class RegionTable:
     def all(self) -> list[Region]:
         return list(self._regions.values())
 
+    def memories(self) -> list[Region]:
+        """The regions that hold memory of their own: every one but views."""
+        return [r for r in self._regions.values() if r.view_of is None]
+
     def register(self, spec: RegionSpec) -> Region:
         """Create a region (``prepare`` then ``add``).
 
@@ -232,7 +238,8 @@ class RegionTable:
             region.release()
             raise Conflict(f"region {region.name!r} already exists")
         self._regions[region.name] = region
-        self.version += 1
+        if region.view_of is None:
+            self.version += 1
         return region
 
     def prepare(self, spec: RegionSpec) -> Region:
@@ -330,7 +337,8 @@ class RegionTable:
         if views:
             raise Conflict(f"region {name!r} has views {sorted(views)[:8]}: delete them first")
         del self._regions[name]
-        self.version += 1
+        if region.view_of is None:
+            self.version += 1
         region.release()
 
     def close(self) -> None:

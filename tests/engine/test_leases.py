@@ -12,6 +12,7 @@ import contextlib
 import os
 import time
 import uuid
+import weakref
 from multiprocessing import shared_memory
 
 import pytest
@@ -616,5 +617,47 @@ def test_a_write_that_crosses_the_revoke_is_refused_as_the_delete_and_the_delete
         with pytest.raises(NotFound):
             b.regions.get("dst")
         assert b.metrics.errors.labels("ProtocolViolation")._value.get() == 0
+
+    _run(body)
+
+
+def test_a_view_made_or_deleted_on_the_sender_keeps_what_its_map_checked():
+    """A lease of a prefill's cache is a view of it, made and deleted per request: it holds no memory
+    of its own, so the sender's checked views of lent memory stay, and a write after it is not
+    checked and mapped again."""
+    async def body(a, b, segments):
+        ids = list(range(300))
+        assert (await a.wait(a.submit(_spec(b, ids, ids)).id, 10))["state"] == "done"
+        assert (await a.wait(a.submit(_spec(b, [1], [2])).id, 10))["state"] == "done"
+        checked, version = dict(a.mapper._views), a.regions.version
+        a.regions.view("lease-1", "src")
+        assert (await a.wait(a.submit(TransferSpec(peer=b.data_address, pairs=(("lease-1", "dst"),),
+                                                   src_blocks=Blocks.of([3]), dst_blocks=Blocks.of([4]),
+                                                   codec="raw")).id, 10))["state"] == "done"
+        await a.delete_region("lease-1")
+        assert a.regions.version == version
+        assert a.mapper._views.keys() == checked.keys()
+        assert all(a.mapper._views[key] is view for key, view in checked.items())  # not made again
+        assert torch.equal(_landed(segments[-1], [2, 4]), _sent(a, [1, 3]))
+
+    _run(body)
+
+
+def test_a_region_the_sender_deletes_is_freed_without_a_later_write():
+    """The sender's map of lent memory checks targets against the sender's own regions; it must not
+    keep one the sender deleted alive (its memory would stay taken until the next write)."""
+    async def body(a, b, segments):
+        extra = await a.register_region(RegionSpec("extra", BLOCKS, BLOCK, "bfloat16"))
+        extra.tensor.copy_(a.regions.get("src").tensor)
+        ids = list(range(300))
+        spec = TransferSpec(peer=b.data_address, pairs=(("extra", "dst"),), src_blocks=Blocks.of(ids),
+                            dst_blocks=Blocks.of(ids), codec="raw")
+        assert (await a.wait(a.submit(spec).id, 10))["state"] == "done"
+        assert a.mapper._views  # checked against the sender's regions, "extra" among them
+        memory = weakref.ref(extra.tensor)
+        del extra
+        await a.delete_region("extra")
+        gc.collect()
+        assert memory() is None
 
     _run(body)
