@@ -106,8 +106,9 @@ async def get_region(name: str, e: EngineDep) -> dict:
 
 @regions.delete("/{name}", status_code=204)
 async def delete_region(name: str, e: EngineDep, request: Request, force: bool = False,
-                        drain: Annotated[float, Query(ge=0, le=MAX_DRAIN_S, description="seconds to wait for the transfers "
-                                                      "in progress to end")] = 0.0) -> Response:
+                        drain: Annotated[float, Query(ge=0, le=MAX_DRAIN_S,
+                                                      description="seconds to wait for transfers to end")] = 0.0
+                        ) -> Response:
     """409 while a transfer in progress uses it, or while it is quarantined (a sender did not
     confirm giving back its lease: ``force=true`` deletes it anyway). Work of an ended transfer
     that still reads or writes it is waited for, up to the close timeout. ``drain``: seconds to
