@@ -337,14 +337,17 @@ def test_a_mover_that_fails_is_dropped_and_the_loop_spins_on(caplog):
         def turn(self, now: float) -> None:
             raise RuntimeError("broken")
 
+    spun: list[float] = []
+
     async def main():
-        spinner = Spinner(0.2, mover=Broken())  # type: ignore[arg-type]
+        spinner = Spinner(0.2, spun.append, mover=Broken())  # type: ignore[arg-type]
         spinner.start()
         spinner.touch()
-        hot = await _cpu_while(asyncio.sleep(0.2))
+        await asyncio.sleep(0.35)
         await spinner.close()
-        return spinner.mover, hot
+        return spinner.mover
 
-    mover, hot = asyncio.run(main())
-    assert mover is None and hot > 0.05
+    # Its whole window spun (seconds of the loop's own clock: the CPU share a busy host gives the
+    # loop thread is not what is tested).
+    assert asyncio.run(main()) is None and len(spun) == 1 and spun[0] >= 0.19
     assert "stops moving off slow CPUs" in caplog.text
