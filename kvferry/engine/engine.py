@@ -200,7 +200,10 @@ class Engine:
 
         ``drain``: up to this many seconds for the transfers in progress that use it to end, new
         ones refused meanwhile (a worker shutting down under traffic); 0: refused at once while
-        one is in progress. A region whose delete fails takes transfers again.
+        one is in progress. A region whose delete fails takes transfers again. Deletes of a region
+        run one at a time, a later one once the one before has ended (it finds the region gone,
+        or tries again): run side by side, one could free the memory while the other still
+        waits for a sender to give its lease back.
 
         Raises: NotFound, Conflict (a transfer uses it, or a lease was not given back), BadRequest
         (``drain`` not within 0 to ``MAX_DRAIN_S``).
@@ -208,15 +211,14 @@ class Engine:
         if not 0 <= drain <= MAX_DRAIN_S:
             raise BadRequest(f"drain is {drain!r} seconds: from 0 to {MAX_DRAIN_S:g}")
         region = self.regions.get(name)
-        if drain == 0:
-            await self._delete_region(name, region, force)
-            return
-        region.closing = True  # takes no new transfer, either way, while the running ones end
+        region.deleting += 1  # takes no new transfer, either way, while the running ones end
         try:
-            await self._drained(region, drain)
-            await self._delete_region(name, region, force)
+            async with region.deletes:
+                if drain:
+                    await self._drained(region, drain)
+                await self._delete_region(name, region, force)
         finally:
-            region.closing = region.quarantined is not None
+            region.deleting -= 1
 
     async def _drained(self, region: Region, seconds: float) -> None:
         """Until no transfer in progress uses ``region``, at most ``seconds``."""
@@ -241,16 +243,12 @@ class Engine:
                            "once that sender is gone)")
         if views := self.regions.views(name):
             raise Conflict(f"region {name!r} has views {sorted(views)[:8]}: delete them first")
-        region.closing = True  # lent to nobody from now on
-        try:
-            silent = await self.leases.revoke(name, self.transport_config.close_timeout)
-            if silent and not force:
-                region.quarantined = (f"{', '.join(silent)} did not confirm giving back its lease within "
-                                      f"{self.transport_config.close_timeout:g} s and may still write into it")
-                raise Conflict(f"region {name!r} is quarantined, not deleted: {region.quarantined}")
-            self.regions.delete(name)
-        finally:
-            region.closing = region.quarantined is not None
+        silent = await self.leases.revoke(name, self.transport_config.close_timeout)
+        if silent and not force:
+            region.quarantined = (f"{', '.join(silent)} did not confirm giving back its lease within "
+                                  f"{self.transport_config.close_timeout:g} s and may still write into it")
+            raise Conflict(f"region {name!r} is quarantined, not deleted: {region.quarantined}")
+        self.regions.delete(name)
 
     async def _ended_work_over(self, region: Region) -> bool:
         """Wait until no ended transfer holds ``region`` (its task is over), at most ``close_timeout``;
@@ -330,7 +328,7 @@ class Engine:
         pairs, cache = [], {}
         for src, _ in spec.pairs:
             region = self.regions.get(src)
-            if region.closing and region.quarantined is None:  # a delete under way: nothing more is read from it
+            if region.deleting:  # a delete under way: nothing more is read from it
                 raise Conflict(f"region {src!r} is being deleted")
             if region.num_blocks not in cache:  # checked on the host, copied to a GPU where needed
                 cache[region.num_blocks] = Ids.of(spec.src_blocks, region.num_blocks)

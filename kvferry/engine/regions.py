@@ -4,6 +4,7 @@ opened from a worker's CUDA IPC handle. Registered once; transfers then name blo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import math
@@ -70,7 +71,8 @@ class Region:
     busy: set[str] = field(default_factory=set)  # ids of transfers reading or writing it
     axes: tuple[str, ...] | None = None
     ipc_export: tuple[bytes, int] | None = None  # cuda_ipc: the worker's (handle, offset), to lend on
-    closing: bool = False  # being deleted: lent to no sender
+    deleting: int = 0  # deletes under way or waiting their turn: lent to no sender, taking no transfer
+    deletes: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one delete at a time
     # Why the region may still be written by a sender that did not confirm a revocation: it is
     # lent to nobody, takes no transfers, and is deleted only when asked with ``force``.
     quarantined: str | None = None
@@ -79,6 +81,11 @@ class Region:
     _keepalive: Any = None  # the shared-memory mapping or IPC handle the tensor views
     _segment_fd: int = -1  # shm: the segment's descriptor, whose size is checked before each use
     view_of: str | None = None  # a view: another name over the memory of region ``view_of``
+
+    @property
+    def closing(self) -> bool:
+        """Lent to no sender and taking no transfer into it: a delete is under way, or it is quarantined."""
+        return self.deleting > 0 or self.quarantined is not None
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -106,3 +106,23 @@ def test_a_drain_that_runs_out_leaves_the_region_taking_transfers():
             b.regions.get("dst")
 
     _run(body)
+
+
+def test_a_second_delete_beside_a_draining_one_waits_its_turn_and_the_region_stays_closed():
+    async def body(a, b):
+        running = await _in_progress(a, b)
+        draining = asyncio.ensure_future(b.delete_region("dst", drain=15))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(b.delete_region("dst"))  # no drain: it waits for the first to end
+        await asyncio.sleep(0.05)
+        assert not draining.done() and not second.done()
+        with pytest.raises(TransferFailed, match="being deleted"):
+            await a.wait(a.submit(_spec(b, [0])).id, 10)
+        await draining
+        with pytest.raises(NotFound):
+            await second
+        assert (await a.wait(running, 1))["state"] == "done"
+        with pytest.raises(NotFound):
+            b.regions.get("dst")
+
+    _run(body)

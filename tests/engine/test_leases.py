@@ -317,6 +317,28 @@ def test_a_revocation_nobody_confirms_quarantines_the_region_instead_of_deleting
     _run(body)
 
 
+def test_a_second_delete_while_a_revocation_waits_frees_nothing_until_the_first_has_ended():
+    """While one delete waits for a sender to give its lease back, another delete of the region
+    (forced, even) must not free the memory that sender may still write: it waits its turn."""
+    async def body(a, b, segments):
+        ids = list(range(300))
+        assert (await a.wait(a.submit(_spec(b, ids, ids)).id, 10))["state"] == "done"
+        a.leases.on_revoke = lambda connection, name: None  # stopped: it never answers
+        first = asyncio.ensure_future(b.delete_region("dst"))
+        await asyncio.sleep(0.2)
+        second = asyncio.ensure_future(b.delete_region("dst", force=True))
+        await asyncio.sleep(0.2)
+        assert not first.done() and not second.done()  # the first waits for the REVOKED
+        assert b.regions.get("dst").quarantined is None  # still registered, its memory kept
+        with pytest.raises(Conflict, match="quarantined"):
+            await first
+        await second  # then forced, by its owner who knows that sender is gone
+        with pytest.raises(NotFound):
+            b.regions.get("dst")
+
+    _run(body)
+
+
 def test_a_name_given_to_a_new_segment_is_written_there():
     """The worker deletes its region, unlinks the segment and registers a new one under the same
     name. The sender, which still has the old segment open, writes into the new one: every block
