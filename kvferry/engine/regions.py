@@ -301,11 +301,14 @@ class RegionTable:
         The base is not deleted while a view of it exists.
 
         Raises:
-            NotFound: no region ``of``. Conflict: the name is taken. BadRequest: ``of`` is a view.
+            NotFound: no region ``of``. Conflict: the name is taken, or ``of`` is being deleted (a
+            view made while its delete waits would outlive the memory). BadRequest: ``of`` is a view.
         """
         base = self.get(of)
         if base.view_of is not None:
             raise BadRequest(f"region {of!r} is a view of {base.view_of!r}: view that region instead")
+        if base.deleting:
+            raise Conflict(f"region {of!r} is being deleted")
         if name in self._regions:
             raise Conflict(f"region {name!r} already exists")
         return self.add(Region(name, base.kind, base.num_blocks, base.block_shape, base.dtype, base._tensor,

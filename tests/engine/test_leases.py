@@ -339,6 +339,27 @@ def test_a_second_delete_while_a_revocation_waits_frees_nothing_until_the_first_
     _run(body)
 
 
+def test_no_view_is_made_of_a_region_while_its_delete_waits_for_a_revocation():
+    """A view made while the delete of its base waits for a sender's REVOKED would be left over
+    memory the delete then frees: it is refused, and the delete goes through."""
+    async def body(a, b, segments):
+        ids = list(range(300))
+        assert (await a.wait(a.submit(_spec(b, ids, ids)).id, 10))["state"] == "done"
+        answer = a.leases.on_revoke
+        a.leases.on_revoke = lambda connection, name: asyncio.get_running_loop().call_later(
+            0.5, answer, connection, name)  # a slow sender: it confirms half a second later
+        delete = asyncio.ensure_future(b.delete_region("dst"))
+        await asyncio.sleep(0.2)
+        assert not delete.done()
+        with pytest.raises(Conflict, match="being deleted"):
+            b.regions.view("dst-request", "dst")
+        await delete
+        with pytest.raises(NotFound):
+            b.regions.get("dst-request")
+
+    _run(body)
+
+
 def test_a_name_given_to_a_new_segment_is_written_there():
     """The worker deletes its region, unlinks the segment and registers a new one under the same
     name. The sender, which still has the old segment open, writes into the new one: every block
