@@ -105,7 +105,7 @@ async def get_region(name: str, e: EngineDep) -> dict:
 
 
 @regions.delete("/{name}", status_code=204)
-async def delete_region(name: str, e: EngineDep, request: Request, force: bool = False,
+async def delete_region(name: str, e: EngineDep, force: bool = False,
                         drain: Annotated[float, Query(ge=0, le=MAX_DRAIN_S,
                                                       description="seconds to wait for transfers to end")] = 0.0
                         ) -> Response:
@@ -113,8 +113,7 @@ async def delete_region(name: str, e: EngineDep, request: Request, force: bool =
     confirm giving back its lease: ``force=true`` deletes it anyway). Work of an ended transfer
     that still reads or writes it is waited for, up to the close timeout. ``drain``: seconds to
     wait for the transfers in progress to end, new ones refused (409) meanwhile."""
-    await e.delete_region(name, force, drain)
-    request.app.state.leases.forget(name)
+    await e.delete_region(name, force, drain)  # its lease, if any, ends with it (``LeaseBook.start``)
     return Response(status_code=204)
 
 

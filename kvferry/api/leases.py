@@ -60,6 +60,7 @@ class LeaseBook:
         self.generation = 0
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._engine: Engine | None = None
 
     def _bump(self) -> None:
         self.generation += 1
@@ -73,7 +74,7 @@ class LeaseBook:
         Raises: NotFound (no such region), Conflict (``name`` exists and is not a view of ``of``).
         """
         if of is None:
-            engine.regions.get(name)
+            region = engine.regions.get(name)
         else:
             try:
                 region = engine.regions.get(name)
@@ -81,6 +82,8 @@ class LeaseBook:
                 region = engine.regions.view(name, of)
             if region.view_of != of:
                 raise Conflict(f"region {name!r} exists and is not a view of {of!r}")
+        if region.deleting:  # the delete would end the lease the moment it is taken
+            raise Conflict(f"region {name!r} is being deleted")
         now = self.clock()
         lease = self.leases.get(name)
         if lease is None:
@@ -126,9 +129,15 @@ class LeaseBook:
 
     # ---- expiry -------------------------------------------------------------------------------
     def start(self, engine: Engine) -> None:
+        """Expire leases, and forget the lease of any region deleted, however it was deleted."""
+        engine.regions.deleted.append(self.forget)
+        self._engine = engine
         self._task = asyncio.get_running_loop().create_task(self._expire(engine), name="kvferry-leases")
 
     async def close(self) -> None:
+        if self._engine is not None:
+            self._engine.regions.deleted.remove(self.forget)
+            self._engine = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -140,17 +149,20 @@ class LeaseBook:
             now = self.clock()
             due = [name for name, lease in self.leases.items() if lease.expires <= now]
             for name in due:
+                lease = self.leases.get(name)
+                if lease is None or lease.expires > self.clock():
+                    continue  # renewed, or ended, while an earlier one's delete waited
                 try:
                     await engine.delete_region(name)
                 except NotFound:
-                    pass
+                    self.forget(name)
+                    continue
                 except Conflict:
                     continue  # a transfer reads it: freed once it ended
                 except EngineError as exc:  # noqa: PERF203
                     log.warning("lease %s expired but its region could not be deleted: %s", name, exc)
                     continue
                 log.info("lease %s expired without a pull: region deleted", name)
-                self.forget(name)
             nearest = min((lease.expires for lease in self.leases.values()), default=now + 1.0)
             pause = RETRY if any(n in self.leases for n in due) else nearest - self.clock()
             changed = self._changed

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -213,6 +214,8 @@ class RegionTable:
         self._max_bytes = max_bytes or default_max_bytes(device)
         self._shm_prefix = shm_prefix
         self._allocating = threading.Lock()  # one owned allocation at a time: each sees what the last took
+        # Called with a region's name once it is deleted, whichever front end asked (a lease of it ends).
+        self.deleted: list[Callable[[str], None]] = []
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -350,6 +353,8 @@ class RegionTable:
         if region.view_of is None:
             self.version += 1
         region.release()
+        for listener in self.deleted:
+            listener(name)
 
     def close(self) -> None:
         for region in self._regions.values():
