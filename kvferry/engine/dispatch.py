@@ -59,7 +59,7 @@ def on_message(ctx: TransferContext, admission: Admission, connection: transport
     elif isinstance(body, peer.Accept):
         if t is not None:
             t.mark("accepted")
-        if link.offer is not None and body.targets:
+        if link.offer is not None and body.targets and len(body.targets) == len(link.offer[0]):
             ctx.leases.hold(connection, [Held(name, target, shape, link.offer[2]) for name, shape, target
                                        in zip(link.offer[0], link.offer[1], body.targets)])
         elif link.offer is not None:

@@ -332,7 +332,7 @@ class Engine:
                 raise Conflict(f"region {src!r} is being deleted")
             if region.num_blocks not in cache:  # checked on the host, copied to a GPU where needed
                 cache[region.num_blocks] = Ids.of(spec.src_blocks, region.num_blocks)
-            per_chunk = max(1, self.chunk_bytes // region.block_bytes)
+            per_chunk = max(1, min(self.chunk_bytes, peer.MAX_CHUNK_BYTES) // region.block_bytes)
             pairs.append(Pair(region, cache[region.num_blocks], per_chunk))
         if len(spec.dst_blocks) > peer.MAX_IDS:
             raise BadRequest(f"over {peer.MAX_IDS} blocks")

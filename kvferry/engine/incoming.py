@@ -85,7 +85,12 @@ class Admission:
                 timeout, apply, t, Event(On.DEADLINE, "PeerError", f"inline chunks did not come within {timeout:g} s"))
             return
         if not writes_itself:
-            incoming.post_ahead()
+            try:
+                incoming.post_ahead()
+            except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                apply(t, Event(On.FAIL, "InsufficientStorage", f"cannot allocate its receive buffers: {reason}"))
+                return
         if targets or announce.host != bytes(16) or announce.inline_chunks < len(plan):
             connection.post_message(peer.pack(peer.Message(t.id, peer.Accept(targets))))
         t.task = asyncio.create_task(incoming.run())
@@ -187,6 +192,9 @@ class Admission:
             if region.dtype != a.dtype or region.block_shape != layout.block_shape:
                 raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
                                  f"the transfer carries {a.dtype}{list(layout.block_shape)}")
+            chunk = min(layout.blocks_per_chunk, len(a.dst_blocks)) * region.block_bytes
+            if chunk > max(peer.MAX_CHUNK_BYTES, region.block_bytes):  # what its receive buffers would take
+                raise BadRequest(f"chunks of {chunk} bytes are over the protocol's {peer.MAX_CHUNK_BYTES}")
             # Checked on the host; blocks written before their announce are never indexed here.
             key = region.num_blocks
             if key not in cache:

@@ -22,7 +22,8 @@ stands for b, b + stride, ..., count of them).
 
     ANNOUNCE  str8 codec, str8 dtype, str8 codebook ("" = none), 8 bytes codebook digest,
               blocks dst_blocks, u16 pairs, per pair: str8 dst region, u8 ndim, ndim × u32
-              block shape, u32 blocks per chunk, str8 reference region ("" = none: the receiver's
+              block shape, u32 blocks per chunk (a chunk holds at most 1 GiB of raw KV, or one block),
+              str8 reference region ("" = none: the receiver's
               region of predictor KV for the same blocks); then u32 inline chunks, 16 bytes host id
               (all 0: no same-host write offered), u8 flags (bit 0 WRITTEN: the sender already wrote
               every block into memory this connection holds a standing lease on; bit 1 TAPERED: the
@@ -95,6 +96,7 @@ INLINE_TOTAL_BYTES = 4 << 20  # and all inline chunks of a transfer together
 MAX_IDS = 1 << 20
 MAX_CHUNKS = 1 << 20  # chunks per transfer (all pairs)
 MAX_INLINE_CHUNKS = 1024  # chunks riding inline behind an announce (they are small: INLINE_TOTAL_BYTES)
+MAX_CHUNK_BYTES = 1 << 30  # raw KV per chunk (more only where one block is larger): a receiver's buffer for it
 
 
 class Kind(IntEnum):
@@ -444,14 +446,28 @@ def unpack(data: bytes | bytearray) -> Message:
     return Message(raw_id.hex(), body)
 
 
-@functools.lru_cache(maxsize=256)
+# Tails up to this long are parsed once and kept (a few pairs: the hot path); a longer one is
+# parsed each time, so that a peer cannot make the cache hold megabytes of its messages.
+CACHED_TAIL_BYTES = 1024
+
+
 def _announce_tail(data: bytes) -> tuple[tuple[PairLayout, ...], int, bytes, int, bytes, bytes]:
-    """An announce after its block list (its pairs, inline chunks, host, flags, event), parsed once
-    for each distinct tail: a sender repeats it for every transfer between the same regions.
+    """An announce after its block list (its pairs, inline chunks, host, flags, event).
 
     Raises:
-        ProtocolViolation: as ``unpack`` (a failed parse is not kept).
+        ProtocolViolation: as ``unpack``.
     """
+    return _short_tail(data) if len(data) <= CACHED_TAIL_BYTES else _parse_tail(data)
+
+
+@functools.lru_cache(maxsize=256)
+def _short_tail(data: bytes) -> tuple[tuple[PairLayout, ...], int, bytes, int, bytes, bytes]:
+    """``_parse_tail``, once for each distinct short tail: a sender repeats it for every transfer
+    between the same regions (a failed parse is not kept)."""
+    return _parse_tail(data)
+
+
+def _parse_tail(data: bytes) -> tuple[tuple[PairLayout, ...], int, bytes, int, bytes, bytes]:
     r = _Reader(data)
     (count,) = r.unpack("H")
     if not 0 < count <= MAX_PAIRS:

@@ -231,7 +231,7 @@ class RegionTable:
 
     def memories(self) -> list[Region]:
         """The regions that hold memory of their own: every one but views."""
-        return [r for r in self._regions.values() if r.view_of is None]
+        return [r for r in list(self._regions.values()) if r.view_of is None]  # asked from writing threads too
 
     def register(self, spec: RegionSpec) -> Region:
         """Create a region (``prepare`` then ``add``).
@@ -304,14 +304,17 @@ class RegionTable:
         The base is not deleted while a view of it exists.
 
         Raises:
-            NotFound: no region ``of``. Conflict: the name is taken, or ``of`` is being deleted (a
-            view made while its delete waits would outlive the memory). BadRequest: ``of`` is a view.
+            NotFound: no region ``of``. Conflict: the name is taken, ``of`` is being deleted (a view
+            made while its delete waits would outlive the memory) or quarantined. BadRequest:
+            ``of`` is a view.
         """
         base = self.get(of)
         if base.view_of is not None:
             raise BadRequest(f"region {of!r} is a view of {base.view_of!r}: view that region instead")
         if base.deleting:
             raise Conflict(f"region {of!r} is being deleted")
+        if base.quarantined:  # a view would take transfers into memory a silent sender may still write
+            raise Conflict(f"region {of!r} is quarantined: {base.quarantined}")
         if name in self._regions:
             raise Conflict(f"region {name!r} already exists")
         return self.add(Region(name, base.kind, base.num_blocks, base.block_shape, base.dtype, base._tensor,

@@ -310,6 +310,8 @@ def test_a_revocation_nobody_confirms_quarantines_the_region_instead_of_deleting
             await b.delete_region("dst")
         with pytest.raises(TransferFailed):  # nothing is written into it meanwhile
             await a.wait(a.submit(_spec(b, [0], [0])).id, 10)
+        with pytest.raises(Conflict, match="quarantined"):  # nor through a view of it
+            b.regions.view("dst-request", "dst")
         await b.delete_region("dst", force=True)
         with pytest.raises(NotFound):
             b.regions.get("dst")

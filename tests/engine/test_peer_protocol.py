@@ -196,3 +196,22 @@ def test_announces_sharing_their_tail_keep_their_own_ids_and_blocks_and_a_bad_ta
         with pytest.raises(ProtocolViolation, match="unknown announce flags"):
             peer.unpack(bytes(damaged))
     assert peer.unpack(peer.pack(sent[0])) == sent[0]
+
+
+def test_long_announce_tails_are_parsed_each_time_not_kept():
+    """A peer's announces of many pairs (a megabyte each, at most) must not stay in the parse
+    cache: 256 of them would hold gigabytes. Short tails, the hot path's, are kept."""
+    import uuid
+
+    def announce(pairs: int, tag: str) -> bytes:
+        layouts = tuple(peer.PairLayout(f"r{tag}{i}"[:255], (512,), 1) for i in range(pairs))
+        return peer.pack(peer.Message(uuid.uuid4().hex, peer.Announce("raw", "bfloat16", Blocks.of([0]), layouts)))
+
+    peer._short_tail.cache_clear()
+    for k in range(20):
+        assert len(peer.unpack(announce(200, f"{k}-")).body.pairs) == 200  # tails of ~2 KiB
+    assert peer._short_tail.cache_info().currsize == 0
+    for _ in range(3):
+        peer.unpack(announce(1, "short"))
+    info = peer._short_tail.cache_info()
+    assert info.currsize == 1 and info.hits == 2
