@@ -11,10 +11,10 @@ from typing import Any
 
 from kvferry import codec as codecs, transport
 
-from .blocks import Blocks
+from .blocks import Blocks, Ids
 from .codebooks import Codebooks, Learner
 from .driver import Driver
-from .errors import BadRequest
+from .errors import BadRequest, Conflict
 from .ipc import Mapper, WriteEvents
 from .leases import Leases
 from .links import LinkTable, Pair
@@ -65,21 +65,27 @@ class TransferContext:
         """A warning caused by a peer, rate-limited (a peer must not be able to flood the log)."""
         self.peer_log.warn(message)
 
-    def reference_for(self, region: Region, name: str, blocks: Blocks) -> Region:
-        """The region ``name`` as the reference of ``region``: the same blocks, layout and device.
+    def reference_for(self, region: Region, name: str, blocks: Blocks, checked: dict[int, Ids]) -> Region:
+        """The region ``name`` as the reference of ``region``: the same blocks, layout and device,
+        and neither being deleted nor quarantined (its values must be the ones the peer codes
+        against). ``checked``: ``blocks`` checked so far, by the number of blocks checked
+        against (a transfer's pairs share it: an announce of many pairs checks each count once).
 
         Raises:
-            NotFound, InvalidBlocks, BadRequest.
+            NotFound, InvalidBlocks, BadRequest, Conflict.
         """
         ref = self.regions.get(name)
         if ref is region:
             raise BadRequest(f"region {name!r} cannot be its own reference")
+        if ref.closing:
+            raise Conflict(f"reference region {name!r} is being deleted or quarantined")
         if (ref.dtype, ref.block_shape, ref.axes, ref.tensor.device) != (
                 region.dtype, region.block_shape, region.axes, region.tensor.device):
             raise BadRequest(f"reference {name!r} holds {ref.dtype}{list(ref.block_shape)} blocks (axes {ref.axes}) on "
                              f"{ref.tensor.device}; region {region.name!r} holds {region.dtype}"
                              f"{list(region.block_shape)} (axes {region.axes}) on {region.tensor.device}")
-        ref.resolve(blocks)
+        if ref.num_blocks not in checked:
+            checked[ref.num_blocks] = Ids.of(blocks, ref.num_blocks)
         return ref
 
     def bind(self, codec: codecs.Codec, codebook: Any, pairs: list[Pair], *, sending: bool = True) -> None:

@@ -244,9 +244,15 @@ class Engine:
         if views := self.regions.views(name):
             raise Conflict(f"region {name!r} has views {sorted(views)[:8]}: delete them first")
         silent = await self.leases.revoke(name, self.transport_config.close_timeout)
-        if silent and not force:
-            region.quarantined = (f"{', '.join(silent)} did not confirm giving back its lease within "
-                                  f"{self.transport_config.close_timeout:g} s and may still write into it")
+        timeout = self.transport_config.close_timeout
+        for other in silent.regions:  # a sender stopped mid-write may be writing those as well
+            held = self.regions.find(other)
+            if held is not None and held.quarantined is None:
+                held.quarantined = (f"{', '.join(silent.peers)} did not confirm giving back its lease of region "
+                                    f"{name!r} within {timeout:g} s and may still write into this one, lent to it too")
+        if silent.peers and not force:
+            region.quarantined = (f"{', '.join(silent.peers)} did not confirm giving back its lease within "
+                                  f"{timeout:g} s and may still write into it")
             raise Conflict(f"region {name!r} is quarantined, not deleted: {region.quarantined}")
         self.regions.delete(name)
 
@@ -343,7 +349,7 @@ class Engine:
             if len(spec.references) != len(pairs):
                 raise BadRequest(f"{len(spec.references)} reference pairs for {len(pairs)} region pairs")
             for p, (src_ref, _) in zip(pairs, spec.references):
-                p.reference = self.ctx.reference_for(p.region, src_ref, spec.src_blocks)
+                p.reference = self.ctx.reference_for(p.region, src_ref, spec.src_blocks, cache)
         candidates = self._candidates(spec.codec, pairs[0].region.tensor.dtype)
         book = self.codebooks.for_transfer(spec.codebook)
         if len(candidates) == 1:  # a codec asked for by name: refuse what it cannot code before sending

@@ -199,7 +199,8 @@ class Admission:
             key = region.num_blocks
             if key not in cache:
                 cache[key] = Ids.of(a.dst_blocks, region.num_blocks)
-            reference = self.ctx.reference_for(region, layout.reference, a.dst_blocks) if layout.reference else None
+            reference = (self.ctx.reference_for(region, layout.reference, a.dst_blocks, cache)
+                         if layout.reference else None)
             pairs.append(Pair(region, cache[key], layout.blocks_per_chunk, reference))
         if decodes:
             self.ctx.bind(codec, book, pairs, sending=False)  # frames carry what decoding needs

@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvferry import transport
 
@@ -28,6 +29,13 @@ log = logging.getLogger("kvferry.engine")
 # A receiver's refusal to lend a region may be passing (the region was being deleted, or its shared
 # memory's name no longer named it, until it is registered anew): the sender offers again this long after.
 OFFER_AGAIN_AFTER_S = 30.0
+
+
+class Unconfirmed(NamedTuple):
+    """A revocation's peers that did not confirm it, and the other regions lent to them."""
+
+    peers: list[str]
+    regions: list[str]
 
 
 @dataclass
@@ -186,15 +194,16 @@ class Leases:
         come (the memory stays lent until then; a write announced meanwhile crossed the REVOKE)."""
         return (connection, name) in self._revoking
 
-    async def revoke(self, name: str, timeout: float) -> list[str]:
+    async def revoke(self, name: str, timeout: float) -> Unconfirmed:
         """Take back every lease of region ``name``. Returns the peers that did not confirm within
         ``timeout`` seconds (their connections are closed, but a sender stopped mid-write may
-        still finish that write: the caller must not reuse the memory); empty: no sender writes
-        into it any more."""
+        still finish that write: the caller must not reuse the memory), with the other regions
+        lent to them, which the same stopped sender may be writing too; no peers: no sender
+        writes into it any more."""
         connections = [c for c in self._lent.pop(name, ()) if not c.closed]
         if not connections:
-            return []
-        silent = []
+            return Unconfirmed([], [])
+        silent, others = [], []
         loop = asyncio.get_running_loop()
         waits = {}
         for connection in connections:
@@ -207,11 +216,12 @@ class Leases:
                     log.warning("peer %s did not give back its lease of region %r within %g s: closing the connection",
                                 connection.peer, name, timeout)
                     silent.append(connection.peer)
+                    others += [other for other, holders in self._lent.items() if connection in holders]
                     await connection.close()
         finally:
             for connection in connections:
                 self._revoking.pop((connection, name), None)
-        return silent
+        return Unconfirmed(silent, sorted(set(others)))
 
     def on_revoked(self, connection: transport.Connection, name: str) -> bool:
         """A sender's REVOKED; False if no revocation of that region on that connection waits."""

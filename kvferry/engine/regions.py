@@ -226,6 +226,9 @@ class RegionTable:
         except KeyError:
             raise NotFound(f"no region named {name!r}") from None
 
+    def find(self, name: str) -> Region | None:
+        return self._regions.get(name)
+
     def all(self) -> list[Region]:
         return list(self._regions.values())
 
