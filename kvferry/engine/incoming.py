@@ -17,6 +17,7 @@ from .codebooks import codec_named
 from .context import TransferContext
 from .errors import BadRequest, Conflict, CorruptChunk, EngineError, PeerError, ProtocolViolation, UnknownCodec
 from .links import Pair, PeerLink, describe
+from .regions import DTYPES
 from .settings import Settings
 from .states import Event, On
 from .transfers import Transfer, peer_source
@@ -116,6 +117,29 @@ class Admission:
             raise BadRequest(f"a transfer of {chunks} chunks is over {peer.MAX_CHUNKS}")
         if a.inline_chunks > min(peer.MAX_INLINE_CHUNKS, chunks + 2):  # + 2: a tapered plan's extra chunks
             raise ProtocolViolation(f"{a.inline_chunks} inline chunks announced for {chunks} chunks")
+        if a.inline_chunks:
+            self._check_inline(a)
+
+    @staticmethod
+    def _check_inline(a: peer.Announce) -> None:
+        """Inline chunks are decoded on the event loop as they are read: each is held to the size
+        a sender inlines (``streaming.inline_count``), by the same arithmetic.
+
+        Raises: BadRequest, UnknownCodec, ProtocolViolation.
+        """
+        codec, dtype = codec_named(a.codec), DTYPES.get(a.dtype)
+        if dtype is None:
+            raise BadRequest(f"unknown dtype {a.dtype!r}")
+        plan = peer.plan_chunks(len(a.dst_blocks), tuple(p.blocks_per_chunk for p in a.pairs),
+                                bool(a.flags & peer.FLAG_TAPERED))
+        total = 0
+        for i in range(min(a.inline_chunks, len(plan))):
+            pair_index, _, blocks = plan[i]
+            size = codec.capacity((blocks, *a.pairs[pair_index].block_shape), dtype)
+            total += size
+            if size > peer.INLINE_CHUNK_BYTES or total > peer.INLINE_TOTAL_BYTES:
+                raise ProtocolViolation(f"inline chunk {i} may take {size} bytes ({total} so far): over the "
+                                        f"{peer.INLINE_CHUNK_BYTES} a chunk and {peer.INLINE_TOTAL_BYTES} in all")
 
     def _check_lease(self, connection: transport.Connection, a: peer.Announce) -> None:
         """A transfer written before (or while) it is announced must be raw, whole, into regions

@@ -37,8 +37,8 @@ async def _reply(raw: RawPeer, transfer_id: str) -> peer.Message:
                 return reply
 
 
-def _run(body, monkeypatch):
-    monkeypatch.setattr(peer, "MAX_CHUNK_BYTES", 4 * BLOCK[0] * 2, raising=False)  # four blocks a chunk, at most
+def _run(body, monkeypatch, chunk_limit: int = 4 * BLOCK[0] * 2):  # four blocks a chunk, at most
+    monkeypatch.setattr(peer, "MAX_CHUNK_BYTES", chunk_limit, raising=False)
 
     async def main():
         engine = Engine(Settings(data_port=0, device="cpu", transport_backend="tcp", transfer_timeout=20,
@@ -93,3 +93,24 @@ def test_a_transfer_whose_buffers_cannot_be_allocated_fails_and_frees_its_region
             engine.regions.get("dst")
 
     _run(body, monkeypatch)
+
+
+def test_an_inline_chunk_larger_than_a_sender_inlines_is_refused(monkeypatch):
+    """Inline chunks are decoded on the event loop as they are read, so they are held to the size
+    a sender inlines: a peer cannot have the loop decode a region-sized chunk."""
+    async def body(engine, raw):
+        await engine.register_region(RegionSpec("big", 64, BLOCK, "bfloat16"))  # 1 MiB
+        transfer_id = uuid.uuid4().hex
+        await raw.send_peer(peer.Message(transfer_id, peer.Announce(
+            "raw", "bfloat16", Blocks(ranges=(Range(0, 64, 1),)), (peer.PairLayout("big", BLOCK, 64),),
+            inline_chunks=1)))
+        reply = await _reply(raw, transfer_id)
+        assert isinstance(reply.body, peer.Reject) and reply.body.error == "ProtocolViolation", reply
+        assert "inline chunk 0" in reply.body.reason
+        small = uuid.uuid4().hex  # what a sender inlines: one 16 KiB block, admitted
+        await raw.send_peer(peer.Message(small, peer.Announce(
+            "raw", "bfloat16", Blocks.of([3]), (peer.PairLayout("big", BLOCK, 1),), inline_chunks=1)))
+        await asyncio.sleep(0.2)
+        assert engine.transfers.get(small).state.value == "running"
+
+    _run(body, monkeypatch, chunk_limit=1 << 30)
