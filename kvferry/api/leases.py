@@ -123,8 +123,9 @@ class LeaseBook:
     async def changes(self, after: int, wait: float) -> dict[str, Any]:
         """The leases, once the generation passed ``after`` or ``wait`` seconds passed."""
         if self.generation <= after and wait > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(wait, MAX_WAIT))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(wait, MAX_WAIT)):  # not wait_for: it can lose a cancellation
+                    await self._changed.wait()
         return self.describe()
 
     # ---- expiry -------------------------------------------------------------------------------
@@ -166,5 +167,8 @@ class LeaseBook:
             nearest = min((lease.expires for lease in self.leases.values()), default=now + 1.0)
             pause = RETRY if any(n in self.leases for n in due) else nearest - self.clock()
             changed = self._changed
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), max(0.01, min(pause, 1.0)))
+            with contextlib.suppress(TimeoutError):
+                # Not ``wait_for``: on Python 3.11 a cancellation that comes as the event is set is
+                # lost there, and this loop would never stop (a sidecar's shutdown would hang).
+                async with asyncio.timeout(max(0.01, min(pause, 1.0))):
+                    await changed.wait()

@@ -193,8 +193,9 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
                     left = until - asyncio.get_running_loop().time()
                     if absent and left <= 0:
                         raise NotFound(f"no transfer {sorted(absent)[0]} (none came within {appear:g} s)")
-                    try:
-                        await asyncio.wait_for(watcher.wake.wait(), min(HEARTBEAT, left) if absent else HEARTBEAT)
+                    try:  # not wait_for: it can lose the cancellation of a client that went away
+                        async with asyncio.timeout(min(HEARTBEAT, left) if absent else HEARTBEAT):
+                            await watcher.wake.wait()
                     except TimeoutError:
                         pass
         finally:
