@@ -484,6 +484,27 @@ class _Opened:
     device: int  # the GPU whose context holds the mapping
 
 
+def own_allocation(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` zeroed bytes of ``device`` in an allocation of their own (``cudaMalloc``, not
+    torch's caching allocator), freed when the tensor is: lent over CUDA IPC, whose handle maps a
+    whole allocation, they expose nothing else of this process.
+
+    Raises:
+        RuntimeError: the driver refused (out of memory).
+    """
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        try:
+            memory = cupy.cuda.Memory(nbytes)
+        except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.memory.OutOfMemoryError) as exc:
+            raise RuntimeError(f"cudaMalloc of {nbytes} bytes: {exc}") from None
+        cupy.cuda.runtime.memset(memory.ptr, 0, nbytes)
+        cupy.cuda.Stream.null.synchronize()  # zeroed before any stream of this process uses it
+        array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    return torch.from_dlpack(array)  # the capsule keeps ``array`` and so the allocation alive
+
+
 def address_range(pointer: int) -> tuple[int, int]:
     """(base, size) of the allocation holding ``pointer``, looked up in the current context.
 

@@ -21,6 +21,7 @@ from kvferry.codec import BlockLayout, CodebookMismatch
 
 from .blocks import Blocks
 from .errors import BadRequest, Conflict, InsufficientStorage, InvalidBlocks, NotFound, PayloadTooLarge, RegionMemoryGone
+from . import ipc
 from .ipc import close_segment
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e5m2": torch.float8_e5m2,
@@ -332,6 +333,9 @@ class RegionTable:
 
         Zeroing touches every page: an allocation the kernel grants by overcommit but cannot
         back would end the process in the OOM killer's hands, so free memory is checked first.
+        On a GPU the region is an allocation of its own (``ipc.own_allocation``): it is lent to
+        same-host senders as a CUDA IPC handle, which maps the whole allocation, and torch's
+        allocator would put other tensors of this sidecar beside it.
 
         Raises:
             InsufficientStorage: not enough free memory, or the allocator refused.
@@ -342,6 +346,8 @@ class RegionTable:
                 raise InsufficientStorage(f"region {name!r} needs {nbytes} bytes of {self.device} memory; {free} are "
                                           f"free, and {HEADROOM_BYTES} stay free for the sidecar itself")
             try:
+                if self.device.type == "cuda" and ipc.available():
+                    return ipc.own_allocation(nbytes, self.device).view(dtype).view(shape)
                 return torch.zeros(shape, dtype=dtype, device=self.device)
             except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
                 raise InsufficientStorage(f"cannot allocate region {name!r} of {nbytes} bytes on {self.device}: "
