@@ -132,14 +132,12 @@ class Admission:
             raise BadRequest(f"unknown dtype {a.dtype!r}")
         plan = peer.plan_chunks(len(a.dst_blocks), tuple(p.blocks_per_chunk for p in a.pairs),
                                 bool(a.flags & peer.FLAG_TAPERED))
-        total = 0
-        for i in range(min(a.inline_chunks, len(plan))):
-            pair_index, _, blocks = plan[i]
-            size = codec.capacity((blocks, *a.pairs[pair_index].block_shape), dtype)
-            total += size
-            if size > peer.INLINE_CHUNK_BYTES or total > peer.INLINE_TOTAL_BYTES:
-                raise ProtocolViolation(f"inline chunk {i} may take {size} bytes ({total} so far): over the "
-                                        f"{peer.INLINE_CHUNK_BYTES} a chunk and {peer.INLINE_TOTAL_BYTES} in all")
+        announced = min(a.inline_chunks, len(plan))
+        fits = peer.inline_prefix(codec.capacity((plan[i][2], *a.pairs[plan[i][0]].block_shape), dtype)
+                                  for i in range(announced))
+        if fits < announced:
+            raise ProtocolViolation(f"inline chunk {fits} is over what rides inline: {peer.INLINE_CHUNK_BYTES} "
+                                    f"bytes a chunk, {peer.INLINE_TOTAL_BYTES} in all")
 
     def _check_lease(self, connection: transport.Connection, a: peer.Announce) -> None:
         """A transfer written before (or while) it is announced must be raw, whole, into regions

@@ -74,6 +74,7 @@ import functools
 import hashlib
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -227,6 +228,19 @@ class Message:
     @property
     def kind(self) -> Kind:
         return _KIND[type(self.body)]
+
+
+def inline_prefix(sizes: Iterable[int]) -> int:
+    """How many leading chunks, of these worst-case frame sizes, may ride inline behind their
+    announce: each at most ``INLINE_CHUNK_BYTES``, together at most ``INLINE_TOTAL_BYTES``. The
+    sender plans by it and the receiver holds announces to it (it decodes them on its loop)."""
+    count = total = 0
+    for size in sizes:
+        total += size
+        if size > INLINE_CHUNK_BYTES or total > INLINE_TOTAL_BYTES:
+            break
+        count += 1
+    return count
 
 
 def codebook_digest(codebook_json: str) -> bytes:

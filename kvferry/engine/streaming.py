@@ -24,14 +24,14 @@ from .transfers import Transfer
 
 def inline_count(plan: list[tuple[int, int, int]], pairs: list[Pair], codec: codecs.Codec) -> int:
     """How many leading chunks of ``plan`` may ride inline (host memory, each and all small)."""
-    total = 0
-    for index, (pair_index, _, blocks) in enumerate(plan):
-        region = pairs[pair_index].region
-        size = codec.capacity((blocks, *region.block_shape), region.tensor.dtype)
-        total += size
-        if region.tensor.is_cuda or size > peer.INLINE_CHUNK_BYTES or total > peer.INLINE_TOTAL_BYTES:
-            return index
-    return len(plan)
+    def sizes() -> Iterator[int]:
+        for pair_index, _, blocks in plan:
+            region = pairs[pair_index].region
+            if region.tensor.is_cuda:
+                return
+            yield codec.capacity((blocks, *region.block_shape), region.tensor.dtype)
+
+    return peer.inline_prefix(sizes())
 
 
 class Chunks:
