@@ -50,13 +50,25 @@ class Admission:
                                                    f"{kind}: {reason}")
             connection.post_message(peer.pack(peer.Message(transfer_id, peer.Reject(kind, reason))))
             return
+        try:
+            self._admit(connection, t, pairs, codec, announce)
+        except Exception as exc:  # recorded already: whatever fails now ends it, told to the sender
+            log.exception("admitting transfer %s failed", t.id)
+            if self.ctx.links.get(t.id) is None:
+                self.ctx.links.add(t, PeerLink(connection))
+            self.ctx.driver.apply(t, Event(On.FAIL, "EngineError", f"admission failed: {type(exc).__name__}: {exc}"))
+
+    def _admit(self, connection: transport.Connection, t: Transfer, pairs: list[Pair], codec: codecs.Codec,
+               announce: peer.Announce) -> None:
+        """The admitted transfer started: done at once where it was written, else its plan, its
+        receives or its lease, and its task."""
         apply = self.ctx.driver.apply
         if announce.flags & peer.FLAG_WRITTEN:  # nothing to come: no plan
             self._written(connection, t, pairs)
             return
         plan = peer.plan_chunks(len(announce.dst_blocks), tuple(p.blocks_per_chunk for p in announce.pairs),
                                 bool(announce.flags & peer.FLAG_TAPERED))
-        tags = peer.ChunkTags(transfer_id, len(plan))
+        tags = peer.ChunkTags(t.id, len(plan))
         if announce.flags & peer.FLAG_WRITING:  # being written: done once the sender's event is reached
             end = self.ctx.events.open(announce.event, announce.event_gpu,
                                        ipc.event_device(pairs[0].region.tensor.device), connection)
@@ -130,6 +142,8 @@ class Admission:
         codec, dtype = codec_named(a.codec), DTYPES.get(a.dtype)
         if dtype is None:
             raise BadRequest(f"unknown dtype {a.dtype!r}")
+        if not codec.supports(dtype):
+            raise BadRequest(f"codec {a.codec!r} does not code {a.dtype}")
         plan = peer.plan_chunks(len(a.dst_blocks), tuple(p.blocks_per_chunk for p in a.pairs),
                                 bool(a.flags & peer.FLAG_TAPERED))
         announced = min(a.inline_chunks, len(plan))
@@ -214,6 +228,8 @@ class Admission:
             if region.dtype != a.dtype or region.block_shape != layout.block_shape:
                 raise BadRequest(f"region {region.name!r} holds {region.dtype}{list(region.block_shape)} blocks, "
                                  f"the transfer carries {a.dtype}{list(layout.block_shape)}")
+            if not codec.supports(region.tensor.dtype):  # its capacity and decode would raise later
+                raise BadRequest(f"codec {a.codec!r} does not code region {region.name!r}'s {region.dtype}")
             chunk = min(layout.blocks_per_chunk, len(a.dst_blocks)) * region.block_bytes
             if chunk > max(peer.MAX_CHUNK_BYTES, region.block_bytes):  # what its receive buffers would take
                 raise BadRequest(f"chunks of {chunk} bytes are over the protocol's {peer.MAX_CHUNK_BYTES}")

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 SECRET = "hostile-announces"
 
 
-def _announce(transfer_id: str, blocks: Blocks, per_chunk: int = 1, inline: int = 0, region: str = "dst") -> peer.Message:
-    return peer.Message(transfer_id, peer.Announce("raw", "bfloat16", blocks, (peer.PairLayout(region, (512,), per_chunk),),
+def _announce(transfer_id: str, blocks: Blocks, per_chunk: int = 1, inline: int = 0, region: str = "dst",
+              codec: str = "raw", dtype: str = "bfloat16") -> peer.Message:
+    return peer.Message(transfer_id, peer.Announce(codec, dtype, blocks, (peer.PairLayout(region, (512,), per_chunk),),
                                                    inline_chunks=inline))
 
 
@@ -117,6 +118,32 @@ def test_a_transfer_aborted_in_the_announces_own_write_ends(receiver, follow):
     record = _record(receiver.client, transfer_id)
     assert record and record["state"] in ("failed", "cancelled"), record
     receiver.client.delete_region("dst")  # not held by a transfer that never ends
+
+
+@pytest.mark.parametrize("inline", [0, 1], ids=["streamed", "inline"])
+def test_a_codec_that_cannot_code_the_regions_dtype_is_refused_at_once(daemon, inline):
+    """tca-tbe codes bfloat16 only: into a float16 region, the announce is refused with a reason,
+    not admitted to fail in its receive buffers' sizing (and stay running, holding the region)."""
+    daemon.client.create_region("half", 8, [512], "float16")
+    transfer_id = uuid.uuid4().hex
+
+    async def main():
+        raw = await RawPeer.connect(daemon.data, SECRET.encode())
+        try:
+            await raw.link.send(_msg(raw, _announce(transfer_id, Blocks(ids=(0, 1)), inline=inline, region="half",
+                                                    codec="tca-tbe", dtype="float16")))
+            message, payload = await asyncio.wait_for(raw.recv(), 5)
+            reply = peer.unpack(payload)
+            assert isinstance(reply.body, peer.Reject) and reply.transfer_id == transfer_id
+            assert reply.body.error == "BadRequest" and "tca-tbe" in reply.body.reason
+        finally:
+            await raw.close()
+
+    try:
+        asyncio.run(main())
+        assert all(t["state"] != "running" for t in daemon.client.transfers(direction="in"))
+    finally:
+        daemon.client.delete_region("half")  # not held by a transfer that never ends
 
 
 def test_silent_announces_neither_stay_running_nor_lock_out_the_sidecars_own_transfers():
