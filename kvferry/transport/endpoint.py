@@ -40,6 +40,7 @@ class Listener:
         self._connections: set[Connection] = set()
         self._authenticated = 0  # links past the handshake, connected
         self._handshaking: dict[Link, str | None] = {}  # link -> its source address, oldest first
+        self._handshake_tasks: dict[Link, asyncio.Task] = {}  # link -> the handler running its handshake
         self._sources: Counter[str | None] = Counter()  # source address -> its links in the handshake
         self._closed = False
         self._refusals = RateLimitedLog(log)
@@ -55,19 +56,30 @@ class Listener:
             return
         self._handshaking[link] = source  # counted before anything awaits
         self._sources[source] += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._handshake_tasks[link] = task
         try:
-            if evicted is not None:
-                await evicted.close()
+            if evicted is not None:  # its own handler closes its link, with nothing of its left waiting
+                handler = self._handshake_tasks.get(evicted)
+                if handler is not None:
+                    handler.cancel()
+                else:
+                    await evicted.close()
             session = await handshake.acceptor(link, self._config.secret, self._config.connect_timeout,
                                                offer_of(self._config))
         except LinkAbsorbed:
             return
+        except asyncio.CancelledError:  # made room for another, or the listener closes
+            await link.close()
+            raise
         except TransportError as exc:
             if link in self._handshaking:  # not closed to make room for another
                 self._refusals.warn(f"refused a connection from {link.peer}: {type(exc).__name__}: {exc}")
             return
         finally:
             self._forget(link)
+            self._handshake_tasks.pop(link, None)
         if self._closed or self._authenticated >= self._config.max_connections:
             if not self._closed:
                 self._refusals.warn(f"refused a connection from {link.peer}: {self._authenticated} connections "
@@ -81,8 +93,8 @@ class Listener:
             self._authenticated -= 1
 
     def _admit(self, source: str | None) -> tuple[str | None, Link | None]:
-        """(why a handshake from ``source`` is refused, or None; the handshaking link to close
-        for it, where fair)."""
+        """(why a handshake from ``source`` is refused, or None; the handshaking link to end for
+        it, where fair)."""
         config = self._config
         if self._authenticated >= config.max_connections:
             return f"{self._authenticated} connections already (max_connections)", None

@@ -167,6 +167,8 @@ class Reader:
             receive.total = m.total
         if m.total != receive.total or m.offset + m.length > receive.total:
             raise ProtocolError(f"DATA for {m.tag:#x} outside the announced {receive.total} bytes")
+        if m.offset != receive.received:  # a payload is sent in order: done means every byte came
+            raise ProtocolError(f"DATA for {m.tag:#x} at byte {m.offset}, where {receive.received} came before")
         region = receive.buffer.region(m.offset, m.offset + m.length)
         digest = bool(m.flags & wire.FLAG_DIGEST)
         if not m.length:  # an empty transfer's one DATA: no payload, so no payload tag

@@ -329,10 +329,15 @@ class TcpLink(Link):
         if not self._closed and not self._absorbed:
             self._closed = True
             for sock in self._socks:
-                _close(sock)
+                _close(sock, self._loop)
 
 
-def _close(sock: socket.socket) -> None:
+def _close(sock: socket.socket, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Shut down and close ``sock``, off ``loop``'s watch first: a read or write still waiting on it
+    would leave its descriptor registered, and the next socket given that number never be watched."""
+    if loop is not None and sock.fileno() >= 0:
+        loop.remove_reader(sock)
+        loop.remove_writer(sock)
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:

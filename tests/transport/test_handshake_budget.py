@@ -121,3 +121,30 @@ def test_handshakes_still_end_at_connect_timeout():
             await listener.close()
 
     run(main())
+
+
+def test_a_handshake_closed_to_make_room_leaves_nothing_behind_for_the_next_socket():
+    """The handshake made room for is ended by its own handler: the next socket the listener accepts
+    (which the system gives the freed descriptor) is watched like any other, so a peer connecting
+    after a flood from several addresses gets in at once, each time."""
+    async def main():
+        cfg = config("tcp", secret=b"s", max_handshaking_connections=4, max_handshaking_per_source=2,
+                     connect_timeout=3.0)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        flood = []
+        try:
+            for round_ in range(3):
+                for i in range(6):  # silent, from six addresses, outside this loop: room is made twice a round
+                    s = socket.create_connection(("127.0.0.1", listener.port), timeout=5,
+                                                 source_address=(f"127.0.0.{2 + i}", 0))
+                    flood.append(s)
+                    await asyncio.sleep(0.05)
+                good = await asyncio.wait_for(transport.connect("127.0.0.1", listener.port, cfg), 2.5)
+                await good.send_message(b"hello")
+                await good.close()
+        finally:
+            for s in flood:
+                s.close()
+            await listener.close()
+
+    run(main())

@@ -149,3 +149,29 @@ def test_a_control_write_that_fails_fails_the_connection(monkeypatch):
         await listener.close()
 
     run(main(), timeout=30)
+
+
+def test_data_out_of_order_fails_the_connection_not_a_receive_reported_whole():
+    """A receive is whole when every byte came, not when as many bytes came: a peer that sends the
+    first half twice (and the second never) loses its connection, and the receive fails."""
+    from tests.rawpeer import RawPeer
+    from kvferry.transport.wire import Message, MessageType
+
+    async def main():
+        cfg = config("tcp", secret=b"s" * 16)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        raw = await RawPeer.connect(f"127.0.0.1:{listener.port}", b"s" * 16, transport.handshake.Offer(cfg.protocol))
+        try:
+            await asyncio.sleep(0.1)
+            buffer = bytearray(b"\xaa" * 2048)
+            receive = next(iter(listener._connections)).grant(7, buffer, tell=False)
+            half = Message(MessageType.DATA, 7, 0, 1024, 2048)
+            await raw.link.send(raw.seal(half, bytes(1024)) + raw.seal(half, bytes(1024)))
+            with pytest.raises(transport.TransportError):
+                await receive.wait(5.0)
+            assert buffer[1024:] == b"\xaa" * 1024
+        finally:
+            await raw.close()
+            await listener.close()
+
+    run(main())
