@@ -38,7 +38,7 @@ import asyncio
 import socket
 import struct
 import threading
-import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from .errors import ProtocolError
@@ -53,6 +53,10 @@ SLICE = 16 << 20  # the largest slice a sender deals from host memory; the recei
 MIN_SLICE = 64 << 10  # the smallest a receiver takes, but for the payload's last
 DEALT_FLOOR = 1 << 20  # the smallest a sender deals, but for the payload's last
 SLICE_HEADER = struct.Struct("<QI")
+# Lanes waiting for their link's lane 0 (``Gathering``): at most this many sockets, and from one
+# address at most two links' worth.
+MAX_WAITING_LANES = 256
+MAX_WAITING_LANES_PER_SOURCE = 2 * (MAX_LANES - 1)
 
 
 def pack_preamble(index: int, count: int, link_id: bytes) -> bytes:
@@ -174,55 +178,98 @@ class Tally:
 
 
 class Gathering:
-    """A listener's lanes waiting for the rest of their link: bounded in groups and in time, so
+    """A listener's lanes waiting for the rest of their link: bounded in sockets and in time, so
     sockets that never make a link cost no more than their own descriptors, briefly. Lane 0
-    awaits the others (inside its handshake's deadline); the others are handed to it."""
+    awaits the others (inside its handshake's deadline and budget); the others are handed to it.
 
-    def __init__(self, timeout: float, max_groups: int = 64):
+    Lanes 1... leave the handshake's budget as they are filed here, so they have their own: at
+    most ``max_sockets`` wait, ``max_per_source`` from one address. When all are taken, a lane
+    from an address holding fewer than the address holding the most closes that address's oldest
+    group still without its lane 0 (fair shares, as for handshakes), else it is refused. A group
+    not whole within ``timeout`` is closed by its own timer.
+    """
+
+    def __init__(self, timeout: float, max_sockets: int = MAX_WAITING_LANES,
+                 max_per_source: int = MAX_WAITING_LANES_PER_SOURCE):
         self._timeout = timeout
-        self._max_groups = max_groups
+        self._max_sockets = max_sockets
+        self._max_per_source = max_per_source
         self._groups: dict[bytes, _Group] = {}
+        self._held: Counter[str] = Counter()  # source -> its lanes 1... waiting here
 
-    def add(self, link_id: bytes, index: int, count: int, sock: socket.socket) -> asyncio.Future:
-        """File lane ``index`` of ``count``; the future gives lane 0 the sockets of lanes 1...
-        once all are here.
+    def add(self, link_id: bytes, index: int, count: int, sock: socket.socket, source: str = "") -> asyncio.Future:
+        """File lane ``index`` of ``count`` from ``source``; the future gives lane 0 the sockets of
+        lanes 1... once all are here.
 
         Raises:
-            ProtocolError: a lane its group already has, or a count that contradicts it.
+            ProtocolError: a lane its group already has, a count or address that contradicts it,
+                or one over the budget.
         """
-        now = time.monotonic()
-        for key in [key for key, group in self._groups.items() if now - group.born > self._timeout]:
-            self._groups.pop(key).fail("its other lanes did not arrive in time")
         group = self._groups.get(link_id)
-        if group is None:
-            if len(self._groups) >= self._max_groups:
-                self._groups.pop(next(iter(self._groups))).fail("too many links waiting for their lanes")
-            group = self._groups[link_id] = _Group(now, count)
-        if count != group.count or index in group.lanes or (index == 0 and group.has_first):
+        if group is not None and (count != group.count or source != group.source or index in group.lanes
+                                  or (index == 0 and group.has_first)):
             raise ProtocolError(f"lane {index} of {count} does not fit its link")
         if index:
+            self._make_room(source)
+        if group is None:
+            group = self._groups[link_id] = _Group(count, source)
+            group.timer = asyncio.get_running_loop().call_later(
+                self._timeout, self._drop, link_id, "its other lanes did not arrive in time")
+        if index:
             group.lanes[index] = sock
+            self._held[source] += 1
         else:
             group.has_first = True
         if group.has_first and len(group.lanes) == count - 1:
-            del self._groups[link_id]
+            self._remove(link_id)
             if group.done.cancelled():
                 group.close()  # lane 0 gave up meanwhile
             else:
                 group.done.set_result([group.lanes[i] for i in range(1, count)])
         return group.done
 
+    def _make_room(self, source: str) -> None:
+        """Room for one more lane from ``source``.
+
+        Raises:
+            ProtocolError: none is made for it.
+        """
+        if self._held[source] >= self._max_per_source:
+            raise ProtocolError(f"{self._held[source]} lanes from {source} wait for their links already")
+        if sum(self._held.values()) < self._max_sockets:
+            return
+        heaviest = max(self._held.values())
+        if self._held[source] < heaviest:
+            for key, group in self._groups.items():  # oldest first
+                if self._held[group.source] == heaviest and not group.has_first and group.lanes:
+                    self._drop(key, "too many lanes waiting for their links")
+                    return
+        raise ProtocolError(f"{sum(self._held.values())} lanes wait for their links already")
+
+    def _remove(self, link_id: bytes) -> _Group:
+        group = self._groups.pop(link_id)
+        if group.timer is not None:
+            group.timer.cancel()
+        self._held[group.source] -= len(group.lanes)
+        if self._held[group.source] <= 0:
+            del self._held[group.source]
+        return group
+
+    def _drop(self, link_id: bytes, why: str) -> None:
+        if link_id in self._groups:
+            self._remove(link_id).fail(why)
+
     def drain(self) -> None:
         """Close every waiting lane (the listener is closing)."""
-        for group in self._groups.values():
-            group.fail("the listener closed")
-        self._groups.clear()
+        for link_id in list(self._groups):
+            self._drop(link_id, "the listener closed")
 
 
 class _Group:
-    def __init__(self, born: float, count: int):
-        self.born = born
+    def __init__(self, count: int, source: str):
         self.count = count
+        self.source = source
+        self.timer: asyncio.TimerHandle | None = None
         self.lanes: dict[int, socket.socket] = {}
         self.has_first = False
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()

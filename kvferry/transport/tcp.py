@@ -319,7 +319,7 @@ class TcpLink(Link):
         index, count, link_id = lanes_.unpack_preamble(await self.recv_header(lanes_.PREAMBLE.size))
         if index and self._tail != self._head:
             raise ProtocolError("bytes on a lane before its link was made")
-        waiting = gathering.add(link_id, index, count, self._sock)
+        waiting = gathering.add(link_id, index, count, self._sock, self.peer.rpartition(":")[0])
         if index:
             self._absorbed = True
             raise LinkAbsorbed(f"lane {index} of a link from {self.peer}")

@@ -119,22 +119,40 @@ def test_a_lane_with_bytes_before_its_link_is_closed():
     run(main(), timeout=30)
 
 
-def test_the_gathering_bounds_waiting_links():
+def test_the_gathering_bounds_waiting_lanes_by_address_and_in_all():
+    """Lanes 1... waiting for their link's lane 0 have a budget of their own: per address, and in
+    all, where an address holding fewer closes the oldest lane-0-less group of the one holding the
+    most; a group that never becomes whole is closed by its own timer, with no other lane coming."""
     async def main():
-        gathering = lanes.Gathering(timeout=60, max_groups=2)
-        socks = [socket.socket() for _ in range(3)]
-        first = gathering.add(b"a" * 16, 1, 2, socks[0])
-        gathering.add(b"b" * 16, 1, 2, socks[1])
-        gathering.add(b"c" * 16, 1, 2, socks[2])  # evicts the oldest link: its lane is closed
-        assert isinstance(first.exception(), transport.ProtocolError) and socks[0].fileno() == -1
+        gathering = lanes.Gathering(timeout=60, max_sockets=4, max_per_source=3)
+        flood = [socket.socket() for _ in range(4)]
+        first = gathering.add(b"a" * 16, 1, 3, flood[0], "198.18.0.2")
+        gathering.add(b"a" * 16, 2, 3, flood[1], "198.18.0.2")
+        gathering.add(b"b" * 16, 1, 2, flood[2], "198.18.0.2")
+        with pytest.raises(transport.ProtocolError):  # a fourth from one address
+            gathering.add(b"c" * 16, 1, 2, socket.socket(), "198.18.0.2")
+        gathering.add(b"d" * 16, 1, 2, flood[3], "198.18.0.3")
+        peer = socket.socket()
+        gathering.add(b"e" * 16, 1, 2, peer, "198.18.0.4")  # all four taken: .2's oldest group goes
+        assert isinstance(first.exception(), transport.ProtocolError)
+        assert flood[0].fileno() == -1 and flood[1].fileno() == -1 and flood[2].fileno() != -1
+        gathering.add(b"f" * 16, 1, 2, socket.socket(), "198.18.0.3")  # room again: four wait
+        with pytest.raises(transport.ProtocolError):  # from the address holding the most: refused
+            gathering.add(b"g" * 16, 1, 2, socket.socket(), "198.18.0.3")
         with pytest.raises(transport.ProtocolError):
-            gathering.add(b"b" * 16, 1, 2, socket.socket())  # lane 1 twice
+            gathering.add(b"e" * 16, 1, 2, socket.socket(), "198.18.0.4")  # lane 1 twice
         with pytest.raises(transport.ProtocolError):
-            gathering.add(b"b" * 16, 0, 3, socket.socket())  # another count
-        done = gathering.add(b"c" * 16, 0, 2, socket.socket())
-        assert done.result() == [socks[2]]
+            gathering.add(b"e" * 16, 0, 2, socket.socket(), "198.18.0.5")  # lane 0 from another address
+        done = gathering.add(b"e" * 16, 0, 2, socket.socket(), "198.18.0.4")
+        assert done.result() == [peer] and peer.fileno() != -1
         gathering.drain()
-        assert socks[1].fileno() == -1
+        assert all(s.fileno() == -1 for s in flood)
+
+        timed = lanes.Gathering(timeout=0.2)
+        lone = socket.socket()
+        waiting = timed.add(b"h" * 16, 1, 2, lone, "198.18.0.2")
+        await asyncio.sleep(0.5)  # nothing else arrives: its timer closes it
+        assert isinstance(waiting.exception(), transport.ProtocolError) and lone.fileno() == -1
 
     run(main(), timeout=10)
 
