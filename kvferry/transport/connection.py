@@ -40,6 +40,15 @@ from .waiting import until_ready
 from .wire import Message, MessageType
 
 OnMessage = Callable[["Connection", bytearray], None]  # the payload is the callee's to keep
+# Replies and messages queued behind a busy link, in bytes, each item counted with what keeping it
+# costs: a peer that keeps asking (DATA nobody granted, each answered by a REJECT) and never reads
+# fails its connection here instead of growing this process by more than it sent.
+MAX_CONTROL_BACKLOG = 64 << 20
+_ITEM_COST = 256
+
+
+def _cost(item: object) -> int:
+    return _ITEM_COST + (len(item) if isinstance(item, bytes) else 0)
 
 
 class Connection(Reader):
@@ -70,6 +79,7 @@ class Connection(Reader):
         self.last_activity = time.monotonic()
         self.progress = Progress()  # payload bytes landed here, for the receives it carries
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self._backlog = 0  # bytes queued in _control, each item counted with its keep
         self._controller = asyncio.get_running_loop().create_task(self._control_loop())
 
     @property
@@ -118,11 +128,14 @@ class Connection(Reader):
             return
         if not self._control.empty() or not self._try_lock():
             for message, payload in messages:
-                self._control.put_nowait(message)
+                self._queue(message)
                 if payload is not None:
-                    self._control.put_nowait(bytes(payload))
+                    self._queue(bytes(payload))
             if written is not None:
-                self._control.put_nowait(written)
+                self._queue(written)
+            if self._backlog > MAX_CONTROL_BACKLOG:  # the peer sends and does not read what it asks for
+                asyncio.ensure_future(self._fail(ProtocolError(
+                    f"{self._backlog} bytes of replies queued for a peer that does not read them")))
             return
         try:
             write = self._write_locked(messages)
@@ -392,6 +405,15 @@ class Connection(Reader):
         self._receives.pop(receive.tag, None)
         receive._finish()
 
+    def _queue(self, item: Message | bytes | Callable[[], None]) -> None:
+        self._backlog += _cost(item)
+        self._control.put_nowait(item)
+
+    def _dequeue(self) -> Message | bytes | Callable[[], None] | None:
+        item = self._control.get_nowait()
+        self._backlog -= _cost(item)
+        return item
+
     async def _control_loop(self) -> None:
         """Writes CTS, REJECT, ACK and queued MSGs, so the reader never blocks on the link; what
         queued up meanwhile goes out in one write."""
@@ -399,6 +421,7 @@ class Connection(Reader):
             batch: list[tuple[Message, Any]] = []
             written: list[Callable[[], None]] = []  # posters told once what they posted is out
             item = await self._control.get()
+            self._backlog -= _cost(item)
             while True:
                 if item is None:
                     if batch:
@@ -406,14 +429,14 @@ class Connection(Reader):
                             await self._write_many(batch)
                     return
                 if isinstance(item, Message) and item.type in (MessageType.REJECT, MessageType.MSG):
-                    batch.append((item, memoryview(self._control.get_nowait())))
+                    batch.append((item, memoryview(self._dequeue())))
                 elif isinstance(item, Message):
                     batch.append((item, None))
                 else:
                     written.append(item)
                 if self._control.empty():
                     break
-                item = self._control.get_nowait()
+                item = self._dequeue()
             try:
                 if batch:
                     await self._write_many(batch)

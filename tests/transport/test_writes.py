@@ -175,3 +175,42 @@ def test_data_out_of_order_fails_the_connection_not_a_receive_reported_whole():
             await listener.close()
 
     run(main())
+
+
+def test_a_peer_that_asks_and_never_reads_fails_its_connection_not_this_process(monkeypatch):
+    """DATA nobody granted is answered with a REJECT each; a peer that sends such headers and stops
+    reading fills the queue of replies behind the full link: past its bound, the connection fails
+    instead of the queue growing with every 80 bytes the peer sends."""
+    import socket
+
+    from kvferry.transport import connection as connection_module
+    from kvferry.transport.wire import Message, MessageType
+
+    monkeypatch.setattr(connection_module, "MAX_CONTROL_BACKLOG", 1 << 20)
+
+    async def main():
+        cfg = config("tcp", secret=b"s" * 16, op_timeout=60.0)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        client = await transport.connect("127.0.0.1", listener.port, cfg)
+        client.link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its kernel holds little
+        client._reader.cancel()  # the peer stops reading
+        await asyncio.sleep(0.1)
+        server = next(iter(listener._connections))
+        loop = asyncio.get_running_loop()
+        try:
+            async with client._write_lock:
+                for start in range(0, 100_000, 1000):
+                    headers = [(Message(MessageType.DATA, 1_000_000 + start + i, 0, 0, 0), None) for i in range(1000)]
+                    try:
+                        await asyncio.wait_for(loop.sock_sendall(client.link._sock, b"".join(client._parts(headers))), 10)
+                    except (OSError, TimeoutError):
+                        break  # closed by the listener: what this test waits for
+                    if server.closed:
+                        break
+            await asyncio.wait_for(server.wait_closed(), 10)
+            assert server._backlog < 2 << 20  # the bound, and what was read before the connection failed
+        finally:
+            await client.close()
+            await listener.close()
+
+    run(main())
