@@ -390,6 +390,7 @@ class Connection(Reader):
             return
         receive.total = total
         receive.bind(self.progress)
+        receive._owner = self._receives  # one that fails leaves this connection idle, to be closed
         self._receives[receive.tag] = receive
         self._post([(Message(MessageType.CTS, receive.tag, total=total), None)])
         if total == 0:

@@ -214,3 +214,31 @@ def test_a_peer_that_asks_and_never_reads_fails_its_connection_not_this_process(
             await listener.close()
 
     run(main())
+
+
+def test_a_receive_posted_in_the_mailbox_that_times_out_leaves_its_connection_idle():
+    """A peer that stalls mid-payload (its socket open, as one that vanished without a FIN): the
+    receive fails at its deadline, and the connection it came on, with nothing else in flight, is
+    closed as idle rather than held, with its slot, for as long as the socket stays open."""
+    from kvferry.transport.wire import Message, MessageType
+
+    async def main():
+        cfg = config("tcp", secret=b"s" * 16, op_timeout=1.0, idle_timeout=1.0, close_timeout=0.5)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        receive = listener.expect(7, bytearray(1 << 20))
+        client = await transport.connect("127.0.0.1", listener.port, cfg)
+        try:
+            await client._write(Message(MessageType.RTS, 7, total=1 << 20))
+            await asyncio.sleep(0.2)
+            async with client._write_lock:
+                parts = client._parts([(Message(MessageType.DATA, 7, 0, 1 << 20, 1 << 20), memoryview(bytes(1 << 20)))])
+                await asyncio.get_running_loop().sock_sendall(client.link._sock, parts[0] + bytes(parts[1][:1000]))
+            with pytest.raises(transport.TransportTimeout):
+                await receive.wait(1.0)
+            server = next(iter(listener._connections))
+            await asyncio.wait_for(server.wait_closed(), 10)
+        finally:
+            await client.close()
+            await listener.close()
+
+    run(main())
