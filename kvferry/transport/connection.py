@@ -88,8 +88,9 @@ class Connection(Reader):
 
     @property
     def idle(self) -> bool:
-        """Nothing in flight either way (an idle connection may be closed without harm)."""
-        return not self._sends and not self._receives
+        """Nothing in flight either way (an idle connection may be closed without harm). A receive
+        that failed is not in flight: it stays only to refuse the rest of its payload by name."""
+        return not self._sends and all(receive.done for receive in self._receives.values())
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
@@ -390,7 +391,6 @@ class Connection(Reader):
             return
         receive.total = total
         receive.bind(self.progress)
-        receive._owner = self._receives  # one that fails leaves this connection idle, to be closed
         self._receives[receive.tag] = receive
         self._post([(Message(MessageType.CTS, receive.tag, total=total), None)])
         if total == 0:

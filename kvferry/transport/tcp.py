@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from .config import TransportConfig
 from .errors import ConnectError, LinkAbsorbed, PeerLost, ProtocolError, TransportClosed, TransportTimeout
@@ -82,6 +83,7 @@ class TcpLink(Link):
         self._io_timeout = io_timeout  # a worker thread's socket calls give up after this long idle
         self._staged_out = [DeviceStaging()]
         self._staged_in = [DeviceStaging()]
+        self._workers: ThreadPoolExecutor | None = None  # this link's own: see ``_in_threads``
         try:
             if self.local:  # both ends see the listener's name: "unix:" and its TCP port
                 name = sock.getpeername() or sock.getsockname()  # abstract names come back as bytes
@@ -160,11 +162,19 @@ class TcpLink(Link):
         try:
             # Submitted here and now, not a loop turn later: a GPU call launched by the next
             # task must not hold a payload back from its lanes.
-            await asyncio.gather(*(self._loop.run_in_executor(None, call) for call in calls))
+            await asyncio.gather(*(self._loop.run_in_executor(self._threads(), call) for call in calls))
         except TransportTimeout:  # a worker thread's socket call saw no progress
             raise
         except OSError as exc:
             raise self._lost(exc) from exc
+
+    def _threads(self) -> ThreadPoolExecutor:
+        """This link's worker threads, up to two a lane (a send and a receive on each at once): a peer that
+        stalls or drips a payload holds its own link's threads, never the process's shared ones,
+        which decode and copy for every other transfer."""
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(2 * lanes_.MAX_LANES, thread_name_prefix="kvferry-lane")
+        return self._workers
 
     def _send_lane(self, lane: int, payload: Any, deal: Callable[[], tuple[int, int] | None] | None) -> None:
         """Send ``payload`` whole on ``lane``, or with ``deal`` the slices this lane takes from it."""
@@ -330,6 +340,8 @@ class TcpLink(Link):
             self._closed = True
             for sock in self._socks:
                 _close(sock, self._loop)
+            if self._workers is not None:  # their calls end with their sockets
+                self._workers.shutdown(wait=False)
 
 
 def _close(sock: socket.socket, loop: asyncio.AbstractEventLoop | None = None) -> None:

@@ -340,3 +340,27 @@ def test_a_listener_of_another_lanes_version_is_named_as_the_likely_cause():
         server.close()
 
     run(main(), timeout=30)
+
+
+def test_a_peer_stalling_a_dealt_payload_holds_only_its_own_links_threads():
+    """A peer with the secret announces a 64 MiB payload dealt over its 16 lanes and sends none of
+    it: the lanes' reads wait in threads of that link's own, and the process's shared threads (which
+    decode and copy for every other transfer) stay free meanwhile."""
+    from kvferry.transport.wire import Message, MessageType
+
+    async def main():
+        cfg = config("tcp", secret=b"s" * 16, op_timeout=4.0, tcp_lanes=16)
+        listener = await transport.listen("127.0.0.1", 0, cfg)
+        client = await transport.connect("127.0.0.1", listener.port, cfg)
+        try:
+            async with client._write_lock:
+                header = client._parts([(Message(MessageType.DATA, 99, 0, 64 << 20, 64 << 20),
+                                         memoryview(bytearray(64 << 20)))])[0]
+                await asyncio.get_running_loop().sock_sendall(client.link._sock, header)
+            await asyncio.sleep(0.3)
+            await asyncio.wait_for(asyncio.to_thread(lambda: None), 1.0)
+        finally:
+            await client.close()
+            await listener.close()
+
+    run(main(), timeout=30)
