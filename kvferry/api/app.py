@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 from urllib.parse import parse_qsl
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -27,7 +27,7 @@ from kvferry.engine.settings import Settings
 from . import errors, ops
 from .auth import token_ok
 from .leases import MAX_WAIT, LeaseBody, LeaseBook, RenewBody
-from .models import CODEC, ERRORS, CalibrateBody, RegionBody, TransferBody
+from .models import CODEC, ERRORS, NAME, CalibrateBody, RegionBody, TransferBody
 from .ops import MAX_APPEAR, submit_transfer, transfer_record
 
 log = logging.getLogger("kvferry.api")
@@ -118,7 +118,7 @@ async def delete_region(name: str, e: EngineDep, force: bool = False,
 
 
 @leases.put("/{name}")
-async def take_lease(name: str, body: LeaseBody, e: EngineDep, request: Request) -> dict:
+async def take_lease(name: Annotated[str, Path(pattern=NAME)], body: LeaseBody, e: EngineDep, request: Request) -> dict:
     """Lease region ``name``: deleted ``seconds`` from now unless renewed, and ``ttl`` seconds
     after it was taken at the latest (``docs/decisions/023-connector-leases.md``). With ``of``,
     ``name`` is first created as a view of region ``of`` (one call per lease of a worker's cache)."""

@@ -103,15 +103,15 @@ async def transfer_record(e: Engine, transfer_id: str, wait: float, appear: floa
 
 def put_codebook(e: Engine, name: str, codec_name: str, document: str | bytes) -> dict[str, Any]:
     """Raises: BadRequest, UnknownCodec."""
-    if not re.match(NAME, name):
+    if not re.fullmatch(NAME, name):
         raise BadRequest("bad codebook name")
-    if not re.match(CODEC, codec_name):
+    if not re.fullmatch(CODEC, codec_name):
         raise BadRequest("bad codec name")
     return e.put_codebook(name, codec_name, document)
 
 
 def calibrate(e: Engine, name: str, body: CalibrateBody) -> dict[str, Any]:
     """Raises: BadRequest, NotFound, UnknownCodec."""
-    if not re.match(NAME, name):
+    if not re.fullmatch(NAME, name):
         raise BadRequest("bad codebook name")
     return e.calibrate_codebook(name, body.codec, body.region, to_blocks(body.blocks), body.token_axis, body.options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -135,6 +136,8 @@ class Settings:
             raise ValueError(f"spin_ms: {self.spin_ms} must be -1 (by device) or at least 0")
         if self.transfer_timeout <= 0 or self.idle_timeout <= 0 or self.min_peer_bytes_per_s <= 0:
             raise ValueError("transfer_timeout, idle_timeout and min_peer_bytes_per_s must be positive")
+        if not self.token.isascii():
+            raise ValueError("token: must be ASCII (an HTTP header carries it)")
         if not _loopback(self.host) and not self.token:  # REST and gRPC alike: both listen on host
             raise ValueError(f"the control API would listen on {self.host} without a token: set KVFERRY_TOKEN "
                              "(or bind it to 127.0.0.1)")
@@ -160,7 +163,11 @@ class Settings:
 
 
 def _loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+    """An address (not a name that resolves to one, but ``localhost``) of this host's loopback."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

@@ -42,6 +42,21 @@ def test_secure_by_default():
     assert merged.public()["peer_secret"] == "***"
 
 
+def test_loopback_is_an_address_of_loopback_not_a_name_that_looks_like_one():
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        settings.load({"host": host, "data_host": host}, {}).check()
+    for host in ("127.evil.example", "127.0.0.1.example", "0.0.0.0", "::"):
+        with pytest.raises(ValueError, match="KVFERRY_TOKEN"):
+            settings.load({"host": host}, {}).check()
+        with pytest.raises(ValueError, match="KVFERRY_PEER_SECRET"):
+            settings.load({"data_host": host}, {}).check()
+
+
+def test_a_token_an_http_header_cannot_carry_is_refused_at_start():
+    with pytest.raises(ValueError, match="ASCII"):
+        settings.load({}, {"KVFERRY_TOKEN": "s\u00e9same"}).check()
+
+
 def test_an_ipv6_data_address_is_served_over_tcp(monkeypatch):
     """ucxx's listener binds 0.0.0.0 only: asked for by name with an IPv6 data address, the sidecar
     refuses to start; chosen by ``auto`` (an RDMA host), it gives way to tcp."""

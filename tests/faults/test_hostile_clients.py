@@ -105,6 +105,25 @@ def test_bad_codebooks_are_400(daemon, text):
     assert response.status_code == 400, response.text
 
 
+@pytest.mark.parametrize("name", ["x%20y", "a" * 200, "a%0Ab", "%C3%A9%E2%80%AE", ".hidden"])
+def test_a_lease_names_a_region_as_a_region_is_named(daemon, name):
+    """A lease taken ``of`` a region creates a view named as the path says: held to the names a
+    region may have (no spaces, newlines or controls to reach the logs)."""
+    httpx.post(f"{daemon.url}/v1/regions", headers=AUTH,
+               json={"name": "base", "num_blocks": 2, "block_shape": [4], "dtype": "bfloat16"})
+    response = httpx.put(f"{daemon.url}/v1/leases/{name}", headers=AUTH, json={"seconds": 5, "of": "base"})
+    assert response.status_code == 422 and response.json()["error"] == "BadRequest", response.text
+    assert [r["name"] for r in httpx.get(f"{daemon.url}/v1/regions", headers=AUTH).json()] == ["base"]
+    httpx.delete(f"{daemon.url}/v1/regions/base", headers=AUTH)
+
+
+@pytest.mark.parametrize("name", ["bad%0A"])
+def test_a_codebook_name_ends_where_the_name_ends(daemon, name):
+    document = '{"format": "kvferry-codebook", "version": 1, "dtype": "bfloat16"}'
+    response = httpx.put(f"{daemon.url}/v1/codebooks/{name}", headers=AUTH, content=document.encode())
+    assert response.status_code == 400 and "name" in response.json()["detail"], response.text
+
+
 @pytest.mark.parametrize("ids", [[True], ["1"], [1.5], [-1]])
 def test_block_ids_are_strict(daemon, ids):
     response = httpx.post(f"{daemon.url}/v1/transfers", headers=AUTH, json={
