@@ -214,7 +214,7 @@ async def get_codebook(name: str, e: EngineDep) -> Response:
 @codebooks.post("/{name}/calibrate")
 async def calibrate(name: str, body: CalibrateBody, e: EngineDep) -> dict:
     """Calibrate a codebook for ``codec`` on blocks of a region and store it under ``name``."""
-    return ops.calibrate(e, name, body)
+    return await ops.calibrate(e, name, body)
 
 
 def create_app(settings: Settings) -> FastAPI:

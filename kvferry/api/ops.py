@@ -110,8 +110,9 @@ def put_codebook(e: Engine, name: str, codec_name: str, document: str | bytes) -
     return e.put_codebook(name, codec_name, document)
 
 
-def calibrate(e: Engine, name: str, body: CalibrateBody) -> dict[str, Any]:
+async def calibrate(e: Engine, name: str, body: CalibrateBody) -> dict[str, Any]:
     """Raises: BadRequest, NotFound, UnknownCodec."""
     if not re.fullmatch(NAME, name):
         raise BadRequest("bad codebook name")
-    return e.calibrate_codebook(name, body.codec, body.region, to_blocks(body.blocks), body.token_axis, body.options)
+    return await e.calibrate_codebook(name, body.codec, body.region, to_blocks(body.blocks), body.token_axis,
+                                      body.options)

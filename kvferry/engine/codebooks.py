@@ -18,6 +18,8 @@ from .errors import BadRequest, NotFound, UnknownCodec
 from .links import Pair
 from .regions import Region
 
+MAX_CALIBRATION_BYTES = 1 << 30  # the sample a calibration copies, at most
+
 log = logging.getLogger("kvferry.engine")
 LEARN_BYTES = 16 << 20  # a codebook learned from the data is learned from at most this much of it,
 RELEARN_BYTES = 64 << 20  # or this much in a thread on a GPU (a position-aware codebook fits better)
@@ -53,20 +55,32 @@ class Codebooks:
             raise BadRequest(f"not a {codec_name} codebook: {type(exc).__name__}: {exc}") from None
         return self._keep(name, codec, book)
 
-    def calibrate(self, name: str, codec_name: str, region: Region, blocks: Blocks | list[int],
-                  token_axis: int | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def calibrate(self, name: str, codec_name: str, region: Region, blocks: Blocks | list[int],
+                        token_axis: int | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Calibrate a codebook on blocks of ``region`` (its axis names and ``options`` go to the
-        codec) and store it. Raises: InvalidBlocks, UnknownCodec, BadRequest."""
+        codec) and store it. The blocks are copied here; the codec fits them in a worker thread, so
+        a large sample does not hold up the transfers the event loop runs.
+
+        Raises: InvalidBlocks, UnknownCodec, BadRequest.
+        """
         codec = codec_named(codec_name)
         ids = region.resolve(blocks)
+        if len(ids) * region.block_bytes > MAX_CALIBRATION_BYTES:
+            raise BadRequest(f"calibrating on {len(ids)} blocks of {region.block_bytes} bytes is over "
+                             f"{MAX_CALIBRATION_BYTES >> 20} MiB: name fewer blocks")
         bits = codecs.layout_by_name(region.dtype).int_dtype  # index_select lacks some float8 kernels
         sample = region.tensor.view(bits).index_select(0, ids).view(region.tensor.dtype)
+        axes = region.axes
+
+        def fit() -> Any:
+            if axes:  # the stack, its first axis named: codecs that model positions see one block's
+                return codec.calibrate(sample, token_axis=None if token_axis is None else token_axis + 1,
+                                       axes=("block", *axes), **(options or {}))
+            # no names to go by: the blocks one by one, each a sample of the block's positions
+            return codec.calibrate(list(sample), token_axis=token_axis, **(options or {}))
+
         try:
-            if region.axes:  # the stack, its first axis named: codecs that model positions see one block's
-                book = codec.calibrate(sample, token_axis=None if token_axis is None else token_axis + 1,
-                                       axes=("block", *region.axes), **(options or {}))
-            else:  # no names to go by: the blocks one by one, each a sample of the block's positions
-                book = codec.calibrate(list(sample), token_axis=token_axis, **(options or {}))
+            book = await asyncio.to_thread(fit)
         except (codecs.CodecError, TypeError, ValueError) as exc:  # TypeError: an option the codec lacks
             raise BadRequest(f"cannot calibrate {codec_name}: {exc}") from None
         return self._keep(name, codec, book)

@@ -302,11 +302,13 @@ class Engine:
         """Store a codebook document for ``codec_name``. Raises: UnknownCodec, BadRequest."""
         return self.codebooks.put(name, codec_name, text)
 
-    def calibrate_codebook(self, name: str, codec_name: str, region_name: str, blocks: Blocks | list[int],
-                           token_axis: int | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def calibrate_codebook(self, name: str, codec_name: str, region_name: str, blocks: Blocks | list[int],
+                                 token_axis: int | None = None, options: dict[str, Any] | None = None
+                                 ) -> dict[str, Any]:
         """Calibrate a codebook on blocks of a region (the region's axis names and ``options`` go to
         the codec) and store it. Raises: NotFound, UnknownCodec, BadRequest."""
-        return self.codebooks.calibrate(name, codec_name, self.regions.get(region_name), blocks, token_axis, options)
+        region = self.regions.get(region_name)
+        return await self.codebooks.calibrate(name, codec_name, region, blocks, token_axis, options)
 
     def codebook_json(self, name: str) -> str:
         """Raises: NotFound."""

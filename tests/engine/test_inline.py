@@ -282,7 +282,7 @@ def test_a_codebook_calibrated_on_a_region_without_axis_names_fits_one_block():
             scale = torch.logspace(-3, 2, 2 * 32).view(2, 1, 32)
             src.tensor.copy_((torch.randn(6, *shape) * scale).to(torch.bfloat16))
             dst = await b.register_region(RegionSpec("dst", 6, shape, "bfloat16"))
-            a.calibrate_codebook("kv", "entropy", "src", [0, 1, 2, 3], token_axis=1, options={"tables": 6})
+            await a.calibrate_codebook("kv", "entropy", "src", [0, 1, 2, 3], token_axis=1, options={"tables": 6})
             book = a.codebooks.named["kv"][1]
             assert book.geometry == entropy.Geometry(2, 8, 32)
             assert book.to_json() == entropy.calibrate_blocks(src.tensor[:4], token_axis=1, tables=6).to_json()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -159,6 +160,30 @@ def test_openapi_documents_security_and_every_error(daemon):
     statuses = set(schema["paths"]["/v1/transfers"]["post"]["responses"])
     assert {"400", "401", "404", "409", "413", "422", "429", "502"} <= statuses
     assert httpx.get(f"{daemon.url}/docs").status_code == 404  # no Swagger UI from a CDN
+
+
+def test_a_calibration_does_not_hold_up_the_sidecar(daemon):
+    """A codebook calibrated on 64 MiB of blocks takes seconds of CPU: it runs beside the event
+    loop, which answers meanwhile (the health check comes back before the calibration does)."""
+    daemon.client.create_region("sample", 4096, [2, 16, 128], "bfloat16")
+    finished = {}
+
+    def calibrate():
+        response = httpx.post(f"{daemon.url}/v1/codebooks/big/calibrate", headers=AUTH, timeout=120,
+                              json={"codec": "lowrank", "region": "sample", "blocks": {"ranges": [{"start": 0, "count": 4096}]}})
+        finished["calibrate"] = (time.monotonic(), response.status_code)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            calibrating = pool.submit(calibrate)
+            time.sleep(0.3)
+            assert httpx.get(f"{daemon.url}/healthz", timeout=60).status_code == 200
+            answered = time.monotonic()
+            calibrating.result()
+        assert finished["calibrate"][1] == 200
+        assert answered < finished["calibrate"][0]
+    finally:
+        daemon.client.delete_region("sample")
 
 
 def test_the_sdk_rides_out_429s(daemon, kv):

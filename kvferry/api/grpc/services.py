@@ -253,13 +253,13 @@ class Codebooks(codebooks_pb2_grpc.CodebooksServiceServicer):
                         ) -> codebooks_pb2.CalibrateResponse:
         try:
             options = json.loads(request.options_json) if request.options_json else {}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
             raise BadRequest(f"options_json: {exc}") from None
         body = CalibrateBody.model_validate({
             "region": request.region, "blocks": convert.blocks_form(request.blocks),
             "codec": request.codec or "splitzip", "token_axis": _optional(request, "token_axis"), "options": options})
-        return codebooks_pb2.CalibrateResponse(codebook=codebooks_pb2.Codebook(**ops.calibrate(self.engine,
-                                                                                               request.name, body)))
+        book = await ops.calibrate(self.engine, request.name, body)
+        return codebooks_pb2.CalibrateResponse(codebook=codebooks_pb2.Codebook(**book))
 
 
 class Health(health_pb2_grpc.HealthServiceServicer):
