@@ -3,6 +3,8 @@ unread states, and its bounds."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from kvferry.api.grpc.watch import MAX_BEHIND, MAX_IDS, Hub
@@ -78,3 +80,22 @@ def test_closing_ends_every_stream_and_stops_listening():
     watcher = hub.subscribe([], "", follow=True)
     hub.close()
     assert watcher.closed and watcher.wake.is_set() and not table.listeners
+
+
+def test_streams_that_watch_one_transfer_themselves_count_against_the_bound():
+    from kvferry.api.grpc.watch import MAX_WATCHERS
+    from kvferry.engine.errors import Overloaded
+
+    hub = Hub(TransferTable(max_active=8))
+    with contextlib.ExitStack() as streams:
+        for _ in range(MAX_WATCHERS - 1):
+            streams.enter_context(hub.held())
+        last = hub.subscribe([], "", follow=True)
+        with pytest.raises(Overloaded):
+            hub.subscribe([], "", follow=True)
+        with pytest.raises(Overloaded):
+            with hub.held():
+                pass
+        hub.unsubscribe(last)
+    with hub.held():  # all closed: room again
+        hub.subscribe([], "", follow=True)

@@ -164,8 +164,9 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
                     ) -> AsyncIterator[transfers_pb2.WatchResponse]:
         appear = ops.check_appear(request.appear)
         if len(request.ids) == 1 and request.follow:  # one transfer: awaited on itself, not through the hub
-            async for message in self._watch_one(request.ids[0], appear):
-                yield message
+            with self.hub.held():
+                async for message in self._watch_one(request.ids[0], appear):
+                    yield message
             return
         watcher = self.hub.subscribe(list(request.ids), request.submitter, request.follow, request.since)
         # ids not here yet, and until when they may come (then the stream ends NOT_FOUND)

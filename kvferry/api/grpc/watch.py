@@ -13,8 +13,9 @@ between a Submit and a Watch is lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,7 @@ class Hub:
     def __init__(self, table: TransferTable):
         self._table = table
         self._watchers: set[Watcher] = set()
+        self._own = 0  # streams that watch one transfer on the transfer itself (``held``)
         self._tags: dict[str, str] = {}  # transfer id -> its submitter, while it is in progress
         self._ended: OrderedDict[str, str] = OrderedDict()  # ... and for the latest MAX_ENDED_TAGS ended
         table.listeners.append(self._changed)
@@ -96,8 +98,7 @@ class Hub:
         """
         if len(ids) > MAX_IDS:
             raise BadRequest(f"a Watch names at most {MAX_IDS} transfers, not {len(ids)}")
-        if len(self._watchers) >= MAX_WATCHERS:
-            raise Overloaded(f"{MAX_WATCHERS} Watch streams are open already")
+        self._check_room()
         watcher = Watcher(frozenset(ids) if ids else None, submitter, follow)
         if ids:
             found = [(i, self._table.find(i)) for i in dict.fromkeys(ids)]
@@ -112,6 +113,25 @@ class Hub:
                          else Event("not_found", transfer_id, None))
         self._watchers.add(watcher)
         return watcher
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A Watch stream that awaits one transfer itself, not through the hub: counted with the
+        hub's watchers all the same, so no kind of stream escapes ``MAX_WATCHERS``.
+
+        Raises:
+            Overloaded: too many streams.
+        """
+        self._check_room()
+        self._own += 1
+        try:
+            yield
+        finally:
+            self._own -= 1
+
+    def _check_room(self) -> None:
+        if len(self._watchers) + self._own >= MAX_WATCHERS:
+            raise Overloaded(f"{MAX_WATCHERS} Watch streams are open already")
 
     def unsubscribe(self, watcher: Watcher) -> None:
         self._watchers.discard(watcher)
