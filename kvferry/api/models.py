@@ -27,7 +27,7 @@ class RegionBody(BaseModel):
     shm_name: str | None = Field(default=None, max_length=250, description="kind=shm: POSIX shared-memory name")
     ipc_handle: str | None = Field(default=None, max_length=512, description="kind=cuda_ipc: base64 cudaIpcMemHandle")
     device: int | None = Field(default=None, ge=0, description="kind=cuda_ipc: CUDA device index")
-    offset: int = Field(default=0, ge=0, description="kind=cuda_ipc: byte offset into the allocation")
+    offset: int = Field(default=0, ge=0, le=1 << 62, description="kind=cuda_ipc: byte offset into the allocation")
 
 
 def _nonzero(value: int) -> int:

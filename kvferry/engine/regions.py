@@ -480,7 +480,20 @@ def _open_cuda_ipc(spec: RegionSpec, shape: tuple[int, ...], dtype: torch.dtype)
             base = cupy.cuda.runtime.ipcOpenMemHandle(handle)
     except Exception as exc:
         raise BadRequest(f"cannot open CUDA IPC handle: {exc}") from exc
-    memory = cupy.cuda.UnownedMemory(base + int(spec.offset or 0), nbytes, owner=None, device_id=device)
+    offset = int(spec.offset or 0)
+    try:  # the worker's word on where its blocks lie, held to the allocation its handle maps
+        start, size = ipc.address_range(base)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize or base - start + offset + nbytes > size:
+            raise BadRequest(f"{nbytes} bytes at offset {offset} are not inside the handle's {size}-byte "
+                             f"allocation, aligned to {itemsize} bytes")
+    except (BadRequest, RuntimeError) as exc:
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.ipcCloseMemHandle(base)
+        if isinstance(exc, BadRequest):
+            raise
+        raise BadRequest(f"cannot size the handle's allocation: {exc}") from None
+    memory = cupy.cuda.UnownedMemory(base + offset, nbytes, owner=None, device_id=device)
     array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
     tensor = torch.as_tensor(array, device=f"cuda:{device}").view(dtype).view(shape)
     return tensor, base

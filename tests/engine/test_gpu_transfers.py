@@ -88,3 +88,24 @@ def test_later_transfers_are_written_under_the_standing_lease(gpu_pair, kv):
     again = a.client.wait(a.client.submit("s-lease", range(4), b.data, "d-lease", [9, 8, 7, 6], codec="raw"), timeout=60)
     assert "accepted" in again["stages"], again
     assert bits_equal(_read(b.client, "d-lease", [9, 8, 7, 6], kv), kv[:4])
+
+
+def test_a_worker_region_must_lie_inside_the_allocation_its_handle_maps(gpu_pair):
+    """A cuda_ipc region's offset and size are the worker's word: held to the allocation its handle
+    maps (and to its dtype's alignment), refused with a reason rather than mapped past its end,
+    whose first touch would be a fault that ends every GPU transfer of the sidecar."""
+    from kvferry.client.memory import cuda_ipc_handle
+    from kvferry.engine.errors import BadRequest
+
+    a, _ = gpu_pair
+    owned = ipc.own_allocation(1 << 20, torch.device("cuda", 0))  # an allocation of its own
+    start, size = ipc.address_range(owned.data_ptr())
+    blocks = size // 4096  # of 2048 bfloat16
+    lent = cuda_ipc_handle(owned.view(torch.bfloat16)[:blocks * 2048].view(blocks, 2048))
+    base = lent["offset"]
+    for offset, count in ((0, blocks + 1), (blocks * 4096, 1), (2048, blocks), (1, 1)):
+        with pytest.raises(BadRequest):
+            a.client.create_region("outside", count, [2048], "bfloat16", kind="cuda_ipc",
+                                   **{**lent, "offset": base + offset})
+    a.client.create_region("inside", blocks - 1, [2048], "bfloat16", kind="cuda_ipc", **{**lent, "offset": base + 4096})
+    a.client.delete_region("inside")
