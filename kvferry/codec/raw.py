@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checksum import crc32c
 from .dtypes import layout_by_name, layout_for, supported
 from .errors import BlockOutOfRange, CodebookMismatch, CorruptFrame, OutputMismatch
 from .format import HEADER_SIZE, FrameCodec, make_header, parse_header, stored_size
@@ -138,13 +139,21 @@ class RawCodec(PositionFree):
         layout = layout_for(cache.dtype)
         expected = (int(block_ids.numel()), *cache.shape[1:])
         raw = frame[:HEADER_SIZE].cpu().numpy().tobytes()
-        # The one valid header for these blocks, byte for byte: comparing is validating.
+        # The usual header for these blocks, byte for byte: comparing is validating.
         if raw != _stored_header(layout.name, expected) or frame.numel() != HEADER_SIZE + _numel(expected) * layout.itemsize:
             header = parse_header(raw, frame.numel())  # raises CorruptFrame with the reason
             if header.codec != FrameCodec.STORED:
                 raise CorruptFrame(f"a raw transfer carried a codec {int(header.codec)} frame")
-            raise OutputMismatch(f"frame holds {header.layout.name}{list(header.shape)}, blocks need "
-                                 f"{layout.name}{list(expected)}")
+            differ = [name for name, got, need in (("dtype", header.layout.name, layout.name),
+                                                   ("shape", header.shape, expected)) if got != need]
+            if differ:
+                verb = "differs" if len(differ) == 1 else "differ"
+                raise OutputMismatch(f"frame holds {header.layout.name}{list(header.shape)}, blocks need "
+                                     f"{layout.name}{list(expected)}: {' and '.join(differ)} {verb}")
+            # The only other valid header for them carries a stream checksum (as the other codecs'
+            # stored frames may): checked before anything is written.
+            if crc32c(frame[HEADER_SIZE:].cpu().numpy().data) != header.stream_crc:
+                raise CorruptFrame("stream checksum mismatch")
         if not cache.is_cuda and not frame.is_cuda:
             body = frame[HEADER_SIZE:].numpy().view(_NUMPY_BITS[layout.itemsize]).reshape(expected)
             _bits(cache, layout)[_host_ids(block_ids, cache)] = body

@@ -14,8 +14,11 @@ import torch
 from kvferry import codec
 from kvferry.codec import entropy
 from kvferry.codec.checksum import crc32c
-from kvferry.codec.entropy.format import _BODY, HEADER_SIZE, Stream
+from kvferry.codec.entropy import gpu, reference
+from kvferry.codec.entropy.codec import encode_reference
+from kvferry.codec.entropy.format import _BODY, HEADER_SIZE, MAX_CHUNK, Stream
 from tests.codec.test_entropy_roundtrip import kv_like, with_specials
+from tests.conftest import bits_equal
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +169,86 @@ def test_bad_frames_write_nothing(frames):
     with pytest.raises(codec.CorruptFrame):
         entropy.decode(sz)
     assert codec.codec_of(sz).name == "splitzip"
+
+
+def _tables_of(frame: torch.Tensor) -> tuple[entropy.EntropyHeader, bytes, bytes]:
+    h = entropy.read_header(frame)
+    tables, cmap = (frame[h.offsets[s]:h.offsets[s] + h.lengths[s]].numpy().tobytes()
+                    for s in (Stream.TABLES, Stream.MAP))
+    return h, tables, cmap
+
+
+def test_a_period_longer_than_the_frame_costs_only_what_its_elements_reach(monkeypatch):
+    """A header may name a period of up to 2**48 positions, and a codebook learned on more
+    blocks than a frame holds names one longer than the frame: the tables a decoder builds, on
+    the host or the device, cover the positions its elements reach (a period under twice them)."""
+    x = kv_like((64, 32), torch.bfloat16, seed=21)
+    book = entropy.calibrate(kv_like((4, 256, 32), torch.bfloat16, seed=1), token_axis=None, tables=2)
+    assert book.geometry == entropy.Geometry(1, 4, 32)  # contexts by channel
+    frame = entropy.encode(x, book, checksum=False, chunk=4096)
+    assert frame[6].item() == entropy.FRAME_ID
+    forged = _forge(frame, tokens=1 << 22)  # a period of 2**27: the same contexts for every element
+    h, tables, cmap = _tables_of(forged)
+    assert h.geometry.period == 1 << 27 and h.numel == 2048
+    ct = gpu._frame_tables(h, tables, cmap)  # what the device's tables are built from
+    assert ct.geometry.period <= 2 * h.numel and ct.context_map.size == ct.geometry.contexts
+    monkeypatch.setattr(gpu, "_device_limits", lambda index: (1, 48 << 10))
+    tabs = gpu._tables_on(ct, torch.device("cpu"))  # the device's tables, built on the host here
+    assert tabs.ptab.numel() <= 2 * h.numel
+    assert bits_equal(entropy.decode(forged), x)
+
+
+def test_frames_of_one_codebook_get_tables_for_their_own_elements():
+    """Frames repeating one codebook's tables share parsed tables only where their elements
+    reach the same positions of its period."""
+    book = entropy.calibrate(kv_like((4, 256, 32), torch.bfloat16, seed=1), token_axis=1, tables=4)
+    for tokens in (256, 40, 512, 40):
+        x = kv_like((4, tokens, 32), torch.bfloat16, seed=tokens)
+        h, tables, cmap = _tables_of(entropy.encode(x, book, checksum=False, chunk=4096))
+        assert h.geometry == book.geometry
+        ct = gpu._frame_tables(h, tables, cmap)
+        assert ct.geometry == book.geometry.for_elements(x.numel())
+        assert (ct.geometry == book.geometry) == (tokens >= 256)
+
+
+def test_chunks_larger_than_the_encoders_write_are_refused():
+    """The reference decoder walks a chunk's steps one by one: a frame's chunk is at most the
+    largest the encoders write (DEFAULT_CHUNK)."""
+    assert MAX_CHUNK == entropy.DEFAULT_CHUNK
+    x = kv_like((64, 32), torch.bfloat16, seed=21)
+    book = entropy.calibrate(kv_like((4, 256, 32), torch.bfloat16, seed=1), token_axis=None, tables=2)
+    with pytest.raises(codec.InvalidArgument):
+        entropy.encode(x, book, chunk=2 * MAX_CHUNK)
+    frame = encode_reference(x, book, checksum=False, chunk=2 * MAX_CHUNK)  # no encoder writes this
+    assert frame[6].item() == entropy.FRAME_ID
+    with pytest.raises(codec.CorruptFrame, match="chunk"):
+        entropy.decode(frame)
+    assert bits_equal(entropy.decode(encode_reference(x, book, checksum=False, chunk=MAX_CHUNK)), x)
+
+
+def test_decode_walks_only_the_steps_a_frames_elements_take(monkeypatch):
+    """A small frame in a large chunk costs the reference decoder its elements' steps, not the
+    chunk's: 2048 elements are 64 steps of 32 lanes."""
+    x = kv_like((64, 32), torch.bfloat16, seed=21)
+    book = entropy.calibrate(kv_like((4, 256, 32), torch.bfloat16, seed=1), token_axis=None, tables=2)
+    frame = entropy.encode(x, book, checksum=False, chunk=MAX_CHUNK)
+    assert frame[6].item() == entropy.FRAME_ID
+    walked = []
+    segments = reference.segments
+    monkeypatch.setattr(reference, "segments", lambda steps: walked.append(steps) or segments(steps))
+    assert bits_equal(entropy.decode(frame), x)
+    assert walked == [64]
+
+
+def test_more_elements_than_the_words_can_code_are_refused():
+    """Every element takes a code of one bit or more: a header naming more elements than 32 a
+    word of its word stream describes a frame no decode could finish, and costs nothing more."""
+    x = torch.full((4096,), 0.5).to(torch.float8_e4m3fn)
+    x[::97] = 1.0
+    frame = entropy.encode(x, None, checksum=False, chunk=entropy.DEFAULT_CHUNK)
+    h = entropy.read_header(frame)
+    assert h.lengths[Stream.RAW] == 0  # FP8: the symbols are the whole bytes
+    words = h.lengths[Stream.WORDS] // 4
+    assert bits_equal(entropy.decode(_forge(frame, numel=4096, shape0=4096)), x)
+    with pytest.raises(codec.CorruptFrame, match="word stream"):
+        entropy.read_header(_forge(frame, numel=32 * words + 32, shape0=32 * words + 32))

@@ -159,3 +159,32 @@ def test_a_codebook_learned_on_the_gpu_comes_with_its_tables_there():
     ids = torch.tensor([5, 1, 3], device="cuda")
     frame = entropy.encode_blocks(cache, ids, book)
     assert torch.equal(frame.cpu(), entropy.encode_blocks(cache.cpu(), ids.cpu(), book))
+
+
+def test_gpu_frames_of_fewer_elements_than_their_period():
+    """A period longer than a frame (a codebook learned on more blocks than a transfer holds,
+    or calibrated on a whole layer; or one a header names): the device decodes with tables of
+    the positions the frame's elements reach, the CPU's bytes both ways."""
+    from tests.codec.test_entropy_corruption import _forge
+
+    cache = kv_like((16, 8192), torch.bfloat16, seed=31).cuda()
+    book = codec.get("entropy").learn(cache[:8], None)
+    assert book.geometry.period == 8 * 8192
+    ids = torch.tensor([11, 3], device="cuda")
+    frame = entropy.encode_blocks(cache, ids, book, checksum=False)
+    assert torch.equal(frame.cpu(), entropy.encode_blocks(cache.cpu(), ids.cpu(), book, checksum=False))
+    dst = torch.zeros_like(cache)
+    entropy.decode_blocks(frame, dst, ids)
+    assert bits_equal(dst[ids], cache[ids]) and not dst[[0, 1, 2, 4]].view(torch.int16).any()
+    layer = entropy.calibrate(kv_like((3, 80, 64), torch.bfloat16, seed=32), token_axis=1, tables=6)
+    for tokens in (30, 79):
+        _both_ways(kv_like((3, tokens, 64), torch.bfloat16, seed=tokens), layer, 1024, checksum=False)
+    x = kv_like((64, 32), torch.bfloat16, seed=21)
+    by_channel = entropy.calibrate(kv_like((4, 256, 32), torch.bfloat16, seed=1), token_axis=None, tables=2)
+    forged = _forge(entropy.encode(x, by_channel, checksum=False, chunk=4096), tokens=1 << 22).cuda()
+    assert bits_equal(entropy.decode(forged).cpu(), x)
+    h = entropy.read_header(forged)
+    prefix = forged[:h.offsets[Stream.COUNTS]].cpu().numpy()
+    ct = gpu._frame_tables(h, prefix[h.offsets[Stream.TABLES]:][:h.lengths[Stream.TABLES]].tobytes(),
+                           prefix[h.offsets[Stream.MAP]:][:h.lengths[Stream.MAP]].tobytes())
+    assert h.geometry.period == 1 << 27 and gpu._tables_on(ct, forged.device).ptab.numel() <= 2 * h.numel

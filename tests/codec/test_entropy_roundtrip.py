@@ -140,6 +140,26 @@ def test_geometry_that_does_not_divide_the_tensor(books):
     assert frame[6].item() == entropy.FRAME_ID and bits_equal(entropy.decode(frame), x)
 
 
+def test_frames_of_fewer_elements_than_their_period_decode():
+    """A codebook may have a period longer than a frame: learned without the block's axes on
+    blocks of more than 4096 channels (the whole sample is its period) and used for a transfer
+    of fewer blocks, or calibrated on a layer and used for part of it. Its frames decode."""
+    c = codec.get("entropy")
+    cache = kv_like((16, 8192), torch.bfloat16, seed=31)
+    book = c.learn(cache[:8], None)
+    assert book.geometry.period == 8 * 8192
+    ids = torch.tensor([11, 3])
+    frame = c.encode_blocks(cache, ids, book)
+    assert frame[6].item() == entropy.FRAME_ID and entropy.read_header(frame).numel < book.geometry.period
+    dst = torch.zeros_like(cache)
+    c.decode_blocks(frame, dst, ids)
+    assert bits_equal(dst[ids], cache[ids]) and not dst[[0, 1, 2, 4]].view(torch.int16).any()
+    layer = entropy.calibrate(kv_like((3, 80, 64), torch.bfloat16, seed=32), token_axis=1, tables=6)
+    for tokens in (1, 30, 79):
+        x = kv_like((3, tokens, 64), torch.bfloat16, seed=tokens)
+        assert bits_equal(entropy.decode(entropy.encode(x, layer, chunk=1024)), x)
+
+
 def test_blocks_match_encode_and_touch_only_their_slots(books):
     dtype = torch.float8_e4m3fn
     cache = kv_like((12, 4, 256, 32), dtype, seed=8)

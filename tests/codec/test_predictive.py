@@ -17,8 +17,9 @@ from kvferry import codec
 from kvferry.codec.layout import BlockLayout
 from kvferry.codec.predictive import (NEEDS_REFERENCE, PredictiveCodebook, bind, calibrate_predictive, decode,
                                       decode_blocks, encode, encode_blocks, read_header)
+from kvferry.codec.predictive import codec as predictive_codec
 from kvferry.codec.predictive._phi import PHI
-from kvferry.codec.predictive.format import HEADER_SIZE
+from kvferry.codec.predictive.format import HEADER_SIZE, lanes_for, min_lanes
 from tests.conftest import bits_equal
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -125,6 +126,36 @@ def test_corruption_is_caught(setup):
         decode(frame[:50], bound)
     with pytest.raises(codec.CorruptFrame):
         decode(torch.zeros(3, dtype=torch.uint8), bound)
+
+
+def test_frames_in_fewer_lanes_than_the_encoder_gives_are_refused(setup, monkeypatch):
+    """A decoder takes one sequential step per ``numel / lanes`` elements, so a frame coded in
+    fewer lanes than the encoder ever gives its elements (about as many bytes) would cost it up
+    to 64 times the encoder's own frame: it is corrupt, on every path that reads the header."""
+    book, layout, region, reference = setup
+    x, ref = region[:1], reference[:1]  # one block, 9216 elements: 36 lanes at least
+    bound = bind(book, layout, ref)
+    floor = min_lanes(x.numel())
+    assert floor == 36
+    monkeypatch.setattr(predictive_codec, "lanes_for", lambda numel, bits: floor - 1)
+    frame = encode(x, bound)
+    assert codec.codec_of(frame).name == "predictive"
+    with pytest.raises(codec.CorruptFrame, match="lanes"):
+        decode(frame, bound)
+    with pytest.raises(codec.CorruptFrame, match="lanes"):
+        decode_blocks(frame, torch.zeros_like(x), torch.tensor([0]), bound)
+    monkeypatch.setattr(predictive_codec, "lanes_for", lambda numel, bits: floor)
+    frame = encode(x, bound)
+    assert read_header(frame).lanes == floor and bits_equal(decode(frame, bound), x)
+
+
+@pytest.mark.parametrize("numel", [1, 2, 31, 255, 256, 257, 511, 4096, 9216, 16383, 16384, 16385, 1 << 20, 1 << 30])
+def test_the_encoders_lanes_are_never_below_the_decoders_floor(numel):
+    """Whatever the coded size (from nothing to 64 bits an element), the encoder's lanes are
+    within what the decoder accepts, tiny tensors included."""
+    for bits in (0.0, 1.0, 0.5 * numel, 2.0 * numel, 7.3 * numel, 16.0 * numel, 64.0 * numel, 2.0 ** 60):
+        lanes = lanes_for(numel, bits)
+        assert min_lanes(numel) <= lanes <= min(4096, numel)
 
 
 def test_tampered_words_with_a_valid_checksum_are_caught(setup):

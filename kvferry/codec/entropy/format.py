@@ -25,7 +25,9 @@ ENTROPY_VERSION = 2
 FRAME_ID = 2
 LANES = 32
 DEFAULT_CHUNK = 32768  # elements per chunk: 1024 steps of 32 lanes
-MAX_CHUNK = 1 << 20
+# The largest chunk encoders write and decoders take: the reference decoder walks a chunk's
+# steps one by one, so a frame's cost beyond its bytes grows with its chunk.
+MAX_CHUNK = DEFAULT_CHUNK
 MAX_NDIM = 8
 STREAM_ALIGN = 16
 FLAG_STREAM_CRC = 0x01
@@ -239,6 +241,11 @@ class EntropyHeader:
     def nchunks(self) -> int:
         return num_chunks(self.numel, self.chunk)
 
+    @property
+    def element_geometry(self) -> Geometry:
+        """The contexts this frame's elements reach: what its decoder builds tables for."""
+        return self.geometry.for_elements(self.numel)
+
     def pack(self) -> bytes:
         flags = FLAG_STREAM_CRC if self.stream_crc is not None else 0
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
@@ -318,8 +325,9 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
     got = (lengths[Stream.MAP], lengths[Stream.COUNTS], lengths[Stream.RAW])
     if got != fixed:
         raise CorruptFrame(f"stream lengths {lengths} disagree with the header")
-    if lengths[Stream.WORDS] % 4 or lengths[Stream.WORDS] > 4 * caps_total:
-        raise CorruptFrame(f"word stream of {lengths[Stream.WORDS]} bytes")
+    # Every element takes a code of a bit or more (a stored chunk, S bits), so 32 at most a word.
+    if lengths[Stream.WORDS] % 4 or lengths[Stream.WORDS] > 4 * caps_total or 8 * lengths[Stream.WORDS] < numel:
+        raise CorruptFrame(f"word stream of {lengths[Stream.WORDS]} bytes for {numel} elements")
     per = _bitmap_bytes(sym)
     if not tables * per <= lengths[Stream.TABLES] <= tables * (per + (sym.alphabet + 1) // 2):
         raise CorruptFrame(f"table stream of {lengths[Stream.TABLES]} bytes for {tables} tables")
@@ -331,7 +339,9 @@ def parse_header(buf: bytes, frame_size: int) -> EntropyHeader:
 
 
 def parse_tables(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) -> CodeTables:
-    """The code tables a frame carries, checked completely (the decoder indexes with them).
+    """The code tables a frame carries, checked completely (the decoder indexes with them), in
+    the geometry its elements reach (``EntropyHeader.element_geometry``): what a decoder builds
+    from them then costs at most what the frame's elements do, whatever period it names.
 
     Raises:
         CorruptFrame: malformed tables or map.
@@ -366,7 +376,8 @@ def parse_tables(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) ->
         problem = "context map names a table that does not exist"
     if problem:
         raise CorruptFrame(f"frame's code tables: {problem}")
-    return CodeTables(sym, header.geometry, lengths, cmap)
+    geometry = header.element_geometry
+    return CodeTables(sym, geometry, lengths, cmap[:geometry.contexts])
 
 
 def check_counts(header: EntropyHeader, counts: np.ndarray) -> np.ndarray:

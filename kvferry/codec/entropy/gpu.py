@@ -313,11 +313,12 @@ _BOOKS_LOCK = threading.Lock()
 
 
 def _frame_tables(header: EntropyHeader, table_bytes: bytes, map_bytes: bytes) -> CodeTables:
-    """The frame's code tables, parsed once per distinct tables (frames of one codebook repeat
-    them), so that their device tables are built once too. Found by a CRC of the bytes (hashing
-    tens of KiB in Python costs the call more) and then compared whole."""
+    """The frame's code tables, parsed once per distinct tables and element geometry (frames of
+    one codebook repeat them), so that their device tables are built once too. Found by a CRC
+    of the bytes (hashing tens of KiB in Python costs the call more) and then compared whole."""
     both = table_bytes + map_bytes
-    key = (header.sym.layout.name, header.code_bits, header.tables, header.geometry, len(table_bytes), crc32c(both))
+    key = (header.sym.layout.name, header.code_bits, header.tables, header.geometry, header.element_geometry,
+           len(table_bytes), crc32c(both))
     with _BOOKS_LOCK:
         held = _BOOKS.get(key)
     if held is not None and held[0] == both:

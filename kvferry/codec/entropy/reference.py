@@ -220,7 +220,9 @@ def decode_symbols(counts: np.ndarray, starts: np.ndarray, words: np.ndarray, ct
             used += np.where(valid[:, s], np.where(e == 0, 64, e & ((1 << LEN_BITS) - 1)), 0)
         return used
 
-    for a, b in segments(steps):
+    # Steps past every chunk's last hold no element: walking them would cost a frame of few
+    # elements as much as a chunk of its nominal size.
+    for a, b in segments(int(plan.chunk_steps.max(initial=0))):
         chunks, have, exact = plan.active(a, b)
         need = np.broadcast_to(CODE_BITS * have[:, None], (nchunks, LANES))
         if exact.any():

@@ -98,6 +98,16 @@ class Geometry:
         return cls(int(np.prod(shape[:axis], dtype=np.int64)), shape[axis],
                    int(np.prod(shape[axis + 1:], dtype=np.int64)))
 
+    def for_elements(self, n: int) -> Geometry:
+        """The geometry that gives elements ``0 .. n-1`` the contexts this one gives them, its
+        contexts a prefix of these, its period under ``2 n`` (this geometry where the period is
+        at most ``n``). A frame may name a period far longer than its elements (a codebook
+        learned on more blocks than a frame holds): a decoder's tables cover what they reach."""
+        n = max(int(n), 1)
+        outer = min(self.outer, -(-n // (self.tokens * self.inner)))
+        tokens = self.tokens if outer > 1 else min(self.tokens, -(-n // self.inner))
+        return Geometry(outer, tokens, min(self.inner, n))
+
     def context_of(self, start: int, n: int) -> np.ndarray:
         """Context (int64) of elements ``start .. start+n-1`` of a flat tensor."""
         j = (np.arange(n, dtype=np.int64) + start) % self.period

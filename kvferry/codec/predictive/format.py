@@ -37,11 +37,18 @@ HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 112
 
 
+def min_lanes(numel: int) -> int:
+    """The fewest lanes the encoder gives ``numel`` elements: one per 256 elements up to 64, at
+    least one. A decoder refuses fewer, since it takes one sequential step per ``numel / lanes``
+    elements: a frame of one lane would cost it 64 times the steps of the encoder's own frame."""
+    return max(1, min(64, numel // 256))
+
+
 def lanes_for(numel: int, coded_bits: float) -> int:
     """Interleaved coder lanes (the encoder's choice; decoders read the header): as many as keep
-    the 8-byte final states within ~0.5% of the coded size, and for small tensors at least one per
-    256 elements up to 64 (more lanes, fewer sequential decode steps); 1..4096, at most numel."""
-    return int(max(1, min(4096, numel, max(coded_bits // (8 * 1600), min(64, numel // 256)))))
+    the 8-byte final states within ~0.5% of the coded size, never fewer than ``min_lanes`` (more
+    lanes, fewer sequential decode steps); 1..4096, at most numel."""
+    return int(max(min_lanes(numel), min(4096, numel, coded_bits // (8 * 1600))))
 
 
 @dataclass(frozen=True)
@@ -112,8 +119,9 @@ def parse_header(buf: bytes, frame_size: int) -> PredictiveHeader:
         product *= dim
     if product != numel or numel < 1:
         raise CorruptFrame(f"shape {shape} holds {product} elements, header says {numel}")
-    if not 1 <= lanes <= min(MAX_LANES, numel):
-        raise CorruptFrame(f"{lanes} coder lanes for {numel} elements")
+    if not min_lanes(numel) <= lanes <= min(MAX_LANES, numel):
+        raise CorruptFrame(f"{lanes} coder lanes for {numel} elements; the encoder gives them "
+                           f"{min_lanes(numel)}..{min(MAX_LANES, numel)}")
     if words > numel:  # at most one 32-bit word per element
         raise CorruptFrame(f"{words} words for {numel} elements")
     header = PredictiveHeader(dtype_id, reference_id, shape, numel, lanes, digest, words,
