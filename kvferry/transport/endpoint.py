@@ -136,10 +136,11 @@ class Listener:
         while not self._closed:
             await asyncio.sleep(period)
             now = time.monotonic()
-            for connection in list(self._connections):
-                if connection.idle and now - connection.last_activity > self._config.idle_timeout:
-                    log.info("closing idle connection %d from %s", connection.id, connection.peer)
-                    await connection.close()
+            idle = [c for c in self._connections if c.idle and now - c.last_activity > self._config.idle_timeout]
+            for connection in idle:
+                log.info("closing idle connection %d from %s", connection.id, connection.peer)
+            # Side by side: each may take up to close_timeout, and one slow peer holds up no other.
+            await asyncio.gather(*(connection.close() for connection in idle), return_exceptions=True)
 
     def expect(self, tag: int, buffer, defer_check: bool = False) -> object:
         """Post a receive for transfer ``tag`` (see ``Mailbox.expect``)."""
