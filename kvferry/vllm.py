@@ -38,8 +38,11 @@ from kvferry.client.vllm_core import (
     LoadSpec,
     Producer,
     PromMetrics,
+    RefusedPrefill,
     TransferStats,
+    check_remote,
     compat_record,
+    fresh_blocks,
     groups_of,
     remote_params,
 )
@@ -178,15 +181,29 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_blocks: set[int] = set()
 
     # ---- scheduler side --------------------------------------------------------------------
+    def _remote(self, request) -> dict[str, Any] | None:
+        """Our part of a decode request's ``kv_transfer_params`` while its pull is to come; None
+        otherwise, and for one naming a prefill this decode does not call (``check_remote``): that
+        request's prompt is computed here, and nothing is asked of that prefill."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or PARAMS_KEY not in params:
+            return None
+        try:
+            check_remote(params[PARAMS_KEY], self.config)
+        except RefusedPrefill as exc:
+            log.error("kvferry: request %s computes its prompt here: %s", request.request_id, exc)
+            params["do_remote_prefill"] = False
+            return None
+        return dict(params[PARAMS_KEY])
+
     def on_new_request(self, request) -> None:
         """A decode request with a prefill's lease: renew the lease while it waits in the queue."""
-        params = request.kv_transfer_params
-        if self.heartbeats is not None and params and params.get("do_remote_prefill") and PARAMS_KEY in params:
-            self.heartbeats.track(request.request_id, dict(params[PARAMS_KEY]))
+        ours = self._remote(request)
+        if self.heartbeats is not None and ours is not None:
+            self.heartbeats.track(request.request_id, ours)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and PARAMS_KEY in params:
+        if self._remote(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -198,16 +215,17 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if params.get("do_remote_decode") and self.producer_role:
             self._tracked.setdefault(request.request_id, (request, []))
-        if params.get("do_remote_prefill") and PARAMS_KEY in params:
+        ours = self._remote(request)
+        if ours is not None:
             if self.heartbeats is not None:
                 self.heartbeats.untrack(request.request_id)  # the pull starts now
             # no blocks to fill (a local prefix hit covered the prompt): the pull just ends the lease
             local: tuple = ()
-            if num_external_tokens > 0:
-                local = tuple(blocks.get_unhashed_block_ids()) if len(blocks.blocks) == 1 else \
-                    tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
-            ours = dict(params[PARAMS_KEY])
-            self._meta.loads.append(LoadSpec(request.request_id, local, ours, len(request.prompt_token_ids or ())))
+            starts: tuple[int, ...] = ()
+            if num_external_tokens > 0:  # the prompt's blocks its prefix cache did not hold, and where they start
+                local, starts = fresh_blocks(blocks.blocks)
+            self._meta.loads.append(LoadSpec(request.request_id, local, ours, len(request.prompt_token_ids or ()),
+                                             starts))
             if local and self.heartbeats is not None:
                 shared = self.heartbeats.shared_leases(ours, self.compat)
                 if shared:
@@ -259,9 +277,10 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self.heartbeats.untrack(request_id)
         if not params:
             return False, None
-        if params.get("do_remote_prefill") and PARAMS_KEY in params:
+        ours = self._remote(request)
+        if ours is not None:
             # finished (aborted) before any block was allocated: end the prefill's lease
-            self._meta.loads.append(LoadSpec(request_id, (), dict(params[PARAMS_KEY])))
+            self._meta.loads.append(LoadSpec(request_id, (), ours))
             params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode") or request_id not in self._saved:

@@ -25,6 +25,7 @@ from .transport import Exchange, KeepAlive, NotWarm, Reply
 
 RETRY_STATUSES = (429, 503)  # refused for now (too many transfers, starting): worth another try
 UPLOAD_BYTES = 32 << 20  # an owned region's upload: at most this much a request (and the body limit)
+MAX_RENEW = 4096  # lease names one renew call may carry (the sidecar answers 422 to more)
 Blocks = Sequence[int] | range | dict[str, Any]
 
 
@@ -207,8 +208,14 @@ class Client:
         return self._later(("PUT", f"/v1/leases/{name}", None, body, None, None, self._timeout), warm_only)
 
     def renew_leases(self, names: Sequence[str], seconds: float) -> dict:
-        """A heartbeat: ``{"renewed": [...], "missing": [...]}``."""
-        return self._call("POST", "/v1/leases/renew", json={"names": list(names), "seconds": seconds}).json()
+        """A heartbeat: ``{"renewed": [...], "missing": [...]}``, in calls of at most ``MAX_RENEW`` names."""
+        names, answer = list(names), {"renewed": [], "missing": []}
+        for start in range(0, len(names), MAX_RENEW):
+            part = self._call("POST", "/v1/leases/renew", json={"names": names[start:start + MAX_RENEW],
+                                                                "seconds": seconds}).json()
+            for key in answer:
+                answer[key].extend(part.get(key, ()))
+        return answer
 
     def leases(self, after: int = -1, wait: float = 0.0) -> dict:
         """``{"generation": g, "leases": {name: {...}}}``; with ``wait``, answered once the

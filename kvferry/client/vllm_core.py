@@ -39,12 +39,14 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -58,10 +60,10 @@ from .vllm_watch import CONTROLS, Stream, Watches, overloaded
 
 log = logging.getLogger("kvferry.vllm")
 
-__all__ = ["DTYPES", "FP8", "FAILURE_KINDS", "CacheLayout", "ConnectorConfig", "Consumer", "Heartbeats",
-           "IncompatibleCache", "IncompatiblePeer", "KvCache", "LoadSpec", "Producer", "PromMetrics", "TransferStats",
-           "check_compat", "compat_record", "distinct", "failure_kind", "lease_name", "lease_names", "match_blocks",
-           "pair_groups", "remote_params"]
+__all__ = ["DTYPES", "FP8", "FAILURE_KINDS", "MAX_RANKS", "CacheLayout", "ConnectorConfig", "Consumer", "Heartbeats",
+           "IncompatibleCache", "IncompatiblePeer", "KvCache", "LoadSpec", "Producer", "PromMetrics", "RefusedPrefill",
+           "TransferStats", "check_compat", "check_remote", "compat_record", "distinct", "failure_kind", "fresh_blocks",
+           "lease_name", "lease_names", "match_blocks", "pair_groups", "remote_params"]
 
 PARAMS_KEY = "kvferry"  # our part of vLLM's kv_transfer_params
 WAITERS = 16  # a decode's pulls waited on at once (more wait for a thread)
@@ -81,6 +83,8 @@ RELEASE_GRACE = 5.0
 # prefill's record of it to end too, for the failure in the sender's words. A sender stalled in
 # its own work hears of it late; the pull then fails with the receiver's words, not a timeout.
 SENDER_WORD = 1.0
+# Prefill tensor-parallel ranks a request may name (one lease each): far beyond any size vLLM runs.
+MAX_RANKS = 1024
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -105,6 +109,7 @@ class ConnectorConfig:
     shm_prefix: str = "kvferry-"  # the local sidecar's shm_prefix setting (CPU mirrors are named so)
     in_place: bool = True  # GPU: lend vLLM's own cache where its layers lie end to end, else a mirror
     control: str = "auto"  # decode: transfer ends by a prefill's gRPC Watch where it serves one, or "http" only
+    prefill_urls: tuple[str, ...] = ()  # decode: the prefill sidecars it may call (and send remote_token to)
 
     # KVFERRY_TOKEN and KVFERRY_SHM_PREFIX mean what they mean to the sidecar; the connector's own
     # settings are KVFERRY_CONNECTOR_* (a sidecar refuses KVFERRY_* names it does not know).
@@ -115,7 +120,8 @@ class ConnectorConfig:
            "call_timeout": "KVFERRY_CONNECTOR_CALL_TIMEOUT", "watch_seconds": "KVFERRY_CONNECTOR_WATCH_SECONDS",
            "region": "KVFERRY_CONNECTOR_REGION",
            "stats_path": "KVFERRY_CONNECTOR_STATS_PATH", "shm_prefix": "KVFERRY_SHM_PREFIX",
-           "in_place": "KVFERRY_CONNECTOR_IN_PLACE", "control": "KVFERRY_CONNECTOR_CONTROL"}
+           "in_place": "KVFERRY_CONNECTOR_IN_PLACE", "control": "KVFERRY_CONNECTOR_CONTROL",
+           "prefill_urls": "KVFERRY_CONNECTOR_PREFILL_URLS"}
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -144,6 +150,8 @@ class ConnectorConfig:
             values["in_place"] = flag in ("1", "true", "yes")
         if values.get("control", "auto") not in CONTROLS:
             raise ValueError(f"control: {values['control']!r} is not one of {', '.join(CONTROLS)}")
+        if "prefill_urls" in values:
+            values["prefill_urls"] = prefill_urls(values["prefill_urls"])
         return cls(**values)
 
     @property
@@ -157,6 +165,37 @@ class ConnectorConfig:
 
     def peer_token(self) -> str:
         return self.token if self.remote_token is None else self.remote_token
+
+    def admits(self, url: str) -> bool:
+        """Whether this decode may call the prefill sidecar at ``url`` (and send it its token):
+        any where ``prefill_urls`` is empty, else one of them by scheme, host and port."""
+        if not self.prefill_urls:
+            return True
+        target = origin(url)
+        return target is not None and target in {origin(u) for u in self.prefill_urls}
+
+
+def origin(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an HTTP URL, the port filled in; None where it names none."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except (AttributeError, ValueError):
+        return None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or port is None:
+        return None
+    return parts.scheme.lower(), parts.hostname.lower(), port
+
+
+def prefill_urls(value: str | Sequence[str]) -> tuple[str, ...]:
+    """The ``prefill_urls`` setting: a list, or one string of URLs apart by commas or spaces.
+
+    Raises: ValueError for an entry that is not an http(s) URL with a host."""
+    entries = value.replace(",", " ").split() if isinstance(value, str) else [str(v).strip() for v in value]
+    for entry in entries:
+        if origin(entry) is None:
+            raise ValueError(f"prefill_urls: {entry!r} is not an http(s) URL with a host")
+    return tuple(entries)
 
 
 FLOATS = ("lease_seconds", "lease_ttl", "heartbeat_seconds", "load_timeout", "call_timeout", "watch_seconds")
@@ -230,6 +269,34 @@ def check_compat(ours: Mapping[str, Any], theirs: Mapping[str, Any] | None, wher
                                f"{'; '.join(differ)}")
 
 
+class RefusedPrefill(IncompatiblePeer):
+    """A request's ``kv_transfer_params`` name a prefill this decode does not call: a sidecar
+    ``prefill_urls`` does not list, or a shape no prefill sends (more ranks than its record says)."""
+
+
+def check_remote(params: Any, config: ConnectorConfig) -> None:
+    """Vet what a request names before any call: ``kv_transfer_params`` come with the request (from
+    whoever sent it to the proxy), not from the prefill, and the decode sends its token where they
+    point and makes one lease name per rank they count.
+
+    Raises: RefusedPrefill."""
+    if not isinstance(params, Mapping) or not isinstance(params.get("url"), str) \
+            or not isinstance(params.get("lease"), str):
+        raise RefusedPrefill("the request's kv_transfer_params name no prefill sidecar URL and lease")
+    url = params["url"]
+    if not config.admits(url):
+        raise RefusedPrefill(f"the prefill sidecar {url!r} is not among this decode's prefill_urls")
+    try:
+        ranks = int(params.get("ranks", 1))
+        compat = params.get("compat")
+        size = ranks if compat is None else int(compat.get("tp", 1))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise RefusedPrefill(f"the request's kv_transfer_params count no ranks ({exc})") from None
+    if not 1 <= ranks <= MAX_RANKS or ranks != size:
+        raise RefusedPrefill(f"the request names {ranks} ranks of the prefill at {url}, whose record says "
+                             f"tensor-parallel size {size} (at most {MAX_RANKS})")
+
+
 # ---- prefill ------------------------------------------------------------------------------------
 @dataclass
 class Lease:
@@ -254,8 +321,6 @@ class Producer:
 
     def __init__(self, config: ConnectorConfig, cache: KvCache, rank: int = 0, clock=time.monotonic,
                  dp_rank: int = 0):
-        import threading
-
         self.config, self.cache, self.rank, self.clock, self.dp_rank = config, cache, rank, clock, dp_rank
         self.leases: dict[str, Lease] = {}
         self._finished: set[str] = set()  # ids vLLM said finished (only those may be reported sent)
@@ -385,31 +450,41 @@ class Producer:
             log.warning("kvferry: lease %s could not be deleted (%s); the sidecar expires it", region, exc)
 
     def _watch(self) -> None:
-        """Long-poll the sidecar's lease book; mark leases that ended as not held."""
-        generation, failing = -1, 0
+        """Long-poll the sidecar's lease book; mark leases that ended as not held.
+
+        A lease the book lacks has ended if it was taken before the book was asked for (whatever the
+        generations say: a restarted sidecar's book starts again near 0, its regions gone), or by
+        the book's generation. After a failed call the next one asks for the book at once."""
+        generation, after, failing = -1, -1, 0
         while not self._closed.is_set():
             with self._lock:
-                waiting = [lease for lease in self.leases.values() if lease.held]
+                waiting = [(lease, lease.generation is not None) for lease in self.leases.values() if lease.held]
             if not waiting:
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
             try:
-                book = self._book.leases(after=generation, wait=self.config.watch_seconds)
+                book = self._book.leases(after=after, wait=self.config.watch_seconds)
             except (EngineError, httpx.HTTPError) as exc:
                 if self._closed.is_set():
                     return  # closed under the read
-                failing += 1
+                failing, after = failing + 1, -1
                 if failing == 1:
                     self._silent_since = self.clock()
                     log.warning("kvferry: cannot watch the sidecar's leases: %s", exc)
                 self._closed.wait(min(5.0, 0.1 * 2 ** failing))
                 continue
             failing, self._silent_since = 0, None
-            generation, present = int(book["generation"]), book["leases"]
-            for lease in waiting:
-                if lease.generation is not None and lease.generation <= generation and lease.region not in present:
-                    lease.held = False  # pulled and deleted by the decode, expired, or deleted by an abort
+            seen, present = int(book["generation"]), book["leases"]
+            backwards, generation = seen < generation, seen
+            after = generation
+            if backwards:
+                log.warning("kvferry: the sidecar's lease book started again (generation %d): a restart", seen)
+            for lease, taken in waiting:
+                if lease.region in present or lease.generation is None:
+                    continue
+                if taken or (not backwards and lease.generation <= generation):
+                    lease.held = False  # pulled and deleted by the decode, expired, deleted by an abort, or lost
 
 
 # ---- decode -------------------------------------------------------------------------------------
@@ -420,7 +495,8 @@ class LoadSpec:
     request_id: str
     local_blocks: tuple[int, ...]
     params: Mapping[str, Any]  # our part of the prefill's kv_transfer_params
-    tokens: int = 0  # the prompt's length (0: as the prefill counted it), where block sizes differ
+    tokens: int = 0  # the prompt's length (0: as the prefill counted it): the blocks read hold these
+    starts: tuple[int, ...] = ()  # per group, the prompt block the first local block holds (``fresh_blocks``)
 
 
 @dataclass
@@ -479,17 +555,39 @@ def lease_names(params: Mapping[str, Any], ranks: Iterable[int] | None = None) -
     return [f"{params['lease']}-r{rank}" for rank in ranks]
 
 
-def match_blocks(local: Sequence[int], remote: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Pair the decode's freshly allocated blocks with the prefill's: both end at the prompt's end,
-    so the decode's (which skip whatever its own prefix cache held) match the prefill's last ones.
+def match_blocks(local: Sequence[int], remote: Sequence[int], start: int | None = None,
+                 count: int | None = None) -> tuple[list[int], list[int]]:
+    """(prefill blocks, decode blocks): each of the decode's fresh blocks with the prefill's block
+    of the same tokens. The prefill's list starts at the prompt's first block and may run past the
+    prompt (a token it generated, lookahead slots); the decode's starts at prompt block ``start``
+    (those before it came from its own prefix cache, or lie out of a sliding window). ``count``:
+    the prompt's blocks, the last ones read. Without ``start`` the decode's blocks end at the
+    prompt's last block, or, without ``count`` either, at the prefill's last.
 
-    Raises: IncompatibleCache when the decode wants more blocks than the prefill holds.
+    Raises: IncompatibleCache when the prefill holds fewer of the prompt's blocks than the decode needs.
     """
-    local = list(map(int, local))
-    if len(local) > len(remote):
-        raise IncompatibleCache(f"the decode allocated {len(local)} blocks for the prompt, the prefill holds "
-                                f"{len(remote)}: the block sizes differ")
-    return list(map(int, remote[len(remote) - len(local):])), local
+    local, remote = list(map(int, local)), list(map(int, remote))
+    if start is None:
+        start = (len(remote) if count is None else count) - len(local)
+    n = len(local) if count is None else max(0, min(len(local), count - start))
+    if start < 0 or start + n > len(remote):
+        raise IncompatibleCache(f"the decode allocated {len(local)} blocks from the prompt's block {max(start, 0)}"
+                                f"{'' if count is None else f' of {count}'}, the prefill holds {len(remote)}: "
+                                "the block sizes differ")
+    return remote[start:start + n], local[:n]
+
+
+def fresh_blocks(groups: Sequence[Sequence[Any]]) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """The blocks vLLM allocated for a pull (``KVCacheBlocks.blocks``: vLLM's blocks of each group,
+    from the prompt's first): those neither in its prefix cache (hashed) nor a null placeholder, one
+    tuple for one group, one per group for several; and per group the prompt block the first holds."""
+    ids, starts = [], []
+    for group in groups:
+        fresh = [i for i, block in enumerate(group)
+                 if block.block_hash is None and not getattr(block, "is_null", False)]
+        ids.append(tuple(int(group[i].block_id) for i in fresh))
+        starts.append(fresh[0] if fresh else len(group))
+    return (ids[0] if len(ids) == 1 else tuple(ids)), tuple(starts)
 
 
 def groups_of(block_ids: Sequence[Any]) -> list[list[int]]:
@@ -502,24 +600,26 @@ def groups_of(block_ids: Sequence[Any]) -> list[list[int]]:
 NULL_BLOCK = 0  # vLLM's placeholder for a block a group no longer holds (out of a sliding window)
 
 
-def pair_groups(local: Sequence[Any], remote: Sequence[Any]) -> tuple[list[int], list[int]]:
-    """(prefill blocks, decode blocks) of a request, group by group (``match_blocks``). With several
-    KV cache groups (vLLM's hybrid allocator), a prefill block vLLM already dropped (a sliding
-    window's oldest, ``NULL_BLOCK``) is skipped: the decode never reads that position either.
-    The caches overlay the groups, so one list of pairs covers them all.
+def pair_groups(local: Sequence[Any], remote: Sequence[Any], starts: Sequence[int] = (),
+                count: int | None = None) -> tuple[list[int], list[int]]:
+    """(prefill blocks, decode blocks) of a request, group by group (``match_blocks``; ``starts``:
+    each group's ``start``, ``count`` the prompt's blocks). With several KV cache groups (vLLM's
+    hybrid allocator), a pair where either side is a block vLLM dropped (a sliding window's oldest,
+    ``NULL_BLOCK``) is skipped: the decode never reads that position. The caches overlay the
+    groups, so one list of pairs covers them all.
 
     Raises: IncompatibleCache when the group counts differ or a group wants more than it holds."""
     local_groups, remote_groups = groups_of(local), groups_of(remote)
-    if len(local_groups) == len(remote_groups) == 1:  # one group: every pair, no null block to skip
-        return match_blocks(local_groups[0], remote_groups[0])
     if len(local_groups) != len(remote_groups):
         raise IncompatibleCache(f"the prefill sent {len(remote_groups)} KV cache groups, this decode has "
                                 f"{len(local_groups)}")
+    if starts and len(starts) != len(local_groups):
+        raise IncompatibleCache(f"{len(starts)} group starts for {len(local_groups)} KV cache groups")
     src, dst = [], []
-    for mine, theirs in zip(local_groups, remote_groups):
-        s, d = match_blocks(mine, theirs)
+    for g, (mine, theirs) in enumerate(zip(local_groups, remote_groups)):
+        s, d = match_blocks(mine, theirs, starts[g] if starts else None, count)
         for a, b in zip(s, d):
-            if len(local_groups) == 1 or a != NULL_BLOCK:
+            if len(local_groups) == 1 or NULL_BLOCK not in (a, b):  # one group: block ids as they are
                 src.append(a)
                 dst.append(b)
     return src, dst
@@ -539,12 +639,13 @@ class Pairs:
 
 
 def pair_granules(local: Sequence[Any], remote: Sequence[Any], tokens: int, block_sizes: tuple[int, int],
-                  granule: int) -> Pairs:
+                  granule: int, starts: Sequence[int] = ()) -> Pairs:
     """A request's granules, group by group, where the prefill's blocks (``block_sizes[0]``
     tokens) and the decode's (``block_sizes[1]``) differ in size: each group's blocks cover the
-    prompt's ``tokens`` from the start (the decode's fresh ones its last), so granule ``g`` holds
-    tokens ``g * granule`` onwards on both sides. Only granules holding prompt tokens are read; as
-    in ``pair_groups``, a block vLLM dropped from a window (``NULL_BLOCK``) on either side is skipped.
+    prompt's ``tokens`` from the start (the decode's fresh ones from its block ``starts[g]``, or
+    without ``starts`` its last), so granule ``g`` holds tokens ``g * granule`` onwards on both
+    sides. Only granules holding prompt tokens are read; as in ``pair_groups``, a block vLLM
+    dropped from a window (``NULL_BLOCK``) on either side is skipped.
 
     Raises: IncompatibleCache when a block size is not a multiple of the granule, the group counts
     differ, or a side holds fewer tokens than the prompt."""
@@ -552,15 +653,16 @@ def pair_granules(local: Sequence[Any], remote: Sequence[Any], tokens: int, bloc
     if p_size % granule or d_size % granule:
         raise IncompatibleCache(f"block sizes {p_size} (prefill) and {d_size} (decode) are not both multiples of "
                                 f"{granule} tokens: their blocks cannot be cut in common pieces")
-    if len(local_groups) != len(remote_groups):
+    if len(local_groups) != len(remote_groups) or (starts and len(starts) != len(local_groups)):
         raise IncompatibleCache(f"the prefill sent {len(remote_groups)} KV cache groups, this decode has "
                                 f"{len(local_groups)}")
     p_pieces, d_pieces = p_size // granule, d_size // granule
     end = -(-tokens // granule)  # granules holding a prompt token
     src, dst, blocks = [], [], []
-    for mine, theirs in zip(local_groups, remote_groups):
-        first = (-(-tokens // d_size) - len(mine)) * d_pieces  # the decode's first fresh granule
-        if first < 0 or len(theirs) * p_pieces < end:
+    for i, (mine, theirs) in enumerate(zip(local_groups, remote_groups)):
+        # the decode's first fresh granule
+        first = (starts[i] if starts else -(-tokens // d_size) - len(mine)) * d_pieces
+        if first < 0 or len(theirs) * p_pieces < end or len(mine) * d_pieces < end - first:
             raise IncompatibleCache(f"the prefill holds {len(theirs)} blocks of {p_size} tokens, the decode "
                                     f"{len(mine)} of {d_size}: not the {tokens} tokens of the prompt")
         for g in range(first, end):
@@ -612,8 +714,6 @@ class Consumer:
 
     def __init__(self, config: ConnectorConfig, cache: KvCache, rank: int = 0, clock=time.monotonic,
                  compat: Mapping[str, Any] | None = None):
-        import threading
-
         self.config, self.cache, self.rank, self.clock = config, cache, rank, clock
         self.compat = dict(compat) if compat is not None else None
         self.pulls: dict[str, Pull] = {}
@@ -627,7 +727,8 @@ class Consumer:
         self.stats: list[dict[str, Any]] = []
         self.interval = TransferStats()  # what vLLM's get_kv_connector_stats takes
         self._waiters = ThreadPoolExecutor(max_workers=WAITERS, thread_name_prefix="kvferry-pull")
-        self.watches = Watches(config.peer_token(), config.call_timeout) if config.control == "auto" else None
+        # the Watches ask this decode's own sidecar: its token, not the prefills'
+        self.watches = Watches(config.token, config.call_timeout) if config.control == "auto" else None
 
     def remote(self, url: str) -> Client:
         return self._peers.get(url)
@@ -636,6 +737,15 @@ class Consumer:
         """Hand the pull to a worker thread; never raises, never waits (a failure is reported as a
         failed load by ``poll``). A spec without local blocks only ends the prefill's lease."""
         pull = Pull(spec, self.clock())
+        try:
+            check_remote(spec.params, self.config)
+        except RefusedPrefill as exc:  # nothing is asked of a prefill this decode does not call
+            if flat_blocks(spec.local_blocks):
+                pull.error, pull.kind = f"{type(exc).__name__}: {exc}", "incompatible"
+                self.pulls[spec.request_id] = pull
+            else:
+                log.error("kvferry: the lease of request %s is left to expire: %s", spec.request_id, exc)
+            return pull
         if not flat_blocks(spec.local_blocks):
             self._release_later(pull)
             return pull
@@ -962,16 +1072,18 @@ class Consumer:
         Raises: IncompatibleCache (different block sizes and a cache lent in place, or no
         granules in common)."""
         theirs, ours = int(spec.params.get("block_size") or 0), int((self.compat or {}).get("block_size") or 0)
+        tokens = spec.tokens or int(spec.params.get("num_tokens") or 0)
         if not theirs or not ours or theirs == ours:
-            src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"])
+            size = ours or theirs
+            count = -(-tokens // size) if tokens and size else None  # the prompt's blocks
+            src, dst = pair_groups(spec.local_blocks, spec.params["block_ids"], spec.starts, count)
             return Pairs(src, dst, dst)
         granule = self.cache.layout.granule
         if granule is None:
             raise IncompatibleCache(f"the prefill's blocks hold {theirs} tokens, this decode's {ours}: a cache lent in "
                                     "place (in_place) moves whole blocks; different block sizes need in_place: false "
                                     "on both instances")
-        tokens = spec.tokens or int(spec.params.get("num_tokens") or 0)
-        return pair_granules(spec.local_blocks, spec.params["block_ids"], tokens, (theirs, ours), granule)
+        return pair_granules(spec.local_blocks, spec.params["block_ids"], tokens, (theirs, ours), granule, spec.starts)
 
     def _leases(self, spec: LoadSpec, loaded: bool) -> list[str]:
         """The prefill leases this rank ends (``tp.releases``): its own where both run one
@@ -985,8 +1097,9 @@ class Consumer:
         """End the prefill's leases this rank ends, whatever happened, on a worker thread: vLLM's
         step does not wait for that HTTP call, and the prefill frees the blocks once the lease is gone."""
         try:
+            check_remote(pull.spec.params, self.config)
             leases, url = self._leases(pull.spec, pull.ended is not None), pull.spec.params["url"]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, RefusedPrefill):
             return
         for lease in leases:
             try:
@@ -1027,18 +1140,28 @@ class Consumer:
         self._local.close()
 
 
+_open_warned = threading.Event()  # the warning that prefill_urls is not set, given once a process
+
+
 class PeerClients:
-    """One API client per prefill sidecar (by URL), made on first use and shared by threads."""
+    """One API client per prefill sidecar (by URL), made on first use and shared by threads: only
+    for the sidecars ``prefill_urls`` admits, since each carries this decode's ``remote_token``."""
 
     def __init__(self, config: ConnectorConfig):
-        import threading
-
         self._config, self._lock, self._clients = config, threading.Lock(), {}
+        if not config.prefill_urls and config.peer_token() and not _open_warned.is_set():
+            _open_warned.set()
+            log.warning("kvferry: prefill_urls is not set: this decode sends its token for prefill sidecars to "
+                        "whatever sidecar URL a request's kv_transfer_params name; list the prefill sidecars in "
+                        "prefill_urls (KVFERRY_CONNECTOR_PREFILL_URLS)")
 
     def get(self, url: str) -> Client:
+        """Raises: RefusedPrefill for a sidecar ``prefill_urls`` does not list."""
         with self._lock:
             client = self._clients.get(url)
             if client is None:
+                if not self._config.admits(url):
+                    raise RefusedPrefill(f"the prefill sidecar {url!r} is not among this decode's prefill_urls")
                 client = self._clients[url] = Client(url, token=self._config.peer_token(),
                                                      timeout=self._config.call_timeout)
             return client
@@ -1078,8 +1201,6 @@ class Heartbeats:
     starts or it is finished, so a queue longer than ``lease_seconds`` does not lose the KV."""
 
     def __init__(self, config: ConnectorConfig, clock=time.monotonic):
-        import threading
-
         self.config, self.clock = config, clock
         self._tracked: dict[str, Mapping[str, Any]] = {}
         self._lock = threading.Lock()
@@ -1090,8 +1211,12 @@ class Heartbeats:
         self.sent = 0  # heartbeat calls made (for the tests and the log)
 
     def track(self, request_id: str, params: Mapping[str, Any]) -> None:
-        import threading
-
+        """Renew ``params``' leases until ``untrack``; none of a prefill this decode does not call."""
+        try:
+            check_remote(params, self.config)
+        except RefusedPrefill as exc:
+            log.error("kvferry: the leases of request %s are not renewed: %s", request_id, exc)
+            return
         with self._lock:
             self._tracked[request_id] = params
             if self._thread is None:
@@ -1129,7 +1254,8 @@ class Heartbeats:
         return self._peers.get(url)
 
     def beat(self) -> None:
-        """One round: renew every tracked request's leases, grouped by prefill sidecar."""
+        """One round: renew every tracked request's leases, grouped by prefill sidecar (one call
+        each, or several where they are more than a call may name: ``MAX_RENEW``)."""
         with self._lock:
             tracked = list(self._tracked.items())
         by_url: dict[str, list[str]] = {}
@@ -1139,11 +1265,10 @@ class Heartbeats:
             except (KeyError, TypeError, ValueError):
                 continue
         for url, names in by_url.items():
-            client = self._client(url)
             try:
-                answer = client.renew_leases(names, self.config.lease_seconds)
+                answer = self._client(url).renew_leases(names, self.config.lease_seconds)
                 self.sent += 1
-            except (EngineError, httpx.HTTPError) as exc:
+            except (EngineError, httpx.HTTPError, RefusedPrefill) as exc:
                 log.warning("kvferry: heartbeat to %s failed: %s", url, exc)
                 continue
             if answer.get("missing"):

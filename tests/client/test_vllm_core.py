@@ -6,15 +6,20 @@ the prefill's sidecar dies or the KV is corrupted on the wire."""
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvferry.client import Client, packed
+from kvferry.client import vllm_core
+from kvferry.client.sdk import MAX_RENEW
 from kvferry.client.vllm_core import (
+    MAX_RANKS,
     CacheLayout,
     ConnectorConfig,
     Consumer,
@@ -22,15 +27,21 @@ from kvferry.client.vllm_core import (
     IncompatibleCache,
     KvCache,
     LoadSpec,
+    PeerClients,
     Producer,
+    RefusedPrefill,
+    check_remote,
     compat_record,
+    fresh_blocks,
     lease_name,
     match_blocks,
     pair_granules,
+    pair_groups,
     remote_params,
 )
+from kvferry.demo import free_port, start_sidecar
 
-from .conftest import TOKEN, spawn, stop
+from .conftest import TOKEN, log_path, ready, spawn, stop
 
 LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 4, 24, 3, 32, 64
 
@@ -184,6 +195,59 @@ def test_blocks_match_from_the_prompt_end():
     with pytest.raises(IncompatibleCache):
         match_blocks([1, 2, 3], [4, 5])
     assert lease_name("kv", "cmpl-1/é") == lease_name("kv", "cmpl-1/é") != lease_name("kv", "cmpl-2")
+
+
+def test_blocks_pair_by_the_tokens_they_hold():
+    """The prefill's blocks start at the prompt's first and may run past it (a generated token, lookahead
+    slots); the decode's fresh ones start where its own prefix cache stopped. Each decode block gets
+    the prefill's block of the same prompt position."""
+    assert match_blocks([21, 22], [10, 11, 12, 13], start=0, count=2) == ([10, 11], [21, 22])
+    assert match_blocks([21, 22], [10, 11, 12, 13], count=2) == ([10, 11], [21, 22])  # ends at the prompt's end
+    # a prompt of 4 blocks, the first in the decode's prefix cache, the prefill one block past it
+    assert match_blocks([21, 22, 23], [10, 11, 12, 13, 14], start=1, count=4) == ([11, 12, 13], [21, 22, 23])
+    assert match_blocks([22, 23], [10, 11, 12, 13, 14], count=4) == ([12, 13], [22, 23])
+    # a decode block past the prompt (a lookahead slot) is not written
+    assert match_blocks([21, 22, 23], [10, 11, 12], start=1, count=3) == ([11, 12], [21, 22])
+    assert match_blocks([21], [10, 11], start=2, count=2) == ([], [])
+    with pytest.raises(IncompatibleCache, match="the prefill holds 2"):
+        match_blocks([21, 22], [10, 11], start=1, count=3)
+    # groups: a window group's fresh blocks start past its dropped ones, full attention's past the prefix hit
+    assert pair_groups([[7], [8, 9]], [[0, 0, 3, 4], [5, 6, 1, 2]], starts=(2, 1), count=3) == ([3, 6, 1], [7, 8, 9])
+
+
+def test_the_fresh_blocks_of_a_pull_and_where_they_start():
+    def block(i: int, hashed: bool = False, null: bool = False):
+        return SimpleNamespace(block_id=i, block_hash=b"h" if hashed else None, is_null=null)
+
+    assert fresh_blocks([[block(4, True), block(5, True), block(6), block(7)]]) == ((6, 7), (2,))
+    window = [block(0, null=True), block(0, null=True), block(9), block(3)]
+    assert fresh_blocks([window, [block(4, True), block(8), block(1), block(2)]]) == (((9, 3), (8, 1, 2)), (2, 1))
+    assert fresh_blocks([[block(4, True)]]) == ((), (1,))
+
+
+@pytest.mark.parametrize("starts", [(), (1,)], ids=["by-tokens", "by-starts"])
+def test_a_prefill_past_the_prompt_feeds_each_decode_block_its_own_tokens(pd, starts):
+    """The prefill's blocks run one past the prompt's (80 tokens: 3 blocks of 32); the decode's
+    prefix cache held the first: its two fresh blocks get the prompt's second and third."""
+    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
+    record = compat_record(block_size=BLOCK_SIZE, kv_heads=HEADS)
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode), d_cache, compat=record)
+    try:
+        src, request = [3, 9, 4, 17], f"req-past-{len(starts)}"
+        producer.save(request, src)
+        params = {**remote_params(request, src, config(prefill), num_tokens=81, compat=record),
+                  "block_size": BLOCK_SIZE}
+        spec = LoadSpec(f"dec-{request}", (20, 1), params, 80)  # its prompt: 80 tokens
+        pull = consumer.start(replace(spec, starts=starts) if starts else spec)
+        assert pump(consumer) == ({f"dec-{request}"}, set()), pull.error
+        block_dim = p_cache.layout.block_dims[0]
+        assert torch.equal(pages(d_layers, [20, 1], block_dim).view(torch.int16),
+                           pages(p_layers, [9, 4], block_dim).view(torch.int16))
+        assert released(producer, request)
+    finally:
+        consumer.close()
+        producer.close()
 
 
 @pytest.mark.parametrize("pd", ["kv-first", "block-first"], indirect=True)
@@ -352,6 +416,110 @@ def test_a_decode_queue_longer_than_the_lease_keeps_the_kv_by_heartbeats(pd):
     finally:
         beats.close()
         producer.close()
+
+
+def test_heartbeats_renew_more_leases_than_one_call_may_name(sidecars):
+    """A decode waiting on more leases of one prefill than a renew call may name renews them all,
+    in several calls (one call of them all is refused whole)."""
+    prefill, decode = sidecars
+    prefill.client.create_region("hb-real-r0", 1, [16], "bfloat16")
+    prefill.client.lease("hb-real-r0", 2)
+    beats = Heartbeats(config(decode, lease_seconds=60, heartbeat_seconds=3600))
+    try:
+        for i in range(MAX_RENEW + 4):  # leases the prefill no longer holds, and its one held last
+            beats.track(f"dec-hb-{i}", {"url": prefill.url, "lease": f"hb-gone-{i}", "ranks": 1})
+        beats.track("dec-hb-real", {"url": prefill.url, "lease": "hb-real", "ranks": 1})
+        beats.beat()
+        assert beats.sent == 1
+        assert prefill.client.leases()["leases"]["hb-real-r0"]["expires_in"] > 30
+    finally:
+        beats.close()
+        prefill.client.delete_region("hb-real-r0")
+
+
+def test_a_request_naming_more_ranks_than_its_prefill_runs_is_refused():
+    """``ranks`` comes with the request: a count its prefill's record does not back, or past any
+    tensor-parallel size, is refused before a lease name is made of it."""
+    cfg = ConnectorConfig()
+    params = remote_params("r", [1], cfg, compat=compat_record(tp=2))
+    check_remote(params, cfg)
+    unbacked = {key: value for key, value in params.items() if key != "compat"}
+    for bad in ({**params, "ranks": 10 ** 12}, {**params, "ranks": 3}, {**params, "ranks": "all"},
+                {**params, "ranks": 10 ** 12, "compat": {**params["compat"], "tp": 10 ** 12}},
+                {**unbacked, "ranks": MAX_RANKS + 1}, {**unbacked, "ranks": 0}, {**params, "url": None}, "params"):
+        with pytest.raises(RefusedPrefill):
+            check_remote(bad, cfg)
+    check_remote({**unbacked, "ranks": MAX_RANKS}, cfg)
+    beats = Heartbeats(cfg)
+    try:
+        beats.track("dec-r", {**params, "ranks": 10 ** 12})
+        assert beats._tracked == {}
+    finally:
+        beats.close()
+
+
+def test_prefill_urls_name_the_sidecars_a_decode_may_call():
+    listed = ConnectorConfig.load({"prefill_urls": "http://P1:7700/, https://p2"}, {})
+    assert listed.prefill_urls == ("http://P1:7700/", "https://p2")
+    assert ConnectorConfig.load({}, {"KVFERRY_CONNECTOR_PREFILL_URLS": "http://a:1 http://b:2"}).prefill_urls == (
+        "http://a:1", "http://b:2")
+    assert ConnectorConfig.load({"prefill_urls": ["http://a:1"]}, {}).prefill_urls == ("http://a:1",)
+    assert listed.admits("http://p1:7700") and listed.admits("https://P2:443/v1") and listed.admits("HTTP://p1:7700")
+    assert not any(listed.admits(url) for url in ("http://p1:7701", "https://p1:7700", "http://p2", "http://p1",
+                                                  "http://p1.evil:7700", "p1:7700", ""))
+    assert ConnectorConfig().admits("http://anywhere:1")  # not set: any
+    with pytest.raises(ValueError, match="prefill_urls"):
+        ConnectorConfig.load({"prefill_urls": "p1:7700"}, {})
+
+
+def test_a_decode_sends_its_token_only_to_the_prefill_sidecars_it_lists(pd):
+    """A request naming a sidecar ``prefill_urls`` does not list fails its load without any call
+    there (its lease is left to expire); a listed one is pulled."""
+    prefill, decode, p_cache, d_cache, p_layers, d_layers = pd
+    producer = Producer(config(prefill), p_cache)
+    elsewhere = Consumer(config(decode, prefill_urls=("http://127.0.0.1:1",)), d_cache)
+    beats = Heartbeats(config(decode, prefill_urls=("http://127.0.0.1:1",)))
+    try:
+        producer.save("req-u", [1, 2])
+        leased(producer, "req-u")
+        params = remote_params("req-u", [1, 2], config(prefill))
+        before = len(prefill.client.transfers(direction="out"))
+        beats.track("dec-u", params)
+        assert beats._tracked == {}
+        pull = elsewhere.start(LoadSpec("dec-u", (3, 4), params))
+        assert pump(elsewhere) == (set(), {"dec-u"})
+        assert "prefill_urls" in pull.error and elsewhere.interval.data["failures"] == {"incompatible": 1}
+        elsewhere.start(LoadSpec("dec-u2", (), params))  # nothing to pull: not even the lease's end is asked
+        with pytest.raises(RefusedPrefill):
+            elsewhere.remote(prefill.url)
+        time.sleep(0.5)
+        assert producer.finished_sending({"req-u"}) == set()  # the lease stands: nothing reached the prefill
+        assert len(prefill.client.transfers(direction="out")) == before
+        listed = Consumer(config(decode, prefill_urls=(prefill.url,)), d_cache)
+        try:
+            listed.start(LoadSpec("dec-u3", (3, 4), params))
+            assert pump(listed) == ({"dec-u3"}, set())
+            block_dim = p_cache.layout.block_dims[0]
+            assert torch.equal(pages(d_layers, [3, 4], block_dim).view(torch.int16),
+                               pages(p_layers, [1, 2], block_dim).view(torch.int16))
+            assert released(producer, "req-u")
+        finally:
+            listed.close()
+    finally:
+        beats.close()
+        elsewhere.close()
+        producer.close()
+
+
+def test_a_decode_without_prefill_urls_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(vllm_core, "_open_warned", type(vllm_core._open_warned)())
+    with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+        PeerClients(ConnectorConfig(prefill_urls=("http://p:1",), token="t"))
+        PeerClients(ConnectorConfig())  # no token to send
+        assert "prefill_urls is not set" not in caplog.text
+        PeerClients(ConnectorConfig(token="t"))
+        PeerClients(ConnectorConfig(token="t", remote_token="r"))
+    assert caplog.text.count("prefill_urls is not set") == 1
 
 
 def test_blocks_never_pulled_are_freed_after_the_ttl_even_if_renewed(pd):
@@ -585,6 +753,35 @@ def test_leases_end_when_the_local_sidecar_dies():
         leased(producer, "req-x")
         prefill.kill()
         assert released(producer, "req-x", timeout=60)
+    finally:
+        producer.close()
+        p_cache.client.close()
+        p_cache._shm.close()
+        p_cache._shm.unlink()
+        stop(prefill)
+
+
+def test_leases_end_when_the_local_sidecar_restarts():
+    """The prefill's own sidecar restarts (its regions gone, its lease book's generation from 0
+    again): the leases it held end at once, not once the new book's generation passes theirs."""
+    ports = (free_port(), free_port())
+
+    def start():
+        log = log_path(ports[0])
+        process = start_sidecar(*ports, "tcp", token=TOKEN, env={"KVFERRY_TRANSFER_TIMEOUT": "10"}, log=log)
+        return ready(f"http://127.0.0.1:{ports[0]}", process, log)
+
+    prefill = start()
+    p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-rs", vllm_layers(1), BLOCKS)
+    producer = Producer(config(prefill, lease_seconds=120, watch_seconds=1), p_cache)
+    try:
+        for i in range(3):
+            producer.save(f"req-rs{i}", [i + 1])
+            leased(producer, f"req-rs{i}")
+        prefill.kill()
+        prefill = start()
+        for i in range(3):
+            assert released(producer, f"req-rs{i}", timeout=20)
     finally:
         producer.close()
         p_cache.client.close()

@@ -108,6 +108,8 @@ def test_groups_pair_from_the_prompt_end_without_dropped_blocks():
     src, dst = pair_groups(((7, 8, 9), (10, 11, 12)), [[0, 3, 4], [1, 2, 5]])
     assert (src, dst) == ([3, 4, 1, 2, 5], [8, 9, 10, 11, 12])
     assert pair_groups((5, 6), [0, 1, 2]) == ([1, 2], [5, 6])  # one group: block ids as they are
+    # a null block on the decode's side is skipped too: no block id repeats where the KV lands
+    assert pair_groups([[5, 6], [0, 0, 7]], [[1, 2], [3, 4, 8]]) == ([1, 2, 8], [5, 6, 7])
     with pytest.raises(IncompatibleCache, match="2 KV cache groups, this decode has 1"):
         pair_groups((5,), [[1], [2]])
 

@@ -16,8 +16,8 @@ import torch
 
 from kvferry.client import Client
 from kvferry.client import vllm_watch
-from kvferry.client.vllm_core import Consumer, KvCache, LoadSpec, Producer, remote_params
-from kvferry.demo import free_port, start_sidecar
+from kvferry.client.vllm_core import ConnectorConfig, Consumer, KvCache, LoadSpec, Producer, remote_params
+from kvferry.demo import free_port, start_sidecar, wait_ready
 
 from .conftest import TOKEN, Daemon, log_path, ready, spawn, stop
 from .test_vllm_core import BLOCKS, config, pages, pull_leaves_while_workers_are_held, pump, released, vllm_layers
@@ -241,6 +241,43 @@ def test_a_prefill_sidecar_restart_loses_no_completion(served, monkeypatch):
             time.sleep(0.5)
         assert controls[-1] == "grpc", controls
         assert sum(stream.asked for stream in consumer.watches._streams.values()) >= 1
+    finally:
+        consumer.close()
+        producer.close()
+        p_cache.close()
+        d_cache.close()
+        stop(prefill)
+
+
+def test_the_watch_asks_the_decode_sidecar_with_the_decode_token(served, monkeypatch):
+    """The prefill sidecars take another token (``remote_token``) than the decode's own: the Watch,
+    on the decode's own sidecar, carries the decode's token, so the ends are still pushed."""
+    from kvferry.client import vllm_core as core
+
+    monkeypatch.setattr(core, "APPEAR", 5.0)
+    _, decode = served
+    other, rest, data = "prefill-token-456", free_port(), free_port()
+    log = log_path(rest)
+    process = start_sidecar(rest, data, "tcp", token=other, env=ENV, log=log)
+    url = f"http://127.0.0.1:{rest}"
+    prefill = Daemon(url, Client(url, token=other), process, log=log)
+    wait_ready(prefill.client, process)
+    p_config = ConnectorConfig(url=url, token=other)
+    p_layers, d_layers = vllm_layers(1), vllm_layers(None)
+    p_cache = KvCache(Client(url, token=other), "p-tokens", p_layers, BLOCKS)
+    d_cache = KvCache(Client(decode.url, token=TOKEN), "d-tokens", d_layers, BLOCKS)
+    producer = Producer(p_config, p_cache)
+    consumer = Consumer(config(decode, remote_token=other, control="auto"), d_cache)
+    try:
+        for i in range(3):
+            producer.save(f"tok-{i}", [1 + i, 5 + i])
+            pull = consumer.start(LoadSpec(f"dec-tok-{i}", (10 + i, 15 + i), remote_params(f"tok-{i}", [1 + i, 5 + i],
+                                                                                         p_config)))
+            assert pump(consumer) == ({f"dec-tok-{i}"}, set()), pull.error
+            block_dim = p_cache.layout.block_dims[0]
+            assert torch.equal(pages(d_layers, [10 + i, 15 + i], block_dim).view(torch.int16),
+                               pages(p_layers, [1 + i, 5 + i], block_dim).view(torch.int16))
+        assert consumer.watches.pushed() >= 1
     finally:
         consumer.close()
         producer.close()
