@@ -516,6 +516,7 @@ class Pull:
     load_seconds: float = 0.0  # copying the pages into vLLM's cache
     control: str = "http"  # how the transfers' ends came: "grpc" (each pushed by a Watch) or "http"
     pairs: Pairs | None = None  # what it reads and writes (``Consumer.pairs``), worked out once
+    stopping: Future | None = None  # its transfers being cancelled: the failure is reported once it ends
 
 
 @dataclass
@@ -1003,6 +1004,8 @@ class Consumer:
                     self._cancel_later(pull)
                 else:
                     self._ended(pull)
+            if pull.stopping is not None and not pull.stopping.done():
+                continue  # reported once its transfers no longer write into the blocks vLLM gets back
             del self.pulls[rid]
             if pull.error is None:
                 received.add(rid)
@@ -1039,6 +1042,9 @@ class Consumer:
             self._cancel_later(pull)
 
     def _cancel_later(self, pull: Pull) -> None:
+        """Cancel a failed pull's transfers on a worker thread, on this decode's own sidecar first
+        (it stops writing into the blocks, and tells the sender), then on the prefill's. ``poll``
+        reports the failure once that is done: vLLM may hand the blocks to another request then."""
         def cancel() -> None:
             try:
                 if pull.ended is not None:
@@ -1046,14 +1052,15 @@ class Consumer:
             except Exception:  # noqa: BLE001 (the pull failed anyway: nothing to cancel)
                 pass
             for transfer_id in list(pull.transfer_ids):
-                if pull.client is None:
-                    break
-                try:
-                    pull.client.cancel(transfer_id)
-                except (EngineError, httpx.HTTPError):
-                    pass  # it may have ended meanwhile; the request fails either way
+                for client in (self._local, pull.client):
+                    if client is None:
+                        continue
+                    try:
+                        client.cancel(transfer_id)
+                    except (EngineError, httpx.HTTPError):
+                        pass  # ended already, or not there; the request fails either way
         try:
-            self._waiters.submit(cancel)
+            pull.stopping = self._waiters.submit(cancel)
         except RuntimeError:
             pass
 

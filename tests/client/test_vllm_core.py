@@ -845,6 +845,38 @@ def test_a_transfer_the_decode_sidecar_failed_fails_the_load_while_the_sender_st
         stop(prefill, decode)
 
 
+def test_a_pull_past_load_timeout_is_reported_failed_once_the_decode_sidecar_stopped_it():
+    """A pull still moving at load_timeout (a link paced to 12.5 kB/s): vLLM may give its blocks to
+    another request as soon as the failure is reported, so it is reported only once the decode's
+    own sidecar has ended the transfer (cancelled, its sender told), never while it still writes."""
+    prefill = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "60", "KVFERRY_EMULATED_LINK_GBPS": "0.0001"})
+    decode = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "60"})
+    p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-lt", vllm_layers(1), BLOCKS)
+    d_cache = KvCache(Client(decode.url, token=TOKEN), "d-lt", vllm_layers(None), BLOCKS)
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, codec="raw", load_timeout=2, call_timeout=5), d_cache)
+    try:
+        producer.save("req-lt", list(range(12)))
+        leased(producer, "req-lt")
+        pull = consumer.start(LoadSpec("dec-lt", tuple(range(12, 24)), remote_params("req-lt", list(range(12)),
+                                                                                    config(prefill))))
+        assert pump(consumer, timeout=30) == (set(), {"dec-lt"})
+        assert "not done after 2 s" in pull.error, pull.error
+        receiver = decode.client.transfer(pull.transfer_id)
+        assert receiver["state"] == "cancelled", receiver
+        deadline = time.monotonic() + 10
+        while (sender := prefill.client.transfer(pull.transfer_id))["state"] == "running" \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sender["state"] == "cancelled", sender  # told by the decode's sidecar
+    finally:
+        consumer.close()
+        producer.close()
+        p_cache.close()
+        d_cache.close()
+        stop(prefill, decode)
+
+
 def test_a_lease_that_cannot_be_taken_frees_the_blocks_at_once():
     prefill = spawn("tcp")
     p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-d", vllm_layers(1), BLOCKS)
