@@ -385,16 +385,17 @@ class Client:
         return self._call("GET", "/metrics").text
 
 
-def _again_while_overloaded(call: Callable[[], Reply], retries: int) -> dict:
+def _again_while_overloaded(call: Callable[[], Reply], retries: int, named: bool = False) -> dict:
     """The record ``call`` (a submit that waits for the end) answers; a transfer the receiver
     refused as overloaded (it had too many incoming transfers, and nothing was written) is sent
-    again, like a 429, with jittered backoff."""
+    again, like a 429, with jittered backoff, but for one ``named`` by its caller: its id names
+    the failed record now, and is not reused."""
     delay = 0.05
     for _ in range(retries):
         try:
             return call().json()
         except TransferFailed as exc:
-            if exc.kind != "Overloaded":
+            if exc.kind != "Overloaded" or named:
                 raise
         time.sleep(delay * (0.5 + random.random()))
         delay = min(2.0, delay * 2)
@@ -426,12 +427,13 @@ class Answer:
                 try:
                     return _checked(reply, method, path).json()
                 except TransferFailed as exc:
-                    if exc.kind != "Overloaded":
+                    if exc.kind != "Overloaded" or "id" in (self._call[3] or {}):  # as _again_while_overloaded
                         raise
         params, body, _, _, timeout = self._call[2:]  # refused for now, or no lean client: as ``send``
         client = self._client
         return _again_while_overloaded(
-            functools.partial(client._call, method, path, params=params, json=body, timeout=timeout), client._retries)
+            functools.partial(client._call, method, path, params=params, json=body, timeout=timeout), client._retries,
+            named="id" in (body or {}))
 
     def cancel(self) -> None:
         """Never read it (a long-poll no longer wanted): its connection is closed, not reused."""

@@ -47,6 +47,38 @@ def test_transfers_refused_as_overloaded_are_sent_again_and_done():
         stop(b, *senders)
 
 
+def test_a_transfer_given_its_id_is_not_sent_again_under_it():
+    """``send_later`` with a caller's id: refused as Overloaded, the answer is that refusal, naming
+    the id, which now names a failed record; no second submit under it is made (it would be a
+    Conflict, and hide the refusal)."""
+    from kvferry.engine.errors import Conflict, TransferFailed
+
+    b = spawn("tcp", {"KVFERRY_MAX_INCOMING_TRANSFERS": "1"})
+    a = spawn("tcp")
+    try:
+        kv = torch.randn(64, 1024, dtype=torch.bfloat16)
+        b.client.create_region("dst", 64 * 8, [1024], "bfloat16")
+        a.client.region_from_tensor("src", kv)
+        ids = [uuid.uuid4().hex for _ in range(8)]
+
+        def send(i: int) -> str:
+            answer = a.client.send_later("src", range(64), b.data, "dst", range(64 * i, 64 * i + 64), codec="raw",
+                                         wait=60, transfer_id=ids[i])
+            try:
+                return answer.result()["state"]
+            except TransferFailed as exc:
+                assert not isinstance(exc, Conflict) and exc.kind == "Overloaded", exc
+                return "overloaded"
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            states = list(pool.map(send, range(8)))
+        assert set(states) == {"done", "overloaded"}, states  # eight at once into a budget of one
+        for i, state in enumerate(states):
+            assert a.client.transfer(ids[i])["state"] == ("done" if state == "done" else "failed")
+    finally:
+        stop(a, b)
+
+
 def test_one_flooding_peer_cannot_take_every_incoming_slot():
     """A peer (holding the secret) that announces transfers and never sends them gets as many
     taken on as ``max_incoming_transfers_per_peer``; the rest are refused as Overloaded (a sender
