@@ -728,6 +728,7 @@ class Consumer:
         self.stats: list[dict[str, Any]] = []
         self.interval = TransferStats()  # what vLLM's get_kv_connector_stats takes
         self._waiters = ThreadPoolExecutor(max_workers=WAITERS, thread_name_prefix="kvferry-pull")
+        self._registering = threading.Lock()  # one check of the cache's registration at a time
         # the Watches ask this decode's own sidecar: its token, not the prefills'
         self.watches = Watches(config.token, config.call_timeout) if config.control == "auto" else None
 
@@ -1036,10 +1037,35 @@ class Consumer:
             pull.error = (f"transfer {pull.record.get('id')} {state}: {pull.record.get('error_kind')}: "
                           f"{pull.record.get('error')}")
             pull.kind = failure_kind(pull.error)
+            if "NotFound" in pull.error:  # a region missing: this decode's sidecar may have restarted
+                self._check_registered()
         else:
             pull.error, pull.kind = f"transfer {pull.record.get('id')} not done after {self.config.load_timeout:g} s", \
                 "timeout"
             self._cancel_later(pull)
+
+    def _check_registered(self) -> None:
+        """On a worker thread: register the cache again where this decode's sidecar no longer knows
+        it (it restarted, its regions gone), so that the pulls after this failed one find it."""
+        def check() -> None:
+            with self._registering:
+                try:
+                    self._local.region(self.cache.name)
+                    return
+                except NotFound:
+                    pass
+                except (EngineError, httpx.HTTPError):
+                    return  # not answering: the next failure asks again
+                try:
+                    self.cache.alias(self.cache.name)
+                    log.warning("kvferry: the decode's sidecar no longer knew cache region %s (a restart): "
+                                "registered again", self.cache.name)
+                except (EngineError, httpx.HTTPError) as exc:
+                    log.error("kvferry: cannot register cache region %s again: %s", self.cache.name, exc)
+        try:
+            self._waiters.submit(check)
+        except RuntimeError:
+            pass
 
     def _cancel_later(self, pull: Pull) -> None:
         """Cancel a failed pull's transfers on a worker thread, on this decode's own sidecar first

@@ -790,6 +790,48 @@ def test_leases_end_when_the_local_sidecar_restarts():
         stop(prefill)
 
 
+def test_a_decode_whose_sidecar_restarted_registers_its_cache_again():
+    """The decode's own sidecar restarts (its regions gone): the pull that finds its cache region
+    missing fails, and the cache is registered again, so the next pull loads, bit-exact."""
+    ports = (free_port(), free_port())
+
+    def start():
+        log = log_path(ports[0])
+        process = start_sidecar(*ports, "tcp", token=TOKEN, env={"KVFERRY_TRANSFER_TIMEOUT": "10"}, log=log)
+        return ready(f"http://127.0.0.1:{ports[0]}", process, log)
+
+    prefill, decode = spawn("tcp"), start()
+    p_layers, d_layers = vllm_layers(1), vllm_layers(None)
+    p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-drs", p_layers, BLOCKS)
+    d_cache = KvCache(Client(decode.url, token=TOKEN), "d-drs", d_layers, BLOCKS)
+    producer = Producer(config(prefill), p_cache)
+    consumer = Consumer(config(decode, codec="raw"), d_cache)
+
+    def pull(request: str, src: list[int], dst: tuple[int, ...]) -> tuple[set[str], set[str]]:
+        producer.save(request, src)
+        leased(producer, request)
+        consumer.start(LoadSpec(f"dec-{request}", dst, remote_params(request, src, config(prefill))))
+        return pump(consumer, timeout=30)
+
+    try:
+        assert pull("a", [1, 2], (3, 4)) == ({"dec-a"}, set())
+        decode.kill()
+        decode = start()
+        assert pull("b", [5, 6], (7, 8)) == (set(), {"dec-b"})  # its region was gone: nothing written
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "d-drs" not in regions_of(decode):
+            time.sleep(0.1)
+        assert pull("c", [9, 10], (11, 12)) == ({"dec-c"}, set())
+        got, want = torch.stack(d_layers), torch.stack(p_layers)
+        assert torch.equal(got[:, :, [11, 12]].view(torch.int16), want[:, :, [9, 10]].view(torch.int16))
+    finally:
+        consumer.close()
+        producer.close()
+        p_cache.close()
+        d_cache.close()
+        stop(prefill, decode)
+
+
 def test_kv_corrupted_on_the_wire_fails_the_load():
     prefill = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "5"}, corrupt_chunk=0)
     decode = spawn("tcp", {"KVFERRY_TRANSFER_TIMEOUT": "5"})
