@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import ipaddress
 import math
 import os
 import random
@@ -168,11 +169,37 @@ class ConnectorConfig:
 
     def admits(self, url: str) -> bool:
         """Whether this decode may call the prefill sidecar at ``url`` (and send it its token):
-        any where ``prefill_urls`` is empty, else one of them by scheme, host and port."""
+        any where ``prefill_urls`` is empty, else one of them by scheme, host and port, or by an
+        address inside one of its networks (pods come and go with new addresses)."""
         if not self.prefill_urls:
             return True
         target = origin(url)
-        return target is not None and target in {origin(u) for u in self.prefill_urls}
+        if target is None:
+            return False
+        for entry in self.prefill_urls:
+            network = _network(entry)
+            if network is None and origin(entry) == target:
+                return True
+            if network is not None and _inside(target[1], network):
+                return True
+        return False
+
+
+def _network(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    """The network a ``prefill_urls`` entry names (``10.0.0.0/8``), or None for a URL."""
+    if "/" not in entry or "://" in entry:
+        return None
+    try:
+        return ipaddress.ip_network(entry.strip(), strict=False)
+    except ValueError:
+        return None
+
+
+def _inside(host: str, network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")) in network
+    except ValueError:  # a name: only a URL entry names it
+        return False
 
 
 def origin(url: str) -> tuple[str, str, int] | None:
@@ -188,13 +215,14 @@ def origin(url: str) -> tuple[str, str, int] | None:
 
 
 def prefill_urls(value: str | Sequence[str]) -> tuple[str, ...]:
-    """The ``prefill_urls`` setting: a list, or one string of URLs apart by commas or spaces.
+    """The ``prefill_urls`` setting: a list, or one string apart by commas or spaces, of http(s)
+    URLs and of networks (``10.0.0.0/8``: any sidecar at an address inside it).
 
-    Raises: ValueError for an entry that is not an http(s) URL with a host."""
+    Raises: ValueError for an entry that is neither."""
     entries = value.replace(",", " ").split() if isinstance(value, str) else [str(v).strip() for v in value]
     for entry in entries:
-        if origin(entry) is None:
-            raise ValueError(f"prefill_urls: {entry!r} is not an http(s) URL with a host")
+        if origin(entry) is None and _network(entry) is None:
+            raise ValueError(f"prefill_urls: {entry!r} is neither an http(s) URL with a host nor a network")
     return tuple(entries)
 
 

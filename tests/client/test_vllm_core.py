@@ -470,6 +470,13 @@ def test_prefill_urls_name_the_sidecars_a_decode_may_call():
     assert ConnectorConfig().admits("http://anywhere:1")  # not set: any
     with pytest.raises(ValueError, match="prefill_urls"):
         ConnectorConfig.load({"prefill_urls": "p1:7700"}, {})
+    with pytest.raises(ValueError, match="prefill_urls"):
+        ConnectorConfig.load({"prefill_urls": "198.18.0.0/33"}, {})
+    pods = ConnectorConfig.load({"prefill_urls": "198.18.0.0/16, fd00::/8 http://p1:7700"}, {})  # pod networks
+    assert all(pods.admits(url) for url in ("http://198.18.3.4:7700", "https://198.18.0.1", "http://[fd00::5]:7700",
+                                            "http://p1:7700"))
+    assert not any(pods.admits(url) for url in ("http://198.19.0.1:7700", "http://[fe80::1]:7700",
+                                                "http://198.18.0.1.evil:7700", "http://p2:7700"))
 
 
 def test_a_decode_sends_its_token_only_to_the_prefill_sidecars_it_lists(pd):

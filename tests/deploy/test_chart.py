@@ -282,6 +282,12 @@ def test_vllm_roles_are_a_deployment_each_with_its_sidecar(name):
         assert _kv_transfer_config(prefill["vllm"])["kv_connector_extra_config"]["codec"] == "splitzip"
         assert {e["name"]: e for e in prefill["vllm"]["env"]}["KVFERRY_SHM_PREFIX"]["value"] == "kvferry-pd-"
         assert deployments["decode"]["spec"]["replicas"] == 3
+        decode = {e["name"]: e for e in _containers(deployments["decode"]["spec"]["template"]["spec"])["vllm"]["env"]}
+        assert decode["KVFERRY_CONNECTOR_PREFILL_URLS"]["value"] == "10.244.0.0/16"
+        assert "KVFERRY_CONNECTOR_PREFILL_URLS" not in {e["name"] for e in prefill["vllm"]["env"]}
+    else:
+        assert not any(e["name"] == "KVFERRY_CONNECTOR_PREFILL_URLS" for d in deployments.values()
+                       for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", []))
 
 
 @pytest.mark.parametrize("name", list(VALUES))
