@@ -166,6 +166,16 @@ def test_sliding_window_model_with_two_kv_cache_groups(vllm_python, tiny, tmp_pa
         assert max(BLOCKS) < max(line["blocks"] for line in lines) < 2 * max(BLOCKS)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not _cpu_flags() & {"avx512f", "amx_tile"},
+                    reason="vLLM's CPU backend keeps an FP8 KV cache only on x86 with AVX-512 or AMX")
 def test_fp8_kv_cache(vllm_python, tiny, tmp_path_factory):
     with pair(vllm_python, tiny["tp"], tmp_path_factory.mktemp("vllm-fp8"), extra=["--kv-cache-dtype", "fp8"]) as (
             prefill, decode):
