@@ -768,9 +768,8 @@ def test_leases_end_when_the_local_sidecar_dies():
         stop(prefill)
 
 
-def test_leases_end_when_the_local_sidecar_restarts():
-    """The prefill's own sidecar restarts (its regions gone, its lease book's generation from 0
-    again): the leases it held end at once, not once the new book's generation passes theirs."""
+def _restartable():
+    """Starts a sidecar on the same two ports each time it is called: a restart, as a pod's."""
     ports = (free_port(), free_port())
 
     def start():
@@ -778,6 +777,13 @@ def test_leases_end_when_the_local_sidecar_restarts():
         process = start_sidecar(*ports, "tcp", token=TOKEN, env={"KVFERRY_TRANSFER_TIMEOUT": "10"}, log=log)
         return ready(f"http://127.0.0.1:{ports[0]}", process, log)
 
+    return start
+
+
+def test_leases_end_when_the_local_sidecar_restarts():
+    """The prefill's own sidecar restarts (its regions gone, its lease book's generation from 0
+    again): the leases it held end at once, not once the new book's generation passes theirs."""
+    start = _restartable()
     prefill = start()
     p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-rs", vllm_layers(1), BLOCKS)
     producer = Producer(config(prefill, lease_seconds=120, watch_seconds=1), p_cache)
@@ -800,13 +806,7 @@ def test_leases_end_when_the_local_sidecar_restarts():
 def test_a_decode_whose_sidecar_restarted_registers_its_cache_again():
     """The decode's own sidecar restarts (its regions gone): the pull that finds its cache region
     missing fails, and the cache is registered again, so the next pull loads, bit-exact."""
-    ports = (free_port(), free_port())
-
-    def start():
-        log = log_path(ports[0])
-        process = start_sidecar(*ports, "tcp", token=TOKEN, env={"KVFERRY_TRANSFER_TIMEOUT": "10"}, log=log)
-        return ready(f"http://127.0.0.1:{ports[0]}", process, log)
-
+    start = _restartable()
     prefill, decode = spawn("tcp"), start()
     p_layers, d_layers = vllm_layers(1), vllm_layers(None)
     p_cache = KvCache(Client(prefill.url, token=TOKEN), "p-drs", p_layers, BLOCKS)
