@@ -194,8 +194,9 @@ async def get_transfer(transfer_id: str, e: EngineDep,
 
 @transfers.delete("/{transfer_id}")
 async def cancel(transfer_id: str, e: EngineDep) -> dict:
-    """Cancel a running transfer (either side; the other side is told)."""
-    return e.cancel(transfer_id)
+    """Cancel a running transfer (either side; the other side is told). Answers once nothing of
+    it runs any more, also where it had ended already (409)."""
+    return await ops.cancel_transfer(e, transfer_id)
 
 
 @codebooks.put("/{name}")

@@ -5,7 +5,7 @@ limits and errors."""
 from __future__ import annotations
 
 import asyncio
-
+import logging
 import re
 from typing import Any
 
@@ -16,6 +16,8 @@ from kvferry.engine.regions import RegionSpec
 from kvferry.engine.transfers import Transfer
 
 from .models import CODEC, NAME, CalibrateBody, RegionBody, TransferBody, to_blocks
+
+log = logging.getLogger("kvferry.api")
 
 MAX_WAIT = 300.0  # the longest a call may wait for a transfer's end, in seconds
 # The longest a call may wait for a transfer a peer is about to announce: one comes within moments
@@ -99,6 +101,19 @@ async def transfer_record(e: Engine, transfer_id: str, wait: float, appear: floa
     if wait:
         await e.transfers.get(transfer_id).wait(wait)
     return e.status(transfer_id)
+
+
+async def cancel_transfer(e: Engine, transfer_id: str) -> dict[str, Any]:
+    """Cancel a transfer and answer once nothing of it runs any more (``Engine.quiet``, up to
+    ``transfer_timeout``): its caller may then give its blocks to other work. A transfer that
+    ended already is answered so too (its Conflict), as its last chunk may still be decoding
+    into its blocks. Raises: NotFound, Conflict."""
+    try:
+        return e.cancel(transfer_id)
+    finally:
+        timeout = e.settings.transfer_timeout
+        if not await e.quiet(transfer_id, timeout):
+            log.warning("transfer %s: its work still runs %g s after it was cancelled", transfer_id, timeout)
 
 
 def put_codebook(e: Engine, name: str, codec_name: str, document: str | bytes) -> dict[str, Any]:

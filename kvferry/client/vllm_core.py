@@ -1067,6 +1067,8 @@ class Consumer:
             pull.kind = failure_kind(pull.error)
             if "NotFound" in pull.error:  # a region missing: this decode's sidecar may have restarted
                 self._check_registered()
+            # Its last chunk may still be decoding into the blocks: reported once that is over.
+            self._cancel_later(pull, remote=False)
         else:
             pull.error, pull.kind = f"transfer {pull.record.get('id')} not done after {self.config.load_timeout:g} s", \
                 "timeout"
@@ -1095,10 +1097,11 @@ class Consumer:
         except RuntimeError:
             pass
 
-    def _cancel_later(self, pull: Pull) -> None:
+    def _cancel_later(self, pull: Pull, remote: bool = True) -> None:
         """Cancel a failed pull's transfers on a worker thread, on this decode's own sidecar first
-        (it stops writing into the blocks, and tells the sender), then on the prefill's. ``poll``
-        reports the failure once that is done: vLLM may hand the blocks to another request then."""
+        (it answers once nothing of them writes into the blocks any more, also for one that ended
+        already, and tells the sender), then on the prefill's (``remote``). ``poll`` reports the
+        failure once that is done: vLLM may hand the blocks to another request then."""
         def cancel() -> None:
             try:
                 if pull.ended is not None:
@@ -1106,7 +1109,7 @@ class Consumer:
             except Exception:  # noqa: BLE001 (the pull failed anyway: nothing to cancel)
                 pass
             for transfer_id in list(pull.transfer_ids):
-                for client in (self._local, pull.client):
+                for client in (self._local, pull.client if remote else None):
                     if client is None:
                         continue
                     try:

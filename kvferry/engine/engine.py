@@ -418,12 +418,25 @@ class Engine:
         return self.transfers.get(transfer_id).public()
 
     def cancel(self, transfer_id: str) -> dict[str, Any]:
-        """Cancel a running transfer on either side; the peer is told. Raises: NotFound, Conflict."""
+        """Cancel a running transfer on either side; the peer is told. Its work may still run
+        (``quiet``). Raises: NotFound, Conflict."""
         t = self.transfers.get(transfer_id)
         if t.state.terminal:
             raise Conflict(f"transfer {transfer_id} is already {t.state.value}")
         self.driver.cancel(t, "Cancelled", "cancelled by request")
         return t.public()
+
+    async def quiet(self, transfer_id: str, timeout: float) -> bool:
+        """Wait until nothing of a transfer runs any more: its task, which awaits to their end
+        the worker threads and GPU kernels it started. Those cannot be stopped, so a transfer
+        that ended (failed, cancelled) may still be decoding into its blocks for a while. True
+        once nothing runs (or the transfer is not known here), False after ``timeout`` seconds."""
+        t = self.transfers.find(transfer_id)
+        task = None if t is None else t.task
+        if task is None or task.done() or task is asyncio.current_task():
+            return True
+        finished, _ = await asyncio.wait({task}, timeout=timeout)  # waiting does not cancel it
+        return bool(finished)
 
     def refresh_gauges(self) -> None:
         """Gauges that are cheaper to count at scrape time than to keep in step."""

@@ -852,6 +852,8 @@ def test_kv_corrupted_on_the_wire_fails_the_load():
         pull = consumer.start(LoadSpec("dec-6", tuple(range(12, 24)), remote_params("req-6", list(range(12)), config(prefill))))
         assert pull.error is None
         assert pump(consumer) == (set(), {"dec-6"})
+        # Reported once the decode's own sidecar answered a cancel: nothing of it writes any more.
+        assert pull.stopping is not None and pull.stopping.done()
         assert consumer.failed_blocks["dec-6"] == tuple(range(12, 24))
         # The failed blocks' contents are vLLM's to recompute; no other block may be touched.
         assert not torch.stack(d_layers)[:, :, :12].any()
