@@ -352,8 +352,15 @@ class Connection(Reader):
             self._write_lock.release()
             return None
         write = asyncio.ensure_future(self._send_message(rest, sum(m.length for m, _ in messages)))
-        write.add_done_callback(lambda _: self._write_lock.release())
+        write.add_done_callback(self._written_rest)
         return write
+
+    def _written_rest(self, write: asyncio.Future) -> None:
+        """The lock let go once a write's rest is out. Its failure failed the connection already
+        (``_send_message``); a caller cancelled meanwhile no longer awaits it, so it is retrieved here."""
+        self._write_lock.release()
+        if not write.cancelled():
+            write.exception()
 
     async def _send_message(self, parts: list[Any], nbytes: int) -> None:
         """The rest of messages of ``nbytes`` payload bytes, in ``op_timeout`` and the time those

@@ -242,3 +242,61 @@ def test_a_receive_posted_in_the_mailbox_that_times_out_leaves_its_connection_id
             await listener.close()
 
     run(main())
+
+
+def test_a_write_that_times_out_after_its_caller_left_is_not_an_unretrieved_error(caplog):
+    """A caller cancelled mid-write (its transfer ended) leaves the write to finish in the
+    background; when that write then times out (a peer that stopped reading), the connection fails
+    and says why, and asyncio logs no 'Task exception was never retrieved'."""
+    import gc
+    import logging
+    import threading
+
+    from tests.transport.conftest import config
+
+    stalled, resume = threading.Event(), threading.Event()
+    ports: list[int] = []
+
+    def receiver() -> None:  # its own loop, stopped while a message is being read
+        async def main():
+            def on_message(connection, payload):
+                stalled.set()
+                resume.wait(20)  # the loop stops reading here
+
+            listener = await transport.listen("127.0.0.1", 0, config("tcp"), on_message=on_message)
+            ports.append(listener.port)
+            while not resume.is_set():
+                await asyncio.sleep(0.05)
+            await listener.close()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=receiver, daemon=True)
+    thread.start()
+
+    async def main():
+        while not ports:
+            await asyncio.sleep(0.01)
+        client = await transport.connect("127.0.0.1", ports[0], config("tcp", op_timeout=0.5, min_bytes_per_s=1e12))
+        await client.send_message(b"stall")
+        while not stalled.is_set():
+            await asyncio.sleep(0.01)
+        sending = asyncio.ensure_future(client.send_message(bytes(15 << 20)))  # more than the socket buffers hold
+        await asyncio.sleep(0.1)
+        sending.cancel()
+        for _ in range(50):  # past the write's op_timeout
+            if client.closed:
+                break
+            await asyncio.sleep(0.1)
+        assert client.closed
+        await client.close()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        try:
+            asyncio.run(asyncio.wait_for(main(), 30))
+            gc.collect()  # an unretrieved failure is logged when its task is collected
+        finally:
+            resume.set()
+            thread.join(10)
+            transport.shutdown_backends()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
