@@ -277,8 +277,6 @@ class Mapper:
         large enough (another process may shrink it, and a write past its end would kill this
         one). The kept view is taken only once the size holds: a refusal's traceback must not hold
         a view, which would keep the mapping from closing until the garbage collector finds it."""
-        from multiprocessing import resource_tracker, shared_memory
-
         import numpy as np
 
         name = target.handle.rstrip(b"\0").decode(errors="replace")
@@ -289,10 +287,9 @@ class Mapper:
                 raise RuntimeError(f"the receiver's shared memory {name!r} is not named with {self._shm_prefix!r} "
                                    "(shm_prefix)")
             try:
-                shm = shared_memory.SharedMemory(name=name, create=False)
+                shm = open_segment(name)
             except (OSError, ValueError) as exc:
                 raise RuntimeError(f"cannot open the receiver's shared memory {name!r}: {exc}") from exc
-            resource_tracker.unregister(shm._name, "shared_memory")  # the receiver's worker owns it
             self._shm[target.handle] = shm
             self._on_open()
         try:
@@ -366,6 +363,34 @@ class Mapper:
 
         with cupy.cuda.Device(opened.device):
             cupy.cuda.runtime.ipcCloseMemHandle(opened.base)
+
+
+def open_segment(name: str) -> Any:
+    """A worker's shared-memory segment opened by name, as a ``SharedMemory``, which this process
+    never unlinks and never registers with the resource tracker (the worker owns the segment).
+    The standard library's constructor unlinks the name when mapping it fails (a process at its
+    descriptor limit, an ``mmap`` refused): that would delete a segment this process does not own.
+
+    Raises:
+        OSError: the name does not open or the segment does not map. ValueError: it is empty.
+    """
+    import mmap
+    from multiprocessing import shared_memory
+
+    import _posixshmem
+
+    path = "/" + name  # as the standard library names it
+    fd = _posixshmem.shm_open(path, os.O_RDWR, mode=0o600)
+    try:
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    shm = shared_memory.SharedMemory.__new__(shared_memory.SharedMemory)
+    shm._name, shm._fd, shm._mmap, shm._size = path, fd, mapping, size
+    shm._flags, shm._mode, shm._buf = os.O_RDWR, 0o600, memoryview(mapping)
+    return shm
 
 
 def close_segment(shm: Any) -> None:

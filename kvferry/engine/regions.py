@@ -449,16 +449,12 @@ def _read_int(path: str) -> int | None:
 
 
 def _map_shm(shm_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
-    from multiprocessing import resource_tracker, shared_memory
-
     import numpy as np
 
     try:
-        shm = shared_memory.SharedMemory(name=shm_name, create=False)
-    except (FileNotFoundError, ValueError, OSError) as exc:
+        shm = ipc.open_segment(shm_name)  # the worker's: never unlinked here, even if it fails to map
+    except (ValueError, OSError) as exc:
         raise BadRequest(f"cannot open shared memory {shm_name!r}: {exc}") from exc
-    # The worker owns the segment: Python < 3.13 would unlink it when this process exits.
-    resource_tracker.unregister(shm._name, "shared_memory")
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if shm.size < nbytes:
         shm.close()
