@@ -1109,7 +1109,7 @@ class Consumer:
             except Exception:  # noqa: BLE001 (the pull failed anyway: nothing to cancel)
                 pass
             for transfer_id in list(pull.transfer_ids):
-                for client in (self._local, pull.client if remote else None):
+                for client in (self._local, pull.client) if remote else (self._local,):
                     if client is None:
                         continue
                     try:

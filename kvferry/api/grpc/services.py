@@ -144,7 +144,8 @@ class Transfers(transfers_pb2_grpc.TransfersServiceServicer):
 
     @translated
     async def Cancel(self, request: transfers_pb2.CancelRequest, context: Any) -> transfers_pb2.CancelResponse:
-        return transfers_pb2.CancelResponse(transfer=convert.transfer_message(await ops.cancel_transfer(self.engine, request.id)))
+        record = await ops.cancel_transfer(self.engine, request.id)
+        return transfers_pb2.CancelResponse(transfer=convert.transfer_message(record))
 
     @translated
     async def SubmitAndWatch(self, request: transfers_pb2.SubmitAndWatchRequest, context: Any
